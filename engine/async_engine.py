@@ -1,0 +1,177 @@
+"""Async face of the engine: one background thread runs the core loop; callers await outputs.
+
+Each request gets a ``RequestStream``. The engine thread never blocks on a consumer: when a
+client falls behind, its pending outputs are merged into one, so memory per request stays
+bounded by its own text and a slow socket cannot stall the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator
+
+from engine.config import EngineConfig
+from engine.errors import (EngineOverloadedError, EngineShutdownError, InferenceError, RequestTimeoutError)
+from engine.llm_engine import LLMEngine
+from engine.request import GenerationRequest, Prompt, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class RequestStream:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.pending: RequestOutput | None = None
+        self.failure: BaseException | None = None
+        self.event = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:  # runs on the event loop
+        self.pending = output if self.pending is None else self.pending.merge(output)
+        self.event.set()
+
+    def fail(self, exc: BaseException) -> None:
+        self.failure = exc
+        self.event.set()
+
+    async def get(self) -> RequestOutput:
+        await self.event.wait()
+        self.event.clear()
+        if self.pending is not None:
+            out, self.pending = self.pending, None
+            return out
+        assert self.failure is not None
+        raise self.failure
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_info = engine.model_info
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_step_end = time.monotonic()
+        self.step_in_progress_since: float | None = None
+        self.num_steps = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        return cls(LLMEngine(config))
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def is_healthy(self, stuck_after_s: float = 60.0) -> bool:
+        """Alive, and no single model step has been running for longer than ``stuck_after_s``."""
+        if self._thread is None or not self._thread.is_alive():
+            return False
+        since = self.step_in_progress_since
+        return since is None or time.monotonic() - since < stuck_after_s
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    async def encode_prompt(self, prompt: Prompt) -> list[int]:
+        return await asyncio.to_thread(self.engine.encode_prompt, prompt)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Stream outputs; leaving the iterator before the final output aborts the request."""
+        if self._stop.is_set():
+            raise EngineShutdownError("the engine is shutting down")
+        ids = await self.encode_prompt(request.prompt)
+        if request.request_id in self._streams:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if self.engine.num_waiting >= self.engine.config.max_waiting:
+            raise EngineOverloadedError("the wait queue is full; retry later")
+        stream = RequestStream(request.request_id, asyncio.get_running_loop())
+        self._streams[request.request_id] = stream
+        self._commands.put(("add", request, ids))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                if out.finish_reason == "error" and out.error and "timed out" in out.error:
+                    raise RequestTimeoutError(out.error)
+                if out.finish_reason == "error":
+                    raise InferenceError(out.error or "inference failed")
+                yield out
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self._commands.put(("abort", request.request_id, None))
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id, None))
+        self._wake.set()
+
+    # ---- the engine thread ---------------------------------------------------------------------
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.put, output)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.fail, exc)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, a, b = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.engine.add_request(a, b)
+                except Exception as exc:  # refused at admission: tell only that caller
+                    self._fail(a.request_id, exc)
+            elif kind == "abort":
+                out = self.engine.abort_request(a)
+                if out is not None:
+                    self._deliver(out)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_commands()
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            self.step_in_progress_since = time.monotonic()
+            try:
+                outputs = self.engine.step()
+            except Exception:  # defensive: the core already contains step faults
+                logger.exception("engine step crashed")
+                outputs = []
+            self.step_in_progress_since = None
+            self.last_step_end = time.monotonic()
+            self.num_steps += 1
+            for out in outputs:
+                self._deliver(out)
+        # shutting down: end whatever is left
+        for request_id in list(self.engine.sequences):
+            self._fail(request_id, EngineShutdownError("the server is shutting down"))
+            self.engine.abort_request(request_id)

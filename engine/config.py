@@ -1,0 +1,22 @@
+"""Engine settings (names follow vLLM's where they mean the same)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    served_model_name: str | None = None
+    device: str = "auto"  # auto | cpu | cuda | npu
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 256
+    block_size: int = 16
+    kv_cache_space_gib: float = 2.0
+    num_kv_blocks: int | None = None  # overrides kv_cache_space_gib
+    enable_prefix_caching: bool = True
+    max_waiting: int = 1024
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default

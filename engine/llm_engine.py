@@ -1,0 +1,232 @@
+"""The synchronous engine core: add_request / step / abort, driven by one loop."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.device import resolve_device, resolve_dtype
+from engine.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError
+from engine.model_loader import EMBEDDED_MODEL_NAME, resolve_model_dir
+from engine.model_runner import ModelRunner
+from engine.models import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
+from engine.request import (ChatPrompt, GenerationRequest, Prompt, RequestOutput, TextPrompt,
+                            TokensPrompt)
+from engine.sampler import sample
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    name: str
+    path: str
+    model_type: str
+    max_model_len: int
+    vocab_size: int
+    dtype: str
+    device: str
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        started = time.monotonic()
+        model_dir = resolve_model_dir(config.model)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model type '{hf_config.model_type}' is not supported by this engine "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
+        self.model = LlamaForCausalLM(hf_model, self.dtype, self.device)
+        del hf_model
+        self.max_model_len = min(config.max_model_len or self.model.max_position, self.model.max_position)
+
+        num_blocks = config.num_kv_blocks or int(
+            config.kv_cache_space_gib * (1 << 30) // (self.model.kv_bytes_per_token() * config.block_size))
+        if num_blocks < 2:
+            raise ValueError("the KV cache budget holds fewer than 2 blocks; raise --kv-cache-space")
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.model.make_kv_cache(num_blocks, config.block_size))
+        self.eos_token_ids = self._eos_ids(model_dir)
+        self.sequences: dict[str, Sequence] = {}
+        self._matchers: dict[str, StopStringMatcher] = {}
+        name = config.served_model_name or (EMBEDDED_MODEL_NAME if config.model in (None, "", "embedded")
+                                            else model_dir.name)
+        self.model_info = ModelInfo(name=name, path=str(model_dir), model_type=hf_config.model_type,
+                                    max_model_len=self.max_model_len, vocab_size=self.model.embed.shape[0],
+                                    dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
+        self.fault_hook: Any = None  # test hook: called before every model step
+        logger.info("engine ready in %.1fs: %s on %s/%s, %d KV blocks of %d tokens",
+                    time.monotonic() - started, name, self.device, self.model_info.dtype, num_blocks,
+                    config.block_size)
+
+    def _eos_ids(self, model_dir) -> list[int]:
+        ids: set[int] = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        try:
+            from transformers import GenerationConfig
+            gen = GenerationConfig.from_pretrained(model_dir)
+            eos = gen.eos_token_id
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        except OSError:
+            pass
+        return sorted(ids)
+
+    # ---- preprocessing -------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, ChatPrompt):
+            messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      **prompt.chat_template_kwargs)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        elif isinstance(prompt, TextPrompt):
+            ids = self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+        elif isinstance(prompt, TokensPrompt):
+            ids = list(prompt.token_ids)
+            vocab = self.model_info.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                                          parameter="prompt_token_ids")
+        else:
+            raise InvalidRequestError("unknown prompt type", parameter="prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", parameter="prompt")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens "
+                "and at least one must be left for the answer", len(ids), self.max_model_len - 1)
+        return ids
+
+    # ---- the core loop -------------------------------------------------------------------------
+
+    def add_request(self, request: GenerationRequest, prompt_token_ids: list[int] | None = None) -> None:
+        if request.request_id in self.sequences:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already running",
+                                      parameter="request_id")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise EngineOverloadedError("the wait queue is full")
+        ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(request.prompt)
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if len(ids) + 1 > capacity:
+            raise PromptTooLongError(f"the prompt has {len(ids)} tokens; the KV cache holds {capacity}",
+                                     len(ids), capacity - 1)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, request.params.skip_special_tokens)
+        salt = (request.lora.name or request.lora.md5 or "") if request.lora else ""
+        seq = Sequence(request, ids, detok, self.max_model_len, cache_salt=salt)
+        self.sequences[request.request_id] = seq
+        self._matchers[request.request_id] = StopStringMatcher(request.params.stop,
+                                                               request.params.include_stop_str_in_output)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._expire_deadlines()
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return outputs
+        seqs = batch.decodes + [s for s, _ in batch.prefills]
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(seqs)
+            logits, samplers = self.runner.run(batch)
+            for seq in batch.decodes:
+                self._advance(seq, 1)
+            for seq, n in batch.prefills:
+                self._advance(seq, n)
+            tokens = sample(logits, samplers, self.eos_token_ids) if samplers else []
+        except Exception as exc:  # a failed step fails only the sequences in it
+            logger.exception("model step failed for %d sequences", len(seqs))
+            return outputs + [self._finish(s, "error", error=f"inference failed: {exc}") for s in seqs]
+        for seq, token in zip(samplers, tokens):
+            outputs.append(self._process_token(seq, token))
+        return outputs
+
+    def _advance(self, seq: Sequence, n: int) -> None:
+        old = seq.num_computed_tokens
+        seq.num_computed_tokens += n
+        self.block_manager.commit_full_blocks(seq, old)
+
+    def _process_token(self, seq: Sequence, token: int) -> RequestOutput:
+        p = seq.params
+        seq.append_token(token)
+        matcher = self._matchers[seq.request_id]
+        can_stop = seq.num_output_tokens >= p.min_tokens
+        if can_stop and not p.ignore_eos and token in self.eos_token_ids:
+            return self._finish(seq, "stop", new_tokens=[token], text=matcher.flush())
+        if can_stop and token in p.stop_token_ids:
+            return self._finish(seq, "stop", new_tokens=[token], text=matcher.flush(), stop_reason=token)
+        delta = seq.detokenizer.add_tokens([token])
+        text, matched = matcher.feed(delta) if can_stop else (delta, None)
+        if matched is not None:
+            return self._finish(seq, "stop", new_tokens=[token], text=text, stop_reason=matched)
+        if len(seq.token_ids) >= seq.max_total_len:
+            return self._finish(seq, "length", new_tokens=[token], text=text + matcher.flush())
+        return self._output(seq, [token], text)
+
+    def _output(self, seq: Sequence, new_tokens: list[int], text: str) -> RequestOutput:
+        logprobs = None
+        if seq.params.logprobs:
+            logprobs, seq.pending_logprobs = seq.pending_logprobs, []
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=new_tokens, text_delta=text,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens, logprobs=logprobs, timings=seq.timings)
+
+    def _finish(self, seq: Sequence, reason: str, new_tokens: list[int] | None = None, text: str = "",
+                stop_reason: str | int | None = None, error: str | None = None) -> RequestOutput:
+        self.scheduler.remove(seq)
+        self.sequences.pop(seq.request_id, None)
+        self._matchers.pop(seq.request_id, None)
+        out = self._output(seq, new_tokens or [], text)
+        out.finished = True
+        out.finish_reason = reason  # type: ignore[assignment]
+        out.stop_reason = stop_reason
+        out.error = error
+        return out
+
+    def _expire_deadlines(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        expired = [s for s in self.sequences.values() if s.deadline is not None and s.deadline <= now]
+        return [self._finish(s, "error", error="request timed out (deadline passed)") for s in expired]
+
+    # ---- introspection -------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def kv_cache_usage(self) -> float:
+        return self.block_manager.usage()

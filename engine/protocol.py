@@ -1,0 +1,20 @@
+"""The engine's face as protocol code sees it; tests can put a scripted fake behind it."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Protocol
+
+from engine.request import GenerationRequest, Prompt, RequestOutput
+
+
+class EngineClient(Protocol):
+    model_info: Any
+    tokenizer: Any
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def encode_prompt(self, prompt: Prompt) -> list[int]: ...
+
+    def is_healthy(self) -> bool: ...

@@ -1,0 +1,110 @@
+"""What goes into the engine (GenerationRequest) and what comes out (RequestOutput)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+from engine.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(slots=True)
+class ChatPrompt:
+    messages: list[ChatMessage]
+    chat_template_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class TextPrompt:
+    text: str
+    add_special_tokens: bool = True
+
+
+@dataclass(slots=True)
+class TokensPrompt:
+    token_ids: list[int]
+
+
+Prompt = Union[ChatPrompt, TextPrompt, TokensPrompt]
+
+
+@dataclass(slots=True, frozen=True)
+class LoraRef:
+    """A LoRA adapter: a pack to fetch (url + md5) or a name registered at start."""
+
+    url: str | None = None
+    md5: str | None = None
+    name: str | None = None
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams = field(default_factory=SamplingParams)
+    lora: LoraRef | None = None
+    priority: int = 3  # 1 (most urgent) .. 5, as Triton / MindIE
+    deadline: float | None = None  # time.monotonic() after which the request is ended
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestTimings:
+    arrival: float = 0.0
+    queue_s: float = 0.0  # arrival -> first scheduled
+    first_token_s: float | None = None  # arrival -> first output token
+    prefill_s: float = 0.0  # first scheduled -> first output token
+    decode_s: float = 0.0  # first token -> last token
+    last_token_gap_s: float = 0.0  # gap before the newest token
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the matched stop string or stop token id
+    error: str | None = None
+    timings: RequestTimings = field(default_factory=RequestTimings)
+
+    def merge(self, later: "RequestOutput") -> "RequestOutput":
+        """Fold a later output into this one (for consumers that fall behind)."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or []) + (later.logprobs or [])
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            text_delta=self.text_delta + later.text_delta,
+            num_prompt_tokens=later.num_prompt_tokens,
+            num_output_tokens=later.num_output_tokens,
+            num_cached_tokens=later.num_cached_tokens,
+            logprobs=logprobs,
+            finished=later.finished,
+            finish_reason=later.finish_reason,
+            stop_reason=later.stop_reason,
+            error=later.error,
+            timings=later.timings,
+        )

@@ -1,0 +1,104 @@
+"""Batched sampling with per-row parameters.
+
+Every row draws from its own ``torch.Generator``, so a seeded request samples the same tokens
+whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.request import TokenLogprob
+from engine.sequence import Sequence
+
+_NEG_INF = float("-inf")
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if p.repetition_penalty != 1.0:
+            # HF / vLLM definition: every token seen in prompt or output is divided (positive logit)
+            # or multiplied (negative logit) by the penalty.
+            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+            vals = logits[row, seen]
+            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            out = seq.output_token_ids
+            if out:
+                ids, counts = torch.tensor(out, dtype=torch.long).unique(return_counts=True)
+                logits[row, ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+
+
+def apply_bans(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        banned = list(p.banned_token_ids)
+        if seq.num_output_tokens < p.min_tokens:
+            banned += list(p.stop_token_ids)
+            if not p.ignore_eos:
+                banned += eos_token_ids
+        if p.ignore_eos:
+            banned += eos_token_ids
+        if banned:
+            logits[row, banned] = _NEG_INF
+
+
+def _truncate(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p cuts; logits [B, V] fp32."""
+    temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype).clamp_min(1e-5)
+    logits = logits / temps[:, None]
+    top_ks = [s.params.top_k for s in seqs]
+    top_ps = [s.params.top_p for s in seqs]
+    min_ps = [s.params.min_p for s in seqs]
+    vocab = logits.shape[-1]
+    if any(0 < k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks])
+        ranks = torch.arange(vocab)[None, :]
+        cut = ranks >= ks[:, None]
+        probs = sorted_logits.softmax(-1)
+        cum_before = probs.cumsum(-1) - probs  # mass strictly above each token
+        cut |= cum_before >= torch.tensor(top_ps, dtype=probs.dtype)[:, None]
+        cut[:, 0] = False  # the most likely token always survives
+        sorted_logits = sorted_logits.masked_fill(cut, _NEG_INF)
+        logits = torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+    if any(p > 0.0 for p in min_ps):
+        probs = logits.softmax(-1)
+        floor = probs.max(-1, keepdim=True).values * torch.tensor(min_ps, dtype=probs.dtype)[:, None]
+        logits = logits.masked_fill(probs < floor, _NEG_INF)
+    return logits
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> list[int]:
+    """logits [B, V] fp32 (modified in place); returns one token id per row."""
+    raw_logprobs = None
+    if any(s.params.logprobs for s in seqs):
+        raw_logprobs = logits.log_softmax(-1)
+    apply_penalties(logits, seqs)
+    apply_bans(logits, seqs, eos_token_ids)
+    greedy_rows = [i for i, s in enumerate(seqs) if s.params.is_greedy]
+    random_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
+    tokens = [0] * len(seqs)
+    if greedy_rows:
+        picked = logits[greedy_rows].argmax(-1).tolist()
+        for row, tok in zip(greedy_rows, picked):
+            tokens[row] = tok
+    if random_rows:
+        sub_seqs = [seqs[i] for i in random_rows]
+        probs = _truncate(logits[random_rows], sub_seqs).softmax(-1)
+        for j, (row, seq) in enumerate(zip(random_rows, sub_seqs)):
+            # Exponential race (Gumbel-max equivalent): one draw per vocab entry from the row's generator.
+            noise = torch.empty_like(probs[j]).exponential_(generator=seq.generator)
+            tokens[row] = int((probs[j] / noise).argmax())
+    if raw_logprobs is not None:
+        for row, seq in enumerate(seqs):
+            if not seq.params.logprobs:
+                continue
+            tok = tokens[row]
+            entry = TokenLogprob(token_id=tok, logprob=float(raw_logprobs[row, tok]))
+            if seq.params.top_logprobs:
+                vals, ids = raw_logprobs[row].topk(seq.params.top_logprobs)
+                entry.top = list(zip(ids.tolist(), vals.tolist()))
+            seq.pending_logprobs.append(entry)
+    return tokens

@@ -1,0 +1,65 @@
+"""The one validated set of generation knobs every protocol lowers onto."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 or -1: no top-k cut
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    banned_token_ids: list[int] = field(default_factory=list)
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        _require(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+                 "min_tokens", "must be an integer between 0 and max_tokens")
+        _require(self.temperature >= 0.0, "temperature", "must be >= 0")
+        _require(isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), "top_k",
+                 "must be -1, 0 (disabled) or a positive integer")
+        _require(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        _require(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        _require(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
+        _require(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        _require(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        _require(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        _require(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= 20, "top_logprobs",
+                 "must be an integer in [0, 20]")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+                 "must be non-negative token ids")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.banned_token_ids), "banned_token_ids",
+                 "must be non-negative token ids")
+        if self.top_k == -1:
+            self.top_k = 0
+
+
+def _require(ok: bool, parameter: str, rule: str) -> None:
+    if not ok:
+        raise InvalidRequestError(f"'{parameter}' {rule}", parameter=parameter)

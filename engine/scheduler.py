@@ -1,0 +1,125 @@
+"""Continuous batching: which sequences run this step, and how many tokens each computes.
+
+Each step the running sequences go first (a decode costs one token), then waiting ones are
+admitted FCFS within priority while the per-step token budget, ``max_num_seqs`` and free KV
+blocks allow. Prompts are prefilled in chunks that fit the budget, so a long prompt never
+freezes the running streams. When KV blocks run out the lowest-priority, latest sequence is
+preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    decodes: list[Sequence] = field(default_factory=list)  # one token each
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk length)
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+
+def _order(seq: Sequence) -> tuple[int, float]:
+    return (seq.priority, seq.arrival_time)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self.waiting.sort(key=_order)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _fit(self, seq: Sequence, wanted: int) -> int:
+        """How many of ``wanted`` tokens fit in the blocks the sequence has plus the free ones."""
+        bm = self.block_manager
+        capacity = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
+        return max(0, min(wanted, capacity))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.append(seq)
+        self.waiting.sort(key=_order)
+        self.num_preemptions += 1
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        self.running.sort(key=_order)
+        scheduled: set[int] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            wanted = min(seq.num_uncomputed_tokens, budget)
+            n = self._fit(seq, wanted)
+            while n == 0 and self.running[-1] is not seq:
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.num_preempted += 1
+                n = self._fit(seq, wanted)
+            if n == 0:
+                self._preempt(seq)  # nothing else to take from: wait for blocks
+                batch.num_preempted += 1
+                continue
+            bm.append_slots(seq, n)
+            self._add(batch, seq, n)
+            scheduled.add(id(seq))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                bm.allocate_cached_prefix(seq)
+            n = self._fit(seq, min(seq.num_uncomputed_tokens, budget))
+            if n == 0:
+                bm.free(seq)  # keep its cached prefix evictable while it waits
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            seq.mark_scheduled()
+            self.running.append(seq)
+            bm.append_slots(seq, n)
+            self._add(batch, seq, n)
+            budget -= n
+        return batch
+
+    @staticmethod
+    def _add(batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        if n == 1:
+            batch.decodes.append(seq)
+        else:
+            batch.prefills.append((seq, n))

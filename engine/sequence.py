@@ -1,0 +1,82 @@
+"""Per-request state inside the engine core."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.request import GenerationRequest, RequestTimings, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request: GenerationRequest, prompt_token_ids: list[int],
+                 detokenizer: IncrementalDetokenizer, max_model_len: int, cache_salt: str = "") -> None:
+        self.request_id = request.request_id
+        self.params: SamplingParams = request.params
+        self.priority = request.priority
+        self.deadline = request.deadline
+        self.arrival_time = request.arrival_time
+        self.cache_salt = cache_salt  # separates prefix-cache entries (e.g. per LoRA adapter)
+        self.lora_slot = 0  # 0 = base model
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.max_total_len = min(max_model_len, self.num_prompt_tokens + self.params.max_tokens)
+        self.detokenizer = detokenizer
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.generator = torch.Generator()
+        self.generator.manual_seed(self.params.seed if self.params.seed is not None
+                                   else torch.seed() & 0x7FFF_FFFF_FFFF_FFFF)
+        self.timings = RequestTimings(arrival=request.arrival_time)
+        self.first_scheduled: float | None = None
+        self.last_token_time: float | None = None
+        self.num_emitted_tokens = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def mark_scheduled(self) -> None:
+        if self.first_scheduled is None:
+            self.first_scheduled = time.monotonic()
+            self.timings.queue_s = self.first_scheduled - self.arrival_time
+
+    def append_token(self, token_id: int) -> None:
+        now = time.monotonic()
+        self.token_ids.append(token_id)
+        if self.last_token_time is None:
+            self.timings.first_token_s = now - self.arrival_time
+            self.timings.prefill_s = now - (self.first_scheduled or now)
+        else:
+            self.timings.last_token_gap_s = now - self.last_token_time
+            self.timings.decode_s = now - (self.arrival_time + (self.timings.first_token_s or 0.0))
+        self.last_token_time = now
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: its cache is gone, everything so far (prompt + outputs) is recomputed."""
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table = []
+        self.status = SequenceStatus.WAITING
