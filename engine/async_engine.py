@@ -89,6 +89,10 @@ class AsyncEngine:
 
     # ---- requests ------------------------------------------------------------------------------
 
+    def encode_prompt_sync(self, prompt: Prompt) -> list[int]:
+        """Template and tokenize (thread-safe: the tokenizer is only read)."""
+        return self.engine.encode_prompt(prompt)
+
     async def encode_prompt(self, prompt: Prompt) -> list[int]:
         return await asyncio.to_thread(self.engine.encode_prompt, prompt)
 

@@ -73,6 +73,7 @@ class LLMEngine:
         self.model_info = ModelInfo(name=name, path=str(model_dir), model_type=hf_config.model_type,
                                     max_model_len=self.max_model_len, vocab_size=self.model.embed.shape[0],
                                     dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
+        self.num_aborted = 0
         self.fault_hook: Any = None  # test hook: called before every model step
         logger.info("engine ready in %.1fs: %s on %s/%s, %d KV blocks of %d tokens",
                     time.monotonic() - started, name, self.device, self.model_info.dtype, num_blocks,
@@ -143,6 +144,7 @@ class LLMEngine:
         seq = self.sequences.get(request_id)
         if seq is None:
             return None
+        self.num_aborted += 1
         return self._finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
@@ -157,12 +159,13 @@ class LLMEngine:
         try:
             if self.fault_hook is not None:
                 self.fault_hook(seqs)
-            logits, samplers = self.runner.run(batch)
+            with torch.inference_mode():
+                logits, samplers = self.runner.run(batch)
+                tokens = sample(logits, samplers, self.eos_token_ids) if samplers else []
             for seq in batch.decodes:
                 self._advance(seq, 1)
             for seq, n in batch.prefills:
                 self._advance(seq, n)
-            tokens = sample(logits, samplers, self.eos_token_ids) if samplers else []
         except Exception as exc:  # a failed step fails only the sequences in it
             logger.exception("model step failed for %d sequences", len(seqs))
             return outputs + [self._finish(s, "error", error=f"inference failed: {exc}") for s in seqs]

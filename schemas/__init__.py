@@ -1,0 +1,39 @@
+"""JSON Schemas (draft 2020-12) for every request body: the single source for validation and OpenAPI."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import ValidationError, best_match
+
+
+@lru_cache(maxsize=None)
+def load_schema(name: str) -> dict[str, Any]:
+    text = resources.files(__name__).joinpath(f"{name}.schema.json").read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+@lru_cache(maxsize=None)
+def validator(name: str) -> Draft202012Validator:
+    schema = load_schema(name)
+    Draft202012Validator.check_schema(schema)
+    return Draft202012Validator(schema)
+
+
+def first_error(name: str, instance: Any) -> ValidationError | None:
+    """The most relevant violation of schema ``name``, or None when the instance is valid."""
+    return best_match(validator(name).iter_errors(instance))
+
+
+def describe(error: ValidationError) -> str:
+    """A message that names the JSON path of the offending field."""
+    return f"{error.json_path}: {error.message}"
+
+
+def available() -> list[str]:
+    return sorted(p.name.removesuffix(".schema.json") for p in resources.files(__name__).iterdir()
+                  if p.name.endswith(".schema.json"))

@@ -1,0 +1,1 @@
+"""The Spark conversation server: settings, app factory, Spark endpoints, health, CLI."""

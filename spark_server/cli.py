@@ -1,0 +1,61 @@
+"""``spark-server``: serve the model, with Spark and bridge endpoints on one port."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from spark_server import settings as settings_mod
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine.async_engine import AsyncEngine
+    from spark_server.app import SPARK_WS_PATH, build_app
+
+    try:
+        settings = settings_mod.resolve(vars(args))
+    except (ValueError, OSError) as exc:
+        print(f"spark-server: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    started = time.monotonic()
+    try:
+        engine = AsyncEngine.from_config(settings.engine_config())
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"spark-server: cannot load the model: {exc}", file=sys.stderr)
+        return 2
+    app = build_app(settings, engine)
+    url = f"ws://{settings.host}:{settings.port}{SPARK_WS_PATH}"
+    print(f"spark-server: {engine.model_info.name} loaded in {time.monotonic() - started:.1f}s; "
+          f"serving {url}", flush=True)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                ws_max_size=8 * 1024 * 1024)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spark-server", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start the server",
+                           description="Start the server. Each flag also reads from SPARK_<NAME> and the "
+                                       "--config TOML file (flag > env > file > default).")
+    settings_mod.add_arguments(serve)
+    serve.set_defaults(func=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = args.func
+    del args.func, args.command
+    return func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

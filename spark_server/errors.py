@@ -1,0 +1,88 @@
+"""Spark error codes, and the one place engine errors become Spark codes.
+
+The spec's codes are kept exactly; conditions the spec does not cover borrow the public Spark
+API's codes (10110, 11200, 11203) or take a code from this server's own 12000-12999 range.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from engine.errors import (EngineError, EngineOverloadedError, EngineShutdownError, InferenceError,
+                           InvalidRequestError, LoraUnavailableError, PromptTooLongError, RequestTimeoutError)
+
+
+class SparkCode(IntEnum):
+    SUCCESS = 0
+    UNKNOWN = -1  # 未知异常
+    JSON_PARSE_ERROR = 4  # 请求体JSON解析错误
+    SCHEMA_ERROR = 10000  # schema校验错误
+    NO_DIALOGUE_CONTENT = 10002  # 缺少对话内容
+    TOKEN_LIMIT_EXCEEDED = 10003  # 输入文本超过token限制
+    SERVER_BUSY = 10110  # public Spark API: server busy (wait queue full)
+    INFERENCE_ERROR = 11000  # GPT推理模块会话异常
+    AUTH_FAILED = 11200  # public Spark API: authorization failed
+    CONCURRENCY_LIMIT = 11203  # public Spark API: concurrency limit
+    LORA_NOT_AVAILABLE = 12000  # this server: LoRA packs are not served (yet / not configured)
+    REQUEST_TIMEOUT = 12100  # this server: the request's deadline passed
+    SERVER_SHUTTING_DOWN = 12101  # this server: shutdown ended the session
+
+
+DESCRIPTIONS: dict[SparkCode, str] = {
+    SparkCode.SUCCESS: "success",
+    SparkCode.UNKNOWN: "unknown error",
+    SparkCode.JSON_PARSE_ERROR: "the request frame is not valid JSON",
+    SparkCode.SCHEMA_ERROR: "the request violates the schema; the message names the JSON path",
+    SparkCode.NO_DIALOGUE_CONTENT: "no dialogue content: empty text list or empty latest user question",
+    SparkCode.TOKEN_LIMIT_EXCEEDED: "the dialogue is over the token limit (set adjustTokens to trim history)",
+    SparkCode.SERVER_BUSY: "the server's wait queue is full; retry later",
+    SparkCode.INFERENCE_ERROR: "the inference session failed",
+    SparkCode.AUTH_FAILED: "authorization failed",
+    SparkCode.CONCURRENCY_LIMIT: "too many concurrent sessions; retry later",
+    SparkCode.LORA_NOT_AVAILABLE: "LoRA packs are not available on this server",
+    SparkCode.REQUEST_TIMEOUT: "the request's deadline passed before the answer finished",
+    SparkCode.SERVER_SHUTTING_DOWN: "the server is shutting down",
+}
+
+
+class SparkError(Exception):
+    def __init__(self, code: SparkCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def spark_error_from(exc: BaseException) -> SparkError:
+    if isinstance(exc, SparkError):
+        return exc
+    if isinstance(exc, PromptTooLongError):
+        return SparkError(SparkCode.TOKEN_LIMIT_EXCEEDED, str(exc))
+    if isinstance(exc, InvalidRequestError):
+        where = f"{exc.parameter}: " if exc.parameter else ""
+        return SparkError(SparkCode.SCHEMA_ERROR, f"{where}{exc}")
+    if isinstance(exc, EngineOverloadedError):
+        return SparkError(SparkCode.SERVER_BUSY, str(exc))
+    if isinstance(exc, LoraUnavailableError):
+        return SparkError(SparkCode.LORA_NOT_AVAILABLE, str(exc))
+    if isinstance(exc, RequestTimeoutError):
+        return SparkError(SparkCode.REQUEST_TIMEOUT, str(exc))
+    if isinstance(exc, EngineShutdownError):
+        return SparkError(SparkCode.SERVER_SHUTTING_DOWN, str(exc))
+    if isinstance(exc, (InferenceError, EngineError)):
+        return SparkError(SparkCode.INFERENCE_ERROR, str(exc))
+    return SparkError(SparkCode.UNKNOWN, f"unexpected error: {type(exc).__name__}")
+
+
+def http_status_for(code: SparkCode) -> int:
+    if code in (SparkCode.JSON_PARSE_ERROR, SparkCode.SCHEMA_ERROR, SparkCode.NO_DIALOGUE_CONTENT,
+                SparkCode.TOKEN_LIMIT_EXCEEDED, SparkCode.LORA_NOT_AVAILABLE):
+        return 400
+    if code == SparkCode.AUTH_FAILED:
+        return 401
+    if code in (SparkCode.SERVER_BUSY, SparkCode.CONCURRENCY_LIMIT):
+        return 429
+    if code in (SparkCode.SERVER_SHUTTING_DOWN,):
+        return 503
+    if code == SparkCode.REQUEST_TIMEOUT:
+        return 504
+    return 500

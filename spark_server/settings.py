@@ -1,0 +1,125 @@
+"""Server settings, resolved as: command-line flag > environment variable > config file > default.
+
+Every setting ``foo_bar`` is the flag ``--foo-bar``, the variable ``SPARK_FOO_BAR`` and the key
+``foo_bar`` (or ``foo-bar``) in a TOML config file given by ``--config`` or ``SPARK_CONFIG``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from engine.config import EngineConfig
+
+ENV_PREFIX = "SPARK_"
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(slots=True)
+class Settings:
+    host: str = _opt("127.0.0.1", "address to bind")
+    port: int = _opt(9990, "port to bind")
+    model: str | None = _opt(None, "local HF model directory or .gguf file (default: the embedded "
+                                   "SmolLM2-135M-Instruct)")
+    served_model_name: str | None = _opt(None, "model name shown to clients (default: the model's name)")
+    device: str = _opt("auto", "auto, cpu, cuda or npu (npu needs torch_npu)",
+                       choices=["auto", "cpu", "cuda", "npu"])
+    dtype: str = _opt("auto", "auto, float32, bfloat16 or float16",
+                      choices=["auto", "float32", "bfloat16", "float16"])
+    max_model_len: int | None = _opt(None, "context length in tokens (default: the model's)")
+    max_num_seqs: int = _opt(64, "most sequences decoded together in one step")
+    max_num_batched_tokens: int = _opt(256, "token budget of one engine step (prefill is chunked to fit)")
+    max_waiting: int = _opt(1024, "most requests waiting for a running slot before new ones are refused")
+    kv_cache_space: float = _opt(2.0, "KV cache budget in GiB")
+    num_kv_blocks: int | None = _opt(None, "KV cache blocks (overrides --kv-cache-space)")
+    block_size: int = _opt(16, "tokens per KV cache block")
+    enable_prefix_caching: bool = _opt(True, "reuse the KV cache of previously seen prompt prefixes")
+    max_history_tokens: int = _opt(8192, "Spark limit on the tokens of all dialogue contents (error 10003)")
+    ws_request_timeout: float = _opt(30.0, "seconds a new WebSocket may wait before sending its request")
+    num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
+    log_level: str = _opt("info", "debug, info, warning or error",
+                          choices=["debug", "info", "warning", "error"])
+    config: str | None = _opt(None, "TOML config file with any of these settings")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model, served_model_name=self.served_model_name, device=self.device, dtype=self.dtype,
+            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, block_size=self.block_size,
+            kv_cache_space_gib=self.kv_cache_space, num_kv_blocks=self.num_kv_blocks,
+            enable_prefix_caching=self.enable_prefix_caching, max_waiting=self.max_waiting,
+            num_threads=self.num_threads,
+        )
+
+
+def _base_type(tp: Any) -> type:
+    if isinstance(tp, str):
+        tp = eval(tp, {"typing": typing}, {})  # annotations are strings under PEP 563
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
+
+
+def _convert(name: str, kind: type, value: Any) -> Any:
+    if value is None:
+        return None
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}: expected a boolean, got {value!r}")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected {kind.__name__}, got {value!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for f in fields(Settings):
+        kind = _base_type(f.type)
+        flag = "--" + f.name.replace("_", "-")
+        default = None if f.default is MISSING else f.default
+        help_text = f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}; default: {default}]"
+        if kind is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text,
+                                choices=f.metadata.get("choices"))
+
+
+def resolve(cli: dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> Settings:
+    cli = {k: v for k, v in (cli or {}).items() if v is not None}
+    environ = os.environ if environ is None else environ
+    config_path = cli.get("config") or environ.get(f"{ENV_PREFIX}CONFIG")
+    from_file: dict[str, Any] = {}
+    if config_path:
+        with open(config_path, "rb") as fh:
+            from_file = {k.replace("-", "_"): v for k, v in tomllib.load(fh).items()}
+        known = {f.name for f in fields(Settings)}
+        unknown = sorted(set(from_file) - known)
+        if unknown:
+            raise ValueError(f"{config_path}: unknown setting(s) {', '.join(unknown)}")
+    values: dict[str, Any] = {}
+    for f in fields(Settings):
+        kind = _base_type(f.type)
+        env_value = environ.get(f"{ENV_PREFIX}{f.name.upper()}")
+        if f.name in cli:
+            values[f.name] = _convert(f.name, kind, cli[f.name])
+        elif env_value is not None and env_value != "":
+            values[f.name] = _convert(f.name, kind, env_value)
+        elif f.name in from_file:
+            values[f.name] = _convert(f.name, kind, from_file[f.name])
+    return Settings(**values)

@@ -1,0 +1,52 @@
+"""The Spark HTTP form ``POST /turing/v3/func/gpt``: the same body, one JSON answer."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from spark_server import spark_protocol as sp
+from spark_server.errors import SparkCode, SparkError, http_status_for, spark_error_from
+from spark_server.spark_service import SparkService
+
+
+def _trace_id(raw: bytes) -> str | None:
+    """The traceId of a body that may be invalid, for echoing in the error answer."""
+    try:
+        trace = json.loads(raw)["header"]["traceId"]
+    except Exception:
+        return None
+    return trace if isinstance(trace, str) else None
+
+
+def _error_body(err: SparkError, trace_id: str | None, sid: str) -> dict[str, Any]:
+    return {"header": {"code": int(err.code), "message": err.message, "traceId": trace_id, "sid": sid}}
+
+
+async def spark_http(request: Request) -> JSONResponse:
+    service: SparkService = request.app.state.spark
+    sid = sp.new_sid()
+    raw = await request.body()
+    trace_id = _trace_id(raw)
+    try:
+        session = await service.open_session(raw, sid)
+        text: list[str] = []
+        usage = None
+        async for frame in service.frames(session):
+            choices = frame["payload"]["choices"]
+            text.append(choices["text"][0]["content"])
+            usage = frame["payload"].get("usage", usage)
+    except Exception as exc:
+        err = spark_error_from(exc)
+        return JSONResponse(_error_body(err, trace_id, sid), status_code=http_status_for(err.code))
+    return JSONResponse({
+        "header": {"code": int(SparkCode.SUCCESS), "message": "success", "traceId": trace_id, "sid": sid},
+        "payload": {
+            "choices": {"seq": 0, "status": 2,
+                        "text": [{"content": "".join(text), "role": "assistant", "index": 0}]},
+            "usage": usage,
+        },
+    })

@@ -1,0 +1,183 @@
+"""Spark request parsing, lowering onto a GenerationRequest, and frame rendering.
+
+Sans-I/O: the WebSocket and HTTP endpoints do the transport; everything Spark-specific about
+the body and the frames is here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import schemas
+from engine.errors import PromptTooLongError
+from engine.request import ChatMessage, ChatPrompt, GenerationRequest, LoraRef, RequestOutput
+from engine.sampling_params import SamplingParams
+from spark_server.errors import SparkCode, SparkError
+
+SCHEMA = "spark-request"
+END_MARKER = "<end>"  # clients append it to assistant turns when resending history
+
+# Spark's defaults (spec §1.3): temperature 0.5, max_tokens 2048, top_k 4.
+DEFAULT_TEMPERATURE = 0.5
+DEFAULT_MAX_TOKENS = 2048
+DEFAULT_TOP_K = 4
+
+_sid_counter = itertools.count(int.from_bytes(os.urandom(3), "big"))
+
+
+def new_sid() -> str:
+    """A session id shaped like the spec's ``cht000cb087@dx18793cd421fb894542``."""
+    stamp = f"{int(time.time() * 1000):011x}"[-11:]
+    return f"cht{next(_sid_counter) & 0xFFFFFFFF:08x}@dx{stamp}{os.urandom(4).hex()[:7]}"
+
+
+def parse_body(raw: str | bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SparkError(SparkCode.JSON_PARSE_ERROR, f"request is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise SparkError(SparkCode.SCHEMA_ERROR, f"$: the request must be a JSON object, not {type(body).__name__}")
+    error = schemas.first_error(SCHEMA, body)
+    if error is not None:
+        raise SparkError(SparkCode.SCHEMA_ERROR, schemas.describe(error))
+    return body
+
+
+@dataclass(slots=True)
+class SparkSession:
+    sid: str
+    trace_id: str
+    request: GenerationRequest
+    question_tokens: int
+    num_dropped_messages: int = 0
+
+
+def _chat_params(body: dict[str, Any]) -> dict[str, Any]:
+    # The spec's own Java client sends "chat" at the top level; treat it as parameter.chat.
+    chat = dict(body.get("chat") or {})
+    chat.update((body.get("parameter") or {}).get("chat") or {})
+    return chat
+
+
+def _lora(body: dict[str, Any]) -> LoraRef | None:
+    lora = (body.get("payload") or {}).get("lora") or (body.get("parameter") or {}).get("lora")
+    if not lora:
+        return None
+    return LoraRef(url=lora["url"], md5=lora["md5"].lower())
+
+
+def _messages(body: dict[str, Any]) -> list[ChatMessage]:
+    text = body["payload"]["message"]["text"]
+    if not text:
+        raise SparkError(SparkCode.NO_DIALOGUE_CONTENT, "payload.message.text is empty: no dialogue content")
+    messages = []
+    for item in text:
+        content = item["content"]
+        if item["role"] == "assistant" and content.rstrip().endswith(END_MARKER):
+            content = content.rstrip()[: -len(END_MARKER)]
+        messages.append(ChatMessage(item["role"], content))
+    last = messages[-1]
+    if last.role != "user" or not last.content.strip():
+        raise SparkError(SparkCode.NO_DIALOGUE_CONTENT,
+                         f"payload.message.text[{len(messages) - 1}]: the latest turn must be a non-empty user question")
+    return messages
+
+
+def lower(body: dict[str, Any], sid: str) -> tuple[GenerationRequest, bool]:
+    """The Spark body as a GenerationRequest (before the token-limit check); also adjustTokens."""
+    chat = _chat_params(body)
+    top_k = chat.get("top_k", DEFAULT_TOP_K)
+    params = SamplingParams(
+        max_tokens=chat.get("max_tokens", DEFAULT_MAX_TOKENS),
+        temperature=float(chat.get("temperature", DEFAULT_TEMPERATURE)),
+        top_k=top_k,
+        repetition_penalty=float(chat.get("punish", 1.0)),
+    )
+    request = GenerationRequest(request_id=sid, prompt=ChatPrompt(_messages(body)), params=params,
+                                lora=_lora(body))
+    return request, bool(chat.get("adjustTokens", False))
+
+
+def fit_history(request: GenerationRequest, adjust: bool, tokenizer: Any, encode_prompt: Any,
+                history_limit: int) -> tuple[int, int]:
+    """Enforce the token limit: all contents within ``history_limit`` tokens and the templated
+    prompt within the model's context. With ``adjust`` the oldest turns are dropped (system prompts
+    and the latest user turn are kept) until it fits. Returns (question_tokens, dropped)."""
+    prompt = request.prompt
+    assert isinstance(prompt, ChatPrompt)
+    messages = prompt.messages
+    counts = [len(ids) for ids in tokenizer([m.content for m in messages], add_special_tokens=False)["input_ids"]]
+    question_tokens = counts[-1]
+    dropped = 0
+    while True:
+        total = sum(counts)
+        reason = None
+        if total > history_limit:
+            reason = f"the dialogue's contents have {total} tokens; the limit is {history_limit}"
+        else:
+            try:
+                encode_prompt(prompt)
+            except PromptTooLongError as exc:
+                reason = str(exc)
+        if reason is None:
+            return question_tokens, dropped
+        droppable = [i for i, m in enumerate(messages[:-1]) if m.role != "system"]
+        if not adjust or not droppable:
+            hint = "" if adjust else " (set parameter.chat.adjustTokens=true to drop the oldest turns)"
+            raise SparkError(SparkCode.TOKEN_LIMIT_EXCEEDED, f"payload.message.text: {reason}{hint}")
+        i = droppable[0]
+        del messages[i]
+        del counts[i]
+        dropped += 1
+
+
+# ---- frames --------------------------------------------------------------------------------------
+
+
+def usage_block(question_tokens: int, out: RequestOutput) -> dict[str, Any]:
+    return {"text": {
+        "question_tokens": question_tokens,
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": out.num_output_tokens,
+        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+    }}
+
+
+def content_frame(sid: str, status: int, seq: int, text: str, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "choices": {"status": status, "seq": seq,
+                    "text": [{"content": text, "role": "assistant", "index": 0}]},
+    }
+    if usage is not None:
+        payload["usage"] = usage
+    return {"header": {"code": 0, "message": "Success", "sid": sid, "status": status}, "payload": payload}
+
+
+def error_frame(sid: str, error: SparkError) -> dict[str, Any]:
+    return {"header": {"code": int(error.code), "message": error.message, "sid": sid, "status": 2}}
+
+
+class FrameBuilder:
+    """Turns the engine's outputs into Spark frames: status 0 first, 1 middle, 2 last; seq from 0."""
+
+    def __init__(self, sid: str, question_tokens: int) -> None:
+        self.sid = sid
+        self.question_tokens = question_tokens
+        self.seq = 0
+
+    def frames_for(self, out: RequestOutput) -> list[dict[str, Any]]:
+        if out.finished:
+            frame = content_frame(self.sid, 2, self.seq, out.text_delta, usage_block(self.question_tokens, out))
+            self.seq += 1
+            return [frame]
+        if not out.text_delta:
+            return []  # text held back (partial character or possible stop string): nothing to show yet
+        frame = content_frame(self.sid, 0 if self.seq == 0 else 1, self.seq, out.text_delta)
+        self.seq += 1
+        return [frame]

@@ -1,0 +1,65 @@
+"""A Spark session from request bytes to frames, shared by the WebSocket and HTTP endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import aclosing
+from typing import Any, AsyncIterator
+
+from engine.protocol import EngineClient
+from spark_server import spark_protocol as sp
+from spark_server.errors import SparkCode, SparkError, spark_error_from
+
+logger = logging.getLogger("spark_server.sessions")
+
+
+class SparkService:
+    def __init__(self, engine: EngineClient, history_limit: int = 8192, lora_enabled: bool = False) -> None:
+        self.engine = engine
+        self.history_limit = history_limit
+        self.lora_enabled = lora_enabled
+
+    async def open_session(self, raw: str | bytes, sid: str) -> sp.SparkSession:
+        """Parse, validate and lower one request; raises SparkError with the protocol's code."""
+        body = sp.parse_body(raw)
+        trace_id = body["header"]["traceId"]
+        try:
+            request, adjust = sp.lower(body, sid)
+        except SparkError:
+            raise
+        except Exception as exc:
+            raise spark_error_from(exc) from None
+        if request.lora is not None and not self.lora_enabled:
+            raise SparkError(SparkCode.LORA_NOT_AVAILABLE,
+                             "lora: LoRA packs are not available on this server yet; send the request without 'lora'")
+        engine = self.engine
+        question_tokens, dropped = await asyncio.to_thread(
+            sp.fit_history, request, adjust, engine.tokenizer, engine.encode_prompt_sync, self.history_limit)
+        return sp.SparkSession(sid=sid, trace_id=trace_id, request=request, question_tokens=question_tokens,
+                               num_dropped_messages=dropped)
+
+    async def frames(self, session: sp.SparkSession) -> AsyncIterator[dict[str, Any]]:
+        """The session's frames; engine failures surface as SparkError. Closing early aborts."""
+        builder = sp.FrameBuilder(session.sid, session.question_tokens)
+        started = time.monotonic()
+        last = None
+        code = SparkCode.SUCCESS
+        try:
+            async with aclosing(self.engine.generate(session.request)) as outputs:
+                async for out in outputs:
+                    last = out
+                    for frame in builder.frames_for(out):
+                        yield frame
+        except Exception as exc:
+            err = spark_error_from(exc)
+            code = err.code
+            raise err from None
+        finally:
+            ttft = last.timings.first_token_s if last is not None else None
+            logger.info("session sid=%s traceId=%s protocol=spark prompt_tokens=%s completion_tokens=%s "
+                        "ttft=%s duration=%.3f code=%d", session.sid, session.trace_id,
+                        last.num_prompt_tokens if last else 0, last.num_output_tokens if last else 0,
+                        f"{ttft:.3f}" if ttft is not None else "-", time.monotonic() - started, int(code))
+

@@ -1,0 +1,88 @@
+"""The Spark WebSocket endpoint ``/turing/v3/gpt``: one request per connection, frames, then close."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from spark_server import spark_protocol as sp
+from spark_server.errors import SparkCode, SparkError, spark_error_from
+from spark_server.spark_service import SparkService
+
+logger = logging.getLogger(__name__)
+
+
+async def _send(ws: WebSocket, frame: dict) -> None:
+    await ws.send_text(json.dumps(frame, ensure_ascii=False))
+
+
+async def _wait_for_disconnect(ws: WebSocket) -> None:
+    """After the request, the client has nothing more to say; return when it goes away."""
+    while True:
+        message = await ws.receive()
+        if message["type"] == "websocket.disconnect":
+            return
+
+
+async def spark_websocket(ws: WebSocket) -> None:
+    service: SparkService = ws.app.state.spark
+    request_timeout: float = ws.app.state.settings.ws_request_timeout
+    await ws.accept()
+    sid = sp.new_sid()
+    try:
+        try:
+            message = await asyncio.wait_for(ws.receive(), timeout=request_timeout)
+        except asyncio.TimeoutError:
+            raise SparkError(SparkCode.SCHEMA_ERROR,
+                             f"no request frame within {request_timeout:g}s of connecting") from None
+        if message["type"] == "websocket.disconnect":
+            return
+        raw = message.get("text")
+        if raw is None:
+            raw = message.get("bytes") or b""
+        session = await service.open_session(raw, sid)
+        await _stream(ws, service, session)
+    except SparkError as err:
+        await _send_error(ws, sid, err)
+    except WebSocketDisconnect:
+        return
+    except Exception as exc:  # never let a session take the server down
+        logger.exception("spark session %s failed", sid)
+        await _send_error(ws, sid, spark_error_from(exc))
+    await _close(ws)
+
+
+async def _stream(ws: WebSocket, service: SparkService, session: sp.SparkSession) -> None:
+    async def pump() -> None:
+        async for frame in service.frames(session):
+            await _send(ws, frame)
+
+    pump_task = asyncio.create_task(pump())
+    gone_task = asyncio.create_task(_wait_for_disconnect(ws))
+    try:
+        done, _ = await asyncio.wait({pump_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+        if pump_task in done:
+            pump_task.result()  # re-raise SparkError / transport errors
+    finally:
+        for task in (pump_task, gone_task):
+            if not task.done():
+                task.cancel()
+        # Cancelling the pump closes the engine stream, which aborts the request and frees its cache.
+        await asyncio.gather(pump_task, gone_task, return_exceptions=True)
+
+
+async def _send_error(ws: WebSocket, sid: str, err: SparkError) -> None:
+    try:
+        await _send(ws, sp.error_frame(sid, err))
+    except Exception:
+        pass  # the client is already gone
+
+
+async def _close(ws: WebSocket) -> None:
+    try:
+        await ws.close(code=1000)
+    except Exception:
+        pass

@@ -1,0 +1,90 @@
+"""Shared fixtures: one real engine with the embedded model, served by uvicorn on a free port."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import uvicorn
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from spark_server.app import SPARK_HTTP_PATH, SPARK_WS_PATH, build_app
+from spark_server.settings import Settings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """A real uvicorn server in a background thread."""
+
+    def __init__(self, app, port: int) -> None:
+        self.port = port
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                    ws_max_size=8 * 1024 * 1024))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("test server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@dataclass
+class LiveServer:
+    engine: AsyncEngine
+    port: int
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}{SPARK_WS_PATH}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def spark_http_url(self) -> str:
+        return self.http_url + SPARK_HTTP_PATH
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until no request is running or waiting and no KV block is held."""
+        core = self.engine.engine
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if core.num_running == 0 and core.num_waiting == 0 and core.block_manager.num_used_blocks == 0:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"engine not idle: running={core.num_running} waiting={core.num_waiting} "
+                             f"blocks={core.block_manager.num_used_blocks}")
+
+
+@pytest.fixture(scope="session")
+def async_engine() -> AsyncEngine:
+    engine = AsyncEngine.from_config(EngineConfig(dtype="float32", max_num_seqs=32))
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def live_server(async_engine: AsyncEngine) -> LiveServer:
+    settings = Settings(port=free_port(), ws_request_timeout=3.0)
+    app = build_app(settings, async_engine, owns_engine=False)
+    with ServerThread(app, settings.port):
+        yield LiveServer(async_engine, settings.port)

@@ -1,0 +1,83 @@
+"""Stops, limits, seeds, aborts and cache release in the engine core."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.request import GenerationRequest, TokensPrompt
+from engine.sampling_params import SamplingParams
+from tests.engine.helpers import chat, run_all, text_of, tokens_of
+
+
+def test_max_tokens_gives_length(llm_engine):
+    outs = run_all(llm_engine, [chat("a", "Tell me a long story.", max_tokens=5, temperature=0, ignore_eos=True)])["a"]
+    assert len(tokens_of(outs)) == 5 and outs[-1].finish_reason == "length"
+    assert outs[-1].num_output_tokens == 5
+
+
+def test_stop_string_is_cut_and_named(llm_engine):
+    base = text_of(run_all(llm_engine, [chat("b", "Count from 1 to 10, separated by commas.",
+                                              max_tokens=30, temperature=0)])["b"])
+    assert "4" in base
+    stop = base[base.index("4"):base.index("4") + 2]
+    outs = run_all(llm_engine, [chat("c", "Count from 1 to 10, separated by commas.", max_tokens=30,
+                                     temperature=0, stop=[stop])])["c"]
+    assert text_of(outs) == base[: base.index(stop)]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+    incl = run_all(llm_engine, [chat("d", "Count from 1 to 10, separated by commas.", max_tokens=30,
+                                     temperature=0, stop=[stop], include_stop_str_in_output=True)])["d"]
+    assert text_of(incl) == base[: base.index(stop) + len(stop)]
+
+
+def test_stop_token_id(llm_engine):
+    base = tokens_of(run_all(llm_engine, [chat("e", "Name some animals.", max_tokens=10, temperature=0)])["e"])
+    outs = run_all(llm_engine, [chat("f", "Name some animals.", max_tokens=10, temperature=0,
+                                     stop_token_ids=[base[3]])])["f"]
+    assert tokens_of(outs) == base[: base.index(base[3]) + 1]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == base[3]
+
+
+def test_seeded_sample_is_the_same_alone_and_in_a_busy_batch(llm_engine):
+    params = dict(max_tokens=20, temperature=1.0, top_p=0.95, seed=1234)
+    alone = tokens_of(run_all(llm_engine, [chat("s", "Invent a name for a cat.", **params)])["s"])
+    busy = [chat(f"n{i}", f"Tell me fact number {i} about space.", max_tokens=25, temperature=1.0)
+            for i in range(6)]
+    together = run_all(llm_engine, busy[:3] + [chat("s", "Invent a name for a cat.", **params)] + busy[3:])
+    assert tokens_of(together["s"]) == alone
+
+
+def test_abort_frees_blocks_at_once(llm_engine):
+    llm_engine.add_request(chat("x", "Write an essay.", max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        llm_engine.step()
+    assert llm_engine.block_manager.num_used_blocks > 0
+    out = llm_engine.abort_request("x")
+    assert out.finished and out.finish_reason == "abort"
+    assert llm_engine.block_manager.num_used_blocks == 0 and not llm_engine.has_unfinished()
+    assert llm_engine.abort_request("x") is None  # idempotent
+
+
+def test_prompt_over_context_is_refused(llm_engine):
+    with pytest.raises(PromptTooLongError):
+        llm_engine.encode_prompt(TokensPrompt([5] * llm_engine.max_model_len))
+
+
+def test_generation_stops_at_context_end(llm_engine):
+    n = llm_engine.max_model_len - 3
+    outs = run_all(llm_engine, [GenerationRequest("ctx", TokensPrompt([1] + [28] * (n - 1)),
+                                                  SamplingParams(max_tokens=50, ignore_eos=True))])["ctx"]
+    assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 3
+
+
+def test_bad_token_ids_are_refused(llm_engine):
+    with pytest.raises(InvalidRequestError) as err:
+        llm_engine.encode_prompt(TokensPrompt([1, 10**9]))
+    assert err.value.parameter == "prompt_token_ids"
+
+
+def test_duplicate_request_id_is_refused(llm_engine):
+    llm_engine.add_request(chat("dup", "Hi", max_tokens=2))
+    with pytest.raises(InvalidRequestError):
+        llm_engine.add_request(chat("dup", "Hi", max_tokens=2))
+    llm_engine.abort_request("dup")

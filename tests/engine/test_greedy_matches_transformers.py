@@ -1,0 +1,81 @@
+"""Greedy decoding equals transformers' generate token for token (fp32): alone, batched, prefix-cached."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.helpers import chat, run_all, tokens_of
+
+PROMPTS = [
+    "What is the capital of France?",
+    "你是谁？",
+    "Write a short poem about autumn leaves falling in a quiet park, with rhymes.",
+    "请解释一下什么是机器学习，以及它在日常生活中的应用。",
+    "2+2=",
+    "Summarize the plot of Romeo and Juliet in two sentences. Mention the families, the secret marriage, "
+    "the banishment, and the tragic ending in the tomb.",
+    "北京和上海哪个城市人口更多？",
+    "List three uses of copper.",
+]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def references(llm_engine, hf_model):
+    refs = {}
+    for i, prompt in enumerate(PROMPTS):
+        ids = llm_engine.encode_prompt(chat("x", prompt).prompt)
+        with torch.inference_mode():
+            out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2)
+        refs[i] = [t for t in out[0, len(ids):].tolist()]
+    return refs
+
+
+def _strip_eos(tokens, eos):
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def _check(engine, results, references):
+    for i in range(len(PROMPTS)):
+        ref = _strip_eos(references[i], engine.eos_token_ids[0])
+        assert tokens_of(results[f"p{i}"]) == ref, f"prompt {i}: {PROMPTS[i]!r}"
+
+
+def test_each_prompt_alone(llm_engine, references):
+    llm_engine.block_manager.enable_prefix_caching = False
+    try:
+        results = {}
+        for i, p in enumerate(PROMPTS):
+            results.update(run_all(llm_engine, [chat(f"p{i}", p, max_tokens=MAX_TOKENS, temperature=0)]))
+    finally:
+        llm_engine.block_manager.enable_prefix_caching = True
+    _check(llm_engine, results, references)
+
+
+def test_all_prompts_in_one_batch(llm_engine, references):
+    results = run_all(llm_engine, [chat(f"p{i}", p, max_tokens=MAX_TOKENS, temperature=0)
+                                   for i, p in enumerate(PROMPTS)])
+    _check(llm_engine, results, references)
+
+
+def test_with_prefix_cache_warm(llm_engine, references):
+    run_all(llm_engine, [chat(f"p{i}", p, max_tokens=2, temperature=0) for i, p in enumerate(PROMPTS)])
+    results = run_all(llm_engine, [chat(f"p{i}", p, max_tokens=MAX_TOKENS, temperature=0)
+                                   for i, p in enumerate(PROMPTS)])
+    assert any(outs[-1].num_cached_tokens > 0 for outs in results.values())
+    _check(llm_engine, results, references)
+    assert llm_engine.block_manager.num_used_blocks == 0
+
+
+def test_chunked_prefill_matches(llm_engine, references):
+    sched = llm_engine.scheduler
+    old = sched.max_num_batched_tokens
+    sched.max_num_batched_tokens = 7  # forces every prompt through several chunks
+    try:
+        results = run_all(llm_engine, [chat(f"p{i}", p, max_tokens=MAX_TOKENS, temperature=0)
+                                       for i, p in enumerate(PROMPTS)])
+    finally:
+        sched.max_num_batched_tokens = old
+    _check(llm_engine, results, references)

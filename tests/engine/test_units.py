@@ -1,0 +1,83 @@
+"""Sampling-parameter validation, incremental detokenization, stop matching, block accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.errors import InvalidRequestError
+from engine.request import GenerationRequest, TokensPrompt
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+
+@pytest.mark.parametrize("kwargs, parameter", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+    (dict(top_k=-5), "top_k"), (dict(min_p=2), "min_p"), (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(presence_penalty=3), "presence_penalty"), (dict(n=0), "n"), (dict(stop=[""]), "stop"),
+    (dict(min_tokens=10, max_tokens=5), "min_tokens"), (dict(top_logprobs=50), "top_logprobs"),
+])
+def test_sampling_params_name_the_bad_parameter(kwargs, parameter):
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**kwargs)
+    assert err.value.parameter == parameter and parameter in str(err.value)
+
+
+def test_incremental_detokenizer_never_splits_a_character(llm_engine):
+    tok = llm_engine.tokenizer
+    text = "你好，世界！🌏 Ünïcödé ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    deltas = [detok.add_tokens([t]) for t in ids]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_stop_matcher_holds_back_partial_stops():
+    m = StopStringMatcher(["STOP"], include_stop=False)
+    assert m.feed("hello S") == ("hello ", None)
+    assert m.feed("T") == ("", None)
+    assert m.feed("x") == ("STx", None)
+    assert m.feed(" ST") == (" ", None)
+    assert m.feed("OP and more") == ("", "STOP")
+
+
+def test_stop_matcher_earliest_stop_wins_and_include():
+    m = StopStringMatcher(["b", "abc"], include_stop=True)
+    assert m.feed("xxabcd") == ("xxabc", "abc")  # "abc" starts before "b"
+    m = StopStringMatcher(["c", "ab"], include_stop=False)
+    assert m.feed("xxabcd") == ("xx", "ab")
+
+
+def _seq(tokens, salt=""):
+    class _Detok:
+        pass
+    return Sequence(GenerationRequest("r", TokensPrompt(tokens), SamplingParams(max_tokens=4)), tokens,
+                    _Detok(), 1000, cache_salt=salt)
+
+
+def test_block_manager_prefix_reuse_and_release():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = _seq(list(range(10)))
+    bm.allocate_cached_prefix(a)
+    assert a.num_cached_tokens == 0
+    bm.append_slots(a, 10)
+    a.num_computed_tokens = 10
+    bm.commit_full_blocks(a, 0)
+    assert bm.num_used_blocks == 3
+    b = _seq(list(range(9)) + [99])
+    bm.allocate_cached_prefix(b)
+    assert b.num_cached_tokens == 8 and b.block_table == a.block_table[:2]
+    other_adapter = _seq(list(range(10)), salt="lora-x")
+    bm.allocate_cached_prefix(other_adapter)
+    assert other_adapter.num_cached_tokens == 0  # KV of another adapter is never shared
+    bm.free(a)
+    bm.free(b)
+    bm.free(other_adapter)
+    assert bm.num_used_blocks == 0
+    c = _seq(list(range(10)))
+    bm.allocate_cached_prefix(c)  # revived from the free list
+    assert c.num_cached_tokens == 8
+    bm.free(c)
+    assert bm.num_free_blocks == 8

@@ -1,0 +1,122 @@
+"""Every Spark error code from offending input, and the server keeps serving after each."""
+
+from __future__ import annotations
+
+import pytest
+import websockets
+
+from tests.spark.client import converse, spark_request
+
+
+async def _expect_error(live_server, body, code: int, *needles: str) -> dict:
+    frames = await converse(live_server.ws_url, body)
+    assert len(frames) == 1, frames
+    header = frames[0]["header"]
+    assert header["code"] == code, header
+    assert header["status"] == 2 and header["sid"].startswith("cht")
+    for needle in needles:
+        assert needle in header["message"], header["message"]
+    # the server still answers the next connection
+    ok = await converse(live_server.ws_url, spark_request("Hi", max_tokens=2, top_k=1))
+    assert ok[-1]["header"]["code"] == 0 and ok[-1]["header"]["status"] == 2
+    return header
+
+
+async def test_not_json_is_code_4(live_server):
+    await _expect_error(live_server, "{this is not json", 4, "JSON")
+
+
+async def test_binary_garbage_is_code_4(live_server):
+    await _expect_error(live_server, b"\xff\xfe\x00garbage", 4)
+
+
+@pytest.mark.parametrize("mutate, path", [
+    (lambda b: b["header"].pop("traceId"), "traceId"),
+    (lambda b: b["parameter"]["chat"].update(temperature=1.5), "$.parameter.chat.temperature"),
+    (lambda b: b["parameter"]["chat"].update(max_tokens=0), "$.parameter.chat.max_tokens"),
+    (lambda b: b["parameter"]["chat"].update(max_tokens=5000), "$.parameter.chat.max_tokens"),
+    (lambda b: b["parameter"]["chat"].update(top_k=7), "$.parameter.chat.top_k"),
+    (lambda b: b["parameter"]["chat"].update(adjustTokens="yes"), "$.parameter.chat.adjustTokens"),
+    (lambda b: b["parameter"]["chat"].update(frequency=3), "frequency"),
+    (lambda b: b["payload"]["message"]["text"][0].update(role="bot"), "$.payload.message.text[0].role"),
+    (lambda b: b["payload"]["message"]["text"][0].update(content=5), "$.payload.message.text[0].content"),
+    (lambda b: b["payload"].update(lora={"url": "http://x/y.tar"}), "md5"),
+])
+async def test_schema_violations_are_code_10000_naming_the_field(live_server, mutate, path):
+    body = spark_request("Hi", max_tokens=4, top_k=1)
+    mutate(body)
+    await _expect_error(live_server, body, 10000, path)
+
+
+async def test_top_level_array_is_code_10000(live_server):
+    await _expect_error(live_server, "[1, 2]", 10000)
+
+
+async def test_empty_text_list_is_code_10002(live_server):
+    await _expect_error(live_server, spark_request([]), 10002, "payload.message.text")
+
+
+async def test_empty_last_question_is_code_10002(live_server):
+    await _expect_error(live_server, spark_request("   "), 10002)
+
+
+async def test_over_token_limit_is_code_10003(live_server):
+    await _expect_error(live_server, spark_request("hello " * 9000, max_tokens=4), 10003, "8192")
+
+
+async def test_inference_failure_is_code_11000(live_server):
+    core = live_server.engine.engine
+
+    def explode(seqs):
+        raise RuntimeError("injected fault")
+
+    core.fault_hook = explode
+    try:
+        await _expect_error_no_followup(live_server, spark_request("Hi", max_tokens=4), 11000, "injected fault")
+    finally:
+        core.fault_hook = None
+    ok = await converse(live_server.ws_url, spark_request("Hi", max_tokens=2, top_k=1))
+    assert ok[-1]["header"]["code"] == 0
+    live_server.wait_idle()
+
+
+async def _expect_error_no_followup(live_server, body, code, needle):
+    frames = await converse(live_server.ws_url, body)
+    assert frames[-1]["header"]["code"] == code and frames[-1]["header"]["status"] == 2
+    assert needle in frames[-1]["header"]["message"]
+
+
+async def test_unexpected_failure_is_code_minus_1(live_server, monkeypatch):
+    from spark_server import spark_protocol
+
+    def broken(*args, **kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(spark_protocol, "fit_history", broken)
+    await _expect_error_no_followup(live_server, spark_request("Hi", max_tokens=4), -1, "unexpected")
+    monkeypatch.undo()
+    ok = await converse(live_server.ws_url, spark_request("Hi", max_tokens=2, top_k=1))
+    assert ok[-1]["header"]["code"] == 0
+
+
+async def test_lora_is_refused_until_supported(live_server):
+    body = spark_request("Hi", max_tokens=4)
+    body["payload"]["lora"] = {"url": "http://127.0.0.1:1/pack.tar", "md5": "0" * 32}
+    await _expect_error(live_server, body, 12000, "LoRA")
+
+
+async def test_silent_client_is_closed_with_an_error(live_server):
+    async with websockets.connect(live_server.ws_url) as ws:
+        frame = await ws.recv()  # the server gives up after ws_request_timeout (3 s in tests)
+    assert '"code": 10000' in frame and "no request frame" in frame
+
+
+async def test_http_form_errors_use_spark_codes(live_server):
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30) as client:
+        bad = await client.post(live_server.spark_http_url, content=b"nope")
+        empty = await client.post(live_server.spark_http_url, json=spark_request([]))
+    assert bad.status_code == 400 and bad.json()["header"]["code"] == 4
+    assert empty.status_code == 400 and empty.json()["header"]["code"] == 10002
+    assert empty.json()["header"]["traceId"] == "test"

@@ -1,0 +1,73 @@
+"""Settings precedence (flag > env > file > default) and the real `spark-server serve` process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from spark_server import settings as settings_mod
+from tests.conftest import free_port
+from tests.spark.client import answer_text, converse, spark_request
+
+
+def test_precedence(tmp_path):
+    cfg = tmp_path / "server.toml"
+    cfg.write_text('port = 1111\nmax-num-seqs = 3\nhost = "0.0.0.0"\ndtype = "bfloat16"\n')
+    env = {"SPARK_CONFIG": str(cfg), "SPARK_PORT": "2222", "SPARK_MAX_NUM_SEQS": "4"}
+    s = settings_mod.resolve({"port": 3333}, env)
+    assert s.port == 3333  # flag beats env
+    assert s.max_num_seqs == 4  # env beats file
+    assert s.host == "0.0.0.0" and s.dtype == "bfloat16"  # file beats default
+    assert s.max_num_batched_tokens == 256  # default
+
+
+def test_bad_values_are_named(tmp_path):
+    with pytest.raises(ValueError, match="port"):
+        settings_mod.resolve({}, {"SPARK_PORT": "abc"})
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("no_such_setting = 1\n")
+    with pytest.raises(ValueError, match="no_such_setting"):
+        settings_mod.resolve({"config": str(cfg)}, {})
+
+
+def test_help_documents_vllm_style_flags():
+    out = subprocess.run([sys.executable, "-m", "spark_server", "serve", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    for flag in ("--host", "--port", "--model", "--dtype", "--served-model-name", "--max-num-seqs",
+                 "--max-num-batched-tokens", "SPARK_PORT"):
+        assert flag in out
+
+
+def test_serve_answers_a_real_question():
+    """What `make serve` runs: the console script on a port, answering over the WebSocket."""
+    port = free_port()
+    env = dict(os.environ, SPARK_LOG_LEVEL="warning")
+    proc = subprocess.Popen([sys.executable, "-m", "spark_server", "serve", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        started = time.monotonic()
+        line = ""
+        while "serving ws://" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "server exited early"
+            assert time.monotonic() - started < 120
+        assert f"ws://127.0.0.1:{port}/turing/v3/gpt" in line
+        for _ in range(100):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        frames = asyncio.run(converse(f"ws://127.0.0.1:{port}/turing/v3/gpt",
+                                      spark_request("What is the capital of France?", max_tokens=12, top_k=1)))
+        assert frames[-1]["header"]["status"] == 2
+        assert "Paris" in answer_text(frames)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
