@@ -3,6 +3,9 @@
 The batch's tokens are laid out flat: all decode tokens first (one per sequence), then each
 prefill chunk. Linear layers run over the flat tokens; only attention is split into one batched
 call for the decodes and one call per prefill chunk.
+
+Cache layout per layer: ``[2 * Hkv, num_slots, D]`` (K heads, then V heads). Head-major, so one
+``index_select`` over slots yields K and V for a whole batch already shaped for batched matmul.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ class PrefillSpan:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot written by each token
     num_decodes: int
-    decode_gather: torch.Tensor | None  # [num_decodes, max_len] cache slots (padding points at slot 0)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool
+    decode_gather: torch.Tensor | None  # [num_decodes * max_len] cache slots (padding points at slot 0)
+    decode_mask: torch.Tensor | None  # [num_decodes, max_len] bool; None when no row is padded
+    decode_max_len: int
     prefills: list[PrefillSpan]
 
 
@@ -38,38 +42,58 @@ class PagedKVCache:
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_kv_heads = num_kv_heads
+        self.kv = torch.zeros((num_layers, 2 * num_kv_heads, num_blocks * block_size, head_dim),
+                              dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def _decode_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """One query token per sequence. q [B, H, D]; kv [2*Hkv, B, L, D]; mask [B, L] -> [B, H, D].
+
+    Plain batched matmuls: for a single query row they beat the CPU flash kernel, which is tuned
+    for long query blocks. Query heads are grouped onto their KV head (GQA) without repeating K/V.
+    """
+    B, H, D = q.shape
+    Hkv = kv.shape[0] // 2
+    G = H // Hkv
+    qg = q.view(B, Hkv, G, D).transpose(0, 1)  # [Hkv, B, G, D]
+    scores = torch.matmul(qg, kv[:Hkv].transpose(-1, -2)).float() * (D ** -0.5)  # [Hkv, B, G, L]
+    if mask is not None:
+        scores = scores.masked_fill(~mask[None, :, None, :], float("-inf"))
+    probs = scores.softmax(-1).to(kv.dtype)
+    out = torch.matmul(probs, kv[Hkv:])  # [Hkv, B, G, D]
+    return out.transpose(0, 1).reshape(B, H, D)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                     cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] for the new tokens; returns [T, H, D]."""
-    k_cache, v_cache = cache.k[layer], cache.v[layer]
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
+    layer_kv = cache.kv[layer]  # [2*Hkv, slots, D]
+    Hkv = cache.num_kv_heads
+    new_kv = torch.cat((k, v), dim=1).transpose(0, 1)  # [2*Hkv, T, D]
+    layer_kv.index_copy_(1, meta.slot_mapping, new_kv)
     nd = meta.num_decodes
+    decoded = None
     if nd:
-        kk = k_cache[meta.decode_gather].transpose(1, 2)  # [B, Hkv, L, D]
-        vv = v_cache[meta.decode_gather].transpose(1, 2)
-        qq = q[:nd].unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=meta.decode_mask, enable_gqa=True)
-        out[:nd] = o.squeeze(2)
+        gathered = layer_kv.index_select(1, meta.decode_gather).view(2 * Hkv, nd, meta.decode_max_len, -1)
+        decoded = _decode_attention(q[:nd], gathered, meta.decode_mask)
+        if not meta.prefills:
+            return decoded
+    out = torch.empty_like(q)
+    if decoded is not None:
+        out[:nd] = decoded
     for span in meta.prefills:
         s, e = span.q_start, span.q_start + span.q_len
         qq = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if span.gather is None:
-            kk = k[s:e].transpose(0, 1).unsqueeze(0)
-            vv = v[s:e].transpose(0, 1).unsqueeze(0)
+            ctx = new_kv[:, s:e]
         else:
-            kk = k_cache[span.gather].transpose(0, 1).unsqueeze(0)
-            vv = v_cache[span.gather].transpose(0, 1).unsqueeze(0)
+            ctx = layer_kv.index_select(1, span.gather)
+        kk, vv = ctx[:Hkv].unsqueeze(0), ctx[Hkv:].unsqueeze(0)  # [1, Hkv, L, D]
         if span.mask is None:
             o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
         else:

@@ -33,6 +33,7 @@ class ModelRunner:
         # decode: one token per sequence, attention over its whole context
         decodes = batch.decodes
         decode_gather = decode_mask = None
+        max_len = 0
         if decodes:
             ctx_lens = []
             for row, seq in enumerate(decodes):
@@ -50,9 +51,12 @@ class ModelRunner:
                                    for s in decodes], dtype=torch.long)
             pos_range = torch.arange(max_len)
             decode_gather = tables[:, pos_range // bs] * bs + pos_range % bs  # [B, max_len]
-            decode_mask = (pos_range[None, :] < torch.tensor(ctx_lens)[:, None])[:, None, None, :]
-            decode_gather = decode_gather.masked_fill(~decode_mask[:, 0, 0, :], 0).to(self.device)
-            decode_mask = decode_mask.to(self.device)
+            decode_mask = pos_range[None, :] < torch.tensor(ctx_lens)[:, None]
+            if min(ctx_lens) == max_len:
+                decode_gather, decode_mask = decode_gather.flatten().to(self.device), None
+            else:
+                decode_gather = decode_gather.masked_fill(~decode_mask, 0).flatten().to(self.device)
+                decode_mask = decode_mask.to(self.device)
 
         # prefill: a chunk of consecutive tokens per sequence, causal over cache + chunk
         spans: list[PrefillSpan] = []
@@ -78,6 +82,7 @@ class ModelRunner:
             num_decodes=len(decodes),
             decode_gather=decode_gather,
             decode_mask=decode_mask,
+            decode_max_len=max_len,
             prefills=spans,
         )
         logits = self.model.forward(

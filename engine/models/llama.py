@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, PagedKVCache, paged_attention
+from engine.models.linear import Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -19,12 +20,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 @dataclass(slots=True)
 class _LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2*Hkv) * D, hidden]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: Linear  # [(H + 2*Hkv) * D, hidden]
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,11 +33,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class LlamaForCausalLM:
@@ -61,7 +56,7 @@ class LlamaForCausalLM:
 
         inner = hf_model.model
         self.embed = w(inner.embed_tokens.weight)
-        self.lm_head = w(hf_model.lm_head.weight)
+        self.lm_head = Linear(w(hf_model.lm_head.weight))
         self.final_norm = w(inner.norm.weight)
         self.layers: list[_LayerWeights] = []
         for layer in inner.layers:
@@ -71,22 +66,24 @@ class LlamaForCausalLM:
                 bias = w(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]))
             self.layers.append(_LayerWeights(
                 input_norm=w(layer.input_layernorm.weight),
-                qkv=w(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
-                qkv_bias=bias,
-                o=w(att.o_proj.weight),
+                qkv=Linear(w(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])), bias),
+                o=Linear(w(att.o_proj.weight)),
                 post_norm=w(layer.post_attention_layernorm.weight),
-                gate_up=w(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-                down=w(mlp.down_proj.weight),
+                gate_up=Linear(w(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))),
+                down=Linear(w(mlp.down_proj.weight)),
             ))
-        self.intermediate = self.layers[0].gate_up.shape[0] // 2
+        self.intermediate = self.layers[0].gate_up.out_features // 2
         # RoPE tables from the model's own rotary module, so every rope_scaling variant matches it.
+        # rotate_half(x) * sin == roll(x, D/2) * sin_signed, with the sign folded into the table.
         max_pos = cfg.max_position_embeddings
         probe = torch.zeros(1, dtype=torch.float32, device=device)
-        pos = torch.arange(max_pos, device=device)[None]
         rotary = inner.rotary_emb.to(device)
-        cos, sin = rotary(probe, pos)
+        cos, sin = rotary(probe, torch.arange(max_pos, device=device)[None])
+        half = self.head_dim // 2
+        sin = sin[0].clone()
+        sin[:, :half] = -sin[:, :half]
         self.cos = cos[0].to(dtype)
-        self.sin = sin[0].to(dtype)
+        self.sin_signed = sin.to(dtype)
         self.max_position = max_pos
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
@@ -103,20 +100,19 @@ class LlamaForCausalLM:
         T = input_ids.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
+        sin = self.sin_signed[positions].unsqueeze(1)
+        half = D // 2
         x = self.embed[input_ids]
         for i, lw in enumerate(self.layers):
             h = rms_norm(x, lw.input_norm, self.eps)
-            qkv = F.linear(h, lw.qkv, lw.qkv_bias)
-            q = qkv[:, : H * D].view(T, H, D)
-            k = qkv[:, H * D: (H + Hkv) * D].view(T, Hkv, D)
+            qkv = lw.qkv(h)
+            qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
+            qk = qk * cos + torch.roll(qk, half, dims=-1) * sin  # RoPE on q and k at once
             v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            a = paged_attention(q, k, v, i, cache, meta)
-            x = x + F.linear(a.reshape(T, H * D), lw.o)
+            a = paged_attention(qk[:, :H], qk[:, H:], v, i, cache, meta)
+            x = x + lw.o(a.reshape(T, H * D))
             h = rms_norm(x, lw.post_norm, self.eps)
-            gu = F.linear(h, lw.gate_up)
-            x = x + F.linear(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate:], lw.down)
+            gu = lw.gate_up(h)
+            x = x + lw.down(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate:])
         x = rms_norm(x[logits_indices], self.final_norm, self.eps)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()
