@@ -26,24 +26,26 @@ class RequestStream:
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.loop = loop
-        self.pending: RequestOutput | None = None
+        self.pending: dict[int, RequestOutput] = {}  # sample index -> outputs not yet taken, merged
         self.failure: BaseException | None = None
         self.event = asyncio.Event()
 
     def put(self, output: RequestOutput) -> None:  # runs on the event loop
-        self.pending = output if self.pending is None else self.pending.merge(output)
+        earlier = self.pending.get(output.index)
+        self.pending[output.index] = output if earlier is None else earlier.merge(output)
         self.event.set()
 
     def fail(self, exc: BaseException) -> None:
         self.failure = exc
         self.event.set()
 
-    async def get(self) -> RequestOutput:
+    async def get(self) -> list[RequestOutput]:
         await self.event.wait()
         self.event.clear()
-        if self.pending is not None:
-            out, self.pending = self.pending, None
-            return out
+        if self.pending:
+            outs = [self.pending[i] for i in sorted(self.pending)]
+            self.pending = {}
+            return outs
         assert self.failure is not None
         raise self.failure
 
@@ -109,19 +111,19 @@ class AsyncEngine:
         self._streams[request.request_id] = stream
         self._commands.put(("add", request, ids))
         self._wake.set()
-        finished = False
+        unfinished = request.params.n
         try:
-            while not finished:
-                out = await stream.get()
-                finished = out.finished
-                if out.finish_reason == "error" and out.error and "timed out" in out.error:
-                    raise RequestTimeoutError(out.error)
-                if out.finish_reason == "error":
-                    raise InferenceError(out.error or "inference failed")
-                yield out
+            while unfinished:
+                for out in await stream.get():
+                    if out.finish_reason == "error" and out.error and "timed out" in out.error:
+                        raise RequestTimeoutError(out.error)
+                    if out.finish_reason == "error":
+                        raise InferenceError(out.error or "inference failed")
+                    unfinished -= out.finished
+                    yield out
         finally:
             self._streams.pop(request.request_id, None)
-            if not finished:
+            if unfinished:
                 self._commands.put(("abort", request.request_id, None))
                 self._wake.set()
 
@@ -153,8 +155,7 @@ class AsyncEngine:
                 except Exception as exc:  # refused at admission: tell only that caller
                     self._fail(a.request_id, exc)
             elif kind == "abort":
-                out = self.engine.abort_request(a)
-                if out is not None:
+                for out in self.engine.abort_request(a):
                     self._deliver(out)
 
     def _run(self) -> None:
@@ -176,6 +177,6 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out)
         # shutting down: end whatever is left
-        for request_id in list(self.engine.sequences):
+        for request_id in list(self.engine.requests):
             self._fail(request_id, EngineShutdownError("the server is shutting down"))
             self.engine.abort_request(request_id)

@@ -66,8 +66,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.model.make_kv_cache(num_blocks, config.block_size))
         self.eos_token_ids = self._eos_ids(model_dir)
-        self.sequences: dict[str, Sequence] = {}
-        self._matchers: dict[str, StopStringMatcher] = {}
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences still running
         name = config.served_model_name or (EMBEDDED_MODEL_NAME if config.model in (None, "", "embedded")
                                             else model_dir.name)
         self.model_info = ModelInfo(name=name, path=str(model_dir), model_type=hf_config.model_type,
@@ -122,7 +121,7 @@ class LLMEngine:
     # ---- the core loop -------------------------------------------------------------------------
 
     def add_request(self, request: GenerationRequest, prompt_token_ids: list[int] | None = None) -> None:
-        if request.request_id in self.sequences:
+        if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running",
                                       parameter="request_id")
         if len(self.scheduler.waiting) >= self.config.max_waiting:
@@ -132,20 +131,29 @@ class LLMEngine:
         if len(ids) + 1 > capacity:
             raise PromptTooLongError(f"the prompt has {len(ids)} tokens; the KV cache holds {capacity}",
                                      len(ids), capacity - 1)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, request.params.skip_special_tokens)
         salt = (request.lora.name or request.lora.md5 or "") if request.lora else ""
-        seq = Sequence(request, ids, detok, self.max_model_len, cache_salt=salt)
-        self.sequences[request.request_id] = seq
-        self._matchers[request.request_id] = StopStringMatcher(request.params.stop,
-                                                               request.params.include_stop_str_in_output)
-        self.scheduler.add(seq)
+        p = request.params
+        seqs = []
+        for index in range(p.n):
+            # The n samples share the prompt's KV: siblings wait until the first one's prompt blocks
+            # are in the prefix cache, then reuse them. Seeded requests stay reproducible per sample.
+            seed = None if p.seed is None else p.seed + index
+            seq = Sequence(request, ids, IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens),
+                           self.max_model_len, cache_salt=salt, index=index, seed=seed,
+                           stop_matcher=StopStringMatcher(p.stop, p.include_stop_str_in_output),
+                           wait_for=seqs[0] if seqs else None)
+            seqs.append(seq)
+        self.requests[request.request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        seq = self.sequences.get(request_id)
-        if seq is None:
-            return None
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """End every sequence of the request at once and free its cache; idempotent."""
+        seqs = self.requests.get(request_id)
+        if not seqs:
+            return []
         self.num_aborted += 1
-        return self._finish(seq, "abort")
+        return [self._finish(seq, "abort") for seq in list(seqs)]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -181,7 +189,7 @@ class LLMEngine:
     def _process_token(self, seq: Sequence, token: int) -> RequestOutput:
         p = seq.params
         seq.append_token(token)
-        matcher = self._matchers[seq.request_id]
+        matcher = seq.stop_matcher
         can_stop = seq.num_output_tokens >= p.min_tokens
         if can_stop and not p.ignore_eos and token in self.eos_token_ids:
             return self._finish(seq, "stop", new_tokens=[token], text=matcher.flush())
@@ -200,15 +208,18 @@ class LLMEngine:
         if seq.params.logprobs:
             logprobs, seq.pending_logprobs = seq.pending_logprobs, []
         return RequestOutput(
-            request_id=seq.request_id, new_token_ids=new_tokens, text_delta=text,
+            request_id=seq.request_id, index=seq.index, new_token_ids=new_tokens, text_delta=text,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens, logprobs=logprobs, timings=seq.timings)
 
     def _finish(self, seq: Sequence, reason: str, new_tokens: list[int] | None = None, text: str = "",
                 stop_reason: str | int | None = None, error: str | None = None) -> RequestOutput:
         self.scheduler.remove(seq)
-        self.sequences.pop(seq.request_id, None)
-        self._matchers.pop(seq.request_id, None)
+        siblings = self.requests.get(seq.request_id)
+        if siblings is not None:
+            siblings.remove(seq)
+            if not siblings:
+                del self.requests[seq.request_id]
         out = self._output(seq, new_tokens or [], text)
         out.finished = True
         out.finish_reason = reason  # type: ignore[assignment]
@@ -218,7 +229,8 @@ class LLMEngine:
 
     def _expire_deadlines(self) -> list[RequestOutput]:
         now = time.monotonic()
-        expired = [s for s in self.sequences.values() if s.deadline is not None and s.deadline <= now]
+        expired = [s for seqs in self.requests.values() for s in seqs
+                   if s.deadline is not None and s.deadline <= now]
         return [self._finish(s, "error", error="request timed out (deadline passed)") for s in expired]
 
     # ---- introspection -------------------------------------------------------------------------

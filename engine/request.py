@@ -77,6 +77,7 @@ class RequestTimings:
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
+    index: int  # which of the request's n samples (0 when n == 1)
     new_token_ids: list[int]
     text_delta: str
     num_prompt_tokens: int
@@ -90,12 +91,13 @@ class RequestOutput:
     timings: RequestTimings = field(default_factory=RequestTimings)
 
     def merge(self, later: "RequestOutput") -> "RequestOutput":
-        """Fold a later output into this one (for consumers that fall behind)."""
+        """Fold a later output of the same sample into this one (for consumers that fall behind)."""
         logprobs = None
         if self.logprobs is not None or later.logprobs is not None:
             logprobs = (self.logprobs or []) + (later.logprobs or [])
         return RequestOutput(
             request_id=self.request_id,
+            index=self.index,
             new_token_ids=self.new_token_ids + later.new_token_ids,
             text_delta=self.text_delta + later.text_delta,
             num_prompt_tokens=later.num_prompt_tokens,

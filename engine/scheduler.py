@@ -99,8 +99,11 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if seq.is_blocked:
+                continue
             if not seq.block_table:
                 bm.allocate_cached_prefix(seq)
             n = self._fit(seq, min(seq.num_uncomputed_tokens, budget))
@@ -108,7 +111,7 @@ class Scheduler:
                 bm.free(seq)  # keep its cached prefix evictable while it waits
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             seq.mark_scheduled()
             self.running.append(seq)

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.request import GenerationRequest, RequestTimings, TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -20,8 +20,12 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request: GenerationRequest, prompt_token_ids: list[int],
-                 detokenizer: IncrementalDetokenizer, max_model_len: int, cache_salt: str = "") -> None:
+                 detokenizer: IncrementalDetokenizer, max_model_len: int, cache_salt: str = "",
+                 index: int = 0, seed: int | None = None, stop_matcher: StopStringMatcher | None = None,
+                 wait_for: "Sequence | None" = None) -> None:
         self.request_id = request.request_id
+        self.index = index  # which of the request's n samples
+        self.wait_for = wait_for  # a sibling whose prompt KV this one reuses once cached
         self.params: SamplingParams = request.params
         self.priority = request.priority
         self.deadline = request.deadline
@@ -39,8 +43,8 @@ class Sequence:
         self.detokenizer = detokenizer
         self.pending_logprobs: list[TokenLogprob] = []
         self.generator = torch.Generator()
-        self.generator.manual_seed(self.params.seed if self.params.seed is not None
-                                   else torch.seed() & 0x7FFF_FFFF_FFFF_FFFF)
+        self.generator.manual_seed(seed if seed is not None else torch.seed() & 0x7FFF_FFFF_FFFF_FFFF)
+        self.stop_matcher = stop_matcher or StopStringMatcher([], False)
         self.timings = RequestTimings(arrival=request.arrival_time)
         self.first_scheduled: float | None = None
         self.last_token_time: float | None = None
@@ -57,6 +61,17 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_blocked(self) -> bool:
+        """Waiting for a sibling to finish its prompt, so the prompt's KV can be shared."""
+        w = self.wait_for
+        if w is None:
+            return False
+        if w.status == SequenceStatus.FINISHED or w.num_computed_tokens >= w.num_prompt_tokens:
+            self.wait_for = None
+            return False
+        return True
 
     def mark_scheduled(self) -> None:
         if self.first_scheduled is None:

@@ -23,6 +23,10 @@ def run_all(engine: LLMEngine, requests: list[GenerationRequest]) -> dict[str, l
     return outputs
 
 
+def by_index(outs: list[RequestOutput], index: int) -> list[RequestOutput]:
+    return [o for o in outs if o.index == index]
+
+
 def tokens_of(outs: list[RequestOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 

@@ -52,10 +52,10 @@ def test_abort_frees_blocks_at_once(llm_engine):
     for _ in range(3):
         llm_engine.step()
     assert llm_engine.block_manager.num_used_blocks > 0
-    out = llm_engine.abort_request("x")
+    (out,) = llm_engine.abort_request("x")
     assert out.finished and out.finish_reason == "abort"
     assert llm_engine.block_manager.num_used_blocks == 0 and not llm_engine.has_unfinished()
-    assert llm_engine.abort_request("x") is None  # idempotent
+    assert llm_engine.abort_request("x") == []  # idempotent
 
 
 def test_prompt_over_context_is_refused(llm_engine):
@@ -81,3 +81,22 @@ def test_duplicate_request_id_is_refused(llm_engine):
     with pytest.raises(InvalidRequestError):
         llm_engine.add_request(chat("dup", "Hi", max_tokens=2))
     llm_engine.abort_request("dup")
+
+
+def test_n_samples_share_the_prompt_cache(llm_engine):
+    from tests.engine.helpers import by_index
+
+    prompt = "Describe a sunrise over the mountains in detail. " * 4
+    outs = run_all(llm_engine, [chat("multi", prompt, max_tokens=8, temperature=1.0, seed=7, n=3)])["multi"]
+    finals = [o for o in outs if o.finished]
+    assert sorted(o.index for o in finals) == [0, 1, 2]
+    cached = {o.index: o.num_cached_tokens for o in finals}
+    block = llm_engine.block_manager.block_size
+    for sibling in (1, 2):  # every full block of the prompt comes from the first sample's KV
+        assert cached[sibling] > cached[0]
+        assert cached[sibling] >= finals[0].num_prompt_tokens - block
+    samples = [tokens_of(by_index(outs, i)) for i in range(3)]
+    assert len({tuple(s) for s in samples}) > 1  # different samples
+    again = run_all(llm_engine, [chat("multi", prompt, max_tokens=8, temperature=1.0, seed=7, n=3)])["multi"]
+    assert [tokens_of(by_index(again, i)) for i in range(3)] == samples  # reproducible per sample
+    assert llm_engine.block_manager.num_used_blocks == 0
