@@ -61,12 +61,34 @@ def _decode_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | No
     Hkv = kv.shape[0] // 2
     G = H // Hkv
     qg = q.view(B, Hkv, G, D).transpose(0, 1)  # [Hkv, B, G, D]
-    scores = torch.matmul(qg, kv[:Hkv].transpose(-1, -2)).float() * (D ** -0.5)  # [Hkv, B, G, L]
+    scores = torch.matmul(qg * (D ** -0.5), kv[:Hkv].transpose(-1, -2))  # [Hkv, B, G, L]
     if mask is not None:
         scores = scores.masked_fill(~mask[None, :, None, :], float("-inf"))
-    probs = scores.softmax(-1).to(kv.dtype)
+    probs = scores.softmax(-1, dtype=torch.float32).to(kv.dtype)
     out = torch.matmul(probs, kv[Hkv:])  # [Hkv, B, G, D]
     return out.transpose(0, 1).reshape(B, H, D)
+
+
+# Above this many score elements per KV head, prefill uses the memory-efficient flash kernel; below
+# it, plain matmuls are about twice as fast on CPU.
+_MATMUL_ATTENTION_MAX_SCORES = 1 << 20
+
+
+def _chunk_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """A prefill chunk of one sequence. q [n, H, D]; kv [2*Hkv, L, D]; mask [n, L] or None
+    (causal, n == L) -> [n, H, D]."""
+    n, H, D = q.shape
+    Hkv, L = kv.shape[0] // 2, kv.shape[1]
+    G = H // Hkv
+    qg = q.view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)
+    scores = torch.matmul(qg, kv[:Hkv].transpose(-1, -2)).float().view(Hkv, G, n, L)
+    scores.mul_(D ** -0.5)
+    if mask is None:
+        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril_(L - n)
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = scores.softmax(-1).to(kv.dtype).view(Hkv, G * n, L)
+    out = torch.matmul(probs, kv[Hkv:]).view(Hkv, G, n, D)  # [Hkv, G, n, D]
+    return out.permute(2, 0, 1, 3).reshape(n, H, D)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -88,11 +110,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         out[:nd] = decoded
     for span in meta.prefills:
         s, e = span.q_start, span.q_start + span.q_len
-        qq = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if span.gather is None:
             ctx = new_kv[:, s:e]
         else:
             ctx = layer_kv.index_select(1, span.gather)
+        if span.q_len * span.context_len * (q.shape[1] // Hkv) <= _MATMUL_ATTENTION_MAX_SCORES:
+            out[s:e] = _chunk_attention(q[s:e], ctx, span.mask)
+            continue
+        qq = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         kk, vv = ctx[:Hkv].unsqueeze(0), ctx[Hkv:].unsqueeze(0)  # [1, Hkv, L, D]
         if span.mask is None:
             o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)

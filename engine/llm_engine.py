@@ -63,7 +63,8 @@ class LLMEngine:
         if num_blocks < 2:
             raise ValueError("the KV cache budget holds fewer than 2 blocks; raise --kv-cache-space")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.long_prefill_token_threshold)
         self.runner = ModelRunner(self.model, self.model.make_kv_cache(num_blocks, config.block_size))
         self.eos_token_ids = self._eos_ids(model_dir)
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences still running

@@ -1,7 +1,7 @@
 """Batched sampling with per-row parameters.
 
-Every row draws from its own ``torch.Generator``, so a seeded request samples the same tokens
-whatever else shares its batch.
+Every row draws from its own ``torch.Generator`` (one uniform per token), so a seeded request
+samples the same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -87,10 +87,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int])
     if random_rows:
         sub_seqs = [seqs[i] for i in random_rows]
         probs = _truncate(logits[random_rows], sub_seqs).softmax(-1)
+        cdf = probs.cumsum(-1)
         for j, (row, seq) in enumerate(zip(random_rows, sub_seqs)):
-            # Exponential race (Gumbel-max equivalent): one draw per vocab entry from the row's generator.
-            noise = torch.empty_like(probs[j]).exponential_(generator=seq.generator)
-            tokens[row] = int((probs[j] / noise).argmax())
+            # Inverse-CDF draw: one uniform from the row's own generator (cheap, and independent of
+            # the batch). side="right" never lands on a zero-probability token.
+            u = torch.rand(1, generator=seq.generator) * cdf[j, -1]
+            tokens[row] = min(int(torch.searchsorted(cdf[j], u, right=True)), probs.shape[-1] - 1)
     if raw_logprobs is not None:
         for row, seq in enumerate(seqs):
             if not seq.params.logprobs:

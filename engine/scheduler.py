@@ -35,10 +35,14 @@ def _order(seq: Sequence) -> tuple[int, float]:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 long_prefill_token_threshold: int = 0) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # While any sequence is decoding, one prefill chunk takes at most this many tokens (0: no cap),
+        # so a long prompt adds little to the running streams' token gaps.
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -79,11 +83,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         self.running.sort(key=_order)
-        scheduled: set[int] = set()
+        chunk_cap = budget
+        if self.long_prefill_token_threshold and any(s.num_uncomputed_tokens == 1 for s in self.running):
+            chunk_cap = self.long_prefill_token_threshold
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            wanted = min(seq.num_uncomputed_tokens, budget)
+            wanted = min(seq.num_uncomputed_tokens, budget, chunk_cap)
             n = self._fit(seq, wanted)
             while n == 0 and self.running[-1] is not seq:
                 victim = self.running[-1]
@@ -96,7 +102,6 @@ class Scheduler:
                 continue
             bm.append_slots(seq, n)
             self._add(batch, seq, n)
-            scheduled.add(id(seq))
             budget -= n
             i += 1
         for seq in list(self.waiting):
@@ -106,7 +111,7 @@ class Scheduler:
                 continue
             if not seq.block_table:
                 bm.allocate_cached_prefix(seq)
-            n = self._fit(seq, min(seq.num_uncomputed_tokens, budget))
+            n = self._fit(seq, min(seq.num_uncomputed_tokens, budget, chunk_cap))
             if n == 0:
                 bm.free(seq)  # keep its cached prefix evictable while it waits
                 seq.num_computed_tokens = seq.num_cached_tokens = 0

@@ -36,7 +36,9 @@ class Settings:
                       choices=["auto", "float32", "bfloat16", "float16"])
     max_model_len: int | None = _opt(None, "context length in tokens (default: the model's)")
     max_num_seqs: int = _opt(64, "most sequences decoded together in one step")
-    max_num_batched_tokens: int = _opt(256, "token budget of one engine step (prefill is chunked to fit)")
+    max_num_batched_tokens: int = _opt(512, "token budget of one engine step (prefill is chunked to fit)")
+    long_prefill_token_threshold: int = _opt(32, "most prefill tokens one prompt takes per step while other "
+                                                 "sequences decode, keeping their token gaps even (0: no cap)")
     max_waiting: int = _opt(1024, "most requests waiting for a running slot before new ones are refused")
     kv_cache_space: float = _opt(2.0, "KV cache budget in GiB")
     num_kv_blocks: int | None = _opt(None, "KV cache blocks (overrides --kv-cache-space)")
@@ -53,7 +55,8 @@ class Settings:
         return EngineConfig(
             model=self.model, served_model_name=self.served_model_name, device=self.device, dtype=self.dtype,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, block_size=self.block_size,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            long_prefill_token_threshold=self.long_prefill_token_threshold, block_size=self.block_size,
             kv_cache_space_gib=self.kv_cache_space, num_kv_blocks=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching, max_waiting=self.max_waiting,
             num_threads=self.num_threads,

@@ -24,7 +24,7 @@ def test_precedence(tmp_path):
     assert s.port == 3333  # flag beats env
     assert s.max_num_seqs == 4  # env beats file
     assert s.host == "0.0.0.0" and s.dtype == "bfloat16"  # file beats default
-    assert s.max_num_batched_tokens == 256  # default
+    assert s.max_num_batched_tokens == 512  # default
 
 
 def test_bad_values_are_named(tmp_path):

@@ -1,0 +1,69 @@
+"""Offline throughput: 64 requests (~200-token prompts, 128 output tokens, ignore_eos) at
+concurrency 1, 8 and 32, beside transformers' sequential `generate` (fp32, batch 1) in the same run.
+
+Bars (issue "Engine"): at concurrency 32 the aggregate output tokens/s is >= 20x the baseline;
+at concurrency 1 the time per output token is <= 0.3x the baseline's.
+
+    python -m benchmarks.bench_offline [--num-requests 64] [--baseline-requests 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from benchmarks.common import (hf_sequential_baseline, print_table, run_load, save, start_engine, summarize,
+                               synthetic_prompt, token_requests, verdict)
+
+PROMPT_LEN = 200
+OUTPUT_LEN = 128
+
+
+async def engine_runs(args) -> tuple[str, dict[int, dict[str, float]]]:
+    engine = start_engine(dtype=args.dtype, max_num_seqs=64)
+    try:
+        # warm-up: first-call kernel selection should not count against concurrency 1
+        await run_load(engine, token_requests("warm", 2, PROMPT_LEN, 8), 2)
+        results = {}
+        for c in (1, 8, 32):
+            n = args.c1_requests if c == 1 else args.num_requests
+            wall, timings = await run_load(engine, token_requests(f"c{c}", n, PROMPT_LEN, OUTPUT_LEN), c)
+            results[c] = summarize(wall, timings)
+        return engine.model_info.path, results | {"dtype": engine.model_info.dtype}
+    finally:
+        engine.shutdown()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--c1-requests", type=int, default=16, help="requests at concurrency 1 (sequential)")
+    parser.add_argument("--baseline-requests", type=int, default=8)
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+
+    model_path, results = asyncio.run(engine_runs(args))
+    dtype = results.pop("dtype")
+    prompts = [synthetic_prompt(i, PROMPT_LEN) for i in range(args.baseline_requests)]
+    base = hf_sequential_baseline(model_path, prompts, OUTPUT_LEN)
+
+    rows = [["transformers generate (fp32, sequential)", 1, base["tok_s"], "1.00x", base["ttft_p50"] * 1e3, "-",
+             base["tpot_p50"] * 1e3, base["tpot_p99"] * 1e3]]
+    for c, r in results.items():
+        rows.append([f"spark-server engine ({dtype})", c, r["tok_s"], f"{r['tok_s'] / base['tok_s']:.2f}x",
+                     r["ttft_p50"] * 1e3, r["ttft_p99"] * 1e3, r["tpot_p50"] * 1e3, r["tpot_p99"] * 1e3])
+    print_table(f"Offline: {args.num_requests} requests, {PROMPT_LEN}-token prompts, {OUTPUT_LEN} output tokens",
+                ["engine", "concurrency", "output tok/s", "vs baseline", "TTFT p50 ms", "TTFT p99 ms",
+                 "TPOT p50 ms", "TPOT p99 ms"], rows)
+    speedup = results[32]["tok_s"] / base["tok_s"]
+    tpot_ratio = results[1]["tpot_p50"] / base["tpot_p50"]
+    print(f"\nthroughput at 32 concurrent: {speedup:.1f}x baseline; TPOT at concurrency 1: {tpot_ratio:.2f}x baseline")
+    save("offline", {"baseline": base, "engine": results, "dtype": dtype, "speedup_c32": speedup,
+                     "tpot_ratio_c1": tpot_ratio})
+    return verdict({"throughput at 32 concurrent >= 20x transformers sequential": speedup >= 20,
+                    "TPOT at concurrency 1 <= 0.3x transformers": tpot_ratio <= 0.3})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

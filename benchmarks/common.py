@@ -1,0 +1,151 @@
+"""Shared helpers for the benchmarks: engine set-up, load generation, statistics, reporting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.request import GenerationRequest, TokensPrompt
+from engine.sampling_params import SamplingParams
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+@dataclass
+class RequestTiming:
+    ttft: float
+    tpot: float | None
+    num_tokens: int
+    gaps: list[float] = field(default_factory=list)
+
+
+def synthetic_prompt(i: int, length: int, vocab_lo: int = 200, vocab_hi: int = 40000) -> list[int]:
+    """Distinct, deterministic token ids (no shared prefix between requests)."""
+    span = vocab_hi - vocab_lo
+    return [1] + [vocab_lo + (i * 7919 + j * 104729) % span for j in range(length - 1)]
+
+
+def start_engine(**overrides: Any) -> AsyncEngine:
+    engine = AsyncEngine.from_config(EngineConfig(**overrides))
+    engine.start()
+    return engine
+
+
+async def timed_request(engine: AsyncEngine, request: GenerationRequest) -> RequestTiming:
+    start = time.perf_counter()
+    first = last = None
+    gaps: list[float] = []
+    n = 0
+    async for out in engine.generate(request):
+        if not out.new_token_ids:
+            continue
+        now = time.perf_counter()
+        if first is None:
+            first = now
+        elif last is not None:
+            gaps.append(now - last)
+        last = now
+        n += len(out.new_token_ids)
+    assert first is not None and last is not None
+    tpot = (last - first) / (n - 1) if n > 1 else None
+    return RequestTiming(ttft=first - start, tpot=tpot, num_tokens=n, gaps=gaps)
+
+
+async def run_load(engine: AsyncEngine, requests: list[GenerationRequest], concurrency: int) -> tuple[float, list[RequestTiming]]:
+    """Keep ``concurrency`` requests in flight; returns (wall seconds, per-request timings)."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(r: GenerationRequest) -> RequestTiming:
+        async with sem:
+            return await timed_request(engine, r)
+
+    start = time.perf_counter()
+    timings = await asyncio.gather(*(one(r) for r in requests))
+    return time.perf_counter() - start, list(timings)
+
+
+def token_requests(prefix: str, num: int, prompt_len: int, max_tokens: int, **params: Any) -> list[GenerationRequest]:
+    return [GenerationRequest(f"{prefix}-{i}", TokensPrompt(synthetic_prompt(i, prompt_len)),
+                              SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params))
+            for i in range(num)]
+
+
+def hf_sequential_baseline(model_path: str, prompts: list[list[int]], max_new_tokens: int) -> dict[str, float]:
+    """transformers `generate`, fp32, batch 1, one request after another (the reference server loop)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    ttfts, tpots, total_tokens = [], [], 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            mask = torch.ones_like(x)
+            t0 = time.perf_counter()
+            model.generate(x, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
+            t1 = time.perf_counter()
+            out = model.generate(x, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            t2 = time.perf_counter()
+            n = out.shape[1] - x.shape[1]
+            total_tokens += n
+            ttfts.append(t1 - t0)
+            tpots.append(((t2 - t1) - (t1 - t0)) / max(n - 1, 1))
+    # the two-call measurement double-counts one prefill per request; throughput uses the long call only
+    wall = time.perf_counter() - start - sum(ttfts)
+    return {"tok_s": total_tokens / wall, "ttft_p50": percentile(ttfts, 50), "tpot_p50": percentile(tpots, 50),
+            "tpot_p99": percentile(tpots, 99)}
+
+
+def summarize(wall: float, timings: list[RequestTiming]) -> dict[str, float]:
+    tokens = sum(t.num_tokens for t in timings)
+    ttfts = [t.ttft for t in timings]
+    tpots = [t.tpot for t in timings if t.tpot is not None]
+    return {"tok_s": tokens / wall, "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
+            "tpot_p50": percentile(tpots, 50), "tpot_p99": percentile(tpots, 99), "tokens": tokens,
+            "wall_s": wall}
+
+
+def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
+    def fmt(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    cells = [header] + [[fmt(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    print(f"\n## {title}\n")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in cells[1:]:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+
+
+def save(name: str, data: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    data = dict(data, machine={"cpus": os.cpu_count()}, when=time.strftime("%Y-%m-%d %H:%M:%S"))
+    path.write_text(json.dumps(data, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))
+    return path
+
+
+def verdict(checks: dict[str, bool]) -> int:
+    for name, ok in checks.items():
+        print(f"{'PASS' if ok else 'FAIL'}: {name}")
+    return 0 if all(checks.values()) else 1

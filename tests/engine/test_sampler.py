@@ -1,0 +1,140 @@
+"""Each sampling parameter changes the choice the way its definition says (synthetic logits)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+
+from engine.request import GenerationRequest, TokensPrompt
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+VOCAB = 8
+EOS = 7
+
+
+class _NoDetok:
+    pass
+
+
+def make_seq(prompt=(1, 2), outputs=(), seed=0, **params) -> Sequence:
+    req = GenerationRequest("r", TokensPrompt(list(prompt)), SamplingParams(**params))
+    seq = Sequence(req, list(prompt), _NoDetok(), 1000, seed=seed)
+    seq.token_ids.extend(outputs)
+    return seq
+
+
+def logits_of(*values: float) -> torch.Tensor:
+    return torch.tensor([values], dtype=torch.float32)
+
+
+BASE = (4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0)
+
+
+def draws(n=400, logits=BASE, **params) -> Counter:
+    seq = make_seq(seed=123, **params)
+    counts: Counter = Counter()
+    for _ in range(n):
+        counts[sample(logits_of(*logits), [seq], [EOS])[0]] += 1
+    return counts
+
+
+def test_temperature_zero_is_argmax():
+    assert set(draws(50, temperature=0.0)) == {0}
+
+
+def test_higher_temperature_spreads_choices():
+    cold = draws(temperature=0.3)
+    hot = draws(temperature=2.0)
+    assert cold[0] > hot[0] and len(hot) > len(cold)
+
+
+def test_top_k_keeps_only_k_tokens():
+    assert set(draws(top_k=2, temperature=1.5)) == {0, 1}
+
+
+def test_top_p_keeps_the_nucleus():
+    probs = torch.tensor(BASE).softmax(-1)
+    counts = draws(top_p=0.9, temperature=1.0)
+    nucleus = {i for i in range(VOCAB) if probs[:i].sum() < 0.9}
+    assert set(counts) <= nucleus and len(nucleus) < VOCAB
+
+
+def test_min_p_drops_unlikely_tokens():
+    probs = torch.tensor(BASE).softmax(-1)
+    counts = draws(min_p=0.2, temperature=1.0)
+    assert set(counts) <= {i for i in range(VOCAB) if probs[i] >= 0.2 * probs.max()}
+
+
+def test_repetition_penalty_discourages_seen_tokens():
+    seq = make_seq(prompt=(0,), temperature=0.0, repetition_penalty=3.0)
+    assert sample(logits_of(*BASE), [seq], [EOS]) == [1]  # 4/3 < 3
+    seq = make_seq(prompt=(0,), temperature=0.0, repetition_penalty=1.2)
+    assert sample(logits_of(*BASE), [seq], [EOS]) == [0]  # 4/1.2 > 3
+
+
+def test_presence_penalty_is_a_flat_cut_on_output_tokens():
+    seq = make_seq(outputs=(0,), temperature=0.0, presence_penalty=1.5)
+    assert sample(logits_of(*BASE), [seq], [EOS]) == [1]
+    seq = make_seq(prompt=(0,), temperature=0.0, presence_penalty=1.5)  # prompt tokens do not count
+    assert sample(logits_of(*BASE), [seq], [EOS]) == [0]
+
+
+def test_frequency_penalty_grows_with_count():
+    once = make_seq(outputs=(0,), temperature=0.0, frequency_penalty=0.8)
+    assert sample(logits_of(*BASE), [once], [EOS]) == [0]  # 4 - 0.8 > 3
+    twice = make_seq(outputs=(0, 0), temperature=0.0, frequency_penalty=0.8)
+    assert sample(logits_of(*BASE), [twice], [EOS]) == [1]  # 4 - 1.6 < 3
+
+
+def test_min_tokens_bans_eos_until_reached():
+    eos_first = (0.0,) * 7 + (9.0,)
+    early = make_seq(outputs=(1,), temperature=0.0, min_tokens=3, max_tokens=10)
+    assert sample(logits_of(*eos_first), [early], [EOS]) != [EOS]
+    late = make_seq(outputs=(1, 2, 3), temperature=0.0, min_tokens=3, max_tokens=10)
+    assert sample(logits_of(*eos_first), [late], [EOS]) == [EOS]
+
+
+def test_ignore_eos_never_picks_eos():
+    eos_first = (0.0,) * 7 + (9.0,)
+    assert sample(logits_of(*eos_first), [make_seq(temperature=0.0, ignore_eos=True)], [EOS]) != [EOS]
+
+
+def test_banned_token_ids_are_never_chosen():
+    assert 0 not in draws(100, banned_token_ids=[0], temperature=0.7)
+    assert sample(logits_of(*BASE), [make_seq(temperature=0.0, banned_token_ids=[0, 1])], [EOS]) == [2]
+
+
+def test_seed_reproduces_and_differs():
+    def run(seed):
+        seq = make_seq(seed=seed, temperature=1.0)
+        return [sample(logits_of(*(0.0,) * VOCAB), [seq], [EOS])[0] for _ in range(30)]
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_rows_sample_independently_of_batch_neighbours():
+    def run(with_neighbour):
+        seq = make_seq(seed=9, temperature=1.0)
+        other = make_seq(seed=1, temperature=1.0, top_k=3)
+        rows = [other, seq] if with_neighbour else [seq]
+        out = []
+        for _ in range(20):
+            logits = torch.zeros(len(rows), VOCAB)
+            out.append(sample(logits, rows, [EOS])[-1])
+        return out
+    assert run(False) == run(True)
+
+
+def test_logprobs_are_log_softmax_of_the_model_logits():
+    seq = make_seq(temperature=0.0, logprobs=True, top_logprobs=3)
+    token = sample(logits_of(*BASE), [seq], [EOS])[0]
+    entry = seq.pending_logprobs[-1]
+    expected = torch.tensor(BASE).log_softmax(-1)
+    assert entry.token_id == token == 0
+    assert math.isclose(entry.logprob, float(expected[0]), rel_tol=1e-5)
+    assert [t for t, _ in entry.top] == [0, 1, 2]
+    assert all(math.isclose(lp, float(expected[t]), rel_tol=1e-5) for t, lp in entry.top)
