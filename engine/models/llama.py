@@ -28,8 +28,11 @@ class _LayerWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # One fused kernel; in fp32 it is bit-identical to transformers' LlamaRMSNorm.
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    # Same arithmetic as transformers' LlamaRMSNorm: normalise in fp32, scale in the model dtype.
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
 
 
 class LlamaForCausalLM:
