@@ -31,5 +31,11 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
+# Speed against a baseline in the same run; each prints a table, writes benchmarks/results/*.json and
+# exits non-zero when it misses its bar. Minutes each on 2 cores.
+BENCHES := offline multiturn interactivity memory startup online
+bench: $(STAMP)
+	@rc=0; for b in $(BENCHES); do $(PY) -m benchmarks.bench_$$b || rc=1; done; exit $$rc
+
 clean:
 	rm -rf $(VENV) .pytest_cache

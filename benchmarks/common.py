@@ -34,6 +34,7 @@ class RequestTiming:
     tpot: float | None
     num_tokens: int
     gaps: list[float] = field(default_factory=list)
+    text: str = ""
 
 
 def synthetic_prompt(i: int, length: int, vocab_lo: int = 200, vocab_hi: int = 40000) -> list[int]:
@@ -52,8 +53,10 @@ async def timed_request(engine: AsyncEngine, request: GenerationRequest) -> Requ
     start = time.perf_counter()
     first = last = None
     gaps: list[float] = []
+    text: list[str] = []
     n = 0
     async for out in engine.generate(request):
+        text.append(out.text_delta)
         if not out.new_token_ids:
             continue
         now = time.perf_counter()
@@ -65,7 +68,7 @@ async def timed_request(engine: AsyncEngine, request: GenerationRequest) -> Requ
         n += len(out.new_token_ids)
     assert first is not None and last is not None
     tpot = (last - first) / (n - 1) if n > 1 else None
-    return RequestTiming(ttft=first - start, tpot=tpot, num_tokens=n, gaps=gaps)
+    return RequestTiming(ttft=first - start, tpot=tpot, num_tokens=n, gaps=gaps, text="".join(text))
 
 
 async def run_load(engine: AsyncEngine, requests: list[GenerationRequest], concurrency: int) -> tuple[float, list[RequestTiming]]:

@@ -57,6 +57,11 @@ class LLMEngine:
         self.model = LlamaForCausalLM(hf_model, self.dtype, self.device)
         del hf_model
         self.max_model_len = min(config.max_model_len or self.model.max_position, self.model.max_position)
+        window = getattr(hf_config, "sliding_window", None)
+        if window and getattr(hf_config, "use_sliding_window", True) and window < self.max_model_len:
+            # Our attention is full attention; past the window it would differ from the model's.
+            logger.warning("model uses a %d-token sliding window: context capped at %d tokens", window, window)
+            self.max_model_len = window
 
         num_blocks = config.num_kv_blocks or int(
             config.kv_cache_space_gib * (1 << 30) // (self.model.kv_bytes_per_token() * config.block_size))
@@ -162,6 +167,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self._expire_deadlines()
         batch = self.scheduler.schedule()
+        outputs += [self._finish(s, "length", text=s.stop_matcher.flush()) for s in batch.out_of_cache]
         if batch.is_empty:
             return outputs
         seqs = batch.decodes + [s for s, _ in batch.prefills]

@@ -19,6 +19,7 @@ from engine.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     decodes: list[Sequence] = field(default_factory=list)  # one token each
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk length)
+    out_of_cache: list[Sequence] = field(default_factory=list)  # alone and still no room: end them
     num_preempted: int = 0
 
     @property
@@ -40,8 +41,10 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # While any sequence is decoding, one prefill chunk takes at most this many tokens (0: no cap),
-        # so a long prompt adds little to the running streams' token gaps.
+        # While sequences decode, one step prefills at most max(threshold, 2 * num_decoding) prompt
+        # tokens in all (0: no cap): a step then costs at most about twice a decode-only step, so
+        # arriving prompts barely widen the running streams' token gaps, and with many streams
+        # decoding, prefill still keeps up with the requests that replace finished ones.
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -83,13 +86,18 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         self.running.sort(key=_order)
-        chunk_cap = budget
-        if self.long_prefill_token_threshold and any(s.num_uncomputed_tokens == 1 for s in self.running):
-            chunk_cap = self.long_prefill_token_threshold
+        num_decoding = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
+        prefill_budget = budget
+        if self.long_prefill_token_threshold and num_decoding:
+            prefill_budget = max(self.long_prefill_token_threshold, 2 * num_decoding)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            wanted = min(seq.num_uncomputed_tokens, budget, chunk_cap)
+            remaining = seq.num_uncomputed_tokens
+            wanted = min(remaining, budget) if remaining == 1 else min(remaining, budget, prefill_budget)
+            if wanted == 0:  # a prefill with no prefill budget left this step
+                i += 1
+                continue
             n = self._fit(seq, wanted)
             while n == 0 and self.running[-1] is not seq:
                 victim = self.running[-1]
@@ -97,21 +105,28 @@ class Scheduler:
                 batch.num_preempted += 1
                 n = self._fit(seq, wanted)
             if n == 0:
+                if len(self.running) == 1 and not batch.decodes and not batch.prefills:
+                    # It holds the whole cache and still cannot grow: recomputing would loop forever.
+                    self.running.remove(seq)
+                    batch.out_of_cache.append(seq)
+                    continue
                 self._preempt(seq)  # nothing else to take from: wait for blocks
                 batch.num_preempted += 1
                 continue
             bm.append_slots(seq, n)
             self._add(batch, seq, n)
             budget -= n
+            if remaining > 1:
+                prefill_budget -= n
             i += 1
         for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if min(budget, prefill_budget) <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             if seq.is_blocked:
                 continue
             if not seq.block_table:
                 bm.allocate_cached_prefix(seq)
-            n = self._fit(seq, min(seq.num_uncomputed_tokens, budget, chunk_cap))
+            n = self._fit(seq, min(seq.num_uncomputed_tokens, budget, prefill_budget))
             if n == 0:
                 bm.free(seq)  # keep its cached prefix evictable while it waits
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
@@ -123,6 +138,7 @@ class Scheduler:
             bm.append_slots(seq, n)
             self._add(batch, seq, n)
             budget -= n
+            prefill_budget -= n
         return batch
 
     @staticmethod

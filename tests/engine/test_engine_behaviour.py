@@ -100,3 +100,24 @@ def test_n_samples_share_the_prompt_cache(llm_engine):
     again = run_all(llm_engine, [chat("multi", prompt, max_tokens=8, temperature=1.0, seed=7, n=3)])["multi"]
     assert [tokens_of(by_index(again, i)) for i in range(3)] == samples  # reproducible per sample
     assert llm_engine.block_manager.num_used_blocks == 0
+
+
+def test_priority_orders_admission(llm_engine):
+    sched = llm_engine.scheduler
+    old = sched.max_num_seqs
+    sched.max_num_seqs = 1
+    try:
+        low = chat("low", "Hi", max_tokens=3, temperature=0)
+        low.priority = 5
+        high = chat("high", "Hi", max_tokens=3, temperature=0)
+        high.priority = 1
+        order = []
+        llm_engine.add_request(low)
+        llm_engine.add_request(high)
+        while llm_engine.has_unfinished():
+            for out in llm_engine.step():
+                if out.finished:
+                    order.append(out.request_id)
+    finally:
+        sched.max_num_seqs = old
+    assert order == ["high", "low"]  # 1 is the most urgent, whatever the arrival order

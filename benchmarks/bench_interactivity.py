@@ -1,0 +1,49 @@
+"""Interactivity: while 16 streams decode, a 2,000-token prompt arrives. The running streams' token
+gaps must stay even: p99 gap under 3x their median gap (chunked prefill, capped while decoding).
+
+    python -m benchmarks.bench_interactivity
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from benchmarks.common import percentile, print_table, save, start_engine, timed_request, token_requests, verdict
+
+STREAMS = 16
+LONG_PROMPT = 2000
+
+
+async def run() -> dict:
+    engine = start_engine()
+    try:
+        await timed_request(engine, token_requests("warm", 1, 64, 4)[0])
+        streams = token_requests("stream", STREAMS, 200, 160)
+        tasks = [asyncio.create_task(timed_request(engine, r)) for r in streams]
+        await asyncio.sleep(2.0)  # the streams are decoding
+        long_req = token_requests("long", 1, LONG_PROMPT, 16)[0]
+        long_timing = await timed_request(engine, long_req)
+        timings = await asyncio.gather(*tasks)
+        gaps = [g for t in timings for g in t.gaps]
+        return {"median_gap": percentile(gaps, 50), "p99_gap": percentile(gaps, 99), "max_gap": max(gaps),
+                "long_ttft": long_timing.ttft, "num_gaps": len(gaps),
+                "threshold": engine.engine.scheduler.long_prefill_token_threshold}
+    finally:
+        engine.shutdown()
+
+
+def main() -> int:
+    r = asyncio.run(run())
+    ratio = r["p99_gap"] / r["median_gap"]
+    print_table(f"Interactivity: {STREAMS} decoding streams, a {LONG_PROMPT}-token prompt arrives "
+                f"(long-prefill cap {r['threshold']} tokens/step)",
+                ["median gap ms", "p99 gap ms", "max gap ms", "p99 / median", "long prompt TTFT ms"],
+                [[r["median_gap"] * 1e3, r["p99_gap"] * 1e3, r["max_gap"] * 1e3, f"{ratio:.2f}",
+                  r["long_ttft"] * 1e3]])
+    save("interactivity", r | {"ratio": ratio})
+    return verdict({"p99 token gap < 3x median while a 2,000-token prompt is prefilled": ratio < 3})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Online: the offline load through the Spark WebSocket (real server, real websockets clients).
+Spark has no ignore_eos, so answers end where the model stops; throughput counts completion_tokens
+from each session's usage. Concurrency 1, 8 and 32.
+
+    python -m benchmarks.bench_online [--num-requests 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+import websockets
+
+from benchmarks.common import percentile, print_table, save, start_engine, verdict
+
+QUESTIONS = ["Write a long story about a lighthouse keeper.", "Explain how airplanes fly, in detail.",
+             "Describe the history of the printing press.", "Write a detailed recipe for bread.",
+             "请详细介绍一下中国的四大发明。", "Give me a long list of tips for learning a language."]
+
+
+async def session(url: str, i: int) -> tuple[float, float | None, int]:
+    body = {"header": {"traceId": f"bench-{i}"},
+            "parameter": {"chat": {"max_tokens": 128, "temperature": 0.8, "top_k": 6}},
+            "payload": {"message": {"text": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + f" ({i})"}]}}}
+    start = time.perf_counter()
+    first = last = None
+    frames = 0
+    async with websockets.connect(url) as ws:
+        await ws.send(json.dumps(body, ensure_ascii=False))
+        async for message in ws:
+            frame = json.loads(message)
+            assert frame["header"]["code"] == 0, frame
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            frames += 1
+            if frame["header"]["status"] == 2:
+                tokens = frame["payload"]["usage"]["text"]["completion_tokens"]
+    tpot = (last - first) / (tokens - 1) if tokens > 1 else None
+    return first - start, tpot, tokens
+
+
+async def run(args) -> dict:
+    import threading
+
+    import uvicorn
+
+    from spark_server.app import SPARK_WS_PATH, build_app
+    from spark_server.settings import Settings
+
+    engine = start_engine(max_num_seqs=64)
+    settings = Settings(port=args.port)
+    server = uvicorn.Server(uvicorn.Config(build_app(settings, engine, owns_engine=False), host="127.0.0.1",
+                                           port=args.port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        await asyncio.sleep(0.05)
+    url = f"ws://127.0.0.1:{args.port}{SPARK_WS_PATH}"
+    results = {}
+    try:
+        for c in (1, 8, 32):
+            n = args.c1_requests if c == 1 else args.num_requests
+            sem = asyncio.Semaphore(c)
+
+            async def one(i: int):
+                async with sem:
+                    return await session(url, i)
+
+            start = time.perf_counter()
+            out = await asyncio.gather(*(one(i) for i in range(n)))
+            wall = time.perf_counter() - start
+            tokens = sum(t for _, _, t in out)
+            results[c] = {"tok_s": tokens / wall, "ttft_p50": percentile([a for a, _, _ in out], 50),
+                          "ttft_p99": percentile([a for a, _, _ in out], 99),
+                          "tpot_p50": percentile([b for _, b, _ in out if b], 50),
+                          "tpot_p99": percentile([b for _, b, _ in out if b], 99), "tokens": tokens}
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        engine.shutdown()
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--c1-requests", type=int, default=8)
+    parser.add_argument("--port", type=int, default=9993)
+    args = parser.parse_args()
+    results = asyncio.run(run(args))
+    rows = [[c, r["tok_s"], r["tokens"], r["ttft_p50"] * 1e3, r["ttft_p99"] * 1e3, r["tpot_p50"] * 1e3,
+             r["tpot_p99"] * 1e3] for c, r in results.items()]
+    print_table("Online: Spark WebSocket sessions (max_tokens 128, temperature 0.8, top_k 6)",
+                ["concurrency", "output tok/s", "tokens", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+                 "TPOT p99 ms"], rows)
+    save("online", {"results": results})
+    return verdict({"online throughput grows with concurrency": results[32]["tok_s"] > results[1]["tok_s"] * 4})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
