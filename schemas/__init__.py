@@ -9,6 +9,9 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError, best_match
+from referencing import Registry, Resource
+
+URN_PREFIX = "urn:spark-server:"
 
 
 @lru_cache(maxsize=None)
@@ -18,15 +21,27 @@ def load_schema(name: str) -> dict[str, Any]:
 
 
 @lru_cache(maxsize=None)
+def registry() -> Registry:
+    """Every schema by its ``$id`` (``urn:spark-server:NAME``), so bodies can share definitions."""
+    resources = [(load_schema(n)["$id"], Resource.from_contents(load_schema(n))) for n in available()]
+    return Registry().with_resources(resources)
+
+
+@lru_cache(maxsize=None)
 def validator(name: str) -> Draft202012Validator:
     schema = load_schema(name)
     Draft202012Validator.check_schema(schema)
-    return Draft202012Validator(schema)
+    return Draft202012Validator(schema, registry=registry())
 
 
 def first_error(name: str, instance: Any) -> ValidationError | None:
-    """The most relevant violation of schema ``name``, or None when the instance is valid."""
-    return best_match(validator(name).iter_errors(instance))
+    """The most relevant violation of schema ``name``, or None when the instance is valid.
+
+    A field that fails its own rule also counts as "unevaluated" for ``unevaluatedProperties``;
+    the rule it broke is the useful message, so that one wins."""
+    errors = list(validator(name).iter_errors(instance))
+    specific = [e for e in errors if e.validator != "unevaluatedProperties"]
+    return best_match(specific or errors)
 
 
 def describe(error: ValidationError) -> str:

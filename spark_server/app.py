@@ -9,6 +9,7 @@ from typing import AsyncIterator
 from starlette.applications import Starlette
 from starlette.routing import Route, WebSocketRoute
 
+from bridges import all_routes
 from engine.protocol import EngineClient
 from spark_server.health import health
 from spark_server.settings import Settings
@@ -39,6 +40,7 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
         WebSocketRoute(SPARK_WS_PATH, spark_websocket),
         Route(SPARK_HTTP_PATH, spark_http, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        *all_routes(settings),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.settings = settings

@@ -1,0 +1,182 @@
+"""What every HTTP bridge shares: body parsing and validation, the one engine-error -> HTTP status
+map, request ids, SSE framing, and streaming that reports early errors with a proper status."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+import schemas
+from engine.errors import (EngineError, EngineOverloadedError, EngineShutdownError, InvalidRequestError,
+                           LoraUnavailableError, PromptTooLongError, RequestTimeoutError)
+from engine.protocol import EngineClient
+from engine.request import GenerationRequest, RequestOutput, TokenLogprob
+
+
+class BridgeError(Exception):
+    """A request a bridge refuses; each bridge renders it in its own protocol's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.kind = kind
+        self.code = code
+
+
+def bridge_error_from(exc: BaseException) -> BridgeError:
+    """The one mapping from engine errors to HTTP statuses for every bridge."""
+    if isinstance(exc, BridgeError):
+        return exc
+    if isinstance(exc, PromptTooLongError):
+        return BridgeError(400, str(exc), param=exc.parameter, code="context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return BridgeError(400, str(exc), param=exc.parameter)
+    if isinstance(exc, LoraUnavailableError):
+        return BridgeError(404, str(exc), param="model", kind="not_found_error", code="model_not_found")
+    if isinstance(exc, EngineOverloadedError):
+        return BridgeError(429, str(exc), kind="rate_limit_error", code="server_busy")
+    if isinstance(exc, RequestTimeoutError):
+        return BridgeError(504, str(exc), kind="timeout_error", code="timeout")
+    if isinstance(exc, EngineShutdownError):
+        return BridgeError(503, str(exc), kind="service_unavailable", code="shutting_down")
+    if isinstance(exc, EngineError):
+        return BridgeError(500, str(exc), kind="internal_server_error", code="inference_error")
+    return BridgeError(500, f"unexpected error: {type(exc).__name__}", kind="internal_server_error")
+
+
+async def read_json(request: Request, schema: str) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BridgeError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BridgeError(400, "request body must be a JSON object")
+    check(schema, body)
+    return body
+
+
+def check(schema: str, body: Any) -> None:
+    error = schemas.first_error(schema, body)
+    if error is not None:
+        param = ".".join(str(p) for p in error.absolute_path) or None
+        raise BridgeError(400, schemas.describe(error), param=param)
+
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def engine_of(request: Request) -> EngineClient:
+    return request.app.state.engine
+
+
+def sse(data: Any) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()
+
+
+def sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
+    # one event per write: perf_analyzer / genai-perf count writes
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def primed(engine: EngineClient, req: GenerationRequest) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+    """Start generating and wait for the first output, so errors before it still get a 4xx/5xx status
+    instead of a 200 stream. The caller must close the returned iterator (or exhaust it)."""
+    stream = engine.generate(req)
+    try:
+        first = await stream.__anext__()
+    except BaseException:
+        await stream.aclose()
+        raise
+    return first, stream
+
+
+async def replay(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async with aclosing(rest):
+        yield first
+        async for out in rest:
+            yield out
+
+
+@dataclass(slots=True)
+class Completion:
+    """Everything a non-streaming answer needs, per sample index."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    first_token_s: float | None = None
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+async def collect(engine: EngineClient, req: GenerationRequest) -> list[Completion]:
+    done = {i: Completion(i) for i in range(req.params.n)}
+    async with aclosing(engine.generate(req)) as stream:
+        async for out in stream:
+            c = done[out.index]
+            c.text += out.text_delta
+            c.token_ids += out.new_token_ids
+            c.logprobs += out.logprobs or []
+            c.num_prompt_tokens = out.num_prompt_tokens
+            c.num_cached_tokens = out.num_cached_tokens
+            t = out.timings
+            c.first_token_s, c.queue_s, c.prefill_s, c.decode_s = t.first_token_s, t.queue_s, t.prefill_s, t.decode_s
+            if out.finished:
+                c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+    return [done[i] for i in sorted(done)]
+
+
+def error_response(err: BridgeError, render: Callable[[BridgeError], dict[str, Any]]) -> JSONResponse:
+    headers = {"Retry-After": "1"} if err.status in (429, 503) else None
+    return JSONResponse(render(err), status_code=err.status, headers=headers)
+
+
+def endpoint(render: Callable[[BridgeError], dict[str, Any]]):
+    """Wrap a handler so any failure becomes that protocol's error body with the right status."""
+
+    def wrap(handler: Callable[[Request], Awaitable[Response]]):
+        async def run(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except Exception as exc:
+                return error_response(bridge_error_from(exc), render)
+
+        run.__name__ = handler.__name__
+        run.__doc__ = handler.__doc__
+        return run
+
+    return wrap
+
+
+def served_model_names(request: Request) -> list[str]:
+    return [request.app.state.engine.model_info.name]
+
+
+def stop_list(value: str | list[str] | None) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else [s for s in value if s]
