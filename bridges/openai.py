@@ -174,7 +174,7 @@ def lower_completion(engine: EngineClient, body: dict[str, Any], rid: str) -> li
     lp = body.get("logprobs")
     params = sampling_params(engine, body, COMPLETION_DEFAULT_MAX_TOKENS, lp is not None, lp or 0)
     prompts = completion_prompts(body)
-    return [GenerationRequest(f"{rid}-{i}", p, params, priority=body.get("priority") or 3)
+    return [GenerationRequest(f"{rid}-{i}", p, params, priority=body.get("priority") or 5)
             for i, p in enumerate(prompts)]
 
 
@@ -274,7 +274,7 @@ def lower_chat(engine: EngineClient, body: dict[str, Any], rid: str) -> Generati
     params = sampling_params(engine, body, engine.model_info.max_model_len, want_logprobs,
                              body.get("top_logprobs") or 0)
     prompt = ChatPrompt(messages, chat_template_kwargs=dict(body.get("chat_template_kwargs") or {}))
-    return GenerationRequest(rid, prompt, params, priority=body.get("priority") or 3)
+    return GenerationRequest(rid, prompt, params, priority=body.get("priority") or 5)
 
 
 @endpoint(render_error)

@@ -52,7 +52,7 @@ class GenerationRequest:
     prompt: Prompt
     params: SamplingParams = field(default_factory=SamplingParams)
     lora: LoraRef | None = None
-    priority: int = 3  # 1 (most urgent) .. 5, as Triton / MindIE
+    priority: int = 5  # 1 (most urgent) .. 5, as Triton / MindIE (their default: 5)
     deadline: float | None = None  # time.monotonic() after which the request is ended
     arrival_time: float = field(default_factory=time.monotonic)
 

@@ -43,7 +43,7 @@ class Sequence:
         self.detokenizer = detokenizer
         self.pending_logprobs: list[TokenLogprob] = []
         self.generator = torch.Generator()
-        self.generator.manual_seed(seed if seed is not None else torch.seed() & 0x7FFF_FFFF_FFFF_FFFF)
+        self.generator.manual_seed(seed % (1 << 64) if seed is not None else torch.seed() & 0x7FFF_FFFF_FFFF_FFFF)
         self.stop_matcher = stop_matcher or StopStringMatcher([], False)
         self.timings = RequestTimings(arrival=request.arrival_time)
         self.first_scheduled: float | None = None

@@ -45,6 +45,12 @@ class Settings:
     block_size: int = _opt(16, "tokens per KV cache block")
     enable_prefix_caching: bool = _opt(True, "reuse the KV cache of previously seen prompt prefixes")
     max_history_tokens: int = _opt(8192, "Spark limit on the tokens of all dialogue contents (error 10003)")
+    tgi_compat: str = _opt("spec", "TGI response shape: spec (token id as a list, special null) or hf (the HF "
+                                   "text_generation client's shape, plus its root POST /)", choices=["spec", "hf"])
+    vllm_stream: str = _opt("delta", "vLLM /generate stream: delta (the spec: deltas separated by \\0) or "
+                                     "cumulative (vLLM's own server: prompt + output so far, one per line)",
+                            choices=["delta", "cumulative"])
+    full_text_enabled: bool = _opt(False, "the spec's fullTextEnabled: TGI / vLLM stream text is cumulative")
     ws_request_timeout: float = _opt(30.0, "seconds a new WebSocket may wait before sending its request")
     num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
     log_level: str = _opt("info", "debug, info, warning or error",

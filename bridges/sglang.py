@@ -1,0 +1,134 @@
+"""SGLang: POST /generate (`text` / `input_ids` + `sampling_params`), GET /get_model_info."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import aclosing
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from bridges.common import (BridgeError, Completion, collect, endpoint, engine_of, primed, read_json, replay,
+                            request_id, sse, sse_response, stop_list)
+from engine.protocol import EngineClient
+from engine.request import GenerationRequest, RequestOutput, TextPrompt, TokensPrompt
+from engine.sampling_params import SamplingParams
+
+
+def render_error(err: BridgeError) -> dict[str, Any]:
+    return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.status}}
+
+
+def _finish(reason: str | None, stop_reason: str | int | None, length: int) -> dict[str, Any] | None:
+    if reason == "length":
+        return {"type": "length", "length": length}
+    if reason == "stop":
+        return {"type": "stop", "matched": stop_reason}
+    if reason is None:
+        return None
+    return {"type": reason, "message": reason}
+
+
+def _params(sp: dict[str, Any], return_logprob: bool, top_logprobs: int) -> SamplingParams:
+    no_trim = bool(sp.get("no_stop_trim"))
+    return SamplingParams(
+        max_tokens=sp.get("max_new_tokens") or 128, min_tokens=sp.get("min_new_tokens") or 0,
+        temperature=1.0 if sp.get("temperature") is None else float(sp["temperature"]),
+        top_p=float(sp.get("top_p") or 1.0), top_k=sp.get("top_k") or 0, min_p=sp.get("min_p") or 0.0,
+        frequency_penalty=float(sp.get("frequency_penalty") or 0.0),
+        presence_penalty=float(sp.get("presence_penalty") or 0.0),
+        repetition_penalty=float(sp.get("repetition_penalty") or 1.0),
+        n=sp.get("n") or 1, ignore_eos=bool(sp.get("ignore_eos")),
+        skip_special_tokens=sp.get("skip_special_tokens") is not False,
+        stop=stop_list(sp.get("stop")), stop_token_ids=sp.get("stop_token_ids") or [],
+        include_stop_str_in_output=no_trim, seed=sp.get("seed"),
+        logprobs=return_logprob, top_logprobs=top_logprobs,
+    )
+
+
+def lower(body: dict[str, Any], rid: str) -> tuple[list[GenerationRequest], bool]:
+    """Returns the requests (a batch fans out) and whether the body was a batch."""
+    if body.get("lora_path"):
+        raise BridgeError(404, f"lora_path: adapter {body['lora_path']!r} is not loaded (LoRA adapters are not "
+                               "available on this server yet)", param="lora_path", kind="not_found_error")
+    if "text" in body:
+        batch = isinstance(body["text"], list)
+        prompts = [TextPrompt(t) for t in (body["text"] if batch else [body["text"]])]
+    else:
+        ids = body["input_ids"]
+        batch = isinstance(ids[0], list)
+        prompts = [TokensPrompt(list(x)) for x in (ids if batch else [ids])]
+    sps = body.get("sampling_params") or {}
+    if isinstance(sps, list):
+        if len(sps) != len(prompts):
+            raise BridgeError(400, "sampling_params: a list must have one entry per prompt", param="sampling_params")
+    else:
+        sps = [sps] * len(prompts)
+    logprob, top = bool(body.get("return_logprob")), body.get("top_logprobs_num") or 0
+    rid = body.get("rid") or rid
+    reqs = [GenerationRequest(rid if len(prompts) == 1 else f"{rid}-{i}", p, _params(sp, logprob, top))
+            for i, (p, sp) in enumerate(zip(prompts, sps))]
+    return reqs, batch
+
+
+def _meta(rid: str, c: Completion | RequestOutput, n_out: int, started: float, logprobs: list | None) -> dict[str, Any]:
+    reason = c.finish_reason
+    meta: dict[str, Any] = {"id": rid, "finish_reason": _finish(reason, c.stop_reason, n_out),
+                            "prompt_tokens": c.num_prompt_tokens, "completion_tokens": n_out,
+                            "cached_tokens": c.num_cached_tokens, "e2e_latency": time.monotonic() - started}
+    if logprobs is not None:
+        meta["output_token_logprobs"] = [[e.logprob, e.token_id, None] for e in logprobs]
+        meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in e.top] for e in logprobs]
+    return meta
+
+
+@endpoint(render_error)
+async def generate(request: Request) -> Response:
+    engine = engine_of(request)
+    body = await read_json(request, "sglang-generate")
+    reqs, batch = lower(body, request_id("sgl"))
+    started = time.monotonic()
+    if body.get("stream"):
+        return sse_response(_stream(engine, reqs, started))
+    results = await asyncio.gather(*(collect(engine, r) for r in reqs))
+    answers = []
+    for req, comps in zip(reqs, results):
+        for c in comps:
+            answers.append({"text": c.text, "output_ids": c.token_ids,
+                            "meta_info": _meta(req.request_id, c, len(c.token_ids), started,
+                                               c.logprobs if req.params.logprobs else None)})
+    return JSONResponse(answers if batch or len(answers) > 1 else answers[0])
+
+
+async def _stream(engine: EngineClient, reqs: list[GenerationRequest], started: float) -> AsyncIterator[bytes]:
+    from bridges.openai import merged
+
+    try:
+        streams = []
+        for r in reqs:
+            first, rest = await primed(engine, r)
+            streams.append(replay(first, rest))
+        texts: dict[tuple[int, int], str] = {}
+        ids: dict[tuple[int, int], list[int]] = {}
+        lps: dict[tuple[int, int], list] = {}
+        async for i, out in merged(streams):
+            key = (i, out.index)
+            texts[key] = texts.get(key, "") + out.text_delta
+            ids.setdefault(key, []).extend(out.new_token_ids)
+            lps.setdefault(key, []).extend(out.logprobs or [])
+            yield sse({"text": texts[key], "output_ids": ids[key], "index": i * reqs[i].params.n + out.index,
+                       "meta_info": _meta(reqs[i].request_id, out, len(ids[key]), started,
+                                          lps[key] if reqs[i].params.logprobs else None)})
+    except Exception as exc:  # after the first event: the error rides in the stream
+        from bridges.common import bridge_error_from
+
+        yield sse(render_error(bridge_error_from(exc)))
+    yield sse("[DONE]")
+
+
+async def get_model_info(request: Request) -> Response:
+    info = engine_of(request).model_info
+    return JSONResponse({"model_path": info.path, "tokenizer_path": info.path, "is_generation": True,
+                         "served_model_name": info.name, "max_context_length": info.max_model_len})

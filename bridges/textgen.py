@@ -1,0 +1,103 @@
+"""The `parameters` vocabulary TGI, Triton and MindIE share, lowered once onto SamplingParams."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from bridges.common import BridgeError, stop_list
+from engine.protocol import EngineClient
+from engine.request import GenerationRequest, LoraRef, TextPrompt, TokensPrompt
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NEW_TOKENS = 20  # TGI / MindIE default
+DEFAULT_PRIORITY = 5
+DEFAULT_TIMEOUT_S = 600
+# Accepted because the spec lists them, with no effect ("当前后处理不支持"): reported in a header when
+# set to anything but their default.
+NO_EFFECT: dict[str, object] = {"typical_p": 1.0, "watermark": False, "batch_size": 1}
+
+
+def _is_default(value: object, default: object) -> bool:
+    if isinstance(default, bool) or isinstance(value, bool):  # True == 1 in Python: compare bools by identity
+        return value is default
+    return value == default
+
+
+@dataclass(slots=True)
+class TextGenRequest:
+    request: GenerationRequest
+    seed: int
+    details: bool
+    decoder_input_details: bool
+    return_full_text: bool
+    perf_stat: bool
+    top_n_tokens: int
+    no_effect: list[str]
+
+
+def finish_reason(reason: str | None, stop_reason: str | int | None) -> str:
+    """Engine finish reasons in the TGI / MindIE vocabulary."""
+    if reason == "length":
+        return "length"
+    if reason == "stop":
+        return "stop_sequence" if isinstance(stop_reason, str) else "eos_token"
+    return reason or "length"
+
+
+def lower(engine: EngineClient, rid: str, inputs: str | list[int], parameters: dict[str, Any] | None,
+          adapter_field: str = "adapter_id") -> TextGenRequest:
+    p = dict(parameters or {})
+    sampling = p.get("do_sample")
+    if sampling is None:  # TGI's rule: any sampling knob turns sampling on
+        sampling = any(p.get(k) is not None for k in ("temperature", "top_k", "top_p"))
+    seed = p.get("seed")
+    if seed is None:
+        seed = random.randrange(1, 1 << 63)
+    top_n = p.get("top_n_tokens") or 0
+    params = SamplingParams(
+        max_tokens=p.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS,
+        temperature=float(p.get("temperature") or 1.0) if sampling else 0.0,
+        top_k=(p.get("top_k") or 0) if sampling else 0,
+        top_p=float(p.get("top_p") or 1.0) if sampling else 1.0,
+        repetition_penalty=float(p.get("repetition_penalty") or 1.0),
+        frequency_penalty=float(p.get("frequency_penalty") or 0.0),
+        seed=seed, stop=stop_list(p.get("stop")),
+        logprobs=bool(p.get("details") or p.get("decoder_input_details") or top_n), top_logprobs=top_n,
+    )
+    adapter = p.get(adapter_field)
+    lora = LoraRef(name=adapter) if adapter not in (None, "", "None") else None
+    if isinstance(inputs, str):
+        prompt = TextPrompt(inputs)
+        truncate = p.get("truncate")
+        if truncate:  # keep the last `truncate` tokens, as TGI does
+            ids = engine.tokenizer.encode(inputs)
+            if len(ids) > truncate:
+                prompt = TokensPrompt(ids[-truncate:])
+    else:
+        prompt = TokensPrompt(list(inputs))
+    timeout = p.get("timeout") or DEFAULT_TIMEOUT_S
+    request = GenerationRequest(rid, prompt, params, lora=lora, priority=p.get("priority") or DEFAULT_PRIORITY,
+                                deadline=time.monotonic() + timeout)
+    no_effect = [k for k, default in NO_EFFECT.items() if p.get(k) is not None and not _is_default(p[k], default)]
+    if no_effect:
+        logger.info("request %s: %s accepted with no effect (not supported)", rid, ", ".join(no_effect))
+    return TextGenRequest(request=request, seed=seed, details=bool(p.get("details")),
+                          decoder_input_details=bool(p.get("decoder_input_details")),
+                          return_full_text=bool(p.get("return_full_text")), perf_stat=bool(p.get("perf_stat")),
+                          top_n_tokens=top_n, no_effect=no_effect)
+
+
+def ignored_header(tg: TextGenRequest) -> dict[str, str]:
+    return {"X-Ignored-Parameters": ",".join(tg.no_effect)} if tg.no_effect else {}
+
+
+def check_adapter(engine: EngineClient, tg: TextGenRequest, field: str = "adapter_id") -> None:
+    if tg.request.lora is not None:
+        raise BridgeError(404, f"{field}: adapter {tg.request.lora.name!r} is not loaded (LoRA adapters are not "
+                               "available on this server yet)", param=field, kind="not_found_error")

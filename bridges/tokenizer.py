@@ -1,0 +1,65 @@
+"""Tokenizer calls: MindIE POST /v1/tokenizer; vLLM POST /tokenize and POST /detokenize."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from bridges.common import BridgeError, endpoint, engine_of, read_json
+from engine.request import ChatMessage, ChatPrompt
+
+
+def render_error(err: BridgeError) -> dict[str, Any]:
+    return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.status}}
+
+
+def _check_model(request: Request, body: dict[str, Any]) -> None:
+    name = body.get("model")
+    if name not in (None, engine_of(request).model_info.name):
+        raise BridgeError(404, f"The model `{name}` does not exist.", param="model", kind="NotFoundError")
+
+
+@endpoint(render_error)
+async def mindie_tokenizer(request: Request) -> Response:
+    body = await read_json(request, "tokenizer")
+    tok = engine_of(request).tokenizer
+    ids = tok.encode(body["inputs"])  # as inference sees the text: special tokens (BOS) included
+    return JSONResponse({"token_number": len(ids), "tokens": [tok.decode([i]) for i in ids]})
+
+
+@endpoint(render_error)
+async def tokenize(request: Request) -> Response:
+    body = await read_json(request, "vllm-tokenize")
+    _check_model(request, body)
+    engine = engine_of(request)
+    if "messages" in body:
+        ids = await engine.encode_prompt(ChatPrompt([ChatMessage(m["role"], m["content"]) for m in body["messages"]]))
+    else:
+        ids = engine.tokenizer.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens") is not False)
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.model_info.max_model_len, "tokens": ids,
+                           "token_strs": None}
+    if body.get("return_token_strs"):
+        out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
+    return JSONResponse(out)
+
+
+@endpoint(render_error)
+async def detokenize(request: Request) -> Response:
+    body = await read_json(request, "vllm-detokenize")
+    _check_model(request, body)
+    engine = engine_of(request)
+    vocab = engine.model_info.vocab_size
+    bad = [t for t in body["tokens"] if t >= vocab]
+    if bad:
+        raise BridgeError(400, f"tokens: id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+    return JSONResponse({"prompt": engine.tokenizer.decode(body["tokens"])})
+
+
+ROUTES = [
+    Route("/v1/tokenizer", mindie_tokenizer, methods=["POST"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+]

@@ -1,0 +1,115 @@
+"""Real clients (HF text_generation), error shapes per protocol, and greedy parity with Spark."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from text_generation import Client
+from text_generation.errors import ValidationError as TGIValidationError
+
+from tests.spark.client import answer_text, converse, spark_request
+
+
+def test_hf_text_generation_client_generates_and_streams(hf_server):
+    client = Client(hf_server.http_url, timeout=120)
+    full = client.generate("The capital of France is", max_new_tokens=8)
+    assert full.generated_text and full.details.generated_tokens == len(full.details.tokens)
+    assert full.details.finish_reason.value in ("length", "eos_token", "stop_sequence")
+    assert all(isinstance(t.id, int) and isinstance(t.special, bool) for t in full.details.tokens)
+    streamed = list(client.generate_stream("The capital of France is", max_new_tokens=8))
+    assert "".join(r.token.text for r in streamed) == full.generated_text  # greedy by default
+    assert streamed[-1].details.finish_reason == full.details.finish_reason
+    sampled = client.generate("Once", max_new_tokens=6, do_sample=True, temperature=0.7, seed=5)
+    again = client.generate("Once", max_new_tokens=6, do_sample=True, temperature=0.7, seed=5)
+    assert sampled.generated_text == again.generated_text and sampled.details.seed == 5
+    with pytest.raises(TGIValidationError):
+        client.generate("hi", max_new_tokens=5, truncate=0)
+
+
+def _model(server) -> str:
+    return server.engine.model_info.name
+
+
+CASES = [
+    # (path, malformed status, out-of-range body, unknown-model request, expected unknown status, error key)
+    ("tgi", "/generate", 400, {"inputs": "hi", "parameters": {"temperature": -1}}, 422, "error"),
+    ("vllm", "/generate", 400, {"prompt": "hi", "top_p": 3}, 400, "error"),
+    ("sglang", "/generate", 400, {"text": "hi", "sampling_params": {"top_p": 3}}, 400, "error"),
+    ("mindie", "/infer", 400, {"inputs": "hi", "parameters": {"top_k": -3}}, 400, "error"),
+    ("tokenizer", "/v1/tokenizer", 400, {"inputs": ""}, 400, "error"),
+    ("openai", "/v1/completions", 400, {"model": "MODEL", "prompt": "hi", "max_tokens": 0}, 400, "error"),
+    ("triton", "/v2/models/MODEL/generate", 400, {"text_input": "hi", "parameters": {"max_new_tokens": 0}}, 400, "error"),
+]
+
+
+@pytest.mark.parametrize("name, path, bad_status, out_of_range, range_status, key", CASES, ids=[c[0] for c in CASES])
+def test_errors_and_the_server_keeps_serving(live_server, name, path, bad_status, out_of_range, range_status, key):
+    url = live_server.http_url + path.replace("MODEL", _model(live_server))
+    body = {k: (_model(live_server) if v == "MODEL" else v) for k, v in out_of_range.items()}
+    bad = httpx.post(url, content=b"{oops", timeout=30)
+    assert bad.status_code == bad_status and key in bad.json()
+    wrong = httpx.post(url, json=body, timeout=30)
+    assert wrong.status_code == range_status, wrong.text
+    assert key in wrong.json()
+    ok = {"tgi": {"inputs": "hi", "parameters": {"max_new_tokens": 2}},
+          "vllm": {"prompt": "hi", "max_tokens": 2}, "sglang": {"text": "hi", "sampling_params": {"max_new_tokens": 2}},
+          "mindie": {"inputs": "hi", "parameters": {"max_new_tokens": 2}}, "tokenizer": {"inputs": "hi"},
+          "openai": {"model": _model(live_server), "prompt": "hi", "max_tokens": 2},
+          "triton": {"text_input": "hi", "parameters": {"max_new_tokens": 2}}}[name]
+    assert httpx.post(url, json=ok, timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize("path, body, status", [
+    ("/v2/models/no-such-model/generate", {"text_input": "hi"}, 404),
+    ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404),
+    ("/generate", {"prompt": "hi", "model": "no-such-adapter"}, 404),
+    ("/generate", {"inputs": "hi", "parameters": {"adapter_id": "no-such-adapter"}}, 404),
+    ("/generate", {"text": "hi", "lora_path": "no-such-adapter"}, 404),
+    ("/tokenize", {"prompt": "hi", "model": "no-such-model"}, 404),
+])
+def test_unknown_model_or_adapter(live_server, path, body, status):
+    r = httpx.post(live_server.http_url + path, json=body, timeout=30)
+    assert r.status_code == status and "error" in r.json(), r.text
+
+
+def test_unknown_generate_shape(live_server):
+    r = httpx.post(live_server.http_url + "/generate", json={"question": "hi"}, timeout=30)
+    assert r.status_code == 422 and "inputs" in r.json()["error"]
+
+
+def test_each_bridge_greedy_answer_equals_spark(live_server):
+    question, limit = "What is the capital of France?", 12
+    spark = answer_text(asyncio.run(converse(live_server.ws_url, spark_request(question, max_tokens=limit, top_k=1))))
+    tok = live_server.engine.tokenizer
+    templated = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                        add_generation_prompt=True)
+    # raw-text protocols add the tokenizer's BOS (<|im_start|>), which the template already starts with
+    text = templated.removeprefix(tok.bos_token)
+    ids = tok.encode(templated, add_special_tokens=False)
+    model = _model(live_server)
+    base = live_server.http_url
+    answers = {
+        "tgi": httpx.post(base + "/generate", json={"inputs": text, "parameters": {"max_new_tokens": limit}},
+                          timeout=60).json()["generated_text"],
+        "vllm": httpx.post(base + "/generate", json={"prompt": text, "max_tokens": limit, "temperature": 0},
+                           timeout=60).json()["text"][0][len(text):],
+        "sglang": httpx.post(base + "/generate", json={"input_ids": ids, "sampling_params":
+                             {"temperature": 0, "max_new_tokens": limit}}, timeout=60).json()["text"],
+        "triton": httpx.post(base + f"/v2/models/{model}/generate", json={"text_input": text, "parameters":
+                             {"max_new_tokens": limit}}, timeout=60).json()["text_output"],
+        "mindie": httpx.post(base + "/infer", json={"inputs": text, "parameters": {"max_new_tokens": limit}},
+                             timeout=60).json()["generated_text"],
+        "openai-chat": httpx.post(base + "/v1/chat/completions", json={"model": model, "messages": [
+            {"role": "user", "content": question}], "max_tokens": limit, "temperature": 0},
+            timeout=60).json()["choices"][0]["message"]["content"],
+        "openai-completion": httpx.post(base + "/v1/completions", json={"model": model, "prompt": ids,
+                                        "max_tokens": limit, "temperature": 0}, timeout=60).json()["choices"][0]["text"],
+    }
+    for name, answer in answers.items():
+        assert answer == spark, name
+    triton_ids = httpx.post(base + f"/v2/models/{model}/infer", json={
+        "inputs": [{"name": "input0", "shape": [len(ids)], "datatype": "UINT32", "data": ids}],
+        "outputs": [{"name": "output0"}], "parameters": {"max_new_tokens": limit}}, timeout=60).json()
+    assert tok.decode(triton_ids["outputs"][0]["data"][len(ids):], skip_special_tokens=True) == spark

@@ -1,0 +1,174 @@
+"""Every spec example body, sent verbatim; each answer checked field by field against the spec's shape."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import httpx
+import pytest
+
+from tests.bridges import spec_examples as ex
+
+
+def post(server, path, body, **kw):
+    return httpx.post(server.http_url + path, json=body, timeout=120, **kw)
+
+
+def sse_events(resp) -> list:
+    return [json.loads(line[len("data:"):]) for line in resp.text.splitlines()
+            if line.startswith("data:") and line.strip() != "data: [DONE]"]
+
+
+def test_tgi_generate(live_server):
+    r = post(live_server, "/generate", ex.TGI_GENERATE)
+    assert r.status_code == 200
+    data = r.json()
+    assert isinstance(data["generated_text"], str) and data["generated_text"]
+    d = data["details"]
+    assert d["finish_reason"] in ("length", "eos_token", "stop_sequence")
+    assert d["generated_tokens"] == len(d["tokens"]) <= 20
+    assert isinstance(d["seed"], int) and d["prompt_tokens"] > 0
+    assert len(d["prefill"]) == d["prompt_tokens"]  # decoder_input_details
+    for tok in d["tokens"] + d["prefill"]:
+        assert set(tok) == {"id", "logprob", "special", "text"} and tok["special"] is None
+    assert isinstance(d["tokens"][0]["id"], list)  # the spec's shape: id as a list
+    assert r.headers["X-Ignored-Parameters"] == "typical_p"
+
+
+def test_tgi_generate_stream(live_server):
+    r = post(live_server, "/generate_stream", ex.TGI_GENERATE_STREAM)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r)
+    for e in events[:-1]:
+        assert set(e) == {"token", "generated_text", "details"} and e["generated_text"] is None
+        assert isinstance(e["token"]["id"], list) and e["token"]["special"] is None
+    last = events[-1]
+    assert last["generated_text"] == "".join(e["token"]["text"] for e in events)
+    assert set(last["details"]) >= {"prompt_tokens", "finish_reason", "generated_tokens", "seed"}
+    assert last["details"]["generated_tokens"] == len(events)
+
+
+def test_vllm_generate(live_server):
+    r = post(live_server, "/generate", ex.VLLM_GENERATE)
+    assert r.status_code == 200
+    text = r.json()["text"]
+    assert isinstance(text, list) and len(text) == 1 and text[0].startswith(ex.VLLM_GENERATE["prompt"])
+
+
+def test_vllm_generate_stream_is_nul_separated_deltas(live_server):
+    body = dict(ex.VLLM_GENERATE, stream=True, temperature=0)
+    r = post(live_server, "/generate", body)
+    chunks = [json.loads(c) for c in r.content.decode().split("\0") if c]
+    assert len(chunks) > 1 and all(list(c) == ["text"] and len(c["text"]) == 1 for c in chunks)
+    full = post(live_server, "/generate", dict(ex.VLLM_GENERATE, temperature=0)).json()["text"][0]
+    assert ex.VLLM_GENERATE["prompt"] + "".join(c["text"][0] for c in chunks) == full
+
+
+def test_vllm_cumulative_and_full_text_variants(variant_server):
+    r = post(variant_server, "/generate", dict(ex.VLLM_GENERATE, stream=True, temperature=0))
+    lines = [json.loads(x) for x in r.text.splitlines() if x]
+    assert all(x["text"][0].startswith(ex.VLLM_GENERATE["prompt"]) for x in lines)
+    assert all(b["text"][0].startswith(a["text"][0]) for a, b in zip(lines, lines[1:]))
+    events = sse_events(post(variant_server, "/generate_stream", ex.TGI_GENERATE_STREAM))
+    texts = [e["token"]["text"] for e in events]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # fullTextEnabled: cumulative
+    assert events[-1]["generated_text"] == texts[-1]
+
+
+def test_triton_generate(live_server):
+    model = live_server.engine.model_info.name
+    r = post(live_server, f"/v2/models/{model}/generate", ex.TRITON_GENERATE)
+    assert r.status_code == 200
+    data = r.json()
+    assert data["id"] == "a123" and data["model_name"] == model and data["model_version"] is None
+    assert isinstance(data["text_output"], str)
+    d = data["details"]
+    assert d["finish_reason"] in ("length", "eos_token", "stop_sequence") and d["generated_tokens"] <= 5
+    assert d["first_token_cost"] is None and d["decode_cost"] is None
+    assert len(d["perf_stat"]) == d["generated_tokens"]
+
+
+def test_triton_generate_stream(live_server):
+    model = live_server.engine.model_info.name
+    r = post(live_server, f"/v2/models/{model}/generate_stream", ex.TRITON_GENERATE)
+    events = sse_events(r)
+    assert 1 <= len(events) <= 5
+    assert r.text.count("data:") == len(events)  # one event per write
+    for i, e in enumerate(events):
+        assert e["id"] == "a123" and e["model_name"] == model and "text_output" in e
+        d = e["details"]
+        assert d["generated_tokens"] == i + 1 and d["batch_size"] == 100 and isinstance(d["queue_wait_time"], int)
+        assert len(d["perf_stat"]) == i + 1
+        assert (e["prefill_time"] is None) == (i > 0) and (e["decode_time"] is None) == (i == 0)
+    assert events[-1]["details"]["finish_reason"] in ("length", "eos_token", "stop_sequence")
+
+
+def test_triton_infer(live_server):
+    model = live_server.engine.model_info.name
+    r = post(live_server, f"/v2/models/{model}/infer", ex.TRITON_INFER)
+    assert r.status_code == 200
+    data = r.json()
+    assert data["id"] == "42"
+    (out,) = data["outputs"]
+    assert out["name"] == "output0" and out["datatype"] == "UINT32"
+    assert out["shape"] == [1, len(out["data"])] and out["data"][:10] == ex.TRITON_INFER["inputs"][0]["data"]
+    assert 10 < len(out["data"]) <= 30
+    assert r.headers["X-Ignored-Parameters"] == "watermark"
+
+
+def test_mindie_infer(live_server):
+    r = post(live_server, "/infer", ex.MINDIE_INFER)
+    data = r.json()
+    assert isinstance(data["generated_text"], str)
+    assert set(data["details"]) == {"finish_reason", "generated_tokens", "seed"}
+    stream = sse_events(post(live_server, "/infer", dict(ex.MINDIE_INFER, stream=True)))
+    assert stream[0]["prefill_time"] is not None and stream[0]["decode_time"] is None
+    for e in stream[1:]:
+        assert e["prefill_time"] is None and e["decode_time"] is not None
+    for e in stream:
+        assert isinstance(e["token"]["id"], list) and isinstance(e["token"]["text"], str)
+    assert stream[-1]["generated_text"] == "".join(e["token"]["text"] for e in stream)
+    assert stream[-1]["details"]["generated_tokens"] == sum(len(e["token"]["id"]) for e in stream)
+
+
+def test_tokenizer(live_server):
+    data = post(live_server, "/v1/tokenizer", ex.TOKENIZER).json()
+    assert data["token_number"] == len(data["tokens"]) > 0
+    assert "".join(data["tokens"]).endswith(ex.TOKENIZER["inputs"])
+    ids = post(live_server, "/tokenize", {"prompt": ex.TOKENIZER["inputs"]}).json()
+    assert ids["count"] == data["token_number"] and ids["max_model_len"] > 0
+    bare = post(live_server, "/tokenize", {"prompt": ex.TOKENIZER["inputs"], "add_special_tokens": False}).json()
+    assert bare["count"] == ids["count"] - 1  # this tokenizer adds one BOS
+    assert post(live_server, "/detokenize", {"tokens": bare["tokens"]}).json()["prompt"] == ex.TOKENIZER["inputs"]
+
+
+def test_sglang_generate(live_server):
+    data = post(live_server, "/generate", ex.SGLANG_GENERATE).json()
+    assert "Paris" in data["text"] and len(data["output_ids"]) == data["meta_info"]["completion_tokens"]
+    meta = data["meta_info"]
+    assert meta["finish_reason"]["type"] in ("stop", "length") and meta["prompt_tokens"] > 0
+    assert "cached_tokens" in meta and meta["id"]
+    stream = post(live_server, "/generate", dict(ex.SGLANG_GENERATE, stream=True))
+    assert stream.text.rstrip().endswith("data: [DONE]")
+    events = sse_events(stream)
+    assert events[-1]["text"] == data["text"]  # cumulative text; greedy equals the non-streamed answer
+    batch = post(live_server, "/generate", {"text": ["1, 2, 3,", "a, b, c,"], "sampling_params":
+                                            {"temperature": 0, "max_new_tokens": 4}, "return_logprob": True,
+                                            "top_logprobs_num": 2}).json()
+    assert isinstance(batch, list) and len(batch) == 2
+    assert len(batch[0]["meta_info"]["output_top_logprobs"][0]) == 2
+    info = httpx.get(live_server.http_url + "/get_model_info").json()
+    assert info["is_generation"] is True
+
+
+def test_openapi_document(live_server):
+    doc = httpx.get(live_server.http_url + "/openapi.json").json()
+    assert doc["openapi"].startswith("3.1")
+    for path in ("/v1/chat/completions", "/generate", "/v2/models/{model}/infer", "/infer", "/v1/tokenizer",
+                 "/turing/v3/func/gpt"):
+        assert path in doc["paths"]
+    import schemas
+
+    assert set(doc["components"]["schemas"]) == set(schemas.available())
+    assert "urn:" not in json.dumps(doc)
