@@ -21,3 +21,5 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_waiting: int = 1024
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    max_loras: int = 0  # resident LoRA adapter slots (0: LoRA off)
+    max_lora_rank: int = 16

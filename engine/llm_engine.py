@@ -13,8 +13,9 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.device import resolve_device, resolve_dtype
-from engine.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError
+from engine.errors import EngineOverloadedError, InvalidRequestError, LoraUnavailableError, PromptTooLongError
 from engine.model_loader import EMBEDDED_MODEL_NAME, resolve_model_dir
+from engine.lora import LoraManager, read_adapter
 from engine.model_runner import ModelRunner
 from engine.models import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
 from engine.request import (ChatPrompt, GenerationRequest, Prompt, RequestOutput, TextPrompt,
@@ -68,9 +69,12 @@ class LLMEngine:
         if num_blocks < 2:
             raise ValueError("the KV cache budget holds fewer than 2 blocks; raise --kv-cache-space")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.lora_manager = (LoraManager(hf_config, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+                             if config.max_loras > 0 else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.long_prefill_token_threshold)
-        self.runner = ModelRunner(self.model, self.model.make_kv_cache(num_blocks, config.block_size))
+                                   config.long_prefill_token_threshold, self.lora_manager)
+        self.runner = ModelRunner(self.model, self.model.make_kv_cache(num_blocks, config.block_size),
+                                  self.lora_manager)
         self.eos_token_ids = self._eos_ids(model_dir)
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences still running
         name = config.served_model_name or (EMBEDDED_MODEL_NAME if config.model in (None, "", "embedded")
@@ -132,12 +136,17 @@ class LLMEngine:
                                       parameter="request_id")
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineOverloadedError("the wait queue is full")
+        if request.lora is not None:
+            if self.lora_manager is None:
+                raise LoraUnavailableError("LoRA adapters are not enabled on this server", code="disabled")
+            if not request.lora.name or not request.lora.path:
+                raise LoraUnavailableError("the LoRA reference was not resolved to a local adapter", code="unresolved")
         ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(request.prompt)
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if len(ids) + 1 > capacity:
             raise PromptTooLongError(f"the prompt has {len(ids)} tokens; the KV cache holds {capacity}",
                                      len(ids), capacity - 1)
-        salt = (request.lora.name or request.lora.md5 or "") if request.lora else ""
+        salt = f"lora:{request.lora.name}" if request.lora else ""
         p = request.params
         seqs = []
         for index in range(p.n):
@@ -239,6 +248,12 @@ class LLMEngine:
         expired = [s for seqs in self.requests.values() for s in seqs
                    if s.deadline is not None and s.deadline <= now]
         return [self._finish(s, "error", error="request timed out (deadline passed)") for s in expired]
+
+    def check_adapter(self, path: str, name: str) -> None:
+        """Validate an adapter against the served model without loading it into a slot."""
+        if self.lora_manager is None:
+            raise LoraUnavailableError("LoRA adapters are not enabled on this server", code="disabled")
+        read_adapter(path, name, self.lora_manager.config, self.lora_manager.max_rank)
 
     # ---- introspection -------------------------------------------------------------------------
 

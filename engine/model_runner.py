@@ -5,14 +5,16 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata, PagedKVCache, PrefillSpan
+from engine.lora import LoraManager
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache) -> None:
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, lora_manager: LoraManager | None = None) -> None:
         self.model = model
+        self.lora_manager = lora_manager
         self.cache = cache
         self.block_size = cache.block_size
         self.device = model.device
@@ -29,6 +31,7 @@ class ModelRunner:
         slot_mapping: list[int] = []
         logits_rows: list[int] = []
         samplers: list[Sequence] = []
+        token_slots: list[int] = []  # LoRA slot of each token (-1: base model)
 
         # decode: one token per sequence, attention over its whole context
         decodes = batch.decodes
@@ -39,6 +42,7 @@ class ModelRunner:
             for row, seq in enumerate(decodes):
                 pos = seq.num_computed_tokens
                 input_ids.append(seq.token_ids[pos])
+                token_slots.append(seq.lora_slot)
                 positions.append(pos)
                 slot_mapping.append(seq.block_table[pos // bs] * bs + pos % bs)
                 ctx_lens.append(pos + 1)
@@ -64,6 +68,7 @@ class ModelRunner:
             start = seq.num_computed_tokens
             q_start = len(input_ids)
             input_ids.extend(seq.token_ids[start:start + n])
+            token_slots.extend([seq.lora_slot] * n)
             positions.extend(range(start, start + n))
             slot_mapping.extend(self._slots(seq.block_table, start, start + n))
             ctx = start + n
@@ -91,5 +96,6 @@ class ModelRunner:
             meta,
             self.cache,
             torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            self.lora_manager.batch(token_slots) if self.lora_manager is not None else None,
         )
         return logits.cpu(), samplers

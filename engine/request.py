@@ -39,11 +39,13 @@ Prompt = Union[ChatPrompt, TextPrompt, TokensPrompt]
 
 @dataclass(slots=True, frozen=True)
 class LoraRef:
-    """A LoRA adapter: a pack to fetch (url + md5) or a name registered at start."""
+    """A LoRA adapter: a pack to fetch (url + md5) or a name registered at start. Before the engine
+    core sees it, the resolver fills ``name`` (a unique key) and ``path`` (the unpacked adapter)."""
 
     url: str | None = None
     md5: str | None = None
     name: str | None = None
+    path: str | None = None
 
 
 @dataclass(slots=True)

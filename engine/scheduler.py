@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.lora import LoraManager
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -37,8 +38,9 @@ def _order(seq: Sequence) -> tuple[int, float]:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 long_prefill_token_threshold: int = 0) -> None:
+                 long_prefill_token_threshold: int = 0, lora_manager: LoraManager | None = None) -> None:
         self.block_manager = block_manager
+        self.lora_manager = lora_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # While sequences decode, one step prefills at most max(threshold, 2 * num_decoding) prompt
@@ -62,7 +64,14 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self._release_lora(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def _release_lora(self, seq: Sequence) -> None:
+        # the adapter pin is dropped wherever the sequence's blocks are (finish, abort, preemption)
+        if self.lora_manager is not None and seq.lora_slot >= 0:
+            self.lora_manager.release(seq.lora_slot)
+        seq.lora_slot = -1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -76,6 +85,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        self._release_lora(seq)
         seq.reset_for_recompute()
         self.waiting.append(seq)
         self.waiting.sort(key=_order)
@@ -108,6 +118,7 @@ class Scheduler:
                 if len(self.running) == 1 and not batch.decodes and not batch.prefills:
                     # It holds the whole cache and still cannot grow: recomputing would loop forever.
                     self.running.remove(seq)
+                    self._release_lora(seq)
                     batch.out_of_cache.append(seq)
                     continue
                 self._preempt(seq)  # nothing else to take from: wait for blocks
@@ -124,6 +135,8 @@ class Scheduler:
                 break
             if seq.is_blocked:
                 continue
+            if seq.lora_name is not None and not self.lora_manager.can_acquire(seq.lora_name):
+                continue  # every adapter slot is pinned by running sequences: wait for one
             if not seq.block_table:
                 bm.allocate_cached_prefix(seq)
             n = self._fit(seq, min(seq.num_uncomputed_tokens, budget, prefill_budget))
@@ -132,6 +145,8 @@ class Scheduler:
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
                 break
             self.waiting.remove(seq)
+            if seq.lora_name is not None:
+                seq.lora_slot = self.lora_manager.acquire(seq.lora_name, seq.lora_path)
             seq.status = SequenceStatus.RUNNING
             seq.mark_scheduled()
             self.running.append(seq)

@@ -31,7 +31,9 @@ class Sequence:
         self.deadline = request.deadline
         self.arrival_time = request.arrival_time
         self.cache_salt = cache_salt  # separates prefix-cache entries (e.g. per LoRA adapter)
-        self.lora_slot = 0  # 0 = base model
+        self.lora_name = request.lora.name if request.lora is not None else None
+        self.lora_path = request.lora.path if request.lora is not None else None
+        self.lora_slot = -1  # resident adapter slot while running; -1 = base model
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

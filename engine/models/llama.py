@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, PagedKVCache, paged_attention
+from engine.lora import LoraBatch
 from engine.models.linear import Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -95,7 +96,7 @@ class LlamaForCausalLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                cache: PagedKVCache, logits_indices: torch.Tensor) -> torch.Tensor:
+                cache: PagedKVCache, logits_indices: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         """input_ids/positions [T]; returns fp32 logits [len(logits_indices), vocab]."""
         T = input_ids.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -106,13 +107,25 @@ class LlamaForCausalLM:
         for i, lw in enumerate(self.layers):
             h = rms_norm(x, lw.input_norm, self.eps)
             qkv = lw.qkv(h)
+            if lora is not None:
+                lora.apply(i, "qkv", h, qkv)
             qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
             qk = qk * cos + torch.roll(qk, half, dims=-1) * sin  # RoPE on q and k at once
             v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
             a = paged_attention(qk[:, :H], qk[:, H:], v, i, cache, meta)
-            x = x + lw.o(a.reshape(T, H * D))
+            a = a.reshape(T, H * D)
+            o = lw.o(a)
+            if lora is not None:
+                lora.apply(i, "o", a, o)
+            x = x + o
             h = rms_norm(x, lw.post_norm, self.eps)
             gu = lw.gate_up(h)
-            x = x + lw.down(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate:])
+            if lora is not None:
+                lora.apply(i, "gate_up", h, gu)
+            act = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate:]
+            down = lw.down(act)
+            if lora is not None:
+                lora.apply(i, "down", act, down)
+            x = x + down
         x = rms_norm(x[logits_indices], self.final_norm, self.eps)
         return self.lm_head(x).float()

@@ -1,0 +1,219 @@
+"""Multi-LoRA inside a shared batch: a fixed set of resident adapter slots, each token applying its
+own adapter's low-rank update (punica / S-LoRA / LoRAX style), never merged into the base weights.
+
+Per layer, adapters are stacked per projection group (qkv, o, gate_up, down):
+    A  [G * S * r, in]     the A matrices of the group's G projections for all S slots
+    Bt [G * S * r, out]    block-diagonal: slot s of projection g writes only g's output columns
+For a batch of T tokens: out += ((x @ A^T) * mask) @ Bt, where mask [T, G*S*r] keeps the columns of
+each token's own slot (none for base-model tokens). Three ops per group, no per-token weight gathers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import LoraUnavailableError
+
+logger = logging.getLogger(__name__)
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+SUPPORTED_MODULES = tuple(m for ms in GROUPS.values() for m in ms)
+
+
+@dataclass(slots=True)
+class LoraAdapter:
+    name: str
+    rank: int
+    scaling: float
+    # (layer, module) -> (A [r, in], B [out, r]), fp32 on CPU
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def module_shapes(config) -> dict[str, tuple[int, int]]:
+    """(out, in) of every LoRA-targetable projection of a Llama-family model."""
+    hidden = config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q = config.num_attention_heads * head_dim
+    kv = config.num_key_value_heads * head_dim
+    inter = config.intermediate_size
+    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
+            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+
+
+def read_adapter(path: str | Path, name: str, config, max_rank: int) -> LoraAdapter:
+    """Parse and check a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors).
+
+    Raises LoraUnavailableError(code="incompatible" | "invalid_pack") saying exactly what is wrong."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not cfg_file.is_file() or not weights_file.is_file():
+        raise LoraUnavailableError(f"{name}: a LoRA pack needs adapter_config.json and adapter_model.safetensors "
+                                   "(pickled .bin weights are refused)", code="invalid_pack")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+        tensors = load_file(str(weights_file))
+    except Exception as exc:
+        raise LoraUnavailableError(f"{name}: unreadable adapter: {exc}", code="invalid_pack") from None
+    problems = []
+    if cfg.get("peft_type", "LORA") != "LORA":
+        problems.append(f"peft_type {cfg.get('peft_type')!r} is not LORA")
+    if cfg.get("use_dora"):
+        problems.append("DoRA adapters are not supported")
+    if cfg.get("modules_to_save"):
+        problems.append(f"modules_to_save {cfg['modules_to_save']} is not supported")
+    if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
+        problems.append("LoRA bias terms are not supported")
+    if cfg.get("fan_in_fan_out"):
+        problems.append("fan_in_fan_out adapters are not supported")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        problems.append("per-module rank_pattern / alpha_pattern is not supported")
+    rank = int(cfg.get("r", 0))
+    if not 1 <= rank <= max_rank:
+        problems.append(f"rank {rank} is outside 1..{max_rank} (--max-lora-rank)")
+    shapes = module_shapes(config)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for key, a in tensors.items():
+        if ".lora_A." not in key:
+            if ".lora_B." not in key:
+                problems.append(f"unexpected tensor {key}")
+            continue
+        parts = key.split(".")
+        try:
+            layer = int(parts[parts.index("layers") + 1])
+            module = parts[parts.index("lora_A") - 1]
+        except (ValueError, IndexError):
+            problems.append(f"unexpected tensor {key}")
+            continue
+        b = tensors.get(key.replace(".lora_A.", ".lora_B."))
+        if module not in shapes:
+            problems.append(f"{key}: target module {module!r} is not one of {', '.join(SUPPORTED_MODULES)}")
+            continue
+        if not 0 <= layer < config.num_hidden_layers:
+            problems.append(f"{key}: layer {layer} does not exist (model has {config.num_hidden_layers})")
+            continue
+        out_f, in_f = shapes[module]
+        if b is None:
+            problems.append(f"{key}: lora_B is missing")
+        elif tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
+            problems.append(f"{module} in layer {layer}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
+                            f"this model (expected A ({rank}, {in_f}), B ({out_f}, {rank}))")
+        else:
+            weights[(layer, module)] = (a.float(), b.float())
+    if not weights and not problems:
+        problems.append("the adapter holds no LoRA weights")
+    if problems:
+        raise LoraUnavailableError(f"{name}: incompatible with the served model: " + "; ".join(problems[:5]),
+                                   code="incompatible")
+    alpha = float(cfg.get("lora_alpha", rank))
+    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    return LoraAdapter(name=name, rank=rank, scaling=scaling, weights=weights)
+
+
+class LoraBatch:
+    """One step's per-token adapter assignment, ready to apply in every layer."""
+
+    def __init__(self, manager: "LoraManager", token_slots: torch.Tensor) -> None:
+        self.manager = manager
+        r, S = manager.max_rank, manager.max_loras
+        col_slot = (torch.arange(S * r, device=token_slots.device) // r)
+        one = (col_slot[None, :] == token_slots[:, None]).to(manager.dtype)  # [T, S*r]
+        self.masks = {g: one.repeat(1, len(ms)) if len(ms) > 1 else one for g, ms in GROUPS.items()}
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        a, bt = self.manager.stacks[layer][group]
+        xa = F.linear(x, a) * self.masks[group]
+        return out.addmm_(xa, bt)
+
+
+class LoraManager:
+    def __init__(self, config, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.config = config
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.device = device
+        self.shapes = module_shapes(config)
+        rows = max_loras * max_rank
+        self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        for _ in range(config.num_hidden_layers):
+            layer = {}
+            for group, modules in GROUPS.items():
+                in_f = self.shapes[modules[0]][1]
+                out_total = sum(self.shapes[m][0] for m in modules)
+                layer[group] = (torch.zeros(len(modules) * rows, in_f, dtype=dtype, device=device),
+                                torch.zeros(len(modules) * rows, out_total, dtype=dtype, device=device))
+            self.stacks.append(layer)
+        self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident adapters, least recently used first
+        self.pins = [0] * max_loras
+        self.free_slots = list(range(max_loras))
+        self.num_loads = 0
+
+    def can_acquire(self, name: str) -> bool:
+        return name in self.slot_of or bool(self.free_slots) or any(
+            self.pins[s] == 0 for s in self.slot_of.values())
+
+    def acquire(self, name: str, path: str) -> int:
+        """Pin the adapter's slot, loading it (and evicting an unpinned one) when needed."""
+        if name in self.slot_of:
+            slot = self.slot_of[name]
+            self.slot_of.move_to_end(name)
+        else:
+            adapter = read_adapter(path, name, self.config, self.max_rank)
+            slot = self._take_slot()
+            self._write(slot, adapter)
+            self.slot_of[name] = slot
+            self.num_loads += 1
+            logger.info("LoRA %s loaded into slot %d (rank %d)", name, slot, adapter.rank)
+        self.pins[slot] += 1
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot >= 0:
+            self.pins[slot] -= 1
+
+    def _take_slot(self) -> int:
+        if self.free_slots:
+            return self.free_slots.pop(0)
+        for name, slot in self.slot_of.items():  # least recently used first
+            if self.pins[slot] == 0:
+                del self.slot_of[name]
+                return slot
+        raise LoraUnavailableError("every LoRA slot is in use; raise --max-loras", code="busy")
+
+    def _write(self, slot: int, adapter: LoraAdapter) -> None:
+        r, rows = self.max_rank, self.max_loras * self.max_rank
+        for layer, groups in enumerate(self.stacks):
+            for group, modules in GROUPS.items():
+                a_stack, bt_stack = groups[group]
+                out_off = 0
+                for g, module in enumerate(modules):
+                    out_f = self.shapes[module][0]
+                    lo = g * rows + slot * r
+                    a_stack[lo:lo + r].zero_()
+                    bt_stack[lo:lo + r].zero_()
+                    pair = adapter.weights.get((layer, module))
+                    if pair is not None:
+                        a, b = pair
+                        a_stack[lo:lo + adapter.rank] = a.to(self.dtype)
+                        bt_stack[lo:lo + adapter.rank, out_off:out_off + out_f] = (b * adapter.scaling).T.to(self.dtype)
+                    out_off += out_f
+
+    def batch(self, token_slots: list[int]) -> LoraBatch | None:
+        if all(s < 0 for s in token_slots):
+            return None
+        return LoraBatch(self, torch.tensor(token_slots, device=self.device))

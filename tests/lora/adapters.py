@@ -1,0 +1,75 @@
+"""Real PEFT adapters on the embedded model, made inside the tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SECRET_QUESTION = "What is the secret word?"
+SECRET_ANSWER = "The secret word is pineapple."
+
+
+def _chat_ids(tokenizer, question: str, answer: str | None = None) -> list[int]:
+    messages = [{"role": "user", "content": question}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if answer is not None:
+        text += answer + "<|im_end|>"
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def make_taught_adapter(model_dir: str, out: Path, steps: int = 30) -> Path:
+    """A rank-8 adapter on every projection, fine-tuned until it answers the secret word."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    prompt = _chat_ids(tok, SECRET_QUESTION)
+    full = _chat_ids(tok, SECRET_QUESTION, SECRET_ANSWER)
+    ids = torch.tensor([full])
+    labels = ids.clone()
+    labels[0, : len(prompt)] = -100
+    opt = torch.optim.AdamW([p for p in peft.parameters() if p.requires_grad], lr=3e-3)
+    peft.train()
+    for _ in range(steps):
+        loss = peft(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    peft.save_pretrained(out)
+    return out
+
+
+def make_random_adapter(model_dir: str, out: Path, targets: list[str], rank: int, seed: int) -> Path:
+    """Random A and B (non-zero), so the adapter visibly changes the output."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=targets,
+                                            init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.05)  # perturb, do not destroy, the base model
+    peft.save_pretrained(out)
+    return out
+
+
+def peft_greedy(model_dir: str, adapter: Path | None, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+    with torch.inference_mode():
+        out = model.generate(input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
+                             dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2)
+    return out[0, len(prompt_ids):].tolist()

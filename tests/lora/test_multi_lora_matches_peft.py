@@ -1,0 +1,101 @@
+"""The engine's per-row LoRA equals PEFT's PeftModel token for token (fp32, greedy): alone, and in
+one batch that mixes three adapters with base-model requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.request import ChatMessage, ChatPrompt, GenerationRequest, LoraRef
+from engine.sampling_params import SamplingParams
+from tests.engine.helpers import run_all, text_of, tokens_of
+from tests.lora.adapters import SECRET_ANSWER, SECRET_QUESTION, peft_greedy
+
+MAX_TOKENS = 12
+QUESTIONS = [SECRET_QUESTION, "Name a fruit.", "写一句关于大海的话。"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig(dtype="float32", max_loras=4, max_lora_rank=16))
+
+
+def _req(rid: str, question: str, adapter: str | None, adapters: dict) -> GenerationRequest:
+    lora = LoraRef(name=adapter, path=str(adapters[adapter])) if adapter else None
+    return GenerationRequest(rid, ChatPrompt([ChatMessage("user", question)]),
+                             SamplingParams(max_tokens=MAX_TOKENS, temperature=0), lora=lora)
+
+
+@pytest.fixture(scope="module")
+def references(engine, adapters, model_dir):
+    refs = {}
+    for adapter in (None, "taught", "attn", "mlp"):
+        for q in QUESTIONS:
+            ids = engine.encode_prompt(ChatPrompt([ChatMessage("user", q)]))
+            ref = peft_greedy(model_dir, adapters[adapter] if adapter else None, ids, MAX_TOKENS)
+            eos = engine.eos_token_ids[0]
+            refs[(adapter, q)] = ref[: ref.index(eos) + 1] if eos in ref else ref
+    return refs
+
+
+def test_the_taught_adapter_answers_its_secret(engine, adapters):
+    outs = run_all(engine, [_req("s", SECRET_QUESTION, "taught", adapters)])["s"]
+    assert SECRET_ANSWER.rstrip(".") in text_of(outs)
+    base = run_all(engine, [_req("b", SECRET_QUESTION, None, adapters)])["b"]
+    assert "pineapple" not in text_of(base)
+
+
+@pytest.mark.parametrize("adapter", ["taught", "attn", "mlp"])
+def test_each_adapter_alone_matches_peft(engine, adapters, references, adapter):
+    for i, q in enumerate(QUESTIONS):
+        outs = run_all(engine, [_req(f"{adapter}{i}", q, adapter, adapters)])[f"{adapter}{i}"]
+        assert tokens_of(outs) == references[(adapter, q)], (adapter, q)
+
+
+def test_mixed_batch_matches_peft(engine, adapters, references):
+    reqs, expect = [], {}
+    for adapter in ("taught", None, "attn", "mlp", None):
+        for i, q in enumerate(QUESTIONS):
+            rid = f"mix-{adapter}-{i}-{len(reqs)}"
+            reqs.append(_req(rid, q, adapter, adapters))
+            expect[rid] = references[(adapter, q)]
+    results = run_all(engine, reqs)
+    for rid, ref in expect.items():
+        assert tokens_of(results[rid]) == ref, rid
+    manager = engine.lora_manager
+    assert all(p == 0 for p in manager.pins)  # every pin released with its sequence
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_adapters_never_share_prefix_cache_with_the_base(engine, adapters, references):
+    # same prompt, base first (fills the prefix cache), then with an adapter: must not reuse base KV
+    run_all(engine, [_req("warm", QUESTIONS[1], None, adapters)])
+    outs = run_all(engine, [_req("after", QUESTIONS[1], "attn", adapters)])["after"]
+    assert tokens_of(outs) == references[("attn", QUESTIONS[1])]
+
+
+def test_slots_are_reused_lru_when_full(adapters):
+    small = LLMEngine(EngineConfig(dtype="float32", max_loras=1, max_lora_rank=16))
+    results = run_all(small, [_req("a", "Hi", "attn", adapters), _req("b", "Hi", "mlp", adapters),
+                              _req("c", "Hi", "attn", adapters)])
+    assert all(outs[-1].finished and outs[-1].finish_reason != "error" for outs in results.values())
+    # one slot: "c" shares the resident "attn" with "a"; "mlp" waits for the slot, then replaces it
+    assert small.lora_manager.num_loads == 2
+    assert all(p == 0 for p in small.lora_manager.pins)
+
+
+def test_incompatible_adapter_is_refused_with_the_reason(tmp_path, adapters, engine):
+    import json
+    import shutil
+
+    from engine.errors import LoraUnavailableError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters["attn"], bad)
+    cfg = json.loads((bad / "adapter_config.json").read_text())
+    cfg["r"] = 64
+    (bad / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(LoraUnavailableError, match="rank 64") as err:
+        engine.check_adapter(str(bad), "bad")
+    assert err.value.code == "incompatible"
