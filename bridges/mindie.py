@@ -27,7 +27,6 @@ async def infer(request: Request) -> Response:
     body = await read_json(request, "mindie-infer")
     engine = engine_of(request)
     tg = textgen.lower(engine, request_id("mindie"), body["inputs"], body.get("parameters"))
-    textgen.check_adapter(engine, tg)
     if not body.get("stream"):
         (c,) = await collect(engine, tg.request)
         result: dict[str, Any] = {"generated_text": c.text}

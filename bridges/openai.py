@@ -12,7 +12,7 @@ from starlette.routing import Route
 from bridges.common import (BridgeError, Completion, collect, endpoint, engine_of, now, primed, read_json, replay,
                             request_id, sse, sse_response, stop_list)
 from engine.protocol import EngineClient
-from engine.request import (ChatMessage, ChatPrompt, GenerationRequest, Prompt, RequestOutput, TextPrompt,
+from engine.request import (ChatMessage, ChatPrompt, GenerationRequest, LoraRef, Prompt, RequestOutput, TextPrompt,
                             TokenLogprob, TokensPrompt)
 from engine.sampling_params import SamplingParams
 
@@ -23,12 +23,10 @@ def render_error(err: BridgeError) -> dict[str, Any]:
     return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code or err.status}}
 
 
-def check_model(engine: EngineClient, body: dict[str, Any]) -> str:
+def check_model(engine: EngineClient, body: dict[str, Any]) -> tuple[str, LoraRef | None]:
+    """The served model, or a LoRA adapter registered under that name (the resolver says 404 if not)."""
     name = body.get("model")
-    if name != engine.model_info.name:
-        raise BridgeError(404, f"The model `{name}` does not exist.", param="model", kind="NotFoundError",
-                          code="model_not_found")
-    return name
+    return name, (None if name == engine.model_info.name else LoraRef(name=name))
 
 
 def banned_ids(engine: EngineClient, words: list[str] | None) -> list[int]:
@@ -188,9 +186,11 @@ def _echo_text(engine: EngineClient, prompt: Prompt) -> str:
 async def completions(request: Request) -> Response:
     engine = engine_of(request)
     body = await read_json(request, "openai-completion")
-    model = check_model(engine, body)
+    model, lora = check_model(engine, body)
     rid = request_id("cmpl")
     reqs = lower_completion(engine, body, rid)
+    for r in reqs:
+        r.lora = lora
     n = reqs[0].params.n
     echo = bool(body.get("echo"))
     if body.get("stream"):
@@ -281,9 +281,10 @@ def lower_chat(engine: EngineClient, body: dict[str, Any], rid: str) -> Generati
 async def chat_completions(request: Request) -> Response:
     engine = engine_of(request)
     body = await read_json(request, "openai-chat")
-    model = check_model(engine, body)
+    model, lora = check_model(engine, body)
     rid = request_id("chatcmpl")
     req = lower_chat(engine, body, rid)
+    req.lora = lora
     if body.get("stream"):
         streams = await start_streams(engine, [req])
         return sse_response(_stream_chat(engine, body, req, streams[0], rid, model))
@@ -342,9 +343,14 @@ async def _stream_chat(engine, body, req, stream, rid, model) -> AsyncIterator[b
 
 async def models(request: Request) -> Response:
     info = engine_of(request).model_info
-    return JSONResponse({"object": "list", "data": [
-        {"id": info.name, "object": "model", "created": now(), "owned_by": "spark-server", "root": info.path,
-         "parent": None, "max_model_len": info.max_model_len}]})
+    created = now()
+    data = [{"id": info.name, "object": "model", "created": created, "owned_by": "spark-server", "root": info.path,
+             "parent": None, "max_model_len": info.max_model_len}]
+    resolver = getattr(request.app.state, "lora_resolver", None)
+    for name, path in sorted((resolver.registered if resolver else {}).items()):
+        data.append({"id": name, "object": "model", "created": created, "owned_by": "spark-server", "root": path,
+                     "parent": info.name, "max_model_len": info.max_model_len})
+    return JSONResponse({"object": "list", "data": data})
 
 
 ROUTES = [

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from bridges.common import (BridgeError, Completion, collect, endpoint, engine_of, primed, read_json, replay,
                             request_id, sse, sse_response, stop_list)
 from engine.protocol import EngineClient
-from engine.request import GenerationRequest, RequestOutput, TextPrompt, TokensPrompt
+from engine.request import GenerationRequest, LoraRef, RequestOutput, TextPrompt, TokensPrompt
 from engine.sampling_params import SamplingParams
 
 
@@ -50,9 +50,6 @@ def _params(sp: dict[str, Any], return_logprob: bool, top_logprobs: int) -> Samp
 
 def lower(body: dict[str, Any], rid: str) -> tuple[list[GenerationRequest], bool]:
     """Returns the requests (a batch fans out) and whether the body was a batch."""
-    if body.get("lora_path"):
-        raise BridgeError(404, f"lora_path: adapter {body['lora_path']!r} is not loaded (LoRA adapters are not "
-                               "available on this server yet)", param="lora_path", kind="not_found_error")
     if "text" in body:
         batch = isinstance(body["text"], list)
         prompts = [TextPrompt(t) for t in (body["text"] if batch else [body["text"]])]
@@ -68,7 +65,8 @@ def lower(body: dict[str, Any], rid: str) -> tuple[list[GenerationRequest], bool
         sps = [sps] * len(prompts)
     logprob, top = bool(body.get("return_logprob")), body.get("top_logprobs_num") or 0
     rid = body.get("rid") or rid
-    reqs = [GenerationRequest(rid if len(prompts) == 1 else f"{rid}-{i}", p, _params(sp, logprob, top))
+    lora = LoraRef(name=body["lora_path"]) if body.get("lora_path") else None
+    reqs = [GenerationRequest(rid if len(prompts) == 1 else f"{rid}-{i}", p, _params(sp, logprob, top), lora=lora)
             for i, (p, sp) in enumerate(zip(prompts, sps))]
     return reqs, batch
 

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from bridges.common import BridgeError, stop_list
+from bridges.common import stop_list
 from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, TextPrompt, TokensPrompt
 from engine.sampling_params import SamplingParams
@@ -95,9 +95,3 @@ def lower(engine: EngineClient, rid: str, inputs: str | list[int], parameters: d
 
 def ignored_header(tg: TextGenRequest) -> dict[str, str]:
     return {"X-Ignored-Parameters": ",".join(tg.no_effect)} if tg.no_effect else {}
-
-
-def check_adapter(engine: EngineClient, tg: TextGenRequest, field: str = "adapter_id") -> None:
-    if tg.request.lora is not None:
-        raise BridgeError(404, f"{field}: adapter {tg.request.lora.name!r} is not loaded (LoRA adapters are not "
-                               "available on this server yet)", param=field, kind="not_found_error")

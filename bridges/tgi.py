@@ -52,7 +52,6 @@ def _shape(request: Request) -> Shape:
 async def generate_response(request: Request, body: dict[str, Any], shape: Shape) -> tuple[dict[str, Any], dict]:
     engine = engine_of(request)
     tg = textgen.lower(engine, request_id("tgi"), body["inputs"], body.get("parameters"))
-    textgen.check_adapter(engine, tg)
     (c,) = await collect(engine, tg.request)
     text = (body["inputs"] if tg.return_full_text else "") + c.text
     result: dict[str, Any] = {"generated_text": text}
@@ -77,7 +76,6 @@ async def generate_response(request: Request, body: dict[str, Any], shape: Shape
 async def stream_events(request: Request, body: dict[str, Any], shape: Shape) -> tuple[AsyncIterator[bytes], dict]:
     engine = engine_of(request)
     tg = textgen.lower(engine, request_id("tgi"), body["inputs"], body.get("parameters"))
-    textgen.check_adapter(engine, tg)
     first, rest = await primed(engine, tg.request)
 
     async def events() -> AsyncIterator[bytes]:

@@ -48,7 +48,6 @@ async def generate(request: Request) -> Response:
     engine = engine_of(request)
     rid = body.get("id") or request_id("triton")
     tg = textgen.lower(engine, rid, body["text_input"], body.get("parameters"))
-    textgen.check_adapter(engine, tg)
     (c,) = await collect(engine, tg.request)
     result: dict[str, Any] = {"id": rid, "model_name": model, "model_version": None, "text_output": c.text}
     if tg.details or tg.perf_stat:
@@ -72,7 +71,6 @@ async def generate_stream(request: Request) -> Response:
     engine = engine_of(request)
     rid = body.get("id") or request_id("triton")
     tg = textgen.lower(engine, rid, body["text_input"], body.get("parameters"))
-    textgen.check_adapter(engine, tg)
     first, rest = await primed(engine, tg.request)
     batch_size = (body.get("parameters") or {}).get("batch_size") or 1
 

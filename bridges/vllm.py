@@ -24,10 +24,7 @@ def render_error(err: BridgeError) -> dict[str, Any]:
 
 def lower(engine: EngineClient, body: dict[str, Any], rid: str) -> GenerationRequest:
     model = body.get("model")
-    lora = None
-    if model not in (None, "", "None", engine.model_info.name):
-        raise BridgeError(404, f"model: LoRA adapter {model!r} is not loaded (LoRA adapters are not available on "
-                               "this server yet)", param="model", kind="not_found_error")
+    lora = None if model in (None, "", "None", engine.model_info.name) else LoraRef(name=model)
     params = SamplingParams(
         max_tokens=body.get("max_tokens") or engine.model_info.max_model_len,
         temperature=1.0 if body.get("temperature") is None else float(body["temperature"]),

@@ -12,12 +12,13 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from engine.config import EngineConfig
-from engine.errors import (EngineOverloadedError, EngineShutdownError, InferenceError, RequestTimeoutError)
+from engine.errors import (EngineOverloadedError, EngineShutdownError, InferenceError, LoraUnavailableError,
+                           RequestTimeoutError)
 from engine.llm_engine import LLMEngine
-from engine.request import GenerationRequest, Prompt, RequestOutput
+from engine.request import GenerationRequest, LoraRef, Prompt, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class AsyncEngine:
         self.last_step_end = time.monotonic()
         self.step_in_progress_since: float | None = None
         self.num_steps = 0
+        # Fills a LoraRef's local path (download, verify, cache); None: LoRA requests are refused.
+        self.lora_resolver: Callable[[LoraRef], Awaitable[LoraRef]] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -102,6 +105,12 @@ class AsyncEngine:
         """Stream outputs; leaving the iterator before the final output aborts the request."""
         if self._stop.is_set():
             raise EngineShutdownError("the engine is shutting down")
+        if request.lora is not None and request.lora.path is None:
+            if self.lora_resolver is None:
+                which = request.lora.name or request.lora.url
+                raise LoraUnavailableError(f"adapter {which!r}: LoRA adapters are not enabled on this server",
+                                           code="disabled")
+            request.lora = await self.lora_resolver(request.lora)
         ids = await self.encode_prompt(request.prompt)
         if request.request_id in self._streams:
             raise ValueError(f"request id {request.request_id!r} is already in use")

@@ -3,9 +3,11 @@ own adapter's low-rank update (punica / S-LoRA / LoRAX style), never merged into
 
 Per layer, adapters are stacked per projection group (qkv, o, gate_up, down):
     A  [G * S * r, in]     the A matrices of the group's G projections for all S slots
-    Bt [G * S * r, out]    block-diagonal: slot s of projection g writes only g's output columns
-For a batch of T tokens: out += ((x @ A^T) * mask) @ Bt, where mask [T, G*S*r] keeps the columns of
-each token's own slot (none for base-model tokens). Three ops per group, no per-token weight gathers.
+    B  [out, G * S * r]    block-diagonal: slot s of projection g writes only g's output rows
+For a batch of T tokens: out += ((x @ A^T) * mask) @ B^T, where mask [T, G*S*r] keeps the columns of
+each token's own slot (none for base-model tokens). Three ops per group, no per-token weight gathers;
+both matmuls use the same (on CPU bf16: oneDNN-prepacked) Linear as the base projections, repacked
+when an adapter is written into a slot.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from engine.errors import LoraUnavailableError
+from engine.models.linear import Linear
 
 logger = logging.getLogger(__name__)
 
@@ -134,15 +136,20 @@ class LoraBatch:
         one = (col_slot[None, :] == token_slots[:, None]).to(manager.dtype)  # [T, S*r]
         self.masks = {g: one.repeat(1, len(ms)) if len(ms) > 1 else one for g, ms in GROUPS.items()}
 
-    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        a, bt = self.manager.stacks[layer][group]
-        xa = F.linear(x, a) * self.masks[group]
-        return out.addmm_(xa, bt)
+    def project(self, layer: int, group: str, x: torch.Tensor) -> torch.Tensor:
+        """The group's base projection of ``x`` plus each token's own low-rank update.
+
+        One matmul over [W_base; A_stack] gives the base output and x @ A^T together."""
+        fused, b, n = self.manager.fused[layer][group]
+        y = fused(x)
+        return y[:, :n] + b(y[:, n:] * self.masks[group])
 
 
 class LoraManager:
-    def __init__(self, config, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device,
+                 base_weights: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]) -> None:
         self.config = config
+        self.base_weights = base_weights  # per layer: group -> the base projection's (weight [out, in], bias)
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.dtype = dtype
@@ -156,8 +163,10 @@ class LoraManager:
                 in_f = self.shapes[modules[0]][1]
                 out_total = sum(self.shapes[m][0] for m in modules)
                 layer[group] = (torch.zeros(len(modules) * rows, in_f, dtype=dtype, device=device),
-                                torch.zeros(len(modules) * rows, out_total, dtype=dtype, device=device))
+                                torch.zeros(out_total, len(modules) * rows, dtype=dtype, device=device))
             self.stacks.append(layer)
+        self.fused: list[dict[str, tuple[Linear, Linear, int]]] = []
+        self._pack()
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident adapters, least recently used first
         self.pins = [0] * max_loras
         self.free_slots = list(range(max_loras))
@@ -176,6 +185,7 @@ class LoraManager:
             adapter = read_adapter(path, name, self.config, self.max_rank)
             slot = self._take_slot()
             self._write(slot, adapter)
+            self._pack()
             self.slot_of[name] = slot
             self.num_loads += 1
             logger.info("LoRA %s loaded into slot %d (rank %d)", name, slot, adapter.rank)
@@ -195,22 +205,33 @@ class LoraManager:
                 return slot
         raise LoraUnavailableError("every LoRA slot is in use; raise --max-loras", code="busy")
 
+    def _pack(self) -> None:
+        self.fused = []
+        for layer, groups in enumerate(self.stacks):
+            packed = {}
+            for g, (a, b) in groups.items():
+                weight, bias = self.base_weights[layer][g]
+                if bias is not None:  # the A rows get no bias
+                    bias = torch.cat([bias, bias.new_zeros(a.shape[0])])
+                packed[g] = (Linear(torch.cat([weight, a]), bias), Linear(b), weight.shape[0])
+            self.fused.append(packed)
+
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
         r, rows = self.max_rank, self.max_loras * self.max_rank
         for layer, groups in enumerate(self.stacks):
             for group, modules in GROUPS.items():
-                a_stack, bt_stack = groups[group]
+                a_stack, b_stack = groups[group]
                 out_off = 0
                 for g, module in enumerate(modules):
                     out_f = self.shapes[module][0]
                     lo = g * rows + slot * r
                     a_stack[lo:lo + r].zero_()
-                    bt_stack[lo:lo + r].zero_()
+                    b_stack[:, lo:lo + r].zero_()
                     pair = adapter.weights.get((layer, module))
                     if pair is not None:
                         a, b = pair
                         a_stack[lo:lo + adapter.rank] = a.to(self.dtype)
-                        bt_stack[lo:lo + adapter.rank, out_off:out_off + out_f] = (b * adapter.scaling).T.to(self.dtype)
+                        b_stack[out_off:out_off + out_f, lo:lo + adapter.rank] = (b * adapter.scaling).to(self.dtype)
                     out_off += out_f
 
     def batch(self, token_slots: list[int]) -> LoraBatch | None:

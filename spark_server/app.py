@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from pathlib import Path
 from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.routing import Route, WebSocketRoute
 
 from bridges import all_routes
+from engine.model_loader import default_cache_dir
 from engine.protocol import EngineClient
+from lora_store.resolver import LoraResolver, store_validator
+from lora_store.store import LoraStore, StoreLimits
 from spark_server.health import health
 from spark_server.settings import Settings
 from spark_server.spark_http import spark_http
@@ -26,10 +30,15 @@ SPARK_HTTP_PATH = "/turing/v3/func/gpt"
 def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True) -> Starlette:
     """``engine`` is started/stopped with the app when ``owns_engine``."""
 
+    resolver = attach_lora(settings, engine)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if owns_engine and hasattr(engine, "start"):
             engine.start()
+        if resolver is not None:
+            for name, source in settings.lora_sources().items():
+                await resolver.register(name, source)
         try:
             yield
         finally:
@@ -46,4 +55,21 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
     app.state.settings = settings
     app.state.engine = engine
     app.state.spark = SparkService(engine, history_limit=settings.max_history_tokens)
+    app.state.lora_resolver = resolver
     return app
+
+
+def attach_lora(settings: Settings, engine: EngineClient) -> LoraResolver | None:
+    """Give the engine a resolver for LoRA references when LoRA is configured (else they are refused)."""
+    core = getattr(engine, "engine", None)
+    if not settings.lora_enabled or core is None or core.lora_manager is None:
+        return None
+    limits = StoreLimits(max_pack_bytes=settings.lora_max_pack_mb << 20,
+                         total_timeout_s=settings.lora_download_timeout,
+                         disk_budget_bytes=int(settings.lora_disk_budget_gb * (1 << 30)))
+    cache = Path(settings.lora_cache_dir) if settings.lora_cache_dir else default_cache_dir() / "lora"
+    store = LoraStore(cache, (settings.lora_allowed_urls or "").split(","), limits,
+                      validator=store_validator(core.check_adapter))
+    resolver = LoraResolver(store, core.check_adapter)
+    engine.lora_resolver = resolver
+    return resolver

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "--config TOML file (flag > env > file > default).")
     settings_mod.add_arguments(serve)
     serve.set_defaults(func=_serve)
+    from lora_store.cli import add_commands
+
+    add_commands(sub)
     return parser
 
 
@@ -54,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     func = args.func
     del args.func, args.command
+    if hasattr(args, "lora_command"):
+        del args.lora_command
     return func(args)
 
 

@@ -23,7 +23,14 @@ class SparkCode(IntEnum):
     INFERENCE_ERROR = 11000  # GPT推理模块会话异常
     AUTH_FAILED = 11200  # public Spark API: authorization failed
     CONCURRENCY_LIMIT = 11203  # public Spark API: concurrency limit
-    LORA_NOT_AVAILABLE = 12000  # this server: LoRA packs are not served (yet / not configured)
+    LORA_NOT_AVAILABLE = 12000  # this server: LoRA is not enabled here
+    LORA_HOST_NOT_ALLOWED = 12001  # the pack URL is not http(s) or not under an allowed prefix
+    LORA_DOWNLOAD_FAILED = 12002  # the pack server failed or answered non-200
+    LORA_DOWNLOAD_TIMEOUT = 12003
+    LORA_TOO_LARGE = 12004  # over --lora-max-pack-mb
+    LORA_MD5_MISMATCH = 12005
+    LORA_INVALID_PACK = 12006  # not a safe tar/zip with adapter_config.json + adapter_model.safetensors
+    LORA_INCOMPATIBLE = 12007  # ranks, target modules or shapes do not fit the served model
     REQUEST_TIMEOUT = 12100  # this server: the request's deadline passed
     SERVER_SHUTTING_DOWN = 12101  # this server: shutdown ended the session
 
@@ -39,7 +46,14 @@ DESCRIPTIONS: dict[SparkCode, str] = {
     SparkCode.INFERENCE_ERROR: "the inference session failed",
     SparkCode.AUTH_FAILED: "authorization failed",
     SparkCode.CONCURRENCY_LIMIT: "too many concurrent sessions; retry later",
-    SparkCode.LORA_NOT_AVAILABLE: "LoRA packs are not available on this server",
+    SparkCode.LORA_NOT_AVAILABLE: "LoRA is not enabled on this server (--lora-allowed-urls)",
+    SparkCode.LORA_HOST_NOT_ALLOWED: "the LoRA pack URL is not http(s) or not under an allowed prefix",
+    SparkCode.LORA_DOWNLOAD_FAILED: "the LoRA pack could not be downloaded",
+    SparkCode.LORA_DOWNLOAD_TIMEOUT: "the LoRA pack download timed out",
+    SparkCode.LORA_TOO_LARGE: "the LoRA pack is over the size limit",
+    SparkCode.LORA_MD5_MISMATCH: "the LoRA pack's md5 differs from the request's",
+    SparkCode.LORA_INVALID_PACK: "the LoRA pack is not a valid, safe pack",
+    SparkCode.LORA_INCOMPATIBLE: "the LoRA adapter does not fit the served model",
     SparkCode.REQUEST_TIMEOUT: "the request's deadline passed before the answer finished",
     SparkCode.SERVER_SHUTTING_DOWN: "the server is shutting down",
 }
@@ -50,6 +64,14 @@ class SparkError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+_LORA_CODES = {
+    "host_not_allowed": SparkCode.LORA_HOST_NOT_ALLOWED, "download_failed": SparkCode.LORA_DOWNLOAD_FAILED,
+    "download_timeout": SparkCode.LORA_DOWNLOAD_TIMEOUT, "too_large": SparkCode.LORA_TOO_LARGE,
+    "md5_mismatch": SparkCode.LORA_MD5_MISMATCH, "invalid_pack": SparkCode.LORA_INVALID_PACK,
+    "incompatible": SparkCode.LORA_INCOMPATIBLE,
+}
 
 
 def spark_error_from(exc: BaseException) -> SparkError:
@@ -63,7 +85,7 @@ def spark_error_from(exc: BaseException) -> SparkError:
     if isinstance(exc, EngineOverloadedError):
         return SparkError(SparkCode.SERVER_BUSY, str(exc))
     if isinstance(exc, LoraUnavailableError):
-        return SparkError(SparkCode.LORA_NOT_AVAILABLE, str(exc))
+        return SparkError(_LORA_CODES.get(exc.code, SparkCode.LORA_NOT_AVAILABLE), str(exc))
     if isinstance(exc, RequestTimeoutError):
         return SparkError(SparkCode.REQUEST_TIMEOUT, str(exc))
     if isinstance(exc, EngineShutdownError):
@@ -75,7 +97,7 @@ def spark_error_from(exc: BaseException) -> SparkError:
 
 def http_status_for(code: SparkCode) -> int:
     if code in (SparkCode.JSON_PARSE_ERROR, SparkCode.SCHEMA_ERROR, SparkCode.NO_DIALOGUE_CONTENT,
-                SparkCode.TOKEN_LIMIT_EXCEEDED, SparkCode.LORA_NOT_AVAILABLE):
+                SparkCode.TOKEN_LIMIT_EXCEEDED) or 12000 <= code < 12100:
         return 400
     if code == SparkCode.AUTH_FAILED:
         return 401

@@ -51,11 +51,36 @@ class Settings:
                                      "cumulative (vLLM's own server: prompt + output so far, one per line)",
                             choices=["delta", "cumulative"])
     full_text_enabled: bool = _opt(False, "the spec's fullTextEnabled: TGI / vLLM stream text is cumulative")
+    lora_allowed_urls: str | None = _opt(None, "comma-separated URL prefixes LoRA packs may come from (nothing "
+                                               "until set; like ALLOWED_MEDIA_URLS_ENV)")
+    lora: str | None = _opt(None, "pre-registered adapter NAME=DIR or NAME=URL#md5 (repeatable; env: comma-"
+                                  "separated), used by TGI adapter_id, vLLM/OpenAI model, SGLang lora_path",
+                            repeatable=True)
+    max_loras: int = _opt(16, "LoRA adapters resident at once (each request may use its own)")
+    max_lora_rank: int = _opt(16, "largest LoRA rank accepted")
+    lora_cache_dir: str | None = _opt(None, "where downloaded packs are cached (default: <cache>/lora)")
+    lora_max_pack_mb: int = _opt(512, "largest LoRA pack accepted, in MiB")
+    lora_disk_budget_gb: float = _opt(4.0, "disk budget of the LoRA pack cache (least recently used evicted)")
+    lora_download_timeout: float = _opt(300.0, "seconds a LoRA pack download may take in all")
     ws_request_timeout: float = _opt(30.0, "seconds a new WebSocket may wait before sending its request")
     num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
     log_level: str = _opt("info", "debug, info, warning or error",
                           choices=["debug", "info", "warning", "error"])
     config: str | None = _opt(None, "TOML config file with any of these settings")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.lora_allowed_urls or self.lora)
+
+    def lora_sources(self) -> dict[str, str]:
+        out = {}
+        for item in (self.lora or "").split(","):
+            if item.strip():
+                name, sep, source = item.strip().partition("=")
+                if not sep or not name or not source:
+                    raise ValueError(f"--lora {item!r}: expected NAME=DIR or NAME=URL#md5")
+                out[name] = source
+        return out
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -65,7 +90,8 @@ class Settings:
             long_prefill_token_threshold=self.long_prefill_token_threshold, block_size=self.block_size,
             kv_cache_space_gib=self.kv_cache_space, num_kv_blocks=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching, max_waiting=self.max_waiting,
-            num_threads=self.num_threads,
+            num_threads=self.num_threads, max_loras=self.max_loras if self.lora_enabled else 0,
+            max_lora_rank=self.max_lora_rank,
         )
 
 
@@ -104,19 +130,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
+        elif f.metadata.get("repeatable"):
+            parser.add_argument(flag, dest=f.name, action="append", default=None, help=help_text)
         else:
             parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text,
                                 choices=f.metadata.get("choices"))
 
 
 def resolve(cli: dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> Settings:
-    cli = {k: v for k, v in (cli or {}).items() if v is not None}
+    cli = {k: (",".join(v) if isinstance(v, list) else v) for k, v in (cli or {}).items() if v is not None}
     environ = os.environ if environ is None else environ
     config_path = cli.get("config") or environ.get(f"{ENV_PREFIX}CONFIG")
     from_file: dict[str, Any] = {}
     if config_path:
         with open(config_path, "rb") as fh:
-            from_file = {k.replace("-", "_"): v for k, v in tomllib.load(fh).items()}
+            from_file = {k.replace("-", "_"): (",".join(v) if isinstance(v, list) else v)
+                         for k, v in tomllib.load(fh).items()}
         known = {f.name for f in fields(Settings)}
         unknown = sorted(set(from_file) - known)
         if unknown:

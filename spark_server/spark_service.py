@@ -16,10 +16,9 @@ logger = logging.getLogger("spark_server.sessions")
 
 
 class SparkService:
-    def __init__(self, engine: EngineClient, history_limit: int = 8192, lora_enabled: bool = False) -> None:
+    def __init__(self, engine: EngineClient, history_limit: int = 8192) -> None:
         self.engine = engine
         self.history_limit = history_limit
-        self.lora_enabled = lora_enabled
 
     async def open_session(self, raw: str | bytes, sid: str) -> sp.SparkSession:
         """Parse, validate and lower one request; raises SparkError with the protocol's code."""
@@ -31,9 +30,6 @@ class SparkService:
             raise
         except Exception as exc:
             raise spark_error_from(exc) from None
-        if request.lora is not None and not self.lora_enabled:
-            raise SparkError(SparkCode.LORA_NOT_AVAILABLE,
-                             "lora: LoRA packs are not available on this server yet; send the request without 'lora'")
         engine = self.engine
         question_tokens, dropped = await asyncio.to_thread(
             sp.fit_history, request, adjust, engine.tokenizer, engine.encode_prompt_sync, self.history_limit)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-BENCHES = ["offline", "multiturn", "interactivity", "memory", "startup", "online"]
+BENCHES = ["offline", "multiturn", "interactivity", "memory", "startup", "online", "lora"]
 
 
 @pytest.mark.slow

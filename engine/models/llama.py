@@ -11,8 +11,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from typing import TYPE_CHECKING
+
 from engine.attention import AttentionMetadata, PagedKVCache, paged_attention
-from engine.lora import LoraBatch
+
+if TYPE_CHECKING:
+    from engine.lora import LoraBatch
 from engine.models.linear import Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -87,6 +91,12 @@ class LlamaForCausalLM:
         self.sin_signed = sin.to(dtype)
         self.max_position = max_pos
 
+    def projection_weights(self) -> list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
+        """Per layer, (weight, bias) of each LoRA-targetable projection group (qkv, o, gate_up, down)."""
+        return [{g: (lin.weight, lin.bias) for g, lin in (("qkv", lw.qkv), ("o", lw.o), ("gate_up", lw.gate_up),
+                                                          ("down", lw.down))}
+                for lw in self.layers]
+
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         return PagedKVCache(self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim,
                             self.dtype, self.device)
@@ -106,26 +116,16 @@ class LlamaForCausalLM:
         x = self.embed[input_ids]
         for i, lw in enumerate(self.layers):
             h = rms_norm(x, lw.input_norm, self.eps)
-            qkv = lw.qkv(h)
-            if lora is not None:
-                lora.apply(i, "qkv", h, qkv)
+            qkv = lw.qkv(h) if lora is None else lora.project(i, "qkv", h)
             qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
             qk = qk * cos + torch.roll(qk, half, dims=-1) * sin  # RoPE on q and k at once
             v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
             a = paged_attention(qk[:, :H], qk[:, H:], v, i, cache, meta)
             a = a.reshape(T, H * D)
-            o = lw.o(a)
-            if lora is not None:
-                lora.apply(i, "o", a, o)
-            x = x + o
+            x = x + (lw.o(a) if lora is None else lora.project(i, "o", a))
             h = rms_norm(x, lw.post_norm, self.eps)
-            gu = lw.gate_up(h)
-            if lora is not None:
-                lora.apply(i, "gate_up", h, gu)
+            gu = lw.gate_up(h) if lora is None else lora.project(i, "gate_up", h)
             act = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate:]
-            down = lw.down(act)
-            if lora is not None:
-                lora.apply(i, "down", act, down)
-            x = x + down
+            x = x + (lw.down(act) if lora is None else lora.project(i, "down", act))
         x = rms_norm(x[logits_indices], self.final_norm, self.eps)
         return self.lm_head(x).float()
