@@ -130,11 +130,11 @@ def _unpack_zip(pack: Path, dest: Path, budget: _Budget) -> None:
         with zipfile.ZipFile(pack) as zf:
             for info in zf.infolist():
                 name = _safe_name(info.filename.rstrip("/") or info.filename)
-                mode = info.external_attr >> 16
+                file_type = stat.S_IFMT(info.external_attr >> 16)  # 0: not recorded (many zip tools)
                 if info.is_dir():
                     (dest / name).mkdir(parents=True, exist_ok=True)
                     continue
-                if stat.S_ISLNK(mode) or (mode and not stat.S_ISREG(mode)):
+                if file_type and file_type != stat.S_IFREG:
                     raise invalid(f"{info.filename!r} is a link or special file; packs hold regular files only")
                 budget.add(info.filename, info.file_size)
                 target = dest / name

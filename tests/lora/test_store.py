@@ -1,0 +1,67 @@
+"""LoraStore and pack handling on their own: zip packs, links, eviction under the disk budget."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+import zipfile
+
+import pytest
+
+from engine.errors import LoraUnavailableError
+from lora_store.pack import build_pack, unpack
+from lora_store.store import LoraStore, StoreLimits
+from tests.lora.pack_server import PackServer
+
+
+def _zip_pack(adapter_dir, out):
+    with zipfile.ZipFile(out, "w") as zf:
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            zf.write(adapter_dir / name, f"my-adapter/{name}")
+    return out
+
+
+def test_zip_packs_unpack_into_their_folder(tmp_path, adapters):
+    pack = _zip_pack(adapters["mlp"], tmp_path / "a.zip")
+    adapter = unpack(pack, tmp_path / "out")
+    assert adapter.name == "my-adapter" and (adapter / "adapter_model.safetensors").is_file()
+
+
+def test_a_symlink_in_a_zip_is_refused(tmp_path):
+    pack = tmp_path / "link.zip"
+    with zipfile.ZipFile(pack, "w") as zf:
+        info = zipfile.ZipInfo("adapter_model.safetensors")
+        info.external_attr = (stat.S_IFLNK | 0o777) << 16
+        zf.writestr(info, "/etc/passwd")
+    with pytest.raises(LoraUnavailableError, match="link") as err:
+        unpack(pack, tmp_path / "out")
+    assert err.value.code == "invalid_pack"
+
+
+def test_too_many_files_are_refused(tmp_path):
+    pack = tmp_path / "many.zip"
+    with zipfile.ZipFile(pack, "w") as zf:
+        for i in range(100):
+            zf.writestr(f"f{i}.txt", "x")
+    with pytest.raises(LoraUnavailableError, match="more than 64 files"):
+        unpack(pack, tmp_path / "out")
+
+
+def test_least_recently_used_packs_are_evicted_under_the_budget(tmp_path, adapters):
+    served = tmp_path / "served"
+    served.mkdir()
+    md5 = {n: build_pack(adapters[n], served / f"{n}.tar.gz") for n in ("attn", "mlp")}
+    with PackServer(served) as server:
+        # room for the larger of the two unpacked adapters, not for both
+        budget = int(max((adapters[n] / "adapter_model.safetensors").stat().st_size for n in ("attn", "mlp")) * 1.2)
+        store = LoraStore(tmp_path / "cache", [server.url("/packs/")], StoreLimits(disk_budget_bytes=budget))
+
+        async def go():
+            k1, _ = await store.fetch(server.url("/packs/attn.tar.gz"), md5["attn"])
+            k2, _ = await store.fetch(server.url("/packs/mlp.tar.gz"), md5["mlp"])
+            return k1, k2
+
+        k1, k2 = asyncio.run(go())
+    names = {p.name for p in store.entries()}
+    assert k2 in names and k1 not in names  # the older pack made room for the newer one
+    assert store.num_downloads == 2
