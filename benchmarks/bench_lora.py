@@ -1,7 +1,9 @@
 """Multi-LoRA: aggregate decode tokens/s of 16 concurrent streams, each with a different rank-16
 adapter on every projection, against the same load on the base model alone, in one run.
 
-Bar (issue "LoRA"): >= 0.7x the base model's aggregate decode rate.
+Bar (issue "LoRA"): >= 0.7x the base model's aggregate decode rate, measured while all 16 streams
+decode (prefill excluded); the sum of each stream's 1/TPOT, which lets the others' prefill steps in,
+is printed beside it.
 
     python -m benchmarks.bench_lora
 """
@@ -17,14 +19,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.common import print_table, run_load, save, start_engine, token_requests, verdict
+from benchmarks.common import (print_table, run_load, save, start_engine, steady_decode_rate, token_requests,
+                               verdict)
 from engine.lora import module_shapes
 from engine.request import LoraRef
 
 STREAMS = 16
 RANK = 16
 PROMPT_LEN = 64
-OUTPUT_LEN = 128
+OUTPUT_LEN = 256
 
 
 def write_adapters(root: Path, config, count: int) -> list[Path]:
@@ -67,7 +70,9 @@ async def run() -> dict:
             _, lora = await run_load(engine, lora_reqs, STREAMS)
             # and once more on the base, to bracket machine noise
             _, base2 = await run_load(engine, token_requests("base2", STREAMS, PROMPT_LEN, OUTPUT_LEN), STREAMS)
-        return {"base": decode_rate(base), "lora": decode_rate(lora), "base_again": decode_rate(base2),
+        return {"base": steady_decode_rate(base), "lora": steady_decode_rate(lora),
+                "base_again": steady_decode_rate(base2), "base_tpot_sum": decode_rate(base),
+                "lora_tpot_sum": decode_rate(lora), "base_again_tpot_sum": decode_rate(base2),
                 "dtype": engine.model_info.dtype, "loads": engine.engine.lora_manager.num_loads}
     finally:
         engine.shutdown()
@@ -77,10 +82,12 @@ def main() -> int:
     r = asyncio.run(run())
     base = (r["base"] + r["base_again"]) / 2
     ratio = r["lora"] / base
+    base_sum = (r["base_tpot_sum"] + r["base_again_tpot_sum"]) / 2
     print_table(f"Multi-LoRA: {STREAMS} concurrent streams, rank {RANK} on all projections, {r['dtype']}",
-                ["load", "aggregate decode tok/s", "vs base"],
-                [["base model (mean of two runs)", base, "1.00x"],
-                 [f"{STREAMS} streams, {STREAMS} different adapters", r["lora"], f"{ratio:.2f}x"]])
+                ["load", "decode tok/s, all streams decoding", "vs base", "sum of 1/TPOT", "vs base"],
+                [["base model (mean of two runs)", base, "1.00x", base_sum, "1.00x"],
+                 [f"{STREAMS} streams, {STREAMS} different adapters", r["lora"], f"{ratio:.2f}x",
+                  r["lora_tpot_sum"], f"{r['lora_tpot_sum'] / base_sum:.2f}x"]])
     save("lora", r | {"ratio": ratio})
     return verdict({"16 adapters decode at >= 0.7x the base model": ratio >= 0.7})
 

@@ -35,6 +35,7 @@ class RequestTiming:
     num_tokens: int
     gaps: list[float] = field(default_factory=list)
     text: str = ""
+    token_times: list[float] = field(default_factory=list)  # perf_counter() of each output
 
 
 def synthetic_prompt(i: int, length: int, vocab_lo: int = 200, vocab_hi: int = 40000) -> list[int]:
@@ -54,6 +55,7 @@ async def timed_request(engine: AsyncEngine, request: GenerationRequest) -> Requ
     first = last = None
     gaps: list[float] = []
     text: list[str] = []
+    times: list[float] = []
     n = 0
     async for out in engine.generate(request):
         text.append(out.text_delta)
@@ -66,9 +68,22 @@ async def timed_request(engine: AsyncEngine, request: GenerationRequest) -> Requ
             gaps.append(now - last)
         last = now
         n += len(out.new_token_ids)
+        times += [now] * len(out.new_token_ids)
     assert first is not None and last is not None
     tpot = (last - first) / (n - 1) if n > 1 else None
-    return RequestTiming(ttft=first - start, tpot=tpot, num_tokens=n, gaps=gaps, text="".join(text))
+    return RequestTiming(ttft=first - start, tpot=tpot, num_tokens=n, gaps=gaps, text="".join(text),
+                         token_times=times)
+
+
+def steady_decode_rate(timings: list[RequestTiming]) -> float:
+    """Tokens/s while every stream is decoding: from the last stream's first token to the first
+    stream's last token (prefill of the others is outside this window)."""
+    start = max(t.token_times[0] for t in timings)
+    end = min(t.token_times[-1] for t in timings)
+    if end <= start:
+        raise ValueError("the streams never all decoded at once; lengthen the outputs")
+    tokens = sum(1 for t in timings for x in t.token_times if start < x <= end)
+    return tokens / (end - start)
 
 
 async def run_load(engine: AsyncEngine, requests: list[GenerationRequest], concurrency: int) -> tuple[float, list[RequestTiming]]:
