@@ -66,6 +66,8 @@ class AsyncEngine:
         self.num_steps = 0
         # Fills a LoraRef's local path (download, verify, cache); None: LoRA requests are refused.
         self.lora_resolver: Callable[[LoraRef], Awaitable[LoraRef]] | None = None
+        # Called with each sample's final output (metrics); must be cheap and must not raise.
+        self.finished_listeners: list[Callable[[RequestOutput], None]] = []
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -114,7 +116,7 @@ class AsyncEngine:
         ids = await self.encode_prompt(request.prompt)
         if request.request_id in self._streams:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if self.engine.num_waiting >= self.engine.config.max_waiting:
+        if self.engine.is_full():  # a cheap early refusal; the engine thread checks again on add
             raise EngineOverloadedError("the wait queue is full; retry later")
         stream = RequestStream(request.request_id, asyncio.get_running_loop())
         self._streams[request.request_id] = stream
@@ -129,6 +131,9 @@ class AsyncEngine:
                     if out.finish_reason == "error":
                         raise InferenceError(out.error or "inference failed")
                     unfinished -= out.finished
+                    if out.finished:
+                        for listener in self.finished_listeners:
+                            listener(out)
                     yield out
         finally:
             self._streams.pop(request.request_id, None)

@@ -135,8 +135,8 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running",
                                       parameter="request_id")
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
-            raise EngineOverloadedError("the wait queue is full")
+        if self.is_full():
+            raise EngineOverloadedError("the wait queue is full; retry later")
         if request.lora is not None:
             if self.lora_manager is None:
                 raise LoraUnavailableError("LoRA adapters are not enabled on this server", code="disabled")
@@ -257,6 +257,12 @@ class LLMEngine:
         read_adapter(path, name, self.lora_manager.config, self.lora_manager.max_rank)
 
     # ---- introspection -------------------------------------------------------------------------
+
+    def is_full(self) -> bool:
+        """No room for one more request: every running slot is taken (or promised to a waiting one)
+        and the wait queue holds ``max_waiting`` beyond that."""
+        free_running = max(0, self.config.max_num_seqs - self.num_running)
+        return self.num_waiting >= self.config.max_waiting + free_running
 
     @property
     def num_running(self) -> int:

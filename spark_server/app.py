@@ -16,6 +16,7 @@ from engine.protocol import EngineClient
 from lora_store.resolver import LoraResolver, store_validator
 from lora_store.store import LoraStore, StoreLimits
 from spark_server.health import health
+from spark_server.metrics import Metrics, RequestCounter, metrics_endpoint
 from spark_server.settings import Settings
 from spark_server.spark_http import spark_http
 from spark_server.spark_service import SparkService
@@ -49,12 +50,18 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
         WebSocketRoute(SPARK_WS_PATH, spark_websocket),
         Route(SPARK_HTTP_PATH, spark_http, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
         *all_routes(settings),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
+    metrics = Metrics(app.state)
+    app.state.metrics = metrics
+    if hasattr(engine, "finished_listeners"):
+        engine.finished_listeners.append(metrics.observe_finished)
+    app.add_middleware(RequestCounter, metrics=metrics)
     app.state.settings = settings
     app.state.engine = engine
-    app.state.spark = SparkService(engine, history_limit=settings.max_history_tokens)
+    app.state.spark = SparkService(engine, history_limit=settings.max_history_tokens, on_result=metrics.count)
     app.state.lora_resolver = resolver
     return app
 

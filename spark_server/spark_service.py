@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from engine.protocol import EngineClient
 from spark_server import spark_protocol as sp
@@ -16,12 +16,22 @@ logger = logging.getLogger("spark_server.sessions")
 
 
 class SparkService:
-    def __init__(self, engine: EngineClient, history_limit: int = 8192) -> None:
+    def __init__(self, engine: EngineClient, history_limit: int = 8192,
+                 on_result: Callable[[str, int], None] | None = None) -> None:
         self.engine = engine
         self.history_limit = history_limit
+        self.on_result = on_result  # (protocol, code) of every finished session, for metrics
 
     async def open_session(self, raw: str | bytes, sid: str) -> sp.SparkSession:
         """Parse, validate and lower one request; raises SparkError with the protocol's code."""
+        try:
+            return await self._open_session(raw, sid)
+        except Exception as exc:
+            if self.on_result is not None:
+                self.on_result("spark", int(spark_error_from(exc).code))
+            raise
+
+    async def _open_session(self, raw: str | bytes, sid: str) -> sp.SparkSession:
         body = sp.parse_body(raw)
         trace_id = body["header"]["traceId"]
         try:
@@ -53,6 +63,8 @@ class SparkService:
             code = err.code
             raise err from None
         finally:
+            if self.on_result is not None:
+                self.on_result("spark", int(code))
             ttft = last.timings.first_token_s if last is not None else None
             logger.info("session sid=%s traceId=%s protocol=spark prompt_tokens=%s completion_tokens=%s "
                         "ttft=%s duration=%.3f code=%d", session.sid, session.trace_id,

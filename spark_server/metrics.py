@@ -1,0 +1,125 @@
+"""GET /metrics in Prometheus format, named like vLLM's (`vllm:` -> `spark:`) so dashboards translate."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.requests import Request
+from starlette.responses import Response
+
+from engine.request import RequestOutput
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+
+
+class _EngineCollector:
+    """Gauges read from the engine at scrape time (no bookkeeping on the hot path)."""
+
+    def __init__(self, app_state: Any) -> None:
+        self.state = app_state
+
+    def collect(self) -> Iterable:
+        engine = getattr(self.state, "engine", None)
+        core = getattr(engine, "engine", None)
+        if core is not None:
+            yield GaugeMetricFamily("spark:num_requests_running", "Sequences in the running batch.",
+                                    value=core.num_running)
+            yield GaugeMetricFamily("spark:num_requests_waiting", "Sequences waiting to be scheduled.",
+                                    value=core.num_waiting)
+            yield GaugeMetricFamily("spark:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
+                                    value=core.kv_cache_usage())
+            yield CounterMetricFamily("spark:num_preemptions", "Sequences preempted for KV space.",
+                                      value=core.scheduler.num_preemptions)
+            bm = core.block_manager
+            yield CounterMetricFamily("spark:prefix_cache_queries", "Admissions that looked up the prefix cache.",
+                                      value=bm.num_prefix_queries)
+            yield CounterMetricFamily("spark:prefix_cache_hits", "Admissions that reused cached prefix blocks.",
+                                      value=bm.num_prefix_hits)
+            if core.lora_manager is not None:
+                yield CounterMetricFamily("spark:lora_loads", "Adapters loaded into a slot.",
+                                          value=core.lora_manager.num_loads)
+        resolver = getattr(self.state, "lora_resolver", None)
+        store = getattr(resolver, "store", None)
+        if store is not None:
+            yield CounterMetricFamily("spark:lora_cache_hits", "LoRA pack requests served from the cache.",
+                                      value=store.num_hits)
+            yield CounterMetricFamily("spark:lora_downloads", "LoRA packs downloaded and verified.",
+                                      value=store.num_downloads)
+
+
+class Metrics:
+    def __init__(self, app_state: Any) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(app_state))
+        self.ttft = Histogram("spark:time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS,
+                              registry=self.registry)
+        self.tpot = Histogram("spark:time_per_output_token_seconds", "Time per output token after the first.",
+                              buckets=TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("spark:e2e_request_latency_seconds", "End-to-end request latency.",
+                             buckets=TTFT_BUCKETS, registry=self.registry)
+        self.requests = Counter("spark:requests", "Finished requests by protocol and result code.",
+                                ["protocol", "code"], registry=self.registry)
+        self.prompt_tokens = Counter("spark:prompt_tokens", "Prompt tokens processed.", registry=self.registry)
+        self.generation_tokens = Counter("spark:generation_tokens", "Tokens generated.", registry=self.registry)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Called by the engine for every sample's final output."""
+        t = out.timings
+        if t.first_token_s is not None:
+            self.ttft.observe(t.first_token_s)
+            if out.num_output_tokens > 1:
+                self.tpot.observe(t.decode_s / (out.num_output_tokens - 1))
+        if t.arrival:
+            self.e2e.observe(max(0.0, time.monotonic() - t.arrival))
+        self.prompt_tokens.inc(out.num_prompt_tokens)
+        self.generation_tokens.inc(out.num_output_tokens)
+
+    def count(self, protocol: str, code: int | str) -> None:
+        self.requests.labels(protocol=protocol, code=str(code)).inc()
+
+
+_PROTOCOL_BY_PREFIX = [("/v1/chat", "openai"), ("/v1/completions", "openai"), ("/v1/models", "openai"),
+                       ("/generate_stream", "tgi"), ("/generate", "generate"), ("/v2/", "triton"),
+                       ("/infer", "mindie"), ("/v1/tokenizer", "tokenizer"), ("/tokenize", "tokenizer"),
+                       ("/detokenize", "tokenizer"), ("/get_model_info", "sglang")]  # Spark sessions count themselves
+
+
+def protocol_of(path: str) -> str | None:
+    for prefix, name in _PROTOCOL_BY_PREFIX:
+        if path.startswith(prefix):
+            return name
+    return "tgi" if path == "/" else None
+
+
+class RequestCounter:
+    """ASGI middleware counting HTTP answers by protocol and status (Spark sessions count themselves)."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        protocol = protocol_of(scope.get("path", "")) if scope["type"] == "http" else None
+        if protocol is None or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def record(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, record)
+        finally:
+            self.metrics.count(protocol, status["code"])
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    metrics: Metrics = request.app.state.metrics
+    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
