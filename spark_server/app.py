@@ -15,6 +15,7 @@ from engine.model_loader import default_cache_dir
 from engine.protocol import EngineClient
 from lora_store.resolver import LoraResolver, store_validator
 from lora_store.store import LoraStore, StoreLimits
+from spark_server.auth import ApiKeyMiddleware, parse_key_pairs
 from spark_server.health import health
 from spark_server.metrics import Metrics, RequestCounter, metrics_endpoint
 from spark_server.settings import Settings
@@ -59,6 +60,9 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
     if hasattr(engine, "finished_listeners"):
         engine.finished_listeners.append(metrics.observe_finished)
     app.add_middleware(RequestCounter, metrics=metrics)
+    app.state.spark_keys = parse_key_pairs(settings.spark_auth)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.state.settings = settings
     app.state.engine = engine
     app.state.spark = SparkService(engine, history_limit=settings.max_history_tokens, on_result=metrics.count)

@@ -49,7 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
     from lora_store.cli import add_commands
 
     add_commands(sub)
+    sign = sub.add_parser("sign-url", help="print a Spark WebSocket URL signed with a key pair (--spark-auth)")
+    sign.add_argument("--url", default="ws://127.0.0.1:9990/turing/v3/gpt")
+    sign.add_argument("--key", required=True)
+    sign.add_argument("--secret", required=True)
+    sign.set_defaults(func=_sign_url)
     return parser
+
+
+def _sign_url(args: argparse.Namespace) -> int:
+    from spark_server.auth import sign_url
+
+    print(sign_url(args.url, args.key, args.secret))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,6 +62,9 @@ class Settings:
     lora_max_pack_mb: int = _opt(512, "largest LoRA pack accepted, in MiB")
     lora_disk_budget_gb: float = _opt(4.0, "disk budget of the LoRA pack cache (least recently used evicted)")
     lora_download_timeout: float = _opt(300.0, "seconds a LoRA pack download may take in all")
+    api_key: str | None = _opt(None, "require `Authorization: Bearer <key>` on the HTTP endpoints (off by default)")
+    spark_auth: str | None = _opt(None, "Spark WebSocket HMAC key pair KEY:SECRET (repeatable; env: comma-separated); "
+                                        "off when unset", repeatable=True)
     ws_request_timeout: float = _opt(30.0, "seconds a new WebSocket may wait before sending its request")
     num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
     log_level: str = _opt("info", "debug, info, warning or error",

@@ -9,6 +9,7 @@ import logging
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from spark_server import spark_protocol as sp
+from spark_server.auth import AuthError, denial, verify_spark
 from spark_server.errors import SparkCode, SparkError, spark_error_from
 from spark_server.spark_service import SparkService
 
@@ -30,6 +31,13 @@ async def _wait_for_disconnect(ws: WebSocket) -> None:
 async def spark_websocket(ws: WebSocket) -> None:
     service: SparkService = ws.app.state.spark
     request_timeout: float = ws.app.state.settings.ws_request_timeout
+    keys = ws.app.state.spark_keys
+    if keys:  # refused at the handshake, before any engine work
+        try:
+            verify_spark(dict(ws.query_params), ws.url.path, keys)
+        except AuthError as err:
+            await ws.send_denial_response(denial(err))
+            return
     await ws.accept()
     sid = sp.new_sid()
     try:

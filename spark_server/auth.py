@@ -1,0 +1,124 @@
+"""Auth, off by default as the spec says.
+
+- HTTP endpoints: ``--api-key`` -> ``Authorization: Bearer <key>`` (health, metrics and the OpenAPI
+  document stay open).
+- Spark WebSocket: the public Spark HMAC scheme (``--spark-auth KEY:SECRET``, repeatable): query
+  parameters ``authorization``, ``date`` and ``host``, where ``authorization`` is
+  base64('api_key="K", algorithm="hmac-sha256", headers="host date request-line", signature="S"') and
+  S = base64(HMAC-SHA256(secret, "host: {host}\\ndate: {date}\\nGET {path} HTTP/1.1")). Dates more than
+  300 s away from the server's clock are refused. Refusals happen at the handshake, before any engine
+  work: 401 for a missing or wrong credential, 403 for a stale date, each with a JSON message.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import re
+import secrets
+from datetime import datetime, timezone
+from email.utils import format_datetime, parsedate_to_datetime
+from urllib.parse import urlencode, urlsplit
+
+from starlette.responses import JSONResponse
+
+DATE_WINDOW_S = 300
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/v2/health/")
+
+
+class AuthError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def parse_key_pairs(value: str | None) -> dict[str, str]:
+    pairs = {}
+    for item in (value or "").split(","):
+        if item.strip():
+            key, sep, secret = item.strip().partition(":")
+            if not sep or not key or not secret:
+                raise ValueError(f"--spark-auth {item!r}: expected KEY:SECRET")
+            pairs[key] = secret
+    return pairs
+
+
+def signature(secret: str, host: str, date: str, path: str) -> str:
+    origin = f"host: {host}\ndate: {date}\nGET {path} HTTP/1.1"
+    return base64.b64encode(hmac.new(secret.encode(), origin.encode(), hashlib.sha256).digest()).decode()
+
+
+def sign_url(url: str, key: str, secret: str, now: datetime | None = None) -> str:
+    """The URL with ``authorization``, ``date`` and ``host`` query parameters for the key pair."""
+    parts = urlsplit(url)
+    date = format_datetime(now or datetime.now(timezone.utc), usegmt=True)
+    sig = signature(secret, parts.netloc, date, parts.path)
+    origin = f'api_key="{key}", algorithm="hmac-sha256", headers="host date request-line", signature="{sig}"'
+    query = urlencode({"authorization": base64.b64encode(origin.encode()).decode(), "date": date,
+                       "host": parts.netloc})
+    return f"{parts.scheme}://{parts.netloc}{parts.path}?{query}"
+
+
+_FIELD = re.compile(r'(\w+)="([^"]*)"')
+
+
+def verify_spark(query: dict[str, str], path: str, keys: dict[str, str], now: datetime | None = None) -> str:
+    """Returns the api_key of a valid signed request; raises AuthError otherwise."""
+    missing = [p for p in ("authorization", "date", "host") if not query.get(p)]
+    if missing:
+        raise AuthError(401, f"missing query parameter(s): {', '.join(missing)} (sign the URL: spark-server sign-url)")
+    try:
+        fields = dict(_FIELD.findall(base64.b64decode(query["authorization"], validate=True).decode()))
+    except (ValueError, UnicodeDecodeError):
+        raise AuthError(401, "authorization is not valid base64") from None
+    key, sig = fields.get("api_key"), fields.get("signature")
+    if not key or not sig:
+        raise AuthError(401, "authorization lacks api_key or signature")
+    if fields.get("algorithm", "hmac-sha256") != "hmac-sha256":
+        raise AuthError(401, f"unsupported algorithm {fields.get('algorithm')!r}")
+    try:
+        date = parsedate_to_datetime(query["date"])
+    except (TypeError, ValueError):
+        raise AuthError(401, "date is not an RFC 1123 date") from None
+    if date.tzinfo is None:
+        date = date.replace(tzinfo=timezone.utc)
+    skew = abs(((now or datetime.now(timezone.utc)) - date).total_seconds())
+    if skew > DATE_WINDOW_S:
+        raise AuthError(403, f"date is {skew:.0f}s away from the server's clock (allowed: {DATE_WINDOW_S}s)")
+    secret = keys.get(key)
+    expected = signature(secret, query["host"], query["date"], path) if secret else secrets.token_hex(16)
+    if secret is None or not hmac.compare_digest(expected, sig):
+        raise AuthError(401, "signature does not match (unknown api_key, or wrong secret, host, date or path)")
+    return key
+
+
+class ApiKeyMiddleware:
+    """Bearer API key on every HTTP endpoint except the open ones."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"].startswith(OPEN_PATHS):
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            message = "missing Authorization header" if not given else "invalid API key"
+            body = {"error": {"message": f"{message} (send Authorization: Bearer <key>)", "type": "authentication_error",
+                              "param": None, "code": 401}}
+            await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def denial(err: AuthError) -> JSONResponse:
+    return JSONResponse({"header": {"code": 11200, "message": err.message, "status": 2}}, status_code=err.status)
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False)

@@ -1,0 +1,74 @@
+"""Auth on: signed Spark URLs pass, bad or stale ones are refused at the handshake; HTTP needs the key."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from datetime import datetime, timedelta, timezone
+
+import httpx
+import pytest
+import websockets
+
+from spark_server.app import build_app
+from spark_server.auth import sign_url
+from spark_server.settings import Settings
+from tests.conftest import LiveServer, ServerThread, free_port
+from tests.spark.client import converse, spark_request
+
+KEY, SECRET, API_KEY = "app-key", "app-secret", "sk-test"
+
+
+@pytest.fixture(scope="module")
+def auth_server(async_engine):
+    settings = Settings(port=free_port(), spark_auth=f"{KEY}:{SECRET}", api_key=API_KEY)
+    with ServerThread(build_app(settings, async_engine, owns_engine=False), settings.port):
+        yield LiveServer(async_engine, settings.port)
+
+
+def _refused(url: str) -> tuple[int, str]:
+    async def go():
+        try:
+            async with websockets.connect(url):
+                return 101, ""
+        except websockets.InvalidStatus as exc:
+            return exc.response.status_code, exc.response.body.decode()
+    return asyncio.run(go())
+
+
+def test_a_signed_url_works(auth_server):
+    frames = asyncio.run(converse(sign_url(auth_server.ws_url, KEY, SECRET), spark_request("Hi", max_tokens=3)))
+    assert frames[-1]["header"]["code"] == 0
+
+
+def test_cli_signs_urls(auth_server):
+    out = subprocess.run([sys.executable, "-m", "spark_server", "sign-url", "--url", auth_server.ws_url,
+                          "--key", KEY, "--secret", SECRET], capture_output=True, text=True, check=True).stdout.strip()
+    frames = asyncio.run(converse(out, spark_request("Hi", max_tokens=2)))
+    assert frames[-1]["header"]["code"] == 0
+
+
+@pytest.mark.parametrize("make, status, needle", [
+    (lambda u: u, 401, "missing"),
+    (lambda u: sign_url(u, KEY, "wrong-secret"), 401, "signature"),
+    (lambda u: sign_url(u, "nobody", SECRET), 401, "signature"),
+    (lambda u: sign_url(u, KEY, SECRET, datetime.now(timezone.utc) - timedelta(seconds=600)), 403, "clock"),
+])
+def test_bad_credentials_are_refused_at_the_handshake(auth_server, make, status, needle):
+    core = auth_server.engine.engine
+    before = core.block_manager.num_prefix_queries
+    code, body = _refused(make(auth_server.ws_url))
+    assert code == status and needle in body and '"code":11200' in body.replace(" ", "")
+    assert core.block_manager.num_prefix_queries == before  # no engine work
+
+
+def test_http_bridges_need_the_key(auth_server):
+    model = auth_server.engine.model_info.name
+    url = auth_server.http_url + "/v1/completions"
+    body = {"model": model, "prompt": "Hi", "max_tokens": 2}
+    assert httpx.post(url, json=body).status_code == 401
+    assert httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.post(url, json=body, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    assert httpx.post(auth_server.http_url + "/generate", json={"inputs": "hi"}).status_code == 401
+    assert httpx.get(auth_server.http_url + "/health").status_code == 200  # open for load balancers
