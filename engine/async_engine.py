@@ -41,14 +41,18 @@ class RequestStream:
         self.event.set()
 
     async def get(self) -> list[RequestOutput]:
-        await self.event.wait()
-        self.event.clear()
-        if self.pending:
-            outs = [self.pending[i] for i in sorted(self.pending)]
-            self.pending = {}
-            return outs
-        assert self.failure is not None
-        raise self.failure
+        # Outputs first, then a failure; only wait when there is neither (a failure that arrives
+        # together with outputs must not be lost when the event is cleared).
+        while True:
+            if self.pending:
+                outs = [self.pending[i] for i in sorted(self.pending)]
+                self.pending = {}
+                self.event.clear()
+                return outs
+            if self.failure is not None:
+                raise self.failure
+            self.event.clear()
+            await self.event.wait()
 
 
 class AsyncEngine:
@@ -141,6 +145,16 @@ class AsyncEngine:
                 self._commands.put(("abort", request.request_id, None))
                 self._wake.set()
 
+    @property
+    def num_active_requests(self) -> int:
+        """Requests whose caller is still waiting for outputs."""
+        return len(self._streams)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """End every request with ``exc`` (shutdown after the grace period); thread-safe."""
+        self._commands.put(("fail_all", exc, None))
+        self._wake.set()
+
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id, None))
         self._wake.set()
@@ -171,6 +185,10 @@ class AsyncEngine:
             elif kind == "abort":
                 for out in self.engine.abort_request(a):
                     self._deliver(out)
+            elif kind == "fail_all":
+                for request_id in list(self._streams):
+                    self._fail(request_id, a)
+                    self.engine.abort_request(request_id)
 
     def _run(self) -> None:
         while not self._stop.is_set():

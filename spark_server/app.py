@@ -19,6 +19,7 @@ from spark_server.auth import ApiKeyMiddleware, parse_key_pairs
 from spark_server.health import health
 from spark_server.metrics import Metrics, RequestCounter, metrics_endpoint
 from spark_server.settings import Settings
+from spark_server.shutdown import DrainGuard
 from spark_server.spark_http import spark_http
 from spark_server.spark_service import SparkService
 from spark_server.spark_ws import spark_websocket
@@ -63,6 +64,8 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
     app.state.spark_keys = parse_key_pairs(settings.spark_auth)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.state.draining = False
+    app.add_middleware(DrainGuard, state=app.state)
     app.state.settings = settings
     app.state.engine = engine
     app.state.spark = SparkService(engine, history_limit=settings.max_history_tokens, on_result=metrics.count)

@@ -15,6 +15,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from engine.async_engine import AsyncEngine
     from spark_server.app import SPARK_WS_PATH, build_app
+    from spark_server.shutdown import DrainingServer
 
     try:
         settings = settings_mod.resolve(vars(args))
@@ -33,8 +34,9 @@ def _serve(args: argparse.Namespace) -> int:
     url = f"ws://{settings.host}:{settings.port}{SPARK_WS_PATH}"
     print(f"spark-server: {engine.model_info.name} loaded in {time.monotonic() - started:.1f}s; "
           f"serving {url}", flush=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                ws_max_size=8 * 1024 * 1024)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            ws_max_size=8 * 1024 * 1024)
+    DrainingServer(config, app, settings.shutdown_grace).run()
     return 0
 
 

@@ -65,6 +65,7 @@ class Settings:
     api_key: str | None = _opt(None, "require `Authorization: Bearer <key>` on the HTTP endpoints (off by default)")
     spark_auth: str | None = _opt(None, "Spark WebSocket HMAC key pair KEY:SECRET (repeatable; env: comma-separated); "
                                         "off when unset", repeatable=True)
+    shutdown_grace: float = _opt(30.0, "seconds running sessions get to finish after SIGTERM before they are ended")
     ws_request_timeout: float = _opt(30.0, "seconds a new WebSocket may wait before sending its request")
     num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
     log_level: str = _opt("info", "debug, info, warning or error",
