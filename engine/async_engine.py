@@ -70,6 +70,8 @@ class AsyncEngine:
         self.num_steps = 0
         # Fills a LoraRef's local path (download, verify, cache); None: LoRA requests are refused.
         self.lora_resolver: Callable[[LoraRef], Awaitable[LoraRef]] | None = None
+        self.default_timeout_s: float | None = None  # deadline for requests that set none
+        self.stuck_after_s = 60.0
         # Called with each sample's final output (metrics); must be cheap and must not raise.
         self.finished_listeners: list[Callable[[RequestOutput], None]] = []
 
@@ -91,12 +93,12 @@ class AsyncEngine:
             self._thread.join(timeout=30)
             self._thread = None
 
-    def is_healthy(self, stuck_after_s: float = 60.0) -> bool:
+    def is_healthy(self) -> bool:
         """Alive, and no single model step has been running for longer than ``stuck_after_s``."""
         if self._thread is None or not self._thread.is_alive():
             return False
         since = self.step_in_progress_since
-        return since is None or time.monotonic() - since < stuck_after_s
+        return since is None or time.monotonic() - since < self.stuck_after_s
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -117,6 +119,8 @@ class AsyncEngine:
                 raise LoraUnavailableError(f"adapter {which!r}: LoRA adapters are not enabled on this server",
                                            code="disabled")
             request.lora = await self.lora_resolver(request.lora)
+        if request.deadline is None and self.default_timeout_s:
+            request.deadline = request.arrival_time + self.default_timeout_s
         ids = await self.encode_prompt(request.prompt)
         if request.request_id in self._streams:
             raise ValueError(f"request id {request.request_id!r} is already in use")

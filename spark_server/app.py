@@ -19,6 +19,7 @@ from spark_server.auth import ApiKeyMiddleware, parse_key_pairs
 from spark_server.health import health
 from spark_server.metrics import Metrics, RequestCounter, metrics_endpoint
 from spark_server.settings import Settings
+from spark_server.limits import BodySizeLimit
 from spark_server.shutdown import DrainGuard
 from spark_server.spark_http import spark_http
 from spark_server.spark_service import SparkService
@@ -66,6 +67,10 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.state.draining = False
     app.add_middleware(DrainGuard, state=app.state)
+    app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_body_mb * (1 << 20)))
+    if hasattr(engine, "default_timeout_s"):
+        engine.default_timeout_s = settings.request_timeout
+        engine.stuck_after_s = settings.stuck_step_timeout
     app.state.settings = settings
     app.state.engine = engine
     app.state.spark = SparkService(engine, history_limit=settings.max_history_tokens, on_result=metrics.count)

@@ -35,7 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"spark-server: {engine.model_info.name} loaded in {time.monotonic() - started:.1f}s; "
           f"serving {url}", flush=True)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            ws_max_size=8 * 1024 * 1024)
+                            ws_max_size=int(settings.max_frame_mb * (1 << 20)))
     DrainingServer(config, app, settings.shutdown_grace).run()
     return 0
 

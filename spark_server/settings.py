@@ -65,6 +65,11 @@ class Settings:
     api_key: str | None = _opt(None, "require `Authorization: Bearer <key>` on the HTTP endpoints (off by default)")
     spark_auth: str | None = _opt(None, "Spark WebSocket HMAC key pair KEY:SECRET (repeatable; env: comma-separated); "
                                         "off when unset", repeatable=True)
+    request_timeout: float = _opt(600.0, "deadline in seconds for requests that do not set their own (Triton/MindIE "
+                                         "`timeout` do); past it Spark answers 12100, HTTP 504")
+    max_body_mb: float = _opt(8.0, "largest HTTP request body, in MiB (413 beyond)")
+    max_frame_mb: float = _opt(4.5, "largest WebSocket frame, in MiB (the spec allows 4 MB of text)")
+    stuck_step_timeout: float = _opt(60.0, "a model step running longer than this turns /health red")
     shutdown_grace: float = _opt(30.0, "seconds running sessions get to finish after SIGTERM before they are ended")
     ws_request_timeout: float = _opt(30.0, "seconds a new WebSocket may wait before sending its request")
     num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")

@@ -28,7 +28,7 @@ class ServerThread:
     def __init__(self, app, port: int) -> None:
         self.port = port
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                    ws_max_size=8 * 1024 * 1024))
+                                                    ws_max_size=int(4.5 * (1 << 20))))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "ServerThread":

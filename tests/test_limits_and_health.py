@@ -1,0 +1,76 @@
+"""Input limits, default deadlines and a stuck engine turning /health red."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+import websockets
+
+from tests.spark.client import converse, spark_request
+
+
+def test_http_body_over_the_limit_is_413(live_server):
+    r = httpx.post(live_server.http_url + "/v1/completions", content=b"x" * (9 << 20),
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+
+def test_websocket_frame_over_the_limit_is_closed_with_1009(live_server):
+    async def go():
+        async with websockets.connect(live_server.ws_url, max_size=None) as ws:
+            await ws.send("x" * (5 << 20))
+            await ws.recv()
+
+    with pytest.raises(websockets.ConnectionClosed) as err:
+        asyncio.run(go())
+    assert err.value.rcvd is not None and err.value.rcvd.code == 1009  # message too big
+
+
+def test_a_4mb_frame_is_accepted_and_parsed(live_server):
+    # a frame just under the spec's 4 MB passes the transport and gets a protocol answer
+    body = spark_request("hi " * 1_300_000, max_tokens=2)
+    frames = asyncio.run(converse(live_server.ws_url, body))
+    assert frames[-1]["header"]["code"] == 10003  # too many tokens, said in the protocol's own form
+
+
+def test_the_server_default_deadline_ends_a_request(live_server):
+    engine = live_server.engine
+    old = engine.default_timeout_s
+    engine.default_timeout_s = 0.5
+    try:
+        frames = asyncio.run(converse(live_server.ws_url, spark_request("Count to a thousand: 1, 2, 3,",
+                                                                        max_tokens=4000, top_k=1)))
+    finally:
+        engine.default_timeout_s = old
+    assert frames[-1]["header"]["code"] == 12100 and "deadline" in frames[-1]["header"]["message"]
+    live_server.wait_idle()
+
+
+def test_a_stuck_model_step_turns_health_red(live_server):
+    engine = live_server.engine
+    core = engine.engine
+    release = threading.Event()
+    old = engine.stuck_after_s
+    engine.stuck_after_s = 0.5
+    core.fault_hook = lambda seqs: release.wait(10)
+    try:
+        task_done = threading.Event()
+
+        def run_session():
+            asyncio.run(converse(live_server.ws_url, spark_request("Hi", max_tokens=2, top_k=1)))
+            task_done.set()
+
+        threading.Thread(target=run_session, daemon=True).start()
+        time.sleep(1.5)
+        assert httpx.get(live_server.http_url + "/health").status_code == 503
+        assert httpx.get(live_server.http_url + "/v2/health/ready").status_code == 503
+    finally:
+        core.fault_hook = None
+        release.set()
+        engine.stuck_after_s = old
+    assert task_done.wait(30)
+    assert httpx.get(live_server.http_url + "/health").status_code == 200
