@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 9990
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test test-slow bench clean
+.PHONY: install serve test test-slow bench loadtest clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ test-slow: $(STAMP)
 BENCHES := offline multiturn interactivity memory startup online lora
 bench: $(STAMP)
 	@rc=0; for b in $(BENCHES); do $(PY) -m benchmarks.bench_$$b || rc=1; done; exit $$rc
+
+# A bounded headless locust run (default: 50 Spark WebSocket users for 60 s) against a local server;
+# CSV and HTML reports land in loadtests/reports/.
+loadtest: $(STAMP)
+	$(PIP) install -q "locust>=2.30" "websocket-client>=1.7"
+	PY=$(PY) bash loadtests/run_local.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache

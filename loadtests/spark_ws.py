@@ -1,0 +1,69 @@
+"""Locust user for the Spark WebSocket: one session per task, timed the way chat clients feel it.
+
+Recorded as locust request entries (request type "WS"):
+- "spark first frame": ms from connecting to the first answer frame (time to first frame)
+- "spark per frame": mean ms between answer frames of a session
+- "spark session": ms for the whole session; its "size" is the completion tokens
+- "spark tokens/s": the session's completion tokens per second, stored in the response-time column
+Any error frame or broken socket is a failure with the frame's code in the message.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import websocket
+from locust import User, between, task
+
+QUESTIONS = ["What is the capital of France?", "Give me three tips for sleeping well.", "你好，请介绍一下你自己。",
+             "Explain what a prime number is.", "Write a haiku about the sea.", "北京有哪些名胜古迹？"]
+
+
+class SparkWebSocketUser(User):
+    wait_time = between(0.1, 0.5)
+    path = "/turing/v3/gpt"
+    max_tokens = 48
+
+    def _fire(self, name: str, ms: float, length: int = 0, exc: Exception | None = None) -> None:
+        self.environment.events.request.fire(request_type="WS", name=name, response_time=ms,
+                                             response_length=length, exception=exc, context={})
+
+    @task
+    def conversation(self) -> None:
+        url = self.host.replace("http://", "ws://").replace("https://", "wss://").rstrip("/") + self.path
+        body = {"header": {"traceId": f"locust-{random.getrandbits(32):08x}"},
+                "parameter": {"chat": {"max_tokens": self.max_tokens, "temperature": 0.7, "top_k": 4}},
+                "payload": {"message": {"text": [{"role": "user", "content": random.choice(QUESTIONS)}]}}}
+        start = time.perf_counter()
+        first = last = None
+        frames = 0
+        try:
+            ws = websocket.create_connection(url, timeout=120)
+            try:
+                ws.send(json.dumps(body, ensure_ascii=False))
+                while True:
+                    frame = json.loads(ws.recv())
+                    now = time.perf_counter()
+                    header = frame["header"]
+                    if header["code"] != 0:
+                        raise RuntimeError(f"error frame {header['code']}: {header['message']}")
+                    first = first or now
+                    last = now
+                    frames += 1
+                    if header["status"] == 2:
+                        tokens = frame["payload"]["usage"]["text"]["completion_tokens"]
+                        break
+            finally:
+                ws.close()
+        except Exception as exc:  # noqa: BLE001 - every failure is reported to locust
+            self._fire("spark session", (time.perf_counter() - start) * 1000, exc=exc)
+            return
+        total = last - start
+        self._fire("spark first frame", (first - start) * 1000)
+        if frames > 1:
+            self._fire("spark per frame", (last - first) / (frames - 1) * 1000)
+        self._fire("spark session", total * 1000, length=tokens)
+        if last > first and tokens > 1:
+            self._fire("spark tokens/s", (tokens - 1) / (last - first))
