@@ -30,12 +30,17 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"spark-server: cannot load the model: {exc}", file=sys.stderr)
         return 2
+    if bool(settings.ssl_certfile) != bool(settings.ssl_keyfile):
+        print("spark-server: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
+        return 2
     app = build_app(settings, engine)
-    url = f"ws://{settings.host}:{settings.port}{SPARK_WS_PATH}"
+    scheme = "wss" if settings.ssl_certfile else "ws"
+    url = f"{scheme}://{settings.host}:{settings.port}{SPARK_WS_PATH}"
     print(f"spark-server: {engine.model_info.name} loaded in {time.monotonic() - started:.1f}s; "
           f"serving {url}", flush=True)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            ws_max_size=int(settings.max_frame_mb * (1 << 20)))
+                            ws_max_size=int(settings.max_frame_mb * (1 << 20)), ssl_certfile=settings.ssl_certfile,
+                            ssl_keyfile=settings.ssl_keyfile)
     DrainingServer(config, app, settings.shutdown_grace).run()
     return 0
 

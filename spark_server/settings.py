@@ -70,6 +70,8 @@ class Settings:
     max_body_mb: float = _opt(8.0, "largest HTTP request body, in MiB (413 beyond)")
     max_frame_mb: float = _opt(4.5, "largest WebSocket frame, in MiB (the spec allows 4 MB of text)")
     stuck_step_timeout: float = _opt(60.0, "a model step running longer than this turns /health red")
+    ssl_certfile: str | None = _opt(None, "TLS certificate (PEM): serve https:// and wss://")
+    ssl_keyfile: str | None = _opt(None, "TLS private key (PEM)")
     shutdown_grace: float = _opt(30.0, "seconds running sessions get to finish after SIGTERM before they are ended")
     ws_request_timeout: float = _opt(30.0, "seconds a new WebSocket may wait before sending its request")
     num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
