@@ -176,6 +176,11 @@ def served_model_names(request: Request) -> list[str]:
     return [request.app.state.engine.model_info.name]
 
 
+def int_list(values: list[Any] | None) -> list[int]:
+    """Token ids from JSON: JSON Schema's "integer" admits 7.0, the engine wants 7."""
+    return [int(v) for v in values or []]
+
+
 def stop_list(value: str | list[str] | None) -> list[str]:
     if value is None:
         return []

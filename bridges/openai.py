@@ -9,8 +9,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from bridges.common import (BridgeError, Completion, collect, endpoint, engine_of, now, primed, read_json, replay,
-                            request_id, sse, sse_response, stop_list)
+from bridges.common import (BridgeError, Completion, collect, endpoint, engine_of, int_list, now, primed, read_json,
+                            replay, request_id, sse, sse_response, stop_list)
 from engine.protocol import EngineClient
 from engine.request import (ChatMessage, ChatPrompt, GenerationRequest, LoraRef, Prompt, RequestOutput, TextPrompt,
                             TokenLogprob, TokensPrompt)
@@ -58,7 +58,7 @@ def sampling_params(engine: EngineClient, body: dict[str, Any], default_max_toke
         frequency_penalty=body.get("frequency_penalty") or 0.0,
         repetition_penalty=body.get("repetition_penalty") or 1.0,
         seed=body.get("seed"), stop=stop_list(body.get("stop")),
-        stop_token_ids=body.get("stop_token_ids") or [],
+        stop_token_ids=int_list(body.get("stop_token_ids")),
         include_stop_str_in_output=bool(body.get("include_stop_str_in_output")),
         ignore_eos=bool(body.get("ignore_eos")),
         skip_special_tokens=body.get("skip_special_tokens") is not False,
@@ -161,9 +161,9 @@ def completion_prompts(body: dict[str, Any]) -> list[Prompt]:
         return [TextPrompt(p)]
     if all(isinstance(x, str) for x in p):
         return [TextPrompt(x) for x in p]
-    if all(isinstance(x, int) for x in p):
-        return [TokensPrompt(list(p))]
-    return [TokensPrompt(list(x)) for x in p]
+    if all(isinstance(x, (int, float)) for x in p):
+        return [TokensPrompt(int_list(p))]
+    return [TokensPrompt(int_list(x)) for x in p]
 
 
 def lower_completion(engine: EngineClient, body: dict[str, Any], rid: str) -> list[GenerationRequest]:

@@ -10,8 +10,8 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from bridges.common import (BridgeError, Completion, collect, endpoint, engine_of, primed, read_json, replay,
-                            request_id, sse, sse_response, stop_list)
+from bridges.common import (BridgeError, Completion, collect, endpoint, engine_of, int_list, primed, read_json,
+                            replay, request_id, sse, sse_response, stop_list)
 from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, RequestOutput, TextPrompt, TokensPrompt
 from engine.sampling_params import SamplingParams
@@ -42,7 +42,7 @@ def _params(sp: dict[str, Any], return_logprob: bool, top_logprobs: int) -> Samp
         repetition_penalty=float(sp.get("repetition_penalty") or 1.0),
         n=sp.get("n") or 1, ignore_eos=bool(sp.get("ignore_eos")),
         skip_special_tokens=sp.get("skip_special_tokens") is not False,
-        stop=stop_list(sp.get("stop")), stop_token_ids=sp.get("stop_token_ids") or [],
+        stop=stop_list(sp.get("stop")), stop_token_ids=int_list(sp.get("stop_token_ids")),
         include_stop_str_in_output=no_trim, seed=sp.get("seed"),
         logprobs=return_logprob, top_logprobs=top_logprobs,
     )
@@ -56,7 +56,7 @@ def lower(body: dict[str, Any], rid: str) -> tuple[list[GenerationRequest], bool
     else:
         ids = body["input_ids"]
         batch = isinstance(ids[0], list)
-        prompts = [TokensPrompt(list(x)) for x in (ids if batch else [ids])]
+        prompts = [TokensPrompt(int_list(x)) for x in (ids if batch else [ids])]
     sps = body.get("sampling_params") or {}
     if isinstance(sps, list):
         if len(sps) != len(prompts):

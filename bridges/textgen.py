@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from bridges.common import stop_list
+from bridges.common import int_list, stop_list
 from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, TextPrompt, TokensPrompt
 from engine.sampling_params import SamplingParams
@@ -80,7 +80,7 @@ def lower(engine: EngineClient, rid: str, inputs: str | list[int], parameters: d
             if len(ids) > truncate:
                 prompt = TokensPrompt(ids[-truncate:])
     else:
-        prompt = TokensPrompt(list(inputs))
+        prompt = TokensPrompt(int_list(inputs))
     timeout = p.get("timeout") or DEFAULT_TIMEOUT_S
     request = GenerationRequest(rid, prompt, params, lora=lora, priority=p.get("priority") or DEFAULT_PRIORITY,
                                 deadline=time.monotonic() + timeout)

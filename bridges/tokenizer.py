@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from bridges.common import BridgeError, endpoint, engine_of, read_json
+from bridges.common import BridgeError, endpoint, engine_of, int_list, read_json
 from engine.request import ChatMessage, ChatPrompt
 
 
@@ -52,10 +52,11 @@ async def detokenize(request: Request) -> Response:
     _check_model(request, body)
     engine = engine_of(request)
     vocab = engine.model_info.vocab_size
-    bad = [t for t in body["tokens"] if t >= vocab]
+    tokens = int_list(body["tokens"])
+    bad = [t for t in tokens if t >= vocab]
     if bad:
         raise BridgeError(400, f"tokens: id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
-    return JSONResponse({"prompt": engine.tokenizer.decode(body["tokens"])})
+    return JSONResponse({"prompt": engine.tokenizer.decode(tokens)})
 
 
 ROUTES = [

@@ -12,7 +12,8 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from bridges.common import BridgeError, collect, endpoint, engine_of, primed, read_json, replay, request_id, stop_list
+from bridges.common import (BridgeError, collect, endpoint, engine_of, int_list, primed, read_json, replay, request_id,
+                            stop_list)
 from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, TextPrompt
 from engine.sampling_params import SamplingParams
@@ -34,7 +35,7 @@ def lower(engine: EngineClient, body: dict[str, Any], rid: str) -> GenerationReq
         frequency_penalty=float(body.get("frequency_penalty") or 0.0),
         seed=body.get("seed"), stop=stop_list(body.get("stop")),
         # the spec: ids beyond int32 are ignored
-        stop_token_ids=[t for t in body.get("stop_token_ids") or [] if 0 <= t < 2**31],
+        stop_token_ids=[t for t in int_list(body.get("stop_token_ids")) if 0 <= t < 2**31],
         include_stop_str_in_output=bool(body.get("include_stop_str_in_output")),
         skip_special_tokens=body.get("skip_special_tokens") is not False,
         ignore_eos=bool(body.get("ignore_eos")), min_tokens=body.get("min_tokens") or 0,
