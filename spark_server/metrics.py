@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextvars
+import logging
 import time
+import uuid
 from typing import Any, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -11,6 +14,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.request import RequestOutput
+
+logger = logging.getLogger("spark_server.requests")
+
+# Per HTTP request: protocol, id, and what the engine reports when its samples finish (tokens, TTFT).
+# Set by the middleware, filled by the engine's finished-listener running inside the request's task.
+REQUEST_CONTEXT: contextvars.ContextVar[dict | None] = contextvars.ContextVar("spark_request", default=None)
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
@@ -77,6 +86,12 @@ class Metrics:
             self.e2e.observe(max(0.0, time.monotonic() - t.arrival))
         self.prompt_tokens.inc(out.num_prompt_tokens)
         self.generation_tokens.inc(out.num_output_tokens)
+        ctx = REQUEST_CONTEXT.get()
+        if ctx is not None:
+            ctx["prompt_tokens"] = ctx.get("prompt_tokens", 0) + out.num_prompt_tokens
+            ctx["completion_tokens"] = ctx.get("completion_tokens", 0) + out.num_output_tokens
+            if t.first_token_s is not None and "ttft" not in ctx:
+                ctx["ttft"] = t.first_token_s
 
     def count(self, protocol: str, code: int | str) -> None:
         self.requests.labels(protocol=protocol, code=str(code)).inc()
@@ -96,7 +111,8 @@ def protocol_of(path: str) -> str | None:
 
 
 class RequestCounter:
-    """ASGI middleware counting HTTP answers by protocol and status (Spark sessions count themselves)."""
+    """ASGI middleware counting HTTP answers by protocol and status, and logging one line per request
+    (Spark sessions count and log themselves)."""
 
     def __init__(self, app, metrics: Metrics) -> None:
         self.app = app
@@ -108,6 +124,10 @@ class RequestCounter:
             await self.app(scope, receive, send)
             return
         status = {"code": 500}
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode(errors="replace")[:128]
+        ctx = {"id": given or uuid.uuid4().hex[:16]}
+        token = REQUEST_CONTEXT.set(ctx)
+        started = time.monotonic()
 
         async def record(message) -> None:
             if message["type"] == "http.response.start":
@@ -117,7 +137,13 @@ class RequestCounter:
         try:
             await self.app(scope, receive, record)
         finally:
+            REQUEST_CONTEXT.reset(token)
             self.metrics.count(protocol, status["code"])
+            ttft = ctx.get("ttft")
+            logger.info("request id=%s protocol=%s path=%s prompt_tokens=%d completion_tokens=%d ttft=%s "
+                        "duration=%.3f code=%d", ctx["id"], protocol, scope.get("path"), ctx.get("prompt_tokens", 0),
+                        ctx.get("completion_tokens", 0), f"{ttft:.3f}" if ttft is not None else "-",
+                        time.monotonic() - started, status["code"])
 
 
 async def metrics_endpoint(request: Request) -> Response:

@@ -20,12 +20,17 @@ async def _send(ws: WebSocket, frame: dict) -> None:
     await ws.send_text(json.dumps(frame, ensure_ascii=False))
 
 
+class _ExtraFrame(Exception):
+    pass
+
+
 async def _wait_for_disconnect(ws: WebSocket) -> None:
-    """After the request, the client has nothing more to say; return when it goes away."""
-    while True:
-        message = await ws.receive()
-        if message["type"] == "websocket.disconnect":
-            return
+    """After the request the client has nothing more to say: return when it goes away; a second
+    frame is refused (one request per connection, as the spec's clients do)."""
+    message = await ws.receive()
+    if message["type"] == "websocket.disconnect":
+        return
+    raise _ExtraFrame()
 
 
 async def spark_websocket(ws: WebSocket) -> None:
@@ -74,6 +79,9 @@ async def _stream(ws: WebSocket, service: SparkService, session: sp.SparkSession
         done, _ = await asyncio.wait({pump_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
         if pump_task in done:
             pump_task.result()  # re-raise SparkError / transport errors
+        elif isinstance(gone_task.exception(), _ExtraFrame):
+            raise SparkError(SparkCode.SCHEMA_ERROR, "one request per connection: a second frame was sent "
+                                                     "during the answer (open a new connection per question)")
     finally:
         for task in (pump_task, gone_task):
             if not task.done():

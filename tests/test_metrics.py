@@ -38,3 +38,18 @@ def test_metrics_follow_traffic(live_server):
     assert _value(after, "spark:time_to_first_token_seconds_count") >= \
         _value(before, "spark:time_to_first_token_seconds_count") + 2
     assert _value(after, "spark:generation_tokens_total") > _value(before, "spark:generation_tokens_total")
+
+
+def test_one_log_line_per_http_request(live_server, caplog):
+    import logging
+
+    model = live_server.engine.model_info.name
+    with caplog.at_level(logging.INFO, logger="spark_server.requests"):
+        httpx.post(live_server.http_url + "/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 3},
+                   headers={"X-Request-Id": "trace-123"})
+        httpx.post(live_server.http_url + "/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 0})
+    lines = [r.getMessage() for r in caplog.records if r.name == "spark_server.requests"]
+    ok = [line for line in lines if "id=trace-123" in line]
+    assert len(ok) == 1 and "protocol=openai" in ok[0] and "code=200" in ok[0]
+    assert "completion_tokens=3" in ok[0] and "ttft=-" not in ok[0]
+    assert any("code=400" in line for line in lines)

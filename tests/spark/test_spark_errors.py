@@ -120,3 +120,36 @@ async def test_http_form_errors_use_spark_codes(live_server):
     assert bad.status_code == 400 and bad.json()["header"]["code"] == 4
     assert empty.status_code == 400 and empty.json()["header"]["code"] == 10002
     assert empty.json()["header"]["traceId"] == "test"
+
+
+async def test_a_second_frame_on_one_connection_is_refused(live_server):
+    import json
+
+    frames = []
+    async with websockets.connect(live_server.ws_url) as ws:
+        await ws.send(json.dumps(spark_request("Write a long story.", max_tokens=300, temperature=1.0)))
+        frames.append(json.loads(await ws.recv()))
+        await ws.send(json.dumps(spark_request("Another question", max_tokens=3)))
+        async for message in ws:
+            frames.append(json.loads(message))
+    last = frames[-1]["header"]
+    assert last["code"] == 10000 and "one request per connection" in last["message"] and last["status"] == 2
+    live_server.wait_idle()  # the answer in progress was stopped
+
+
+async def test_a_model_fault_is_a_500_on_the_bridges(live_server):
+    import httpx
+
+    core = live_server.engine.engine
+    core.fault_hook = lambda seqs: (_ for _ in ()).throw(RuntimeError("injected fault"))
+    try:
+        async with httpx.AsyncClient(timeout=60) as client:
+            r = await client.post(live_server.http_url + "/v1/completions", json={
+                "model": live_server.engine.model_info.name, "prompt": "Hi", "max_tokens": 3})
+            tgi = await client.post(live_server.http_url + "/generate", json={"inputs": "Hi"})
+    finally:
+        core.fault_hook = None
+    assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+    assert tgi.status_code == 500 and tgi.json()["error_type"] == "generation"
+    ok = await converse(live_server.ws_url, spark_request("Hi", max_tokens=2, top_k=1))
+    assert ok[-1]["header"]["code"] == 0
