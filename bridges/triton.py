@@ -41,13 +41,18 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
 
 
-@endpoint(render_error)
-async def generate(request: Request) -> Response:
+async def _lower_text_request(request: Request) -> tuple[str, dict[str, Any], Any, str, textgen.TextGenRequest]:
+    """(model, body, engine, id, lowered request) of a generate / generate_stream call."""
     model = _model(request)
     body = await _read(request, "triton-generate")
     engine = engine_of(request)
     rid = body.get("id") or request_id("triton")
-    tg = textgen.lower(engine, rid, body["text_input"], body.get("parameters"))
+    return model, body, engine, rid, textgen.lower(engine, rid, body["text_input"], body.get("parameters"))
+
+
+@endpoint(render_error)
+async def generate(request: Request) -> Response:
+    model, body, engine, rid, tg = await _lower_text_request(request)
     (c,) = await collect(engine, tg.request)
     result: dict[str, Any] = {"id": rid, "model_name": model, "model_version": None, "text_output": c.text}
     if tg.details or tg.perf_stat:
@@ -66,11 +71,7 @@ async def generate(request: Request) -> Response:
 
 @endpoint(render_error)
 async def generate_stream(request: Request) -> Response:
-    model = _model(request)
-    body = await _read(request, "triton-generate")
-    engine = engine_of(request)
-    rid = body.get("id") or request_id("triton")
-    tg = textgen.lower(engine, rid, body["text_input"], body.get("parameters"))
+    model, body, engine, rid, tg = await _lower_text_request(request)
     first, rest = await primed(engine, tg.request)
     batch_size = (body.get("parameters") or {}).get("batch_size") or 1
 
