@@ -17,7 +17,7 @@ from lora_store.resolver import LoraResolver, store_validator
 from lora_store.store import LoraStore, StoreLimits
 from spark_server.auth import ApiKeyMiddleware, parse_key_pairs
 from spark_server.health import health
-from spark_server.metrics import Metrics, RequestCounter, metrics_endpoint
+from spark_server.metrics import Metrics, RequestCounter, metrics_endpoint, note_in_request_context
 from spark_server.settings import Settings
 from spark_server.limits import BodySizeLimit
 from spark_server.shutdown import DrainGuard
@@ -61,6 +61,8 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
     app.state.metrics = metrics
     if hasattr(engine, "finished_listeners"):
         engine.finished_listeners.append(metrics.observe_finished)
+        if note_in_request_context not in engine.finished_listeners:  # once, however many apps share the engine
+            engine.finished_listeners.append(note_in_request_context)
     app.add_middleware(RequestCounter, metrics=metrics)
     app.state.spark_keys = parse_key_pairs(settings.spark_auth)
     if settings.api_key:

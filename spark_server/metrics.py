@@ -60,6 +60,16 @@ class _EngineCollector:
                                       value=store.num_downloads)
 
 
+def note_in_request_context(out: RequestOutput) -> None:
+    """Engine finished-listener (registered once per engine): tokens and TTFT for the request's log line."""
+    ctx = REQUEST_CONTEXT.get()
+    if ctx is not None:
+        ctx["prompt_tokens"] = ctx.get("prompt_tokens", 0) + out.num_prompt_tokens
+        ctx["completion_tokens"] = ctx.get("completion_tokens", 0) + out.num_output_tokens
+        if out.timings.first_token_s is not None and "ttft" not in ctx:
+            ctx["ttft"] = out.timings.first_token_s
+
+
 class Metrics:
     def __init__(self, app_state: Any) -> None:
         self.registry = CollectorRegistry()
@@ -86,12 +96,6 @@ class Metrics:
             self.e2e.observe(max(0.0, time.monotonic() - t.arrival))
         self.prompt_tokens.inc(out.num_prompt_tokens)
         self.generation_tokens.inc(out.num_output_tokens)
-        ctx = REQUEST_CONTEXT.get()
-        if ctx is not None:
-            ctx["prompt_tokens"] = ctx.get("prompt_tokens", 0) + out.num_prompt_tokens
-            ctx["completion_tokens"] = ctx.get("completion_tokens", 0) + out.num_output_tokens
-            if t.first_token_s is not None and "ttft" not in ctx:
-                ctx["ttft"] = t.first_token_s
 
     def count(self, protocol: str, code: int | str) -> None:
         self.requests.labels(protocol=protocol, code=str(code)).inc()
