@@ -24,6 +24,8 @@ from urllib.parse import urlencode, urlsplit
 
 from starlette.responses import JSONResponse
 
+from spark_server.settings import parse_pairs
+
 DATE_WINDOW_S = 300
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/v2/health/")
 
@@ -36,14 +38,7 @@ class AuthError(Exception):
 
 
 def parse_key_pairs(value: str | None) -> dict[str, str]:
-    pairs = {}
-    for item in (value or "").split(","):
-        if item.strip():
-            key, sep, secret = item.strip().partition(":")
-            if not sep or not key or not secret:
-                raise ValueError(f"--spark-auth {item!r}: expected KEY:SECRET")
-            pairs[key] = secret
-    return pairs
+    return parse_pairs(value, ":", "--spark-auth", "KEY:SECRET")
 
 
 def signature(secret: str, host: str, date: str, path: str) -> str:

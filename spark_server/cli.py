@@ -33,7 +33,11 @@ def _serve(args: argparse.Namespace) -> int:
     if bool(settings.ssl_certfile) != bool(settings.ssl_keyfile):
         print("spark-server: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
         return 2
-    app = build_app(settings, engine)
+    try:
+        app = build_app(settings, engine)
+    except ValueError as exc:  # e.g. a malformed --spark-auth or --lora
+        print(f"spark-server: {exc}", file=sys.stderr)
+        return 2
     scheme = "wss" if settings.ssl_certfile else "ws"
     url = f"{scheme}://{settings.host}:{settings.port}{SPARK_WS_PATH}"
     print(f"spark-server: {engine.model_info.name} loaded in {time.monotonic() - started:.1f}s; "

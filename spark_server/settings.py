@@ -84,14 +84,7 @@ class Settings:
         return bool(self.lora_allowed_urls or self.lora)
 
     def lora_sources(self) -> dict[str, str]:
-        out = {}
-        for item in (self.lora or "").split(","):
-            if item.strip():
-                name, sep, source = item.strip().partition("=")
-                if not sep or not name or not source:
-                    raise ValueError(f"--lora {item!r}: expected NAME=DIR or NAME=URL#md5")
-                out[name] = source
-        return out
+        return parse_pairs(self.lora, "=", "--lora", "NAME=DIR or NAME=URL#md5")
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -104,6 +97,18 @@ class Settings:
             num_threads=self.num_threads, max_loras=self.max_loras if self.lora_enabled else 0,
             max_lora_rank=self.max_lora_rank,
         )
+
+
+def parse_pairs(value: str | None, sep: str, flag: str, form: str) -> dict[str, str]:
+    """A repeatable setting's comma-joined ``NAME<sep>VALUE`` items as a dict; errors name the flag."""
+    pairs = {}
+    for item in (value or "").split(","):
+        if item.strip():
+            name, found, rest = item.strip().partition(sep)
+            if not found or not name or not rest:
+                raise ValueError(f"{flag} {item!r}: expected {form}")
+            pairs[name] = rest
+    return pairs
 
 
 def _base_type(tp: Any) -> type:
