@@ -33,11 +33,10 @@ class _LayerWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same arithmetic as transformers' LlamaRMSNorm: normalise in fp32, scale in the model dtype.
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+    # transformers' LlamaRMSNorm arithmetic: normalise in fp32 (the fused kernel is bit-identical there),
+    # round to the model dtype, then scale in it. Fusing the scale too rounds differently, and bf16
+    # answers visibly drift (tests/engine/test_bf16_tracks_transformers.py).
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 class LlamaForCausalLM:
