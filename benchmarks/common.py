@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

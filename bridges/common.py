@@ -3,6 +3,7 @@ map, request ids, SSE framing, and streaming that reports early errors with a pr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -172,10 +173,6 @@ def endpoint(render: Callable[[BridgeError], dict[str, Any]]):
     return wrap
 
 
-def served_model_names(request: Request) -> list[str]:
-    return [request.app.state.engine.model_info.name]
-
-
 def int_list(values: list[Any] | None) -> list[int]:
     """Token ids from JSON: JSON Schema's "integer" admits 7.0, the engine wants 7."""
     return [int(v) for v in values or []]
@@ -185,3 +182,52 @@ def stop_list(value: str | list[str] | None) -> list[str]:
     if value is None:
         return []
     return [value] if isinstance(value, str) else [s for s in value if s]
+
+
+async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several engine streams as outputs arrive; (stream position, output)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as exc:  # surfaces in the consumer
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def start_streams(engine: EngineClient, reqs: list[GenerationRequest]) -> list[AsyncIterator[RequestOutput]]:
+    """Prime every request (errors before the first token get a proper status), then stream them."""
+    streams = []
+    try:
+        for r in reqs:
+            first, rest = await primed(engine, r)
+            streams.append(replay(first, rest))
+    except BaseException:
+        for s in streams:
+            await s.aclose()
+        raise
+    return streams

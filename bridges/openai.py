@@ -9,10 +9,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from bridges.common import (BridgeError, Completion, collect, endpoint, engine_of, int_list, now, primed, read_json,
-                            replay, request_id, sse, sse_response, stop_list)
+from bridges.common import (BridgeError, collect, endpoint, engine_of, int_list, merged, now, read_json,
+                            request_id, sse, sse_response, start_streams, stop_list)
 from engine.protocol import EngineClient
-from engine.request import (ChatMessage, ChatPrompt, GenerationRequest, LoraRef, Prompt, RequestOutput, TextPrompt,
+from engine.request import (ChatMessage, ChatPrompt, GenerationRequest, LoraRef, Prompt, TextPrompt,
                             TokenLogprob, TokensPrompt)
 from engine.sampling_params import SamplingParams
 
@@ -101,55 +101,6 @@ def completion_logprobs(engine: EngineClient, entries: list[TokenLogprob], offse
         pos += len(text)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "text_offset": offsets,
             "top_logprobs": [{_token_text(engine, t): lp for t, lp in e.top} for e in entries]}
-
-
-async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several engine streams as outputs arrive; (stream position, output)."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for out in stream:
-                await queue.put((i, out))
-        except BaseException as exc:  # surfaces in the consumer
-            await queue.put((i, exc))
-        finally:
-            await queue.put((i, done))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def start_streams(engine: EngineClient, reqs: list[GenerationRequest]) -> list[AsyncIterator[RequestOutput]]:
-    """Prime every request (errors before the first token get a proper status), then stream them."""
-    streams = []
-    try:
-        for r in reqs:
-            first, rest = await primed(engine, r)
-            streams.append(replay(first, rest))
-    except BaseException:
-        for s in streams:
-            await s.aclose()
-        raise
-    return streams
 
 
 # ---- /v1/completions ---------------------------------------------------------------------------

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from bridges.common import (BridgeError, Completion, collect, endpoint, engine_of, int_list, primed, read_json,
-                            replay, request_id, sse, sse_response, stop_list)
+from bridges.common import (BridgeError, Completion, bridge_error_from, collect, endpoint, engine_of, int_list,
+                            merged, read_json, request_id, sse, sse_response, start_streams, stop_list)
 from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, RequestOutput, TextPrompt, TokensPrompt
 from engine.sampling_params import SamplingParams
@@ -101,13 +100,8 @@ async def generate(request: Request) -> Response:
 
 
 async def _stream(engine: EngineClient, reqs: list[GenerationRequest], started: float) -> AsyncIterator[bytes]:
-    from bridges.openai import merged
-
     try:
-        streams = []
-        for r in reqs:
-            first, rest = await primed(engine, r)
-            streams.append(replay(first, rest))
+        streams = await start_streams(engine, reqs)
         texts: dict[tuple[int, int], str] = {}
         ids: dict[tuple[int, int], list[int]] = {}
         lps: dict[tuple[int, int], list] = {}
@@ -120,8 +114,6 @@ async def _stream(engine: EngineClient, reqs: list[GenerationRequest], started: 
                        "meta_info": _meta(reqs[i].request_id, out, len(ids[key]), started,
                                           lps[key] if reqs[i].params.logprobs else None)})
     except Exception as exc:  # after the first event: the error rides in the stream
-        from bridges.common import bridge_error_from
-
         yield sse(render_error(bridge_error_from(exc)))
     yield sse("[DONE]")
 

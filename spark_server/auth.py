@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import json
 import re
 import secrets
 from datetime import datetime, timezone
@@ -114,6 +113,3 @@ class ApiKeyMiddleware:
 def denial(err: AuthError) -> JSONResponse:
     return JSONResponse({"header": {"code": 11200, "message": err.message, "status": 2}}, status_code=err.status)
 
-
-def dumps(obj) -> str:
-    return json.dumps(obj, ensure_ascii=False)
