@@ -22,6 +22,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(base_url: str, timeout: float = 120.0, **client_options) -> None:
+    """Until GET /health answers 200 (a server process that is still starting refuses connections)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base_url + "/health", **client_options).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{base_url} not healthy within {timeout:g}s")
+
+
 class ServerThread:
     """A real uvicorn server in a background thread."""
 

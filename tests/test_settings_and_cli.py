@@ -8,11 +8,10 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 
 from spark_server import settings as settings_mod
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_healthy
 from tests.spark.client import answer_text, converse, spark_request
 
 
@@ -58,12 +57,7 @@ def test_serve_answers_a_real_question():
             assert line or proc.poll() is None, "server exited early"
             assert time.monotonic() - started < 120
         assert f"ws://127.0.0.1:{port}/turing/v3/gpt" in line
-        for _ in range(100):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_healthy(f"http://127.0.0.1:{port}")
         frames = asyncio.run(converse(f"ws://127.0.0.1:{port}/turing/v3/gpt",
                                       spark_request("What is the capital of France?", max_tokens=12, top_k=1)))
         assert frames[-1]["header"]["status"] == 2

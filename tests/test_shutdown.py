@@ -8,12 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import websockets
 
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_healthy
 from tests.spark.client import spark_request
 
 
@@ -23,12 +22,7 @@ def test_sigterm_drains_then_exits_zero():
                              "--shutdown-grace", "3", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_healthy(f"http://127.0.0.1:{port}")
         url = f"ws://127.0.0.1:{port}/turing/v3/gpt"
 
         async def session(long: bool):

@@ -8,13 +8,12 @@ import shutil
 import ssl
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 import websockets
 
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_healthy
 from tests.spark.client import spark_request
 
 
@@ -35,12 +34,7 @@ def test_wss_and_https(tmp_path):
             line = proc.stdout.readline()
         assert f"wss://127.0.0.1:{port}/turing/v3/gpt" in line
         context = ssl.create_default_context(cafile=str(cert))
-        for _ in range(300):
-            try:
-                if httpx.get(f"https://127.0.0.1:{port}/health", verify=context).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_healthy(f"https://127.0.0.1:{port}", verify=context)
 
         async def talk():
             async with websockets.connect(f"wss://127.0.0.1:{port}/turing/v3/gpt", ssl=context) as ws:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import copy
 import json
 
 import httpx
-import pytest
 
 from tests.bridges import spec_examples as ex
 

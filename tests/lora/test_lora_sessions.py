@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import tarfile
@@ -77,7 +76,7 @@ def _lora_body(url: str, md5: str, question: str = SECRET_QUESTION) -> dict:
 
 
 def test_sessions_answer_with_their_adapter_and_share_one_download(lora_server, packs):
-    (live, app), (server, md5) = lora_server, packs
+    (live, _), (server, md5) = lora_server, packs
     url = server.url("/packs/taught.tar.gz")
 
     async def many():
