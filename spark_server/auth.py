@@ -23,6 +23,7 @@ from urllib.parse import urlencode, urlsplit
 
 from starlette.responses import JSONResponse
 
+from spark_server.errors import SparkCode
 from spark_server.settings import parse_pairs
 
 DATE_WINDOW_S = 300
@@ -111,5 +112,6 @@ class ApiKeyMiddleware:
 
 
 def denial(err: AuthError) -> JSONResponse:
-    return JSONResponse({"header": {"code": 11200, "message": err.message, "status": 2}}, status_code=err.status)
+    return JSONResponse({"header": {"code": int(SparkCode.AUTH_FAILED), "message": err.message, "status": 2}},
+                        status_code=err.status)
 

@@ -22,7 +22,6 @@ class SparkCode(IntEnum):
     SERVER_BUSY = 10110  # public Spark API: server busy (wait queue full)
     INFERENCE_ERROR = 11000  # GPT推理模块会话异常
     AUTH_FAILED = 11200  # public Spark API: authorization failed
-    CONCURRENCY_LIMIT = 11203  # public Spark API: concurrency limit
     LORA_NOT_AVAILABLE = 12000  # this server: LoRA is not enabled here
     LORA_HOST_NOT_ALLOWED = 12001  # the pack URL is not http(s) or not under an allowed prefix
     LORA_DOWNLOAD_FAILED = 12002  # the pack server failed or answered non-200
@@ -45,7 +44,6 @@ DESCRIPTIONS: dict[SparkCode, str] = {
     SparkCode.SERVER_BUSY: "the server's wait queue is full; retry later",
     SparkCode.INFERENCE_ERROR: "the inference session failed",
     SparkCode.AUTH_FAILED: "authorization failed",
-    SparkCode.CONCURRENCY_LIMIT: "too many concurrent sessions; retry later",
     SparkCode.LORA_NOT_AVAILABLE: "LoRA is not enabled on this server (--lora-allowed-urls)",
     SparkCode.LORA_HOST_NOT_ALLOWED: "the LoRA pack URL is not http(s) or not under an allowed prefix",
     SparkCode.LORA_DOWNLOAD_FAILED: "the LoRA pack could not be downloaded",
@@ -101,7 +99,7 @@ def http_status_for(code: SparkCode) -> int:
         return 400
     if code == SparkCode.AUTH_FAILED:
         return 401
-    if code in (SparkCode.SERVER_BUSY, SparkCode.CONCURRENCY_LIMIT):
+    if code == SparkCode.SERVER_BUSY:
         return 429
     if code in (SparkCode.SERVER_SHUTTING_DOWN,):
         return 503
