@@ -33,6 +33,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decodes, max_len] bool; None when no row is padded
     decode_max_len: int
     prefills: list[PrefillSpan]
+    # for the fused CPU kernels, which walk block tables themselves instead of gathering
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
 
 
 class PagedKVCache:
@@ -91,24 +94,14 @@ def _chunk_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | Non
     return out.permute(2, 0, 1, 3).reshape(n, H, D)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                    cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
-    """q [T, H, D], k/v [T, Hkv, D] for the new tokens; returns [T, H, D]."""
-    layer_kv = cache.kv[layer]  # [2*Hkv, slots, D]
-    Hkv = cache.num_kv_heads
-    new_kv = torch.cat((k, v), dim=1).transpose(0, 1)  # [2*Hkv, T, D]
-    layer_kv.index_copy_(1, meta.slot_mapping, new_kv)
-    nd = meta.num_decodes
-    decoded = None
-    if nd:
-        gathered = layer_kv.index_select(1, meta.decode_gather).view(2 * Hkv, nd, meta.decode_max_len, -1)
-        decoded = _decode_attention(q[:nd], gathered, meta.decode_mask)
-        if not meta.prefills:
-            return decoded
-    out = torch.empty_like(q)
-    if decoded is not None:
-        out[:nd] = decoded
-    for span in meta.prefills:
+def prefill_attention(q: torch.Tensor, new_kv: torch.Tensor, layer_kv: torch.Tensor, spans: list[PrefillSpan],
+                      out: torch.Tensor) -> None:
+    """Each prefill chunk attends causally over its cached context plus itself.
+
+    q [T, H, D]; new_kv [2*Hkv, T, D], this step's K (after RoPE) and V; layer_kv the layer's cache,
+    already holding them; writes out[s:e] ([T, H, D]) for each span."""
+    Hkv = layer_kv.shape[0] // 2
+    for span in spans:
         s, e = span.q_start, span.q_start + span.q_len
         if span.gather is None:
             ctx = new_kv[:, s:e]
@@ -124,4 +117,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         else:
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=span.mask, enable_gqa=True)
         out[s:e] = o.squeeze(0).transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                    cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
+    """The pure-torch path. q [T, H, D], k/v [T, Hkv, D] for the new tokens; returns [T, H, D]."""
+    layer_kv = cache.kv[layer]  # [2*Hkv, slots, D]
+    Hkv = cache.num_kv_heads
+    new_kv = torch.cat((k, v), dim=1).transpose(0, 1)  # [2*Hkv, T, D]
+    layer_kv.index_copy_(1, meta.slot_mapping, new_kv)
+    nd = meta.num_decodes
+    decoded = None
+    if nd:
+        gathered = layer_kv.index_select(1, meta.decode_gather).view(2 * Hkv, nd, meta.decode_max_len, -1)
+        decoded = _decode_attention(q[:nd], gathered, meta.decode_mask)
+        if not meta.prefills:
+            return decoded
+    out = torch.empty_like(q)
+    if decoded is not None:
+        out[:nd] = decoded
+    prefill_attention(q, new_kv, layer_kv, meta.prefills, out)
     return out

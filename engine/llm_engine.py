@@ -55,7 +55,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
-        self.model = LlamaForCausalLM(hf_model, self.dtype, self.device)
+        self.model = LlamaForCausalLM(hf_model, self.dtype, self.device, config.native_kernels)
         del hf_model
         self.max_model_len = min(config.max_model_len or self.model.max_position, self.model.max_position)
         window = getattr(hf_config, "sliding_window", None)

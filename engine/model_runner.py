@@ -35,7 +35,7 @@ class ModelRunner:
 
         # decode: one token per sequence, attention over its whole context
         decodes = batch.decodes
-        decode_gather = decode_mask = None
+        decode_gather = decode_mask = block_tables = context_lens = None
         max_len = 0
         if decodes:
             ctx_lens = []
@@ -53,14 +53,17 @@ class ModelRunner:
             max_blocks = -(-max_len // bs)
             tables = torch.tensor([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
                                    for s in decodes], dtype=torch.long)
-            pos_range = torch.arange(max_len)
-            decode_gather = tables[:, pos_range // bs] * bs + pos_range % bs  # [B, max_len]
-            decode_mask = pos_range[None, :] < torch.tensor(ctx_lens)[:, None]
-            if min(ctx_lens) == max_len:
-                decode_gather, decode_mask = decode_gather.flatten().to(self.device), None
+            if self.model.kernels is not None:  # the fused kernel walks the block tables itself
+                block_tables, context_lens = tables.to(self.device), torch.tensor(ctx_lens, device=self.device)
             else:
-                decode_gather = decode_gather.masked_fill(~decode_mask, 0).flatten().to(self.device)
-                decode_mask = decode_mask.to(self.device)
+                pos_range = torch.arange(max_len)
+                decode_gather = tables[:, pos_range // bs] * bs + pos_range % bs  # [B, max_len]
+                decode_mask = pos_range[None, :] < torch.tensor(ctx_lens)[:, None]
+                if min(ctx_lens) == max_len:
+                    decode_gather, decode_mask = decode_gather.flatten().to(self.device), None
+                else:
+                    decode_gather = decode_gather.masked_fill(~decode_mask, 0).flatten().to(self.device)
+                    decode_mask = decode_mask.to(self.device)
 
         # prefill: a chunk of consecutive tokens per sequence, causal over cache + chunk
         spans: list[PrefillSpan] = []
@@ -89,6 +92,8 @@ class ModelRunner:
             decode_mask=decode_mask,
             decode_max_len=max_len,
             prefills=spans,
+            decode_block_tables=block_tables,
+            decode_context_lens=context_lens,
         )
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),

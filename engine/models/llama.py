@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from typing import TYPE_CHECKING
 
-from engine.attention import AttentionMetadata, PagedKVCache, paged_attention
+from engine.attention import AttentionMetadata, PagedKVCache, paged_attention, prefill_attention
+from engine.kernels import CpuKernels, load_cpu_kernels
 
 if TYPE_CHECKING:
     from engine.lora import LoraBatch
@@ -40,7 +41,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaForCausalLM:
-    def __init__(self, hf_model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, hf_model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                 native_kernels: bool = True) -> None:
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -89,6 +91,11 @@ class LlamaForCausalLM:
         self.cos = cos[0].to(dtype)
         self.sin_signed = sin.to(dtype)
         self.max_position = max_pos
+        self.kernels: CpuKernels | None = None
+        if native_kernels and device.type == "cpu":
+            kernels = load_cpu_kernels()
+            if kernels is not None and kernels.supports(dtype, self.head_dim, self.num_heads // self.num_kv_heads):
+                self.kernels = kernels
 
     def projection_weights(self) -> list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
         """Per layer, (weight, bias) of each LoRA-targetable projection group (qkv, o, gate_up, down)."""
@@ -107,6 +114,53 @@ class LlamaForCausalLM:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 cache: PagedKVCache, logits_indices: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         """input_ids/positions [T]; returns fp32 logits [len(logits_indices), vocab]."""
+        if self.kernels is not None:
+            return self._forward_fused(input_ids, positions, meta, cache, logits_indices, lora)
+        return self._forward_torch(input_ids, positions, meta, cache, logits_indices, lora)
+
+    def _project(self, lora: LoraBatch | None, layer: int, group: str, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+        return linear(x) if lora is None else lora.project(layer, group, x)
+
+    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       cache: PagedKVCache, logits_indices: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        """Same arithmetic as ``_forward_torch``, with everything between the linears in fused kernels."""
+        kern = self.kernels
+        assert kern is not None
+        T = input_ids.shape[0]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        nd = meta.num_decodes
+        x = self.embed[input_ids]  # a fresh tensor: the residual stream, updated in place
+        h = torch.empty_like(x)
+        act = torch.empty(T, self.intermediate, dtype=x.dtype, device=x.device)
+        scratch = None
+        if nd:
+            scratch = torch.empty(nd * H * meta.decode_max_len, dtype=torch.float32)
+        kern.add_rms_norm(x, None, self.layers[0].input_norm, h, self.eps)
+        for i, lw in enumerate(self.layers):
+            qkv = self._project(lora, i, "qkv", lw.qkv, h)
+            layer_kv = cache.kv[i]
+            kern.rope_cache_write(qkv, positions, self.cos, self.sin_signed, layer_kv, meta.slot_mapping, H, Hkv, D)
+            a = torch.empty(T, H * D, dtype=x.dtype, device=x.device)
+            if nd:
+                kern.decode_attention(qkv, layer_kv, meta.decode_block_tables, meta.decode_context_lens,
+                                      cache.block_size, nd, H, Hkv, D, meta.decode_max_len, scratch, a)
+            if meta.prefills:
+                q = qkv[:, : H * D].view(T, H, D)
+                new_kv = qkv[:, H * D:].view(T, 2 * Hkv, D).transpose(0, 1)
+                prefill_attention(q, new_kv, layer_kv, meta.prefills, a.view(T, H, D))
+            kern.add_rms_norm(x, self._project(lora, i, "o", lw.o, a), lw.post_norm, h, self.eps)
+            kern.silu_mul(self._project(lora, i, "gate_up", lw.gate_up, h), act)
+            down = self._project(lora, i, "down", lw.down, act)
+            if i + 1 < self.num_layers:
+                kern.add_rms_norm(x, down, self.layers[i + 1].input_norm, h, self.eps)
+        if logits_indices.shape[0] != T:
+            x, down = x[logits_indices], down[logits_indices]
+        h = torch.empty_like(x)
+        kern.add_rms_norm(x, down, self.final_norm, h, self.eps)
+        return self._logits(h)
+
+    def _forward_torch(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       cache: PagedKVCache, logits_indices: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
         T = input_ids.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
@@ -115,16 +169,40 @@ class LlamaForCausalLM:
         x = self.embed[input_ids]
         for i, lw in enumerate(self.layers):
             h = rms_norm(x, lw.input_norm, self.eps)
-            qkv = lw.qkv(h) if lora is None else lora.project(i, "qkv", h)
+            qkv = self._project(lora, i, "qkv", lw.qkv, h)
             qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
             qk = qk * cos + torch.roll(qk, half, dims=-1) * sin  # RoPE on q and k at once
             v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
             a = paged_attention(qk[:, :H], qk[:, H:], v, i, cache, meta)
             a = a.reshape(T, H * D)
-            x = x + (lw.o(a) if lora is None else lora.project(i, "o", a))
+            x = x + self._project(lora, i, "o", lw.o, a)
             h = rms_norm(x, lw.post_norm, self.eps)
-            gu = lw.gate_up(h) if lora is None else lora.project(i, "gate_up", h)
+            gu = self._project(lora, i, "gate_up", lw.gate_up, h)
             act = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate:]
-            x = x + (lw.down(act) if lora is None else lora.project(i, "down", act))
-        x = rms_norm(x[logits_indices], self.final_norm, self.eps)
-        return self.lm_head(x).float()
+            x = x + self._project(lora, i, "down", lw.down, act)
+        return self._logits(rms_norm(x[logits_indices], self.final_norm, self.eps))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [S, vocab] of the final hidden states h [S, hidden].
+
+        In bf16 / fp16 the linear rounds its fp32 sums to the model dtype: ~3 significant digits, so
+        two close candidates can come out equal (greedy then takes the lower id, whatever the model
+        preferred). Rounding keeps order, so the true best is always among the tokens tied at the
+        top; those few are recomputed in fp32, and greedy picks the model's own preference."""
+        logits = self.lm_head(h).float()
+        if self.dtype == torch.float32 or logits.shape[0] == 0:
+            return logits
+        if self.kernels is not None:
+            tied_rows = (self.kernels.count_top_ties(logits) > 1).nonzero().flatten().tolist()
+        else:
+            tied_rows = ((logits == logits.amax(-1, keepdim=True)).sum(-1) > 1).nonzero().flatten().tolist()
+        for row in tied_rows:
+            cols = (logits[row] == logits[row].max()).nonzero().flatten()
+            logits[row, cols] = (h[row].float() * self.lm_head.weight[cols].float()).sum(-1)
+        return logits
+        tied = logits == logits.max(-1, keepdim=True).values
+        if int(tied.sum()) > logits.shape[0]:
+            rows, cols = tied.nonzero(as_tuple=True)
+            weight = self.lm_head.weight
+            logits[rows, cols] = (h[rows].float() * weight[cols].float()).sum(-1)
+        return logits

@@ -1,0 +1,177 @@
+"""Fused CPU kernels (cpu_kernels.c), compiled once per machine with its C compiler and cached.
+
+``load_cpu_kernels()`` returns a ``CpuKernels`` or None when they cannot be had (no compiler, a
+failed build, ``SPARK_NATIVE_KERNELS=0``); callers then keep the pure-torch path, which computes the
+same thing. The library links OpenMP by the soname torch already loaded (libgomp.so.1), so both
+share one thread pool instead of fighting over the cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_impl.h"))  # the .c includes the .h
+ABI_VERSION = 1
+CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11"]
+NATIVE = "-march=native"  # this CPU's full instruction set (AVX-512 where it has it)
+DISABLE_ENV = "SPARK_NATIVE_KERNELS"
+
+_lock = threading.Lock()
+_loaded: CpuKernels | None = None
+_failed = False
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPARK_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "spark-server")
+    return Path(root) / "kernels"
+
+
+def find_compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def build_library(cc: str, march: str = NATIVE, directory: Path | None = None) -> Path:
+    """Compile the kernels (once: the file name carries a hash of sources, flags and CPU)."""
+    source = b"".join(p.read_bytes() for p in SOURCES)
+    flags = [*CFLAGS, march]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    # -march=native code is only valid on this CPU model: its flags are part of the key
+    key = hashlib.sha256(source + " ".join(flags).encode() + version.encode() + platform.machine().encode()
+                         + _cpu_flags().encode()).hexdigest()[:16]
+    directory = directory or cache_dir()
+    target = directory / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        out = Path(tmp) / target.name
+        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:2000]}")
+        os.replace(out, target)  # atomic: a concurrent start sees the whole library or none
+    logger.info("compiled fused CPU kernels into %s", target)
+    return target
+
+
+def open_library(path: Path) -> CpuKernels:
+    lib = ctypes.CDLL(str(path))
+    if lib.spark_kernels_abi_version() != ABI_VERSION:
+        raise RuntimeError("kernel library ABI mismatch")
+    return CpuKernels(lib)
+
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_F = ctypes.c_float
+_INT = ctypes.c_int
+
+
+class CpuKernels:
+    """Typed entry points into the compiled library; each takes contiguous tensors."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.max_head_dim = lib.spark_kernels_max_head_dim()
+        self.max_group = lib.spark_kernels_max_group()
+        self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
+        signatures = {
+            "add_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F, _INT],
+            "silu_mul": [_P, _P, _I64, _I64, _INT],
+            "rope_cache_write": [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
+            "decode_attention": [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _I64, _P, _P,
+                                 _INT],
+        }
+        for name, argtypes in signatures.items():
+            for dtype, suffix in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.argtypes = argtypes
+                fn.restype = None
+                self._fns[(name, dtype)] = fn
+        self._count_top_ties = lib.count_top_ties
+        self._count_top_ties.argtypes = [_P, _I64, _I64, _P]
+        self._count_top_ties.restype = None
+        self.num_threads = torch.get_num_threads()
+
+    def supports(self, dtype: torch.dtype, head_dim: int, group: int) -> bool:
+        return dtype in (torch.bfloat16, torch.float32) and head_dim <= self.max_head_dim and group <= self.max_group
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     out: torch.Tensor, eps: float) -> None:
+        """x += residual (in place, when given); out = RMSNorm(x) * weight."""
+        rows, dim = x.shape
+        self._fns[("add_rms_norm", x.dtype)](x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                                             weight.data_ptr(), out.data_ptr(), rows, dim, eps, self.num_threads)
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        rows, inter = out.shape
+        self._fns[("silu_mul", gate_up.dtype)](gate_up.data_ptr(), out.data_ptr(), rows, inter, self.num_threads)
+
+    def rope_cache_write(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                         layer_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                         head_dim: int) -> None:
+        self._fns[("rope_cache_write", qkv.dtype)](
+            qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), layer_cache.data_ptr(),
+            slot_mapping.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, head_dim, layer_cache.shape[1],
+            self.num_threads)
+
+    def count_top_ties(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per row of fp32 logits [S, V]: how many entries equal the row's maximum."""
+        counts = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._count_top_ties(logits.data_ptr(), logits.shape[0], logits.shape[1], counts.data_ptr())
+        return counts
+
+    def decode_attention(self, qkv: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, block_size: int, batch: int, num_heads: int, num_kv_heads: int,
+                         head_dim: int, max_context: int, scratch: torch.Tensor, out: torch.Tensor) -> None:
+        self._fns[("decode_attention", qkv.dtype)](
+            qkv.data_ptr(), qkv.stride(0), layer_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+            context_lens.data_ptr(), block_size, batch, num_heads, num_kv_heads, head_dim, layer_cache.shape[1],
+            head_dim ** -0.5, max_context, scratch.data_ptr(), out.data_ptr(), self.num_threads)
+
+
+def load_cpu_kernels() -> CpuKernels | None:
+    """The compiled kernels, built on first use; None where they cannot be had (logged once)."""
+    global _loaded, _failed
+    with _lock:
+        if _loaded is not None or _failed:
+            return _loaded
+        if os.environ.get(DISABLE_ENV, "1").lower() in ("0", "false", "no", "off"):
+            logger.info("fused CPU kernels disabled by %s", DISABLE_ENV)
+            _failed = True
+            return None
+        cc = find_compiler()
+        if cc is None:
+            logger.warning("no C compiler found: the CPU forward runs on plain torch ops (slower at small batch)")
+            _failed = True
+            return None
+        try:
+            _loaded = open_library(build_library(cc))
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+            logger.warning("fused CPU kernels unavailable (%s): the CPU forward runs on plain torch ops", exc)
+            _failed = True
+        return _loaded

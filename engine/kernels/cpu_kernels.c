@@ -1,0 +1,137 @@
+/*
+ * Fused CPU kernels for the Llama-family forward: the parts between the linear layers.
+ *
+ * At batch 1 a decode step is ~1,000 tiny torch ops (norms, RoPE, cache writes, attention,
+ * activation), each costing more in dispatch than in arithmetic; here each is one call per layer.
+ * The linears stay in oneDNN. Plain C, compiled at first use by engine/kernels/__init__.py with the
+ * machine's compiler; when none is there, the engine keeps its pure-torch path.
+ *
+ * Rounding follows the torch path op by op (each elementwise op rounds to the model dtype, as torch
+ * does), so norms, RoPE and the activation give the same bits. Attention keeps scores and
+ * probabilities in fp32 (torch rounds them to bf16 between the matmuls): slightly more accurate.
+ *
+ * Built with -ffp-contract=off: a fused multiply-add would round differently from torch.
+ * Every function exists twice, for bf16 (uint16_t storage) and fp32: cpu_kernels_impl.h is included
+ * once per dtype.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 16
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch does; NaN stays NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f32_load(float v) { return v; }
+static inline float f32_store(float v) { return v; }
+/* Rounding a float to the storage dtype and back (what torch does after every bf16 op). */
+static inline float bf16_round(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+static inline float f32_round(float v) { return v; }
+
+/* e^x for x in [-87, 88] (clamped there), in a form the compiler vectorises (glibc's expf is not
+ * without -ffast-math). Cody-Waite reduction and a degree-6 polynomial (Cephes): within 2 ulp of
+ * expf. n = round(x / ln2) by the 1.5 * 2^23 trick, so no floorf call. */
+static inline float exp_clamped(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+#if defined(__AVX512F__)
+/* 16 lanes of exp_clamped. */
+static inline __m512 exp_clamped_v(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f),
+                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+#endif
+
+/* The kernels, once per storage dtype (cpu_kernels_impl.h is written against T, LOAD, STORE, ROUND). */
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+#define FN(name) CAT(name, SFX)
+
+#define SFX bf16
+#define T uint16_t
+#define LOAD bf16_to_f32
+#define STORE f32_to_bf16
+#define ROUND bf16_round
+#define LOAD16 load16_bf16
+#include "cpu_kernels_impl.h"
+#undef LOAD16
+#undef SFX
+#undef T
+#undef LOAD
+#undef STORE
+#undef ROUND
+
+#define SFX f32
+#define T float
+#define LOAD f32_load
+#define STORE f32_store
+#define ROUND f32_round
+#define LOAD16 load16_f32
+#include "cpu_kernels_impl.h"
+
+/* counts[r] = how many entries of logits row r equal the row's maximum (1 when the top is unique). */
+void count_top_ties(const float *logits, int64_t rows, int64_t vocab, int64_t *counts) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = logits + r * vocab;
+        float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+        for (int64_t i = 0; i < vocab; i++) mx = row[i] > mx ? row[i] : mx;
+        int64_t n = 0;
+#pragma omp simd reduction(+ : n)
+        for (int64_t i = 0; i < vocab; i++) n += row[i] == mx;
+        counts[r] = n;
+    }
+}
+
+int spark_kernels_abi_version(void) { return 1; }
+int spark_kernels_max_head_dim(void) { return MAX_HEAD_DIM; }
+int spark_kernels_max_group(void) { return MAX_GROUP; }

@@ -1,0 +1,233 @@
+/* Kernel bodies, included by cpu_kernels.c once per storage dtype T (with LOAD/STORE/ROUND for
+ * converting to and from fp32, and FN(name) naming the dtype's variant). No include guard. */
+
+/* x [rows, dim] (+= residual [rows, dim] when given, rounded); h = weight * round(x * rsqrt(mean(x^2)
+ * + eps)), rounded: transformers' LlamaRMSNorm arithmetic. */
+void FN(add_rms_norm)(T *x, const T *residual, const T *weight, T *h, int64_t rows, int64_t dim, float eps,
+                      int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows >= 64) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        T *xr = x + r * dim;
+        T *hr = h + r * dim;
+        if (residual) {
+            const T *rr = residual + r * dim;
+            for (int64_t i = 0; i < dim; i++) xr[i] = STORE(LOAD(xr[i]) + LOAD(rr[i]));
+        }
+        float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+        for (int64_t i = 0; i < dim; i++) {
+            const float v = LOAD(xr[i]);
+            sq += v * v;
+        }
+        const float inv = 1.0f / sqrtf(sq / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) hr[i] = STORE(LOAD(weight[i]) * ROUND(LOAD(xr[i]) * inv));
+    }
+}
+
+/* gate_up [rows, 2*inter] -> out [rows, inter] = round(round(silu(gate)) * up). */
+void FN(silu_mul)(const T *gate_up, T *out, int64_t rows, int64_t inter, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows >= 64) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const T *g = gate_up + r * 2 * inter;
+        const T *u = g + inter;
+        T *o = out + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            const float gv = LOAD(g[i]);
+            o[i] = STORE(ROUND(gv / (1.0f + exp_clamped(-gv))) * LOAD(u[i]));
+        }
+    }
+}
+
+/* In place on qkv [tokens, (H + 2*Hkv) * D]: RoPE on the q and k heads (x*cos + roll(x, D/2)*sin_signed,
+ * each product and the sum rounded); then each token's k and v go to cache slot slot_mapping[t] of
+ * the layer's cache [2*Hkv, num_slots, D]. */
+void FN(rope_cache_write)(T *qkv, const int64_t *positions, const T *cos, const T *sin_signed, T *cache,
+                          const int64_t *slot_mapping, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t num_slots, int num_threads) {
+    const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (tokens >= 64) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        T *qk = qkv + t * row;
+        const T *c = cos + positions[t] * head_dim;
+        const T *s = sin_signed + positions[t] * head_dim;
+        float orig[MAX_HEAD_DIM];
+        for (int64_t hd = 0; hd < num_heads + num_kv_heads; hd++) {
+            T *x = qk + hd * head_dim;
+            for (int64_t i = 0; i < head_dim; i++) orig[i] = LOAD(x[i]);
+            for (int64_t i = 0; i < half; i++)
+                x[i] = STORE(ROUND(orig[i] * LOAD(c[i])) + ROUND(orig[i + half] * LOAD(s[i])));
+            for (int64_t i = half; i < head_dim; i++)
+                x[i] = STORE(ROUND(orig[i] * LOAD(c[i])) + ROUND(orig[i - half] * LOAD(s[i])));
+        }
+        const int64_t slot = slot_mapping[t];
+        for (int64_t kv = 0; kv < 2 * num_kv_heads; kv++)
+            memcpy(cache + (kv * num_slots + slot) * head_dim, qk + (num_heads + kv) * head_dim,
+                   head_dim * sizeof(T));
+    }
+}
+
+/* Attention of the G query heads of one KV head, for one sequence: q [G, D] (fp32, pre-scaled) over
+ * ctx tokens found through table; scores [G, stride] scratch; out [G, D]. Inlined with a constant D
+ * so the loops over D fully vectorise. */
+static inline __attribute__((always_inline)) void FN(attend)(
+    const float *q, int64_t G, const int64_t D, const T *k_head, const T *v_head, const int64_t *table,
+    int64_t ctx, int64_t block_size, float *scores, int64_t stride, T *out) {
+    float kf[MAX_HEAD_DIM];
+    for (int64_t start = 0; start < ctx; start += block_size) {
+        const int64_t n = ctx - start < block_size ? ctx - start : block_size;
+        const T *kb = k_head + table[start / block_size] * block_size * D;
+        for (int64_t j = 0; j < n; j++) {
+            const T *kr = kb + j * D;
+            for (int64_t i = 0; i < D; i++) kf[i] = LOAD(kr[i]);
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = q + g * D;
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t i = 0; i < D; i++) dot += qg[i] * kf[i];
+                scores[g * stride + start + j] = dot;
+            }
+        }
+    }
+    float inv_sum[MAX_GROUP];
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = scores + g * stride;
+        float mx = -INFINITY;
+        for (int64_t l = 0; l < ctx; l++) mx = sg[l] > mx ? sg[l] : mx;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t l = 0; l < ctx; l++) {
+            sg[l] = exp_clamped(sg[l] - mx);
+            sum += sg[l];
+        }
+        inv_sum[g] = 1.0f / sum;
+    }
+    float acc[MAX_GROUP * MAX_HEAD_DIM];
+    for (int64_t i = 0; i < G * D; i++) acc[i] = 0.f;
+    float vf[MAX_HEAD_DIM];
+    for (int64_t start = 0; start < ctx; start += block_size) {
+        const int64_t n = ctx - start < block_size ? ctx - start : block_size;
+        const T *vb = v_head + table[start / block_size] * block_size * D;
+        for (int64_t j = 0; j < n; j++) {
+            const T *vr = vb + j * D;
+            for (int64_t i = 0; i < D; i++) vf[i] = LOAD(vr[i]);
+            for (int64_t g = 0; g < G; g++) {
+                const float p = scores[g * stride + start + j];
+                float *ag = acc + g * D;
+                for (int64_t i = 0; i < D; i++) ag[i] += p * vf[i];
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < D; i++) out[g * D + i] = STORE(acc[g * D + i] * inv_sum[g]);
+}
+
+#if defined(__AVX512F__)
+/* FN(attend) with AVX-512 registers, for D a multiple of 16 (at most 256) and G <= MAX_GROUP: q and
+ * the output accumulators stay in registers (where G * D/16 fits), one horizontal sum per score. */
+static inline __attribute__((always_inline)) void FN(attend_avx512)(
+    const float *q, int64_t G, const int64_t D, const T *k_head, const T *v_head, const int64_t *table,
+    int64_t ctx, int64_t block_size, float *scores, int64_t stride, T *out) {
+    const int64_t nv = D / 16;
+    __m512 qv[MAX_GROUP][MAX_HEAD_DIM / 16];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < nv; c++) qv[g][c] = _mm512_loadu_ps(q + g * D + c * 16);
+    for (int64_t start = 0; start < ctx; start += block_size) {
+        const int64_t n = ctx - start < block_size ? ctx - start : block_size;
+        const T *kb = k_head + table[start / block_size] * block_size * D;
+        for (int64_t j = 0; j < n; j++) {
+            __m512 kv[MAX_HEAD_DIM / 16];
+            for (int64_t c = 0; c < nv; c++) kv[c] = LOAD16(kb + j * D + c * 16);
+            for (int64_t g = 0; g < G; g++) {
+                __m512 t = _mm512_mul_ps(qv[g][0], kv[0]);
+                for (int64_t c = 1; c < nv; c++) t = _mm512_fmadd_ps(qv[g][c], kv[c], t);
+                scores[g * stride + start + j] = _mm512_reduce_add_ps(t);
+            }
+        }
+    }
+    float inv_sum[MAX_GROUP];
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = scores + g * stride;
+        float mx = -INFINITY;
+        for (int64_t l = 0; l < ctx; l++) mx = sg[l] > mx ? sg[l] : mx;
+        const __m512 mxv = _mm512_set1_ps(mx);
+        __m512 sumv = _mm512_setzero_ps();
+        int64_t l = 0;
+        for (; l + 16 <= ctx; l += 16) {
+            const __m512 e = exp_clamped_v(_mm512_sub_ps(_mm512_loadu_ps(sg + l), mxv));
+            _mm512_storeu_ps(sg + l, e);
+            sumv = _mm512_add_ps(sumv, e);
+        }
+        float sum = _mm512_reduce_add_ps(sumv);
+        for (; l < ctx; l++) {
+            sg[l] = exp_clamped(sg[l] - mx);
+            sum += sg[l];
+        }
+        inv_sum[g] = 1.0f / sum;
+    }
+    __m512 acc[MAX_GROUP][MAX_HEAD_DIM / 16];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < nv; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t start = 0; start < ctx; start += block_size) {
+        const int64_t n = ctx - start < block_size ? ctx - start : block_size;
+        const T *vb = v_head + table[start / block_size] * block_size * D;
+        for (int64_t j = 0; j < n; j++) {
+            __m512 vv[MAX_HEAD_DIM / 16];
+            for (int64_t c = 0; c < nv; c++) vv[c] = LOAD16(vb + j * D + c * 16);
+            for (int64_t g = 0; g < G; g++) {
+                const __m512 p = _mm512_set1_ps(scores[g * stride + start + j]);
+                for (int64_t c = 0; c < nv; c++) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float o[MAX_HEAD_DIM];
+        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+        for (int64_t c = 0; c < nv; c++) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(acc[g][c], inv));
+        for (int64_t i = 0; i < D; i++) out[g * D + i] = STORE(o[i]);
+    }
+}
+#endif
+
+/* One query token per sequence over its paged context. q rows come from qkv (row stride qkv_stride,
+ * already through RoPE); block_tables [B, max_blocks]; context_lens [B]; out [B, H*D]; scratch holds
+ * B*H*max_context floats. GQA: the G = H/Hkv query heads of a KV head share each K/V row read. */
+void FN(decode_attention)(const T *qkv, int64_t qkv_stride, const T *cache, const int64_t *block_tables,
+                          int64_t max_blocks, const int64_t *context_lens, int64_t block_size, int64_t batch,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, float scale,
+                          int64_t max_context, float *scratch, T *out, int num_threads) {
+    const int64_t G = num_heads / num_kv_heads;
+    const int64_t D = head_dim;
+    int64_t work = 0;
+    for (int64_t b = 0; b < batch; b++) work += context_lens[b];
+    work *= num_kv_heads;
+#pragma omp parallel for num_threads(num_threads) if (work >= 512) schedule(dynamic, 1)
+    for (int64_t task = 0; task < batch * num_kv_heads; task++) {
+        const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
+        float q[MAX_GROUP * MAX_HEAD_DIM];
+        const T *qr = qkv + b * qkv_stride + kvh * G * D;
+        for (int64_t i = 0; i < G * D; i++) q[i] = LOAD(qr[i]) * scale;
+        const T *k_head = cache + kvh * num_slots * D;
+        const T *v_head = cache + (num_kv_heads + kvh) * num_slots * D;
+        const int64_t *table = block_tables + b * max_blocks;
+        float *scores = scratch + (b * num_heads + kvh * G) * max_context;
+        T *o = out + (b * num_heads + kvh * G) * D;
+        const int64_t ctx = context_lens[b];
+#if defined(__AVX512F__)
+        if (D == 64 && G == 3)  /* SmolLM2's shape, fully unrolled */
+            FN(attend_avx512)(q, 3, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
+        else if (D == 64)
+            FN(attend_avx512)(q, G, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
+        else if (D == 128)
+            FN(attend_avx512)(q, G, 128, k_head, v_head, table, ctx, block_size, scores, max_context, o);
+        else
+#endif
+        if (D == 64)
+            FN(attend)(q, G, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
+        else if (D == 128)
+            FN(attend)(q, G, 128, k_head, v_head, table, ctx, block_size, scores, max_context, o);
+        else
+            FN(attend)(q, G, D, k_head, v_head, table, ctx, block_size, scores, max_context, o);
+    }
+}

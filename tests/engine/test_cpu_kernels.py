@@ -1,0 +1,198 @@
+"""The fused CPU kernels against the torch ops they replace.
+
+Elementwise kernels (norm, activation, RoPE, cache write) must give the torch path's bits exactly;
+decode attention must match a plain softmax attention over the same paged context.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata, PrefillSpan
+from engine.config import EngineConfig
+from engine.kernels import build_library, find_compiler, load_cpu_kernels, open_library
+from engine.llm_engine import LLMEngine
+from engine.models.llama import rms_norm
+from engine.request import GenerationRequest, TokensPrompt
+from engine.sampling_params import SamplingParams
+
+kernels = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the fused kernels are not built")
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def kern(request, tmp_path_factory):
+    """The build the engine uses, and one for a CPU without AVX-512 (the plain-C loops)."""
+    if request.param == "native":
+        return kernels
+    if platform.machine() != "x86_64":
+        pytest.skip("the portable build is an x86-64 baseline")
+    return open_library(build_library(find_compiler(), "-march=x86-64-v2", tmp_path_factory.mktemp("portable")))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_is_bit_identical(dtype, kern):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 576, generator=g) * 3).to(dtype)
+    residual = torch.randn(7, 576, generator=g).to(dtype)
+    weight = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    expected_x = x + residual
+    expected_h = rms_norm(expected_x, weight, 1e-5)
+    h = torch.empty_like(x)
+    kern.add_rms_norm(x, residual, weight, h, 1e-5)
+    assert torch.equal(x, expected_x)
+    check_norm(h, expected_h)
+    kern.add_rms_norm(x, None, weight, h, 1e-5)  # no residual: x untouched
+    assert torch.equal(x, expected_x)
+    check_norm(h, expected_h)
+
+
+def check_norm(h: torch.Tensor, expected: torch.Tensor) -> None:
+    if h.dtype == torch.bfloat16:  # the sum of squares may differ in its last fp32 bit; bf16 hides it
+        assert torch.equal(h, expected)
+    else:
+        torch.testing.assert_close(h, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_bit_identical(dtype, kern):
+    gate_up = (torch.randn(5, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 2).to(dtype)
+    out = torch.empty(5, 1536, dtype=dtype)
+    kern.silu_mul(gate_up, out)
+    expected = F.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
+    if dtype == torch.bfloat16:
+        assert torch.equal(out, expected)
+    else:  # expf and torch's vectorised exp may differ in the last bit
+        torch.testing.assert_close(out, expected, rtol=5e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_and_cache_write_match_the_torch_path(dtype, kern):
+    H, Hkv, D, T = 9, 3, 64, 20
+    g = torch.Generator().manual_seed(2)
+    qkv = (torch.randn(T, (H + 2 * Hkv) * D, generator=g) * 2).to(dtype)
+    positions = torch.randint(0, 100, (T,), generator=g)
+    angles = torch.rand(100, D, generator=g) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
+    expected = qk * cos[positions].unsqueeze(1) + torch.roll(qk, D // 2, dims=-1) * sin[positions].unsqueeze(1)
+    v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D).clone()
+    cache = torch.zeros(2 * Hkv, 64, D, dtype=dtype)
+    slots = torch.randperm(64, generator=g)[:T]
+    kern.rope_cache_write(qkv, positions, cos, sin, cache, slots, H, Hkv, D)
+    roped = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
+    assert torch.equal(roped, expected)
+    assert torch.equal(cache[:Hkv, slots], expected[:, H:].transpose(0, 1))
+    assert torch.equal(cache[Hkv:, slots], v.transpose(0, 1))
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots] = False
+    assert not cache[:, untouched].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H, Hkv, D", [(9, 3, 64), (8, 2, 128), (4, 4, 32)])  # SmolLM2, Llama-like, no GQA
+def test_decode_attention_matches_softmax_attention_over_paged_context(dtype, kern, H, Hkv, D):
+    block = 16
+    g = torch.Generator().manual_seed(3)
+    num_blocks = 40
+    cache = torch.randn(2 * Hkv, num_blocks * block, D, generator=g).to(dtype)
+    context_lens = [1, 17, 130, 64, 45]  # ragged, one mid-block, one exactly 4 blocks
+    max_blocks = -(-max(context_lens) // block)
+    # each sequence gets blocks scattered over the pool, in no particular order
+    pool = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for n in context_lens:
+        need = -(-n // block)
+        tables.append(pool[:need] + [0] * (max_blocks - need))
+        pool = pool[need:] + pool[:need]
+    B = len(context_lens)
+    qkv = torch.randn(B, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    out = torch.empty(B, H * D, dtype=dtype)
+    scratch = torch.empty(B * H * max(context_lens), dtype=torch.float32)
+    kern.decode_attention(qkv, cache, torch.tensor(tables), torch.tensor(context_lens), block, B, H, Hkv, D,
+                             max(context_lens), scratch, out)
+    for b, n in enumerate(context_lens):
+        slots = torch.tensor([tables[b][p // block] * block + p % block for p in range(n)])
+        k = cache[:Hkv, slots].float().repeat_interleave(H // Hkv, 0)  # [H, n, D]
+        v = cache[Hkv:, slots].float().repeat_interleave(H // Hkv, 0)
+        q = qkv[b, : H * D].float().view(H, 1, D)
+        expected = F.scaled_dot_product_attention(q, k, v).view(H * D)
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out[b].float(), expected, rtol=tol, atol=tol)
+
+
+def test_fused_forward_equals_torch_forward_on_mixed_batches():
+    """Decodes, a prompt continuing from cached blocks and a chunked fresh prompt share fp32 steps;
+    every step runs both paths from the same cache and their logits must agree."""
+    engine = LLMEngine(EngineConfig(dtype="float32", max_num_batched_tokens=64, long_prefill_token_threshold=0,
+                                    num_kv_blocks=64))
+    model, fused_kernels = engine.model, engine.model.kernels
+    assert fused_kernels is not None
+    run = engine.runner.run
+    mixed_steps = 0
+
+    def run_both(batch):
+        nonlocal mixed_steps
+        cache = engine.runner.cache.kv
+        before = cache.clone()
+        model.kernels = None
+        try:
+            torch_logits, _ = run(batch)
+        finally:
+            model.kernels = fused_kernels
+        torch_cache = cache.clone()
+        cache.copy_(before)
+        logits, samplers = run(batch)
+        torch.testing.assert_close(logits, torch_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(cache, torch_cache, rtol=1e-4, atol=1e-4)
+        mixed_steps += bool(batch.decodes and batch.prefills)
+        return logits, samplers
+
+    engine.runner.run = run_both
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for i, n in enumerate((30, 51)):
+        engine.add_request(GenerationRequest(f"d{i}", TokensPrompt(list(range(100 + i, 100 + i + n))), greedy))
+    for _ in range(4):
+        engine.step()
+    # shares d0's first 16-token block through the prefix cache; the other needs several chunks
+    engine.add_request(GenerationRequest("p0", TokensPrompt(list(range(100, 116)) + list(range(900, 940))), greedy))
+    engine.add_request(GenerationRequest("p1", TokensPrompt(list(range(2000, 2150))), greedy))
+    while engine.has_unfinished():
+        engine.step()
+    assert mixed_steps >= 2
+
+
+def test_engine_runs_without_the_kernels_when_disabled(tmp_path):
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout);"
+            "from engine.kernels import load_cpu_kernels; print('KERNELS', load_cpu_kernels())")
+    for env in ({"SPARK_NATIVE_KERNELS": "0"}, {"CC": "/bin/false", "SPARK_CACHE_DIR": str(tmp_path)}):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, **env, "PATH": "/nonexistent" if "CC" in env else os.environ["PATH"]})
+        assert proc.returncode == 0, proc.stderr
+        assert "KERNELS None" in proc.stdout
+
+
+@pytest.mark.parametrize("with_kernels", [True, False])
+def test_logits_tied_by_bf16_rounding_are_resolved_in_fp32(with_kernels):
+    """Two candidates 0.03 apart both round to 25.25 in bf16; greedy must still see which is larger."""
+    from types import SimpleNamespace
+
+    from engine.models.linear import Linear
+    from engine.models.llama import LlamaForCausalLM
+
+    weight = torch.tensor([[6.3125] * 4, [6.3125, 6.3125, 6.3125, 6.34375], [1.0] * 4], dtype=torch.bfloat16)
+    model = SimpleNamespace(lm_head=Linear(weight), dtype=torch.bfloat16, kernels=kernels if with_kernels else None)
+    h = torch.ones(2, 4, dtype=torch.bfloat16)
+    logits = LlamaForCausalLM._logits(model, h)
+    assert logits.dtype == torch.float32
+    assert logits.argmax(-1).tolist() == [1, 1]
+    assert logits[0, 1].item() == pytest.approx(25.28125) and logits[0, 0].item() == 25.25
+    assert logits[0, 2].item() == 4.0  # rows below the top are left as the linear gave them
