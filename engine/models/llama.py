@@ -7,18 +7,17 @@ the forward is ours: flat tokens, fused QKV and gate/up projections, paged atten
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from typing import TYPE_CHECKING
-
 from engine.attention import AttentionMetadata, PagedKVCache, paged_attention, prefill_attention
 from engine.kernels import CpuKernels, load_cpu_kernels
+from engine.models.linear import Linear
 
 if TYPE_CHECKING:
     from engine.lora import LoraBatch
-from engine.models.linear import Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 

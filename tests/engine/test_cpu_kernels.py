@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, PrefillSpan
 from engine.config import EngineConfig
 from engine.kernels import build_library, find_compiler, load_cpu_kernels, open_library
 from engine.llm_engine import LLMEngine
