@@ -22,7 +22,7 @@ async def run() -> dict:
         streams = token_requests("stream", STREAMS, 200, 160)
         tasks = [asyncio.create_task(timed_request(engine, r)) for r in streams]
         await asyncio.sleep(2.0)  # the streams are decoding
-        long_req = token_requests("long", 1, LONG_PROMPT, 16)[0]
+        long_req = token_requests("long", 1, LONG_PROMPT, 16, first=500)[0]  # shares no prefix
         long_timing = await timed_request(engine, long_req)
         timings = await asyncio.gather(*tasks)
         gaps = [g for t in timings for g in t.gaps]

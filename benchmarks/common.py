@@ -98,38 +98,61 @@ async def run_load(engine: AsyncEngine, requests: list[GenerationRequest], concu
     return time.perf_counter() - start, list(timings)
 
 
-def token_requests(prefix: str, num: int, prompt_len: int, max_tokens: int, **params: Any) -> list[GenerationRequest]:
+def token_requests(prefix: str, num: int, prompt_len: int, max_tokens: int, first: int = 0,
+                   **params: Any) -> list[GenerationRequest]:
+    """``num`` requests with the distinct prompts ``first``, ``first + 1``, ... (no shared prefix)."""
     return [GenerationRequest(f"{prefix}-{i}", TokensPrompt(synthetic_prompt(i, prompt_len)),
                               SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params))
-            for i in range(num)]
+            for i in range(first, first + num)]
+
+
+class HFBaseline:
+    """transformers `generate`, fp32, batch 1, one request after another (the reference server loop)."""
+
+    def __init__(self, model_path: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.ttfts: list[float] = []
+        self.tpots: list[float] = []
+        self.tokens = 0
+        self.decode_seconds = 0.0
+
+    def run(self, ids: list[int], max_new_tokens: int) -> None:
+        torch = self.torch
+        x = torch.tensor([ids])
+        mask = torch.ones_like(x)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            self.model.generate(x, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
+            t1 = time.perf_counter()
+            out = self.model.generate(x, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                      min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            t2 = time.perf_counter()
+        n = out.shape[1] - x.shape[1]
+        self.tokens += n
+        self.ttfts.append(t1 - t0)
+        self.tpots.append(((t2 - t1) - (t1 - t0)) / max(n - 1, 1))
+        self.decode_seconds += t2 - t1
+
+    def warm_up(self, prompt_len: int) -> None:
+        self.run(synthetic_prompt(10_000, prompt_len), 4)
+        self.ttfts, self.tpots, self.tokens, self.decode_seconds = [], [], 0, 0.0
+
+    def summary(self) -> dict[str, float]:
+        # throughput counts the long call only (the short one re-runs its prefill)
+        return {"tok_s": self.tokens / self.decode_seconds, "ttft_p50": percentile(self.ttfts, 50),
+                "tpot_p50": percentile(self.tpots, 50), "tpot_p99": percentile(self.tpots, 99),
+                "requests": len(self.tpots)}
 
 
 def hf_sequential_baseline(model_path: str, prompts: list[list[int]], max_new_tokens: int) -> dict[str, float]:
-    """transformers `generate`, fp32, batch 1, one request after another (the reference server loop)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    ttfts, tpots, total_tokens = [], [], 0
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            mask = torch.ones_like(x)
-            t0 = time.perf_counter()
-            model.generate(x, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
-            t1 = time.perf_counter()
-            out = model.generate(x, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-            t2 = time.perf_counter()
-            n = out.shape[1] - x.shape[1]
-            total_tokens += n
-            ttfts.append(t1 - t0)
-            tpots.append(((t2 - t1) - (t1 - t0)) / max(n - 1, 1))
-    # the two-call measurement double-counts one prefill per request; throughput uses the long call only
-    wall = time.perf_counter() - start - sum(ttfts)
-    return {"tok_s": total_tokens / wall, "ttft_p50": percentile(ttfts, 50), "tpot_p50": percentile(tpots, 50),
-            "tpot_p99": percentile(tpots, 99)}
+    baseline = HFBaseline(model_path)
+    for ids in prompts:
+        baseline.run(ids, max_new_tokens)
+    return baseline.summary()
 
 
 def summarize(wall: float, timings: list[RequestTiming]) -> dict[str, float]:
