@@ -192,7 +192,9 @@ static inline __attribute__((always_inline)) void FN(attend_avx512)(
 
 /* One query token per sequence over its paged context. q rows come from qkv (row stride qkv_stride,
  * already through RoPE); block_tables [B, max_blocks]; context_lens [B]; out [B, H*D]; scratch holds
- * B*H*max_context floats. GQA: the G = H/Hkv query heads of a KV head share each K/V row read. */
+ * B*H*max_context floats. GQA: a task takes the G = H/Hkv query heads of one KV head, so each K/V
+ * row is read once for all of them; with too few tasks to keep the threads busy (batch 1), a task
+ * takes a single query head instead, for balance. */
 void FN(decode_attention)(const T *qkv, int64_t qkv_stride, const T *cache, const int64_t *block_tables,
                           int64_t max_blocks, const int64_t *context_lens, int64_t block_size, int64_t batch,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, float scale,
@@ -202,32 +204,40 @@ void FN(decode_attention)(const T *qkv, int64_t qkv_stride, const T *cache, cons
     int64_t work = 0;
     for (int64_t b = 0; b < batch; b++) work += context_lens[b];
     work *= num_kv_heads;
-#pragma omp parallel for num_threads(num_threads) if (work >= 512) schedule(dynamic, 1)
-    for (int64_t task = 0; task < batch * num_kv_heads; task++) {
-        const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
+    const int parallel = work >= 512 && num_threads > 1;
+    const int64_t heads_per_task = parallel && batch * num_kv_heads < 4 * num_threads ? 1 : G;
+    const int64_t tasks_per_seq = num_heads / heads_per_task;
+#pragma omp parallel for num_threads(num_threads) if (parallel) schedule(dynamic, 1)
+    for (int64_t task = 0; task < batch * tasks_per_seq; task++) {
+        const int64_t b = task / tasks_per_seq;
+        const int64_t head = (task % tasks_per_seq) * heads_per_task; /* first query head of the task */
+        const int64_t kvh = head / G;
         float q[MAX_GROUP * MAX_HEAD_DIM];
-        const T *qr = qkv + b * qkv_stride + kvh * G * D;
-        for (int64_t i = 0; i < G * D; i++) q[i] = LOAD(qr[i]) * scale;
+        const T *qr = qkv + b * qkv_stride + head * D;
+        for (int64_t i = 0; i < heads_per_task * D; i++) q[i] = LOAD(qr[i]) * scale;
         const T *k_head = cache + kvh * num_slots * D;
         const T *v_head = cache + (num_kv_heads + kvh) * num_slots * D;
         const int64_t *table = block_tables + b * max_blocks;
-        float *scores = scratch + (b * num_heads + kvh * G) * max_context;
-        T *o = out + (b * num_heads + kvh * G) * D;
+        float *scores = scratch + (b * num_heads + head) * max_context;
+        T *o = out + (b * num_heads + head) * D;
         const int64_t ctx = context_lens[b];
+        const int64_t n = heads_per_task;
 #if defined(__AVX512F__)
-        if (D == 64 && G == 3)  /* SmolLM2's shape, fully unrolled */
+        if (D == 64 && n == 3) /* SmolLM2's shape, fully unrolled */
             FN(attend_avx512)(q, 3, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
+        else if (D == 64 && n == 1)
+            FN(attend_avx512)(q, 1, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
         else if (D == 64)
-            FN(attend_avx512)(q, G, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
+            FN(attend_avx512)(q, n, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
         else if (D == 128)
-            FN(attend_avx512)(q, G, 128, k_head, v_head, table, ctx, block_size, scores, max_context, o);
+            FN(attend_avx512)(q, n, 128, k_head, v_head, table, ctx, block_size, scores, max_context, o);
         else
 #endif
         if (D == 64)
-            FN(attend)(q, G, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
+            FN(attend)(q, n, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
         else if (D == 128)
-            FN(attend)(q, G, 128, k_head, v_head, table, ctx, block_size, scores, max_context, o);
+            FN(attend)(q, n, 128, k_head, v_head, table, ctx, block_size, scores, max_context, o);
         else
-            FN(attend)(q, G, D, k_head, v_head, table, ctx, block_size, scores, max_context, o);
+            FN(attend)(q, n, D, k_head, v_head, table, ctx, block_size, scores, max_context, o);
     }
 }

@@ -98,12 +98,13 @@ def test_rope_and_cache_write_match_the_torch_path(dtype, kern):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H, Hkv, D", [(9, 3, 64), (8, 2, 128), (4, 4, 32)])  # SmolLM2, Llama-like, no GQA
-def test_decode_attention_matches_softmax_attention_over_paged_context(dtype, kern, H, Hkv, D):
+# ragged (one mid-block, one exactly 4 blocks; a task per KV head), and one long sequence (a task per query head)
+@pytest.mark.parametrize("context_lens", [[1, 17, 130, 64, 45], [300]])
+def test_decode_attention_matches_softmax_attention_over_paged_context(dtype, kern, H, Hkv, D, context_lens):
     block = 16
     g = torch.Generator().manual_seed(3)
     num_blocks = 40
     cache = torch.randn(2 * Hkv, num_blocks * block, D, generator=g).to(dtype)
-    context_lens = [1, 17, 130, 64, 45]  # ragged, one mid-block, one exactly 4 blocks
     max_blocks = -(-max(context_lens) // block)
     # each sequence gets blocks scattered over the pool, in no particular order
     pool = torch.randperm(num_blocks, generator=g).tolist()
