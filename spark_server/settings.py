@@ -75,6 +75,8 @@ class Settings:
     shutdown_grace: float = _opt(30.0, "seconds running sessions get to finish after SIGTERM before they are ended")
     ws_request_timeout: float = _opt(30.0, "seconds a new WebSocket may wait before sending its request")
     num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
+    native_kernels: bool = _opt(True, "CPU: fused C kernels between the linear layers, compiled once with the "
+                                      "machine's C compiler (--no-native-kernels: plain torch ops)")
     log_level: str = _opt("info", "debug, info, warning or error",
                           choices=["debug", "info", "warning", "error"])
     config: str | None = _opt(None, "TOML config file with any of these settings")
@@ -94,7 +96,7 @@ class Settings:
             long_prefill_token_threshold=self.long_prefill_token_threshold, block_size=self.block_size,
             kv_cache_space_gib=self.kv_cache_space, num_kv_blocks=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching, max_waiting=self.max_waiting,
-            num_threads=self.num_threads, max_loras=self.max_loras if self.lora_enabled else 0,
+            num_threads=self.num_threads, native_kernels=self.native_kernels, max_loras=self.max_loras if self.lora_enabled else 0,
             max_lora_rank=self.max_lora_rank,
         )
 
