@@ -156,13 +156,41 @@ def error_response(err: BridgeError, render: Callable[[BridgeError], dict[str, A
     return JSONResponse(render(err), status_code=err.status, headers=headers)
 
 
+async def _client_disconnected(request: Request) -> None:
+    """Returns when the client hangs up (call only after the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """Run ``work``; if the client hangs up first, cancel it, which aborts its engine requests (a
+    non-streaming completion would otherwise keep generating for nobody, as vLLM's
+    ``with_cancellation`` avoids too). Streaming responses watch for disconnects themselves."""
+    await request.body()  # cached for the handler; the watcher may only read what comes after it
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_client_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    return task.result()
+
+
 def endpoint(render: Callable[[BridgeError], dict[str, Any]]):
-    """Wrap a handler so any failure becomes that protocol's error body with the right status."""
+    """Wrap a handler so any failure becomes that protocol's error body with the right status, and a
+    client that hangs up cancels the work."""
 
     def wrap(handler: Callable[[Request], Awaitable[Response]]):
         async def run(request: Request) -> Response:
             try:
-                return await handler(request)
+                return await unless_disconnected(request, handler(request))
             except Exception as exc:
                 return error_response(bridge_error_from(exc), render)
 

@@ -70,7 +70,7 @@ class LLMEngine:
             raise ValueError("the KV cache budget holds fewer than 2 blocks; raise --kv-cache-space")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.lora_manager = (LoraManager(hf_config, config.max_loras, config.max_lora_rank, self.dtype, self.device,
-                                         self.model.projection_weights())
+                                         self.model.projection_weights(), self.model.kernels)
                              if config.max_loras > 0 else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, self.lora_manager)

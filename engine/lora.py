@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import LoraUnavailableError
+from engine.kernels import CpuKernels
 from engine.models.linear import Linear
 
 logger = logging.getLogger(__name__)
@@ -131,24 +132,38 @@ class LoraBatch:
 
     def __init__(self, manager: "LoraManager", token_slots: torch.Tensor) -> None:
         self.manager = manager
-        r, S = manager.max_rank, manager.max_loras
-        col_slot = (torch.arange(S * r, device=token_slots.device) // r)
-        one = (col_slot[None, :] == token_slots[:, None]).to(manager.dtype)  # [T, S*r]
-        self.masks = {g: one.repeat(1, len(ms)) if len(ms) > 1 else one for g, ms in GROUPS.items()}
+        self.token_slots = token_slots
+        self.masks: dict[str, torch.Tensor] = {}
+        if manager.kernels is None:
+            r, S = manager.max_rank, manager.max_loras
+            col_slot = (torch.arange(S * r, device=token_slots.device) // r)
+            one = (col_slot[None, :] == token_slots[:, None]).to(manager.dtype)  # [T, S*r]
+            self.masks = {g: one.repeat(1, len(ms)) if len(ms) > 1 else one for g, ms in GROUPS.items()}
 
     def project(self, layer: int, group: str, x: torch.Tensor) -> torch.Tensor:
         """The group's base projection of ``x`` plus each token's own low-rank update.
 
-        One matmul over [W_base; A_stack] gives the base output and x @ A^T together."""
-        fused, b, n = self.manager.fused[layer][group]
+        One matmul over [W_base; A_stack] gives the base output and x @ A^T together; then each token
+        applies its own slot's B (fused CPU kernel), or all slots' block-diagonal B under a mask."""
+        m = self.manager
+        fused, b, n = m.fused[layer][group]
         y = fused(x)
+        if m.kernels is not None:
+            out = torch.empty(y.shape[0], n, dtype=y.dtype, device=y.device)
+            m.kernels.lora_expand(y, n, out, self.token_slots, m.b_compact[layer][group], m.out_sizes[group],
+                                  m.max_loras, m.max_rank)
+            return out
         return y[:, :n] + b(y[:, n:] * self.masks[group])
 
 
 class LoraManager:
     def __init__(self, config, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device,
-                 base_weights: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]) -> None:
+                 base_weights: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]],
+                 kernels: CpuKernels | None = None) -> None:
         self.config = config
+        # With the fused CPU kernels each token applies only its own adapter's B, stored per projection
+        # as [S, r, out] (b_compact); without them, B is one block-diagonal matrix per group.
+        self.kernels = kernels
         self.base_weights = base_weights  # per layer: group -> the base projection's (weight [out, in], bias)
         self.max_loras = max_loras
         self.max_rank = max_rank
@@ -156,15 +171,23 @@ class LoraManager:
         self.device = device
         self.shapes = module_shapes(config)
         rows = max_loras * max_rank
-        self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = []
+        self.b_compact: list[dict[str, torch.Tensor]] = []
+        self.out_sizes = {g: torch.tensor([self.shapes[m][0] for m in ms], dtype=torch.int64) for g, ms in GROUPS.items()}
         for _ in range(config.num_hidden_layers):
-            layer = {}
+            layer: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+            compact = {}
             for group, modules in GROUPS.items():
                 in_f = self.shapes[modules[0]][1]
                 out_total = sum(self.shapes[m][0] for m in modules)
-                layer[group] = (torch.zeros(len(modules) * rows, in_f, dtype=dtype, device=device),
-                                torch.zeros(out_total, len(modules) * rows, dtype=dtype, device=device))
+                a_stack = torch.zeros(len(modules) * rows, in_f, dtype=dtype, device=device)
+                if kernels is None:
+                    layer[group] = (a_stack, torch.zeros(out_total, len(modules) * rows, dtype=dtype, device=device))
+                else:
+                    layer[group] = (a_stack, None)
+                    compact[group] = torch.zeros(rows * out_total, dtype=dtype, device=device)
             self.stacks.append(layer)
+            self.b_compact.append(compact)
         self.fused: list[dict[str, tuple[Linear, Linear, int]]] = []
         self._pack()
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident adapters, least recently used first
@@ -213,7 +236,8 @@ class LoraManager:
                 weight, bias = self.base_weights[layer][g]
                 if bias is not None:  # the A rows get no bias
                     bias = torch.cat([bias, bias.new_zeros(a.shape[0])])
-                packed[g] = (Linear(torch.cat([weight, a]), bias), Linear(b), weight.shape[0])
+                packed[g] = (Linear(torch.cat([weight, a]), bias), Linear(b) if b is not None else None,
+                             weight.shape[0])
             self.fused.append(packed)
 
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
@@ -226,12 +250,23 @@ class LoraManager:
                     out_f = self.shapes[module][0]
                     lo = g * rows + slot * r
                     a_stack[lo:lo + r].zero_()
-                    b_stack[:, lo:lo + r].zero_()
+                    compact = None
+                    if b_stack is not None:
+                        b_stack[:, lo:lo + r].zero_()
+                    else:  # this projection's [S, r, out] block of the group's compact B
+                        start = rows * out_off
+                        compact = self.b_compact[layer][group][start:start + rows * out_f].view(
+                            self.max_loras, r, out_f)
+                        compact[slot].zero_()
                     pair = adapter.weights.get((layer, module))
                     if pair is not None:
                         a, b = pair
                         a_stack[lo:lo + adapter.rank] = a.to(self.dtype)
-                        b_stack[out_off:out_off + out_f, lo:lo + adapter.rank] = (b * adapter.scaling).to(self.dtype)
+                        scaled = (b * adapter.scaling).to(self.dtype)  # [out, rank]
+                        if b_stack is not None:
+                            b_stack[out_off:out_off + out_f, lo:lo + adapter.rank] = scaled
+                        else:
+                            compact[slot, :adapter.rank] = scaled.T
                     out_off += out_f
 
     def batch(self, token_slots: list[int]) -> LoraBatch | None:

@@ -6,8 +6,9 @@ import json
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
+from bridges.common import unless_disconnected
 from spark_server import spark_protocol as sp
 from spark_server.errors import SparkCode, SparkError, http_status_for, spark_error_from
 from spark_server.spark_service import SparkService
@@ -26,7 +27,12 @@ def _error_body(err: SparkError, trace_id: str | None, sid: str) -> dict[str, An
     return {"header": {"code": int(err.code), "message": err.message, "traceId": trace_id, "sid": sid}}
 
 
-async def spark_http(request: Request) -> JSONResponse:
+async def spark_http(request: Request) -> Response:
+    # a client that hangs up before the answer is complete aborts it
+    return await unless_disconnected(request, _answer(request))
+
+
+async def _answer(request: Request) -> JSONResponse:
     service: SparkService = request.app.state.spark
     sid = sp.new_sid()
     raw = await request.body()

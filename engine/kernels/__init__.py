@@ -103,6 +103,7 @@ class CpuKernels:
             "add_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F, _INT],
             "silu_mul": [_P, _P, _I64, _I64, _INT],
             "rope_cache_write": [_P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT],
+            "lora_expand": [_P, _I64, _I64, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _INT],
             "decode_attention": [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _I64, _P, _P,
                                  _INT],
         }
@@ -138,6 +139,13 @@ class CpuKernels:
             qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), layer_cache.data_ptr(),
             slot_mapping.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, head_dim, layer_cache.shape[1],
             self.num_threads)
+
+    def lora_expand(self, y: torch.Tensor, n: int, out: torch.Tensor, token_slots: torch.Tensor, b: torch.Tensor,
+                    out_sizes: torch.Tensor, num_slots: int, rank: int) -> None:
+        """out [T, n] = y[:, :n] + each token's own adapter's B applied to its slot's columns of y."""
+        self._fns[("lora_expand", y.dtype)](
+            y.data_ptr(), y.stride(0), n, out.data_ptr(), token_slots.data_ptr(), y.shape[0], b.data_ptr(),
+            out_sizes.shape[0], out_sizes.data_ptr(), num_slots, rank, self.num_threads)
 
     def count_top_ties(self, logits: torch.Tensor) -> torch.Tensor:
         """Per row of fp32 logits [S, V]: how many entries equal the row's maximum."""

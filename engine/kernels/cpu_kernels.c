@@ -24,6 +24,7 @@
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
+#define LORA_CHUNK 2048 /* outputs per pass of the LoRA expand (its fp32 accumulator lives on the stack) */
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;

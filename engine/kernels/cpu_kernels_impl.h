@@ -241,3 +241,45 @@ void FN(decode_attention)(const T *qkv, int64_t qkv_stride, const T *cache, cons
             FN(attend)(q, n, D, k_head, v_head, table, ctx, block_size, scores, max_context, o);
     }
 }
+
+/* Multi-LoRA "expand": out[t] = y[t, :n] + (token t's own adapter) B_s @ u, where u is that slot's
+ * r columns of projection g in y (y = x @ [W_base; A_stack]^T, computed by the fused linear).
+ * b holds, per projection g of the group, [S, r, out_g] (scaling folded in), projections back to back;
+ * slot -1: base model only. Only the slots in use are read, and no block-diagonal zeros. The update is
+ * rounded to T before the add, as the torch path's separate matmul rounds it. */
+void FN(lora_expand)(const T *y, int64_t y_stride, int64_t n, T *out, const int64_t *token_slots, int64_t tokens,
+                     const T *b, int64_t num_proj, const int64_t *out_sizes, int64_t num_slots, int64_t rank,
+                     int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (tokens >= 16) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        const T *yr = y + t * y_stride;
+        T *o = out + t * n;
+        const int64_t s = token_slots[t];
+        if (s < 0) {
+            memcpy(o, yr, n * sizeof(T));
+            continue;
+        }
+        const T *bp = b;       /* start of projection g's [S, r, out_g] */
+        int64_t out_off = 0;
+        for (int64_t g = 0; g < num_proj; g++) {
+            const int64_t og = out_sizes[g];
+            const T *u_src = yr + n + (g * num_slots + s) * rank;
+            const T *bs = bp + s * rank * og;
+            for (int64_t lo = 0; lo < og; lo += LORA_CHUNK) {
+                const int64_t len = og - lo < LORA_CHUNK ? og - lo : LORA_CHUNK;
+                float acc[LORA_CHUNK];
+                for (int64_t i = 0; i < len; i++) acc[i] = 0.f;
+                for (int64_t k = 0; k < rank; k++) {
+                    const float u = LOAD(u_src[k]);
+                    const T *bk = bs + k * og + lo;
+#pragma omp simd
+                    for (int64_t i = 0; i < len; i++) acc[i] += u * LOAD(bk[i]);
+                }
+                for (int64_t i = 0; i < len; i++)
+                    o[out_off + lo + i] = STORE(LOAD(yr[out_off + lo + i]) + ROUND(acc[i]));
+            }
+            bp += num_slots * rank * og;
+            out_off += og;
+        }
+    }
+}

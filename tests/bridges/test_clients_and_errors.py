@@ -113,3 +113,23 @@ def test_each_bridge_greedy_answer_equals_spark(live_server):
         "inputs": [{"name": "input0", "shape": [len(ids)], "datatype": "UINT32", "data": ids}],
         "outputs": [{"name": "output0"}], "parameters": {"max_new_tokens": limit}}, timeout=60).json()
     assert tok.decode(triton_ids["outputs"][0]["data"][len(ids):], skip_special_tokens=True) == spark
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "Write a very long story about the sea.", "max_tokens": 3000, "ignore_eos": True}),
+    ("/generate", {"text": "Write a very long story about the sea.",  # SGLang's shape
+                   "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}),
+    ("/turing/v3/func/gpt", None),  # Spark's own HTTP form
+])
+def test_client_hanging_up_on_a_non_streaming_call_aborts_it(live_server, path, body):
+    """Nobody is left to read the answer: the engine must stop generating it and free its cache."""
+    core = live_server.engine.engine
+    aborted_before = core.num_aborted
+    if path == "/v1/completions":
+        body = {**body, "model": _model(live_server)}
+    if body is None:
+        body = spark_request("Write a very long story about the sea.", max_tokens=4000, temperature=1.0, top_k=6)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live_server.http_url + path, json=body, timeout=httpx.Timeout(10, read=1.0))
+    live_server.wait_idle(timeout=10)  # far sooner than 3,000 tokens would take
+    assert core.num_aborted == aborted_before + 1

@@ -196,3 +196,29 @@ def test_logits_tied_by_bf16_rounding_are_resolved_in_fp32(with_kernels):
     assert logits.argmax(-1).tolist() == [1, 1]
     assert logits[0, 1].item() == pytest.approx(25.28125) and logits[0, 0].item() == 25.25
     assert logits[0, 2].item() == 4.0  # rows below the top are left as the linear gave them
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_expand_applies_each_tokens_own_adapter(dtype, kern):
+    """Two projections (like gate/up) of 5000 and 700 outputs (past one accumulator chunk), 3 slots of
+    rank 4; tokens on slots 2, -1 (base only), 0, 2."""
+    g = torch.Generator().manual_seed(5)
+    S, r, n_in_y, outs = 3, 4, 5700, [5000, 700]
+    slots = torch.tensor([2, -1, 0, 2])
+    T = len(slots)
+    y = torch.randn(T, n_in_y + len(outs) * S * r, generator=g).to(dtype)
+    b = [torch.randn(S, r, o, generator=g).to(dtype) for o in outs]
+    out = torch.empty(T, n_in_y, dtype=dtype)
+    kern.lora_expand(y, n_in_y, out, slots, torch.cat([x.flatten() for x in b]), torch.tensor(outs), S, r)
+    expected = y[:, :n_in_y].float().clone()
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        off = 0
+        for p, o in enumerate(outs):
+            u = y[t, n_in_y + (p * S + s) * r: n_in_y + (p * S + s + 1) * r].float()
+            expected[t, off:off + o] += u @ b[p][s].float()
+            off += o
+    assert torch.equal(out[1], y[1, :n_in_y])
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)

@@ -53,7 +53,12 @@ def test_each_adapter_alone_matches_peft(engine, adapters, references, adapter):
         assert tokens_of(outs) == references[(adapter, q)], (adapter, q)
 
 
-def test_mixed_batch_matches_peft(engine, adapters, references):
+@pytest.mark.parametrize("native_kernels", [True, False])
+def test_mixed_batch_matches_peft(engine, adapters, references, native_kernels):
+    """With the fused kernel (each token applies its own B) and the torch path (masked block-diagonal B)."""
+    if not native_kernels:
+        engine = LLMEngine(EngineConfig(dtype="float32", max_loras=4, max_lora_rank=16, native_kernels=False))
+        assert engine.lora_manager.kernels is None
     reqs, expect = [], {}
     for adapter in ("taught", None, "attn", "mlp", None):
         for i, q in enumerate(QUESTIONS):
