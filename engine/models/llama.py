@@ -91,6 +91,7 @@ class LlamaForCausalLM:
         self.sin_signed = sin.to(dtype)
         self.max_position = max_pos
         self.kernels: CpuKernels | None = None
+        self._scratch = torch.empty(0, dtype=torch.float32)
         if native_kernels and device.type == "cpu":
             kernels = load_cpu_kernels()
             if kernels is not None and kernels.supports(dtype, self.head_dim, self.num_heads // self.num_kv_heads):
@@ -131,15 +132,13 @@ class LlamaForCausalLM:
         x = self.embed[input_ids]  # a fresh tensor: the residual stream, updated in place
         h = torch.empty_like(x)
         act = torch.empty(T, self.intermediate, dtype=x.dtype, device=x.device)
-        scratch = None
-        if nd:
-            scratch = torch.empty(nd * H * meta.decode_max_len, dtype=torch.float32)
+        a = torch.empty(T, H * D, dtype=x.dtype, device=x.device)  # attention output, reused by every layer
+        scratch = self._attention_scratch(nd * H * meta.decode_max_len) if nd else None
         kern.add_rms_norm(x, None, self.layers[0].input_norm, h, self.eps)
         for i, lw in enumerate(self.layers):
             qkv = self._project(lora, i, "qkv", lw.qkv, h)
             layer_kv = cache.kv[i]
             kern.rope_cache_write(qkv, positions, self.cos, self.sin_signed, layer_kv, meta.slot_mapping, H, Hkv, D)
-            a = torch.empty(T, H * D, dtype=x.dtype, device=x.device)
             if nd:
                 kern.decode_attention(qkv, layer_kv, meta.decode_block_tables, meta.decode_context_lens,
                                       cache.block_size, nd, H, Hkv, D, meta.decode_max_len, scratch, a)
@@ -157,6 +156,13 @@ class LlamaForCausalLM:
         h = torch.empty_like(x)
         kern.add_rms_norm(x, down, self.final_norm, h, self.eps)
         return self._logits(h)
+
+    def _attention_scratch(self, floats: int) -> torch.Tensor:
+        """fp32 scores for decode attention, kept between steps (long contexts need megabytes, and a
+        fresh allocation that size is page-faulted in on every step)."""
+        if self._scratch.numel() < floats:
+            self._scratch = torch.empty(floats, dtype=torch.float32)
+        return self._scratch
 
     def _forward_torch(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        cache: PagedKVCache, logits_indices: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
