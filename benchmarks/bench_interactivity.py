@@ -25,9 +25,14 @@ async def run() -> dict:
         long_req = token_requests("long", 1, LONG_PROMPT, 16, first=500)[0]  # shares no prefix
         long_timing = await timed_request(engine, long_req)
         timings = await asyncio.gather(*tasks)
-        gaps = [g for t in timings for g in t.gaps]
+        # The bar is about the streams while they all decode: gaps from the moment the last of them
+        # has its first token (the arrival burst before that is reported, not judged).
+        steady_from = max(t.token_times[0] for t in timings)
+        gaps = [g for t in timings for g, began in zip(t.gaps, t.gap_starts) if began >= steady_from]
+        all_gaps = [g for t in timings for g in t.gaps]
         return {"median_gap": percentile(gaps, 50), "p99_gap": percentile(gaps, 99), "max_gap": max(gaps),
                 "long_ttft": long_timing.ttft, "num_gaps": len(gaps),
+                "all_gaps_ratio": percentile(all_gaps, 99) / percentile(all_gaps, 50),
                 "threshold": engine.engine.scheduler.long_prefill_token_threshold}
     finally:
         engine.shutdown()
@@ -38,9 +43,10 @@ def main() -> int:
     ratio = r["p99_gap"] / r["median_gap"]
     print_table(f"Interactivity: {STREAMS} decoding streams, a {LONG_PROMPT}-token prompt arrives "
                 f"(long-prefill cap {r['threshold']} tokens/step)",
-                ["median gap ms", "p99 gap ms", "max gap ms", "p99 / median", "long prompt TTFT ms"],
+                ["median gap ms", "p99 gap ms", "max gap ms", "p99 / median", "long prompt TTFT ms",
+                 "p99 / median incl. the arrival burst"],
                 [[r["median_gap"] * 1e3, r["p99_gap"] * 1e3, r["max_gap"] * 1e3, f"{ratio:.2f}",
-                  r["long_ttft"] * 1e3]])
+                  r["long_ttft"] * 1e3, f"{r['all_gaps_ratio']:.2f}"]])
     save("interactivity", r | {"ratio": ratio})
     return verdict({"p99 token gap < 3x median while a 2,000-token prompt is prefilled": ratio < 3})
 

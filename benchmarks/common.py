@@ -35,6 +35,7 @@ class RequestTiming:
     gaps: list[float] = field(default_factory=list)
     text: str = ""
     token_times: list[float] = field(default_factory=list)  # perf_counter() of each output
+    gap_starts: list[float] = field(default_factory=list)  # perf_counter() at which each gap began
 
 
 def synthetic_prompt(i: int, length: int, vocab_lo: int = 200, vocab_hi: int = 40000) -> list[int]:
@@ -53,6 +54,7 @@ async def timed_request(engine: AsyncEngine, request: GenerationRequest) -> Requ
     start = time.perf_counter()
     first = last = None
     gaps: list[float] = []
+    gap_starts: list[float] = []
     text: list[str] = []
     times: list[float] = []
     n = 0
@@ -65,13 +67,14 @@ async def timed_request(engine: AsyncEngine, request: GenerationRequest) -> Requ
             first = now
         elif last is not None:
             gaps.append(now - last)
+            gap_starts.append(last)
         last = now
         n += len(out.new_token_ids)
         times += [now] * len(out.new_token_ids)
     assert first is not None and last is not None
     tpot = (last - first) / (n - 1) if n > 1 else None
     return RequestTiming(ttft=first - start, tpot=tpot, num_tokens=n, gaps=gaps, text="".join(text),
-                         token_times=times)
+                         token_times=times, gap_starts=gap_starts)
 
 
 def steady_decode_rate(timings: list[RequestTiming]) -> float:

@@ -43,11 +43,13 @@ class Scheduler:
         self.lora_manager = lora_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # While sequences decode, one step prefills at most max(threshold, 2 * num_decoding) prompt
-        # tokens in all (0: no cap): a step then costs at most about twice a decode-only step, so
-        # arriving prompts barely widen the running streams' token gaps, and with many streams
-        # decoding, prefill still keeps up with the requests that replace finished ones.
+        # While sequences decode, a step prefills long prompts at most max(threshold, 2 * num_decoding)
+        # tokens in all (0: no cap): such a step costs at most about twice a decode-only one, so a
+        # long prompt arriving barely widens the running streams' token gaps. A short prompt (at most
+        # half the step budget) is prefilled whole in one step, as vLLM does: one bounded bump for
+        # the running streams, and arrivals ramp up without being trickled through the cap.
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.short_prompt_tokens = max_num_batched_tokens // 2
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -104,7 +106,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             remaining = seq.num_uncomputed_tokens
-            wanted = min(remaining, budget) if remaining == 1 else min(remaining, budget, prefill_budget)
+            wanted = min(remaining, budget) if remaining == 1 else min(remaining, self._prefill_limit(seq, budget,
+                                                                                                  prefill_budget))
             if wanted == 0:  # a prefill with no prefill budget left this step
                 i += 1
                 continue
@@ -131,7 +134,7 @@ class Scheduler:
                 prefill_budget -= n
             i += 1
         for seq in list(self.waiting):
-            if min(budget, prefill_budget) <= 0 or len(self.running) >= self.max_num_seqs:
+            if self._prefill_limit(seq, budget, prefill_budget) <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             if seq.is_blocked:
                 continue
@@ -139,7 +142,7 @@ class Scheduler:
                 continue  # every adapter slot is pinned by running sequences: wait for one
             if not seq.block_table:
                 bm.allocate_cached_prefix(seq)
-            n = self._fit(seq, min(seq.num_uncomputed_tokens, budget, prefill_budget))
+            n = self._fit(seq, min(seq.num_uncomputed_tokens, self._prefill_limit(seq, budget, prefill_budget)))
             if n == 0:
                 bm.free(seq)  # keep its cached prefix evictable while it waits
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
@@ -155,6 +158,13 @@ class Scheduler:
             budget -= n
             prefill_budget -= n
         return batch
+
+    def _prefill_limit(self, seq: Sequence, budget: int, prefill_budget: int) -> int:
+        """Prompt tokens ``seq`` may prefill this step: short prompts are bounded by the step's budget
+        only, long ones by the prefill cap too (recomputed sequences count their outputs)."""
+        if len(seq.token_ids) <= self.short_prompt_tokens:
+            return budget
+        return min(budget, prefill_budget)
 
     @staticmethod
     def _add(batch: ScheduledBatch, seq: Sequence, n: int) -> None:
