@@ -205,9 +205,3 @@ class LlamaForCausalLM:
             cols = (logits[row] == logits[row].max()).nonzero().flatten()
             logits[row, cols] = (h[row].float() * self.lm_head.weight[cols].float()).sum(-1)
         return logits
-        tied = logits == logits.max(-1, keepdim=True).values
-        if int(tied.sum()) > logits.shape[0]:
-            rows, cols = tied.nonzero(as_tuple=True)
-            weight = self.lm_head.weight
-            logits[rows, cols] = (h[rows].float() * weight[cols].float()).sum(-1)
-        return logits
