@@ -2,11 +2,14 @@
 own adapter's low-rank update (punica / S-LoRA / LoRAX style), never merged into the base weights.
 
 Per layer, adapters are stacked per projection group (qkv, o, gate_up, down):
-    A  [G * S * r, in]     the A matrices of the group's G projections for all S slots
-    B  [out, G * S * r]    block-diagonal: slot s of projection g writes only g's output rows
-For a batch of T tokens: out += ((x @ A^T) * mask) @ B^T, where mask [T, G*S*r] keeps the columns of
-each token's own slot (none for base-model tokens). Three ops per group, no per-token weight gathers;
-both matmuls use the same (on CPU bf16: oneDNN-prepacked) Linear as the base projections, repacked
+    A  [G * S * r, in]     the A matrices of the group's G projections for all S slots, fused under
+                           the base weight: one matmul over [W_base; A] gives x @ W^T and x @ A^T
+    B  with the fused CPU kernels: per projection [S, r, out]; each token applies only its own
+       slot's B (engine/kernels, ``lora_expand``), so only adapters in use are read.
+       Without them: [out, G * S * r], block-diagonal (slot s of projection g writes only g's
+       rows), and out += ((x @ A^T) * mask) @ B^T, where mask [T, G*S*r] keeps each token's own
+       slot's columns (none for base-model tokens).
+The matmuls use the same (on CPU bf16: oneDNN-prepacked) Linear as the base projections, repacked
 when an adapter is written into a slot.
 """
 
