@@ -85,9 +85,9 @@ class LLMEngine:
                                     dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
         self.num_aborted = 0
         self.fault_hook: Any = None  # test hook: called before every model step
-        logger.info("engine ready in %.1fs: %s on %s/%s, %d KV blocks of %d tokens",
+        logger.info("engine ready in %.1fs: %s on %s/%s, %d KV blocks of %d tokens, fused CPU kernels %s",
                     time.monotonic() - started, name, self.device, self.model_info.dtype, num_blocks,
-                    config.block_size)
+                    config.block_size, "on" if self.model.kernels is not None else "off")
 
     def _eos_ids(self, model_dir) -> list[int]:
         ids: set[int] = set()
