@@ -95,6 +95,7 @@ class LlamaForCausalLM:
         if native_kernels and device.type == "cpu":
             kernels = load_cpu_kernels()
             if kernels is not None and kernels.supports(dtype, self.head_dim, self.num_heads // self.num_kv_heads):
+                kernels.num_threads = torch.get_num_threads()  # the engine has set its thread count by now
                 self.kernels = kernels
 
     def projection_weights(self) -> list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
