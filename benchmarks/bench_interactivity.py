@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 
 from benchmarks.common import percentile, print_table, save, start_engine, timed_request, token_requests, verdict
 
@@ -23,11 +24,14 @@ async def run() -> dict:
         tasks = [asyncio.create_task(timed_request(engine, r)) for r in streams]
         await asyncio.sleep(2.0)  # the streams are decoding
         long_req = token_requests("long", 1, LONG_PROMPT, 16, first=500)[0]  # shares no prefix
+        long_sent = time.perf_counter()
         long_timing = await timed_request(engine, long_req)
         timings = await asyncio.gather(*tasks)
         # The bar is about the streams while they all decode: gaps from the moment the last of them
         # has its first token (the arrival burst before that is reported, not judged).
         steady_from = max(t.token_times[0] for t in timings)
+        if steady_from > long_sent:
+            raise RuntimeError("the long prompt arrived before all streams decoded; lengthen the wait")
         gaps = [g for t in timings for g, began in zip(t.gaps, t.gap_starts) if began >= steady_from]
         all_gaps = [g for t in timings for g in t.gaps]
         return {"median_gap": percentile(gaps, 50), "p99_gap": percentile(gaps, 99), "max_gap": max(gaps),
