@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from engine.model_loader import default_cache_dir
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -36,8 +38,7 @@ _failed = False
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SPARK_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "spark-server")
-    return Path(root) / "kernels"
+    return default_cache_dir() / "kernels"  # beside the converted models
 
 
 def find_compiler() -> str | None:
