@@ -1,4 +1,5 @@
-"""Online: the offline load through the Spark WebSocket (real server, real websockets clients).
+"""Online: the offline load through the Spark WebSocket (a real `spark-server serve` process, real
+websockets clients in this one).
 Spark has no ignore_eos, so answers end where the model stops; throughput counts completion_tokens
 from each session's usage. Concurrency 1, 8 and 32.
 
@@ -10,12 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
+import subprocess
 import sys
 import time
 
 import websockets
 
-from benchmarks.common import percentile, print_table, save, start_engine, verdict
+from benchmarks.common import percentile, print_table, save, verdict
 
 QUESTIONS = ["Write a long story about a lighthouse keeper.", "Explain how airplanes fly, in detail.",
              "Describe the history of the printing press.", "Write a detailed recipe for bread.",
@@ -44,22 +47,31 @@ async def session(url: str, i: int) -> tuple[float, float | None, int]:
     return first - start, tpot, tokens
 
 
+async def start_server(port: int) -> subprocess.Popen:
+    """`spark-server serve` in its own process, as deployed: the clients here do not share its GIL."""
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-m", "spark_server", "serve", "--port", str(port), "--max-num-seqs",
+                             "64", "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    async with httpx.AsyncClient() as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError("the server exited during start-up")
+            try:
+                if (await client.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
+                    return proc
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("the server was not ready in 180 s")
+
+
 async def run(args) -> dict:
-    import threading
+    from spark_server.app import SPARK_WS_PATH
 
-    import uvicorn
-
-    from spark_server.app import SPARK_WS_PATH, build_app
-    from spark_server.settings import Settings
-
-    engine = start_engine(max_num_seqs=64)
-    settings = Settings(port=args.port)
-    server = uvicorn.Server(uvicorn.Config(build_app(settings, engine, owns_engine=False), host="127.0.0.1",
-                                           port=args.port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        await asyncio.sleep(0.05)
+    proc = await start_server(args.port)
     url = f"ws://127.0.0.1:{args.port}{SPARK_WS_PATH}"
     results = {}
     try:
@@ -80,9 +92,11 @@ async def run(args) -> dict:
                           "tpot_p50": percentile([b for _, b, _ in out if b], 50),
                           "tpot_p99": percentile([b for _, b, _ in out if b], 99), "tokens": tokens}
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        engine.shutdown()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
     return results
 
 

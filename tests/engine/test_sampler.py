@@ -63,6 +63,15 @@ def test_top_p_keeps_the_nucleus():
     assert set(counts) <= nucleus and len(nucleus) < VOCAB
 
 
+def test_top_p_applies_to_the_top_k_survivors_renormalised():
+    """vLLM / HF order: top-k first, then the nucleus of what is left. Over the full vocabulary token
+    1 would start below 0.66 of the mass (at 0.63) and survive; among the top 2 it starts at 0.73."""
+    probs = torch.tensor(BASE).softmax(-1)
+    assert probs[0] < 0.66 < probs[0] / (probs[0] + probs[1])
+    assert set(draws(top_k=2, top_p=0.66, temperature=1.0)) == {0}
+    assert set(draws(top_k=3, temperature=1.0)) == {0, 1, 2}  # and top-k alone keeps k
+
+
 def test_min_p_drops_unlikely_tokens():
     probs = torch.tensor(BASE).softmax(-1)
     counts = draws(min_p=0.2, temperature=1.0)
