@@ -1,7 +1,8 @@
 """The fused CPU kernels against the torch ops they replace.
 
-Elementwise kernels (norm, activation, RoPE, cache write) must give the torch path's bits exactly;
-decode attention must match a plain softmax attention over the same paged context.
+Elementwise kernels (norm, activation, RoPE, cache write) must give the torch path's bits exactly in
+bf16 (in fp32, norm and activation may differ in the last bit: sum order, exp); decode attention must
+match a plain softmax attention over the same paged context.
 """
 
 from __future__ import annotations
