@@ -26,7 +26,7 @@ class LoraResolver:
                 raise ValueError(f"--lora {name}={source}: a pack URL needs its md5 as URL#md5")
             if self.store is None:
                 raise ValueError("--lora with a URL needs the LoRA store")
-            self.store.allowed.append(url)  # the operator named it: trusted
+            self.store.policy.allow(url)  # the operator named it: trusted
             _, path = await self.store.fetch(url, md5)
         else:
             path = Path(source).expanduser()

@@ -1,7 +1,8 @@
 """LoraStore.fetch(url, md5): download, verify, unpack and cache LoRA packs.
 
-- URL policy: http/https only, and the URL must start with an allowed prefix (nothing is allowed
-  until configured); redirects are followed only while they stay within the allowed prefixes.
+- URL policy (``url_policy.py``): http/https only, scheme, host and port equal to an allowed
+  prefix's and the normalised path under its path segments (nothing is allowed until configured);
+  the canonical URL the check produced is what is fetched; every redirect hop is checked the same way.
 - Streaming download with httpx: connect and total timeouts, a size cap, md5 checked before
   anything is unpacked, a progress line in the log for large packs.
 - Cache entries are keyed by url and md5 together and written atomically (staged, then renamed);
@@ -21,12 +22,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urljoin
 
 import httpx
 
 from engine.errors import LoraUnavailableError
 from lora_store.pack import UnpackLimits, dir_size, find_adapter_dir, unpack
+from lora_store.url_policy import UrlPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +52,12 @@ def pack_key(url: str, md5: str) -> str:
 
 class LoraStore:
     def __init__(self, cache_dir: Path, allowed_prefixes: list[str], limits: StoreLimits | None = None,
-                 validator: Validator | None = None, transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 validator: Validator | None = None, transport: httpx.AsyncBaseTransport | None = None,
+                 refuse_private: bool = False) -> None:
         self.root = Path(cache_dir)
         self.packs = self.root / "packs"
         self.staging = self.root / ".staging"
-        self.allowed = [p for p in (s.strip() for s in allowed_prefixes) if p]
+        self.policy = UrlPolicy(allowed_prefixes, refuse_private=refuse_private)
         self.limits = limits or StoreLimits()
         self.validator = validator
         self.transport = transport
@@ -67,24 +70,16 @@ class LoraStore:
 
     # ---- policy --------------------------------------------------------------------------------
 
-    def check_url(self, url: str) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise LoraUnavailableError(f"lora.url {url!r}: only http:// and https:// URLs are accepted",
-                                       code="host_not_allowed")
-        if not self.allowed:
-            raise LoraUnavailableError("lora.url: no LoRA source is allowed on this server (the operator sets "
-                                       "--lora-allowed-urls / SPARK_LORA_ALLOWED_URLS)", code="host_not_allowed")
-        if not any(url.startswith(prefix) for prefix in self.allowed):
-            raise LoraUnavailableError(f"lora.url {url!r} is not under an allowed prefix ({', '.join(self.allowed)})",
-                                       code="host_not_allowed")
+    def check_url(self, url: str) -> str:
+        """The canonical URL to fetch, or LoraUnavailableError(host_not_allowed)."""
+        return self.policy.check(url)
 
     # ---- fetch ---------------------------------------------------------------------------------
 
     async def fetch(self, url: str, md5: str) -> tuple[str, Path]:
         """(cache key, adapter directory) for the pack at ``url`` whose bytes have md5 ``md5``."""
         md5 = md5.lower()
-        self.check_url(url)
+        url = self.check_url(url)
         key = pack_key(url, md5)
         entry = self.packs / key
         if (entry / "READY").exists():
@@ -127,11 +122,12 @@ class LoraStore:
         async with httpx.AsyncClient(timeout=timeout, follow_redirects=False, transport=self.transport) as client:
             target = url
             for _ in range(_MAX_REDIRECTS + 1):
+                await self.policy.check_address(target)
                 try:
                     async with client.stream("GET", target) as resp:
                         if resp.is_redirect:
-                            target = urljoin(target, resp.headers.get("location", ""))
-                            self.check_url(target)  # a redirect may not leave the allowed prefixes
+                            # a redirect may not leave the allowed prefixes: checked, then fetched canonical
+                            target = self.check_url(urljoin(target, resp.headers.get("location", "")))
                             continue
                         if resp.status_code != 200:
                             raise LoraUnavailableError(f"lora.url {url!r}: the server answered HTTP "

@@ -13,6 +13,7 @@ class PackServer:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.hits: Counter = Counter()
+        self.redirects: dict[str, str] = {}  # request path -> Location, set by tests
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -22,6 +23,11 @@ class PackServer:
             def do_GET(self) -> None:
                 server.hits[self.path] += 1
                 name = self.path.rsplit("/", 1)[-1]
+                if self.path in server.redirects:
+                    self.send_response(302)
+                    self.send_header("Location", server.redirects[self.path])
+                    self.end_headers()
+                    return
                 if self.path.startswith("/packs/slow/"):
                     data = (server.root / name).read_bytes()
                     self.send_response(200)
