@@ -37,6 +37,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "down": ("down_proj",),
 }
 SUPPORTED_MODULES = tuple(m for ms in GROUPS.values() for m in ms)
+MAX_CONFIG_BYTES = 1 << 20
+MAX_WEIGHT_MAGNITUDE = 65504.0  # fp16's largest value: far above any trained adapter's weights
 
 
 @dataclass(slots=True)
@@ -70,11 +72,14 @@ def read_adapter(path: str | Path, name: str, config, max_rank: int) -> LoraAdap
     if not cfg_file.is_file() or not weights_file.is_file():
         raise LoraUnavailableError(f"{name}: a LoRA pack needs adapter_config.json and adapter_model.safetensors "
                                    "(pickled .bin weights are refused)", code="invalid_pack")
+    if cfg_file.stat().st_size > MAX_CONFIG_BYTES:
+        raise LoraUnavailableError(f"{name}: adapter_config.json is over {MAX_CONFIG_BYTES} bytes", code="invalid_pack")
     try:
         cfg = json.loads(cfg_file.read_text())
         tensors = load_file(str(weights_file))
     except Exception as exc:
         raise LoraUnavailableError(f"{name}: unreadable adapter: {exc}", code="invalid_pack") from None
+    rank, alpha = _rank_and_alpha(cfg, name)
     problems = []
     if cfg.get("peft_type", "LORA") != "LORA":
         problems.append(f"peft_type {cfg.get('peft_type')!r} is not LORA")
@@ -88,7 +93,6 @@ def read_adapter(path: str | Path, name: str, config, max_rank: int) -> LoraAdap
         problems.append("fan_in_fan_out adapters are not supported")
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         problems.append("per-module rank_pattern / alpha_pattern is not supported")
-    rank = int(cfg.get("r", 0))
     if not 1 <= rank <= max_rank:
         problems.append(f"rank {rank} is outside 1..{max_rank} (--max-lora-rank)")
     shapes = module_shapes(config)
@@ -119,15 +123,45 @@ def read_adapter(path: str | Path, name: str, config, max_rank: int) -> LoraAdap
             problems.append(f"{module} in layer {layer}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
                             f"this model (expected A ({rank}, {in_f}), B ({out_f}, {rank}))")
         else:
+            _check_weight(name, key, a)
+            _check_weight(name, key.replace(".lora_A.", ".lora_B."), b)
             weights[(layer, module)] = (a.float(), b.float())
     if not weights and not problems:
         problems.append("the adapter holds no LoRA weights")
     if problems:
         raise LoraUnavailableError(f"{name}: incompatible with the served model: " + "; ".join(problems[:5]),
                                    code="incompatible")
-    alpha = float(cfg.get("lora_alpha", rank))
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     return LoraAdapter(name=name, rank=rank, scaling=scaling, weights=weights)
+
+
+def _rank_and_alpha(cfg: object, name: str) -> tuple[int, float]:
+    """``r`` and ``lora_alpha`` of a parsed adapter_config.json; a config of the wrong shape is 12006."""
+    if not isinstance(cfg, dict):
+        raise LoraUnavailableError(f"{name}: adapter_config.json must be a JSON object, not "
+                                   f"{type(cfg).__name__}", code="invalid_pack")
+    rank = cfg.get("r")
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise LoraUnavailableError(f"{name}: adapter_config.json 'r' must be an integer, not {rank!r}",
+                                   code="invalid_pack")
+    alpha = cfg.get("lora_alpha", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise LoraUnavailableError(f"{name}: adapter_config.json 'lora_alpha' must be a finite number, not "
+                                   f"{alpha!r}", code="invalid_pack")
+    return rank, float(alpha)
+
+
+def _check_weight(name: str, key: str, tensor: torch.Tensor) -> None:
+    """Weights must be floating point (else 12007), finite and of a sane size (else 12006)."""
+    if not tensor.is_floating_point():
+        raise LoraUnavailableError(f"{name}: {key} has dtype {str(tensor.dtype).removeprefix('torch.')}; LoRA "
+                                   "weights must be floating point", code="incompatible")
+    t = tensor.float()
+    if not bool(torch.isfinite(t).all()):
+        raise LoraUnavailableError(f"{name}: {key} holds NaN or infinite values", code="invalid_pack")
+    if t.numel() and float(t.abs().max()) > MAX_WEIGHT_MAGNITUDE:
+        raise LoraUnavailableError(f"{name}: {key} holds values over {MAX_WEIGHT_MAGNITUDE:g} in magnitude (a "
+                                   "trained adapter's weights are orders of magnitude smaller)", code="invalid_pack")
 
 
 class LoraBatch:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import io
+import lzma
 import os
 import stat
 import tarfile
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -21,11 +23,21 @@ REQUIRED = ("adapter_config.json", "adapter_model.safetensors")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 
+# A pack unpacks to at most this many times its own size (safetensors of trained weights barely
+# compress; a higher ratio is a bomb).
+UNPACK_RATIO = 4
+
+
 @dataclass(slots=True)
 class UnpackLimits:
-    max_files: int = 64
+    max_files: int = 64  # every entry counts: files and directories
     max_file_bytes: int = 1 << 30
     max_total_bytes: int = 2 << 30
+
+    @classmethod
+    def for_pack_limit(cls, max_pack_bytes: int, disk_budget_bytes: int) -> "UnpackLimits":
+        total = min(UNPACK_RATIO * max_pack_bytes, disk_budget_bytes)
+        return cls(max_file_bytes=total, max_total_bytes=total)
 
 
 def invalid(message: str) -> LoraUnavailableError:
@@ -69,10 +81,11 @@ class _Budget:
         self.total = 0
 
     def add(self, name: str, size: int) -> None:
+        """Count one entry (a file, or a directory with size 0) before anything is written for it."""
         self.files += 1
         self.total += size
         if self.files > self.limits.max_files:
-            raise invalid(f"pack holds more than {self.limits.max_files} files")
+            raise invalid(f"pack holds more than {self.limits.max_files} entries (files and directories)")
         if size > self.limits.max_file_bytes:
             raise invalid(f"{name} is larger than {self.limits.max_file_bytes} bytes")
         if self.total > self.limits.max_total_bytes:
@@ -111,6 +124,7 @@ def _unpack_tar(pack: Path, dest: Path, budget: _Budget) -> None:
             for member in tar:
                 name = _safe_name(member.name)
                 if member.isdir():
+                    budget.add(member.name, 0)
                     (dest / name).mkdir(parents=True, exist_ok=True)
                     continue
                 if not member.isfile():
@@ -123,6 +137,12 @@ def _unpack_tar(pack: Path, dest: Path, budget: _Budget) -> None:
                 _copy_bounded(src, target, member.size, member.name)
     except tarfile.TarError as exc:
         raise invalid(f"broken tar archive: {exc}") from None
+    except (EOFError, zlib.error, lzma.LZMAError) as exc:
+        raise invalid(f"broken or truncated archive: {exc}") from None
+    except OSError as exc:
+        if exc.errno is not None:  # the disk, not the pack
+            raise
+        raise invalid(f"broken or truncated archive: {exc}") from None
 
 
 def _unpack_zip(pack: Path, dest: Path, budget: _Budget) -> None:
@@ -132,6 +152,7 @@ def _unpack_zip(pack: Path, dest: Path, budget: _Budget) -> None:
                 name = _safe_name(info.filename.rstrip("/") or info.filename)
                 file_type = stat.S_IFMT(info.external_attr >> 16)  # 0: not recorded (many zip tools)
                 if info.is_dir():
+                    budget.add(info.filename, 0)
                     (dest / name).mkdir(parents=True, exist_ok=True)
                     continue
                 if file_type and file_type != stat.S_IFREG:
@@ -141,8 +162,10 @@ def _unpack_zip(pack: Path, dest: Path, budget: _Budget) -> None:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 with zf.open(info) as src:
                     _copy_bounded(src, target, info.file_size, info.filename)
-    except zipfile.BadZipFile as exc:
+    except (zipfile.BadZipFile, EOFError, zlib.error, lzma.LZMAError, NotImplementedError) as exc:
         raise invalid(f"broken zip archive: {exc}") from None
+    except RuntimeError as exc:  # encrypted members
+        raise invalid(f"unreadable zip archive: {exc}") from None
 
 
 def find_adapter_dir(root: Path) -> Path:

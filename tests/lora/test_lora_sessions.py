@@ -51,8 +51,67 @@ def packs(tmp_path_factory, adapters):
     from engine.model_loader import resolve_model_dir
     make_random_adapter(str(resolve_model_dir(None)), root / "wide" / "a", ["q_proj"], rank=32, seed=3)
     md5["wide.tar.gz"] = build_pack(root / "wide" / "a", root / "wide.tar.gz")
+    md5.update(_hostile_packs(root, adapters["attn"]))
     with PackServer(root) as server:
         yield server, md5
+
+
+def _variant(root, source, name: str, config=None, tensors=None) -> str:
+    """A pack of ``source`` with its config replaced by ``config`` (any JSON text) or its tensors
+    changed by ``tensors(dict) -> dict``; returns its md5."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    work = root / f"{name}.d"
+    shutil.copytree(source, work)
+    if config is not None:
+        (work / "adapter_config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    if tensors is not None:
+        weights = work / "adapter_model.safetensors"
+        save_file(tensors(load_file(str(weights))), str(weights))
+    return build_pack(work, root / name)
+
+
+def _hostile_packs(root, source) -> dict[str, str]:
+    import gzip
+    import io
+    import json
+
+    import torch
+
+    cfg = json.loads((source / "adapter_config.json").read_text())
+    md5 = {}
+    for name, field, value in [("r-nan", "r", float("nan")), ("r-null", "r", None), ("r-string", "r", "8"),
+                               ("r-list", "r", [8]), ("alpha-string", "lora_alpha", "16")]:
+        md5[f"{name}.tar.gz"] = _variant(root, source, f"{name}.tar.gz", config=json.dumps({**cfg, field: value}))
+    md5["config-list.tar.gz"] = _variant(root, source, "config-list.tar.gz", config="[1, 2]")
+    md5["config-string.tar.gz"] = _variant(root, source, "config-string.tar.gz", config='"lora"')
+    md5["nan-weights.tar.gz"] = _variant(root, source, "nan-weights.tar.gz", tensors=lambda t: {
+        k: (v.fill_(float("nan")) if i == 0 else v) for i, (k, v) in enumerate(t.items())})
+    md5["huge-weights.tar.gz"] = _variant(root, source, "huge-weights.tar.gz", tensors=lambda t: {
+        k: v.fill_(3e38) for k, v in t.items()})
+    md5["int8-weights.tar.gz"] = _variant(root, source, "int8-weights.tar.gz", tensors=lambda t: {
+        k: v.to(torch.int8) for k, v in t.items()})
+    whole = (root / "attn.tar.gz").read_bytes()
+    (root / "truncated.tar.gz").write_bytes(whole[: len(whole) // 2])
+    md5["truncated.tar.gz"] = md5_of(root / "truncated.tar.gz")
+    # 20,000 empty directories in under a megabyte
+    with tarfile.open(root / "dirs.tar.gz", "w:gz") as tar:
+        for i in range(20000):
+            info = tarfile.TarInfo(f"d{i}")
+            info.type = tarfile.DIRTYPE
+            tar.addfile(info)
+    md5["dirs.tar.gz"] = md5_of(root / "dirs.tar.gz")
+    # a bomb: 100 MiB of zeros, about 100 KiB packed (the test server allows 12 MiB packs, 48 MiB unpacked)
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        info = tarfile.TarInfo("adapter_model.safetensors")
+        info.size = 100 << 20
+        tar.addfile(info, io.BytesIO(bytes(100 << 20)))
+    (root / "bomb.tar.gz").write_bytes(gzip.compress(raw.getvalue(), compresslevel=9))
+    md5["bomb.tar.gz"] = md5_of(root / "bomb.tar.gz")
+    return md5
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +176,21 @@ FAILURES = [
     ("pickle", lambda s: s.url("/packs/pickle.tar"), "pickle.tar", 12006, "pickle"),
     ("path traversal", lambda s: s.url("/packs/evil.tar"), "evil.tar", 12006, "unsafe path"),
     ("incompatible", lambda s: s.url("/packs/wide.tar.gz"), "wide.tar.gz", 12007, "rank 32"),
+    ("r NaN", lambda s: s.url("/packs/r-nan.tar.gz"), "r-nan.tar.gz", 12006, "'r' must be an integer"),
+    ("r null", lambda s: s.url("/packs/r-null.tar.gz"), "r-null.tar.gz", 12006, "'r' must be an integer"),
+    ("r a string", lambda s: s.url("/packs/r-string.tar.gz"), "r-string.tar.gz", 12006, "'r' must be an integer"),
+    ("r a list", lambda s: s.url("/packs/r-list.tar.gz"), "r-list.tar.gz", 12006, "'r' must be an integer"),
+    ("lora_alpha a string", lambda s: s.url("/packs/alpha-string.tar.gz"), "alpha-string.tar.gz", 12006,
+     "'lora_alpha'"),
+    ("config a list", lambda s: s.url("/packs/config-list.tar.gz"), "config-list.tar.gz", 12006, "JSON object"),
+    ("config a string", lambda s: s.url("/packs/config-string.tar.gz"), "config-string.tar.gz", 12006,
+     "JSON object"),
+    ("truncated gzip", lambda s: s.url("/packs/truncated.tar.gz"), "truncated.tar.gz", 12006, "truncated"),
+    ("NaN weights", lambda s: s.url("/packs/nan-weights.tar.gz"), "nan-weights.tar.gz", 12006, "NaN"),
+    ("3e38 weights", lambda s: s.url("/packs/huge-weights.tar.gz"), "huge-weights.tar.gz", 12006, "magnitude"),
+    ("int8 weights", lambda s: s.url("/packs/int8-weights.tar.gz"), "int8-weights.tar.gz", 12007, "int8"),
+    ("20000 directories", lambda s: s.url("/packs/dirs.tar.gz"), "dirs.tar.gz", 12006, "more than 64 entries"),
+    ("tar bomb", lambda s: s.url("/packs/bomb.tar.gz"), "bomb.tar.gz", 12006, "larger than"),
 ]
 
 
@@ -137,12 +211,73 @@ def test_each_failure_has_its_code_and_leaves_the_cache_clean(lora_server, packs
     assert ok[-1]["header"]["code"] == 0  # the server keeps serving
 
 
+@pytest.fixture(scope="module")
+def other_pack_server(packs):
+    """A second pack server, on a port the allow-list does not name: it must never be reached."""
+    server, _ = packs
+    with PackServer(server.root) as other:
+        yield other
+
+
+def _tricks(a: str, o: str) -> list[tuple[str, str, int]]:
+    """(label, URL, expected code) with ``a`` the allowed server's host:port and ``o`` another's."""
+    port = a.rsplit(":", 1)[1]
+    return [
+        ("dot segments", f"http://{a}/packs/../evil/taught.tar.gz", 12001),
+        ("userinfo to another port", f"http://{a}@{o}/packs/taught.tar.gz", 12001),
+        ("user and password", f"http://u:p@{a}/packs/taught.tar.gz", 12001),
+        ("prefix as text", f"http://{a}/packs-evil/taught.tar.gz", 12001),
+        ("port as text", f"http://127.0.0.1:{port}0/packs/taught.tar.gz", 12001),
+        ("CR LF", f"http://{a}/packs/taught.tar.gz\r\nX: y", 12001),
+        ("NUL", f"http://{a}/packs/taught\x00.tar.gz", 12001),
+        ("encoded dots", f"http://{a}/packs/%2e%2e/evil/taught.tar.gz", 12001),
+        ("encoded slash", f"http://{a}/packs/..%2fevil/taught.tar.gz", 12001),
+        ("backslash", f"http://{a}/packs/..\\evil/taught.tar.gz", 12001),
+        ("double slash", f"http://{a}//packs/taught.tar.gz", 12001),
+        ("localhost for 127.0.0.1", f"http://localhost:{port}/packs/taught.tar.gz", 12001),
+        ("short IPv4", f"http://127.1:{port}/packs/taught.tar.gz", 12001),
+        ("decimal IPv4", f"http://2130706433:{port}/packs/taught.tar.gz", 12001),
+        ("other scheme", f"https://{a}/packs/taught.tar.gz", 12001),
+        ("other port", f"http://{o}/packs/taught.tar.gz", 12001),
+        ("redirect with dots", f"http://{a}/packs/r/dots/taught.tar.gz", 12001),
+        ("redirect with userinfo", f"http://{a}/packs/r/userinfo/taught.tar.gz", 12001),
+        ("redirect to another port", f"http://{a}/packs/r/port/taught.tar.gz", 12001),
+        ("allowed, with a dot segment", f"http://{a}/packs/./taught.tar.gz", 0),
+        ("allowed, upper-case scheme", f"HTTP://{a}/packs/x/../taught.tar.gz", 0),
+    ]
+
+
+def test_url_tricks_never_reach_outside_the_allowed_prefix(lora_server, packs, other_pack_server):
+    (live, _), (server, md5) = lora_server, packs
+    a, o = f"127.0.0.1:{server.port}", f"127.0.0.1:{other_pack_server.port}"
+    server.redirects.update({
+        "/packs/r/dots/taught.tar.gz": "/packs/../evil/taught.tar.gz",
+        "/packs/r/userinfo/taught.tar.gz": f"http://{a}@{o}/packs/taught.tar.gz",
+        "/packs/r/port/taught.tar.gz": f"http://{o}/packs/taught.tar.gz",
+    })
+    server.hits.clear()
+    for label, url, code in _tricks(a, o):
+        frames = asyncio.run(converse(live.ws_url, _lora_body(url, md5["taught.tar.gz"])))
+        header = frames[-1]["header"]
+        assert header["code"] == code, (label, header)
+        if code:
+            assert "lora.url" in header["message"], (label, header)
+    outside = [p for p in server.hits if not p.startswith("/packs/") or ".." in p or "//" in p]
+    assert outside == [] and sum(other_pack_server.hits.values()) == 0, (outside, other_pack_server.hits)
+    assert set(server.hits) <= {"/packs/taught.tar.gz", "/packs/r/dots/taught.tar.gz",
+                                "/packs/r/userinfo/taught.tar.gz", "/packs/r/port/taught.tar.gz"}
+    ok = asyncio.run(converse(live.ws_url, spark_request("Hi", max_tokens=2, top_k=1)))
+    assert ok[-1]["header"]["code"] == 0
+
+
 def test_lora_off_by_default_answers_12000(live_server):
     body = _lora_body("http://127.0.0.1:1/pack.tar", "0" * 32)
     frames = asyncio.run(converse(live_server.ws_url, body))
     assert frames[-1]["header"]["code"] == 12000 and "not enabled" in frames[-1]["header"]["message"]
 
 
+# Keep this fixture's tests last: its app installs its own LoRA resolver on the shared engine, so
+# pack URLs sent to lora_server after it would be checked against this app's (empty) allow-list.
 @pytest.fixture(scope="module")
 def registered_server(lora_server, adapters, tmp_path_factory):
     (live, _), _ = lora_server, None

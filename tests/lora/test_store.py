@@ -43,7 +43,7 @@ def test_too_many_files_are_refused(tmp_path):
     with zipfile.ZipFile(pack, "w") as zf:
         for i in range(100):
             zf.writestr(f"f{i}.txt", "x")
-    with pytest.raises(LoraUnavailableError, match="more than 64 files"):
+    with pytest.raises(LoraUnavailableError, match="more than 64 entries"):
         unpack(pack, tmp_path / "out")
 
 
