@@ -8,6 +8,8 @@ bounded by its own text and a slow socket cannot stall the batch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 import queue
 import threading
@@ -25,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 class RequestStream:
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
+        self.request_id = request_id  # the caller's id (echoed back), not the engine's
         self.loop = loop
         self.pending: dict[int, RequestOutput] = {}  # sample index -> outputs not yet taken, merged
         self.failure: BaseException | None = None
@@ -62,7 +64,8 @@ class AsyncEngine:
         self.model_info = engine.model_info
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, RequestStream] = {}  # by the engine's own request id
+        self._internal_ids = itertools.count()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_step_end = time.monotonic()
@@ -106,6 +109,10 @@ class AsyncEngine:
         """Template and tokenize (thread-safe: the tokenizer is only read)."""
         return self.engine.encode_prompt(prompt)
 
+    def min_num_tokens(self, texts: list[str]) -> int:
+        """A floor on the tokens ``texts`` need, from their sizes alone (no tokenizing)."""
+        return self.engine.min_num_tokens(texts)
+
     async def encode_prompt(self, prompt: Prompt) -> list[int]:
         return await asyncio.to_thread(self.engine.encode_prompt, prompt)
 
@@ -121,19 +128,22 @@ class AsyncEngine:
             request.lora = await self.lora_resolver(request.lora)
         if request.deadline is None and self.default_timeout_s:
             request.deadline = request.arrival_time + self.default_timeout_s
+        self.engine.check_token_ids(request.params)
         ids = await self.encode_prompt(request.prompt)
-        if request.request_id in self._streams:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
         if self.engine.is_full():  # a cheap early refusal; the engine thread checks again on add
             raise EngineOverloadedError("the wait queue is full; retry later")
+        # The engine's request ids are its own: a client's id (Triton `id`, SGLang `rid`) is only echoed,
+        # so two clients choosing the same one cannot collide.
+        internal = dataclasses.replace(request, request_id=f"r{next(self._internal_ids)}")
         stream = RequestStream(request.request_id, asyncio.get_running_loop())
-        self._streams[request.request_id] = stream
-        self._commands.put(("add", request, ids))
+        self._streams[internal.request_id] = stream
+        self._commands.put(("add", internal, ids))
         self._wake.set()
         unfinished = request.params.n
         try:
             while unfinished:
                 for out in await stream.get():
+                    out.request_id = request.request_id
                     if out.finish_reason == "error" and out.error and "timed out" in out.error:
                         raise RequestTimeoutError(out.error)
                     if out.finish_reason == "error":
@@ -144,9 +154,9 @@ class AsyncEngine:
                             listener(out)
                     yield out
         finally:
-            self._streams.pop(request.request_id, None)
+            self._streams.pop(internal.request_id, None)
             if unfinished:
-                self._commands.put(("abort", request.request_id, None))
+                self._commands.put(("abort", internal.request_id, None))
                 self._wake.set()
 
     @property
@@ -160,7 +170,10 @@ class AsyncEngine:
         self._wake.set()
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id, None))
+        """Abort every running request the caller named ``request_id``."""
+        for internal, stream in list(self._streams.items()):
+            if stream.request_id == request_id:
+                self._commands.put(("abort", internal, None))
         self._wake.set()
 
     # ---- the engine thread ---------------------------------------------------------------------

@@ -21,6 +21,7 @@ from engine.models import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
 from engine.request import (ChatPrompt, GenerationRequest, Prompt, RequestOutput, TextPrompt,
                             TokensPrompt)
 from engine.sampler import sample
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
@@ -77,6 +78,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.model.make_kv_cache(num_blocks, config.block_size),
                                   self.lora_manager)
         self.eos_token_ids = self._eos_ids(model_dir)
+        self.max_bytes_per_token = self._max_bytes_per_token()
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences still running
         name = config.served_model_name or (EMBEDDED_MODEL_NAME if config.model in (None, "", "embedded")
                                             else model_dir.name)
@@ -104,7 +106,25 @@ class LLMEngine:
 
     # ---- preprocessing -------------------------------------------------------------------------
 
+    def _max_bytes_per_token(self) -> int:
+        """Most input bytes one token can stand for: twice the longest token's UTF-8 text, a margin for
+        tokenizers whose normalisation drops characters. ``len(text bytes) // this`` is then a floor on
+        the token count, known without tokenizing (a 4 MB prompt is refused in microseconds)."""
+        longest = max(len(self.tokenizer.decode([i]).encode()) for i in range(len(self.tokenizer)))
+        return 2 * max(longest, 1)
+
+    def min_num_tokens(self, texts: list[str]) -> int:
+        """A floor on the tokens ``texts`` need, from their sizes alone."""
+        return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) // self.max_bytes_per_token
+
     def encode_prompt(self, prompt: Prompt) -> list[int]:
+        texts = ([m.content for m in prompt.messages] if isinstance(prompt, ChatPrompt)
+                 else [prompt.text] if isinstance(prompt, TextPrompt) else [])
+        floor = self.min_num_tokens(texts)
+        if floor >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has at least {floor} tokens (from its size); this model's context is "
+                f"{self.max_model_len} tokens", floor, self.max_model_len - 1)
         if isinstance(prompt, ChatPrompt):
             messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
@@ -128,6 +148,16 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens "
                 "and at least one must be left for the answer", len(ids), self.max_model_len - 1)
         return ids
+
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """Every token id a request names must be in the vocabulary: one bad id must fail its own
+        request at the door, not a model step shared with others."""
+        vocab = self.model_info.vocab_size
+        for name in ("stop_token_ids", "banned_token_ids"):
+            bad = [t for t in getattr(params, name) if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"'{name}': token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                                          parameter=name)
 
     # ---- the core loop -------------------------------------------------------------------------
 

@@ -30,6 +30,15 @@ class SamplingParams:
     top_logprobs: int = 0
 
     def __post_init__(self) -> None:
+        # JSON Schema's "integer" admits 7.0: whole-number floats are the integers they spell
+        for name in _INTEGER_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():
+                setattr(self, name, int(value))
+        for name in ("stop_token_ids", "banned_token_ids"):
+            ids = getattr(self, name)
+            if any(isinstance(t, float) for t in ids):
+                setattr(self, name, [int(t) if isinstance(t, float) and t.is_integer() else t for t in ids])
         self.validate()
 
     @property
@@ -37,6 +46,8 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     def validate(self) -> None:
+        _require(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)), "seed",
+                 "must be an integer")
         _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
         _require(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
                  "min_tokens", "must be an integer between 0 and max_tokens")
@@ -58,6 +69,9 @@ class SamplingParams:
                  "must be non-negative token ids")
         if self.top_k == -1:
             self.top_k = 0
+
+
+_INTEGER_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "n", "top_logprobs")
 
 
 def _require(ok: bool, parameter: str, rule: str) -> None:
