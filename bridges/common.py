@@ -15,10 +15,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 import schemas
+from schemas.json_body import JsonBodyError, JsonSyntaxError, parse_json
 from engine.errors import (EngineError, EngineOverloadedError, EngineShutdownError, InvalidRequestError,
                            LoraUnavailableError, PromptTooLongError, RequestTimeoutError)
 from engine.protocol import EngineClient
 from engine.request import GenerationRequest, RequestOutput, TokenLogprob
+
+
+INVALID_JSON = "invalid_json"  # BridgeError.code of a body that is not JSON at all
 
 
 class BridgeError(Exception):
@@ -56,15 +60,21 @@ def bridge_error_from(exc: BaseException) -> BridgeError:
 
 
 async def read_json(request: Request, schema: str) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BridgeError(400, f"request body is not valid JSON: {exc}") from None
+    body = parse_body(await request.body())
     if not isinstance(body, dict):
         raise BridgeError(400, "request body must be a JSON object")
     check(schema, body)
     return body
+
+
+def parse_body(raw: bytes) -> Any:
+    """The body as JSON (UTF-8, depth-bounded, no lone surrogates), or a 400 saying what is wrong."""
+    try:
+        return parse_json(raw)
+    except JsonSyntaxError as exc:
+        raise BridgeError(400, exc.message.replace("request is", "request body is", 1), code=INVALID_JSON) from None
+    except JsonBodyError as exc:
+        raise BridgeError(400, exc.message) from None
 
 
 def check(schema: str, body: Any) -> None:
@@ -95,6 +105,18 @@ def sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
     # one event per write: perf_analyzer / genai-perf count writes
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def ending_with_error_event(events: AsyncIterator[bytes],
+                                  error_event: Callable[[BridgeError], bytes]) -> AsyncIterator[bytes]:
+    """A stream whose failure after the first byte (the status is sent by then) ends it with the
+    protocol's own error event, never a cut connection."""
+    try:
+        async with aclosing(events):
+            async for chunk in events:
+                yield chunk
+    except Exception as exc:
+        yield error_event(bridge_error_from(exc))
 
 
 async def primed(engine: EngineClient, req: GenerationRequest) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
@@ -183,16 +205,20 @@ async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Re
     return task.result()
 
 
-def endpoint(render: Callable[[BridgeError], dict[str, Any]]):
+def endpoint(render: Callable[[BridgeError], dict[str, Any]], invalid_status: int = 400):
     """Wrap a handler so any failure becomes that protocol's error body with the right status, and a
-    client that hangs up cancels the work."""
+    client that hangs up cancels the work. ``invalid_status``: the status of a request that parses as
+    JSON but is invalid (TGI answers 422; a body that is not JSON stays 400)."""
 
     def wrap(handler: Callable[[Request], Awaitable[Response]]):
         async def run(request: Request) -> Response:
             try:
                 return await unless_disconnected(request, handler(request))
             except Exception as exc:
-                return error_response(bridge_error_from(exc), render)
+                err = bridge_error_from(exc)
+                if err.status == 400 and err.code != INVALID_JSON:
+                    err.status = invalid_status
+                return error_response(err, render)
 
         run.__name__ = handler.__name__
         run.__doc__ = handler.__doc__
@@ -248,14 +274,27 @@ async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
 
 
 async def start_streams(engine: EngineClient, reqs: list[GenerationRequest]) -> list[AsyncIterator[RequestOutput]]:
-    """Prime every request (errors before the first token get a proper status), then stream them."""
-    streams = []
+    """Prime every request (errors before the first token get a proper status), then stream them.
+    All or nothing: when one is refused, the ones already started are aborted."""
+    started: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]] = []
     try:
         for r in reqs:
-            first, rest = await primed(engine, r)
-            streams.append(replay(first, rest))
+            started.append(await primed(engine, r))
     except BaseException:
-        for s in streams:
-            await s.aclose()
+        for _, rest in started:
+            await rest.aclose()  # leaves the engine stream early: aborts it and frees its cache
         raise
-    return streams
+    return [replay(first, rest) for first, rest in started]
+
+
+async def collect_all(engine: EngineClient, reqs: list[GenerationRequest]) -> list[list[Completion]]:
+    """``collect`` for a fan-out (prompt lists, batches), all or nothing: when one request fails, the
+    others are cancelled, which aborts their engine requests, and the failure is raised."""
+    tasks = [asyncio.ensure_future(collect(engine, r)) for r in reqs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

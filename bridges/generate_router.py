@@ -3,21 +3,18 @@
 
 from __future__ import annotations
 
-import json
-
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bridges import sglang, tgi, vllm
+from bridges.common import BridgeError, parse_body
 
 
 async def generate(request: Request) -> Response:
-    raw = await request.body()
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return JSONResponse({"error": f"request body is not valid JSON: {exc}", "error_type": "validation"},
-                            status_code=400)
+        body = parse_body(await request.body())
+    except BridgeError as err:
+        return JSONResponse({"error": err.message, "error_type": "validation"}, status_code=400)
     keys = set(body) if isinstance(body, dict) else set()
     if "inputs" in keys:
         return await tgi.generate(request)

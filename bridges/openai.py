@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from bridges.common import (BridgeError, collect, endpoint, engine_of, int_list, merged, now, read_json,
-                            request_id, sse, sse_response, start_streams, stop_list)
+from bridges.common import (BridgeError, collect, collect_all, endpoint, ending_with_error_event, engine_of, int_list,
+                            merged, now, read_json, request_id, sse, sse_response, start_streams, stop_list)
 from engine.protocol import EngineClient
 from engine.request import (ChatMessage, ChatPrompt, GenerationRequest, LoraRef, Prompt, TextPrompt,
                             TokenLogprob, TokensPrompt)
@@ -21,6 +20,11 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
 def render_error(err: BridgeError) -> dict[str, Any]:
     return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code or err.status}}
+
+
+def _error_event(err: BridgeError) -> bytes:
+    """A failure mid-stream, as vLLM's OpenAI server sends it: an error event, then [DONE]."""
+    return sse(render_error(err)) + sse("[DONE]")
 
 
 def check_model(engine: EngineClient, body: dict[str, Any]) -> tuple[str, LoraRef | None]:
@@ -145,8 +149,9 @@ async def completions(request: Request) -> Response:
     n = reqs[0].params.n
     echo = bool(body.get("echo"))
     if body.get("stream"):
-        return sse_response(_stream_completions(engine, body, reqs, await start_streams(engine, reqs), rid, model))
-    results = await asyncio.gather(*(collect(engine, r) for r in reqs))
+        events = _stream_completions(engine, body, reqs, await start_streams(engine, reqs), rid, model)
+        return sse_response(ending_with_error_event(events, _error_event))
+    results = await collect_all(engine, reqs)
     choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
     for i, (req, comps) in enumerate(zip(reqs, results)):
         prompt_tokens += comps[0].num_prompt_tokens
@@ -238,7 +243,8 @@ async def chat_completions(request: Request) -> Response:
     req.lora = lora
     if body.get("stream"):
         streams = await start_streams(engine, [req])
-        return sse_response(_stream_chat(engine, body, req, streams[0], rid, model))
+        return sse_response(ending_with_error_event(_stream_chat(engine, body, req, streams[0], rid, model),
+                                                    _error_event))
     comps = await collect(engine, req)
     choices = []
     for c in comps:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from bridges.common import (BridgeError, Completion, bridge_error_from, collect, endpoint, engine_of, int_list,
+from bridges.common import (BridgeError, Completion, bridge_error_from, collect_all, endpoint, engine_of, int_list,
                             merged, read_json, request_id, sse, sse_response, start_streams, stop_list)
-from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, RequestOutput, TextPrompt, TokensPrompt
 from engine.sampling_params import SamplingParams
 
@@ -88,8 +86,9 @@ async def generate(request: Request) -> Response:
     reqs, batch = lower(body, request_id("sgl"))
     started = time.monotonic()
     if body.get("stream"):
-        return sse_response(_stream(engine, reqs, started))
-    results = await asyncio.gather(*(collect(engine, r) for r in reqs))
+        # every request primed before committing to 200: a refused one is a 4xx, and the others are aborted
+        return sse_response(_stream(await start_streams(engine, reqs), reqs, started))
+    results = await collect_all(engine, reqs)
     answers = []
     for req, comps in zip(reqs, results):
         for c in comps:
@@ -99,9 +98,9 @@ async def generate(request: Request) -> Response:
     return JSONResponse(answers if batch or len(answers) > 1 else answers[0])
 
 
-async def _stream(engine: EngineClient, reqs: list[GenerationRequest], started: float) -> AsyncIterator[bytes]:
+async def _stream(streams: list[AsyncIterator[RequestOutput]], reqs: list[GenerationRequest],
+                  started: float) -> AsyncIterator[bytes]:
     try:
-        streams = await start_streams(engine, reqs)
         texts: dict[tuple[int, int], str] = {}
         ids: dict[tuple[int, int], list[int]] = {}
         lps: dict[tuple[int, int], list] = {}

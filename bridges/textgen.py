@@ -12,8 +12,9 @@ from bridges.common import int_list, stop_list
 from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, TextPrompt, TokensPrompt
 from engine.sampling_params import SamplingParams
+from spark_server.log_safety import protect
 
-logger = logging.getLogger(__name__)
+logger = protect(logging.getLogger(__name__))
 
 DEFAULT_MAX_NEW_TOKENS = 20  # TGI / MindIE default
 DEFAULT_PRIORITY = 5

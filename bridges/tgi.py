@@ -12,8 +12,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from bridges import textgen
-from bridges.common import (BridgeError, collect, endpoint, engine_of, primed, read_json, replay, request_id, sse,
-                            sse_response)
+from bridges.common import (BridgeError, collect, endpoint, ending_with_error_event, engine_of, primed, read_json,
+                            replay, request_id, sse, sse_response)
 from engine.protocol import EngineClient
 
 
@@ -23,13 +23,12 @@ def render_error(err: BridgeError) -> dict[str, Any]:
     return {"error": err.message, "error_type": kinds.get(err.status, "generation")}
 
 
+# TGI answers 422 for a body that parses but is invalid (400 only for one that is not JSON)
+tgi_endpoint = endpoint(render_error, invalid_status=422)
+
+
 async def _read(request: Request) -> dict[str, Any]:
-    try:
-        return await read_json(request, "tgi-generate")
-    except BridgeError as err:  # TGI answers 422 for a body that parses but does not validate
-        if err.message.startswith("$"):
-            err.status = 422
-        raise
+    return await read_json(request, "tgi-generate")
 
 
 class Shape:
@@ -100,10 +99,10 @@ async def stream_events(request: Request, body: dict[str, Any], shape: Shape) ->
                                             "prompt_tokens": out.num_prompt_tokens}
                     yield sse(event)
 
-    return events(), textgen.ignored_header(tg)
+    return ending_with_error_event(events(), lambda err: sse(render_error(err))), textgen.ignored_header(tg)
 
 
-@endpoint(render_error)
+@tgi_endpoint
 async def generate(request: Request) -> Response:
     body = await _read(request)
     shape = _shape(request)
@@ -116,7 +115,7 @@ async def generate(request: Request) -> Response:
     return JSONResponse(result, headers=headers)
 
 
-@endpoint(render_error)
+@tgi_endpoint
 async def generate_stream(request: Request) -> Response:
     body = await _read(request)
     events, headers = await stream_events(request, body, _shape(request))
@@ -125,7 +124,7 @@ async def generate_stream(request: Request) -> Response:
     return resp
 
 
-@endpoint(render_error)
+@tgi_endpoint
 async def root(request: Request) -> Response:
     """The HF `text_generation` client: POST / with `stream`; non-stream answers a JSON array."""
     body = await _read(request)

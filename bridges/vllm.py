@@ -12,8 +12,8 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from bridges.common import (BridgeError, collect, endpoint, engine_of, int_list, primed, read_json, replay, request_id,
-                            stop_list)
+from bridges.common import (BridgeError, collect, endpoint, ending_with_error_event, engine_of, int_list, primed,
+                            read_json, replay, request_id, stop_list)
 from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, TextPrompt
 from engine.sampling_params import SamplingParams
@@ -68,4 +68,7 @@ async def generate(request: Request) -> Response:
                     shown = text if settings.full_text_enabled else out.text_delta
                     yield json.dumps({"text": [shown]}, ensure_ascii=False).encode() + b"\0"
 
-    return StreamingResponse(chunks(), media_type="application/json")
+    def error_event(err: BridgeError) -> bytes:
+        return json.dumps(render_error(err), ensure_ascii=False).encode() + (b"\n" if cumulative else b"\0")
+
+    return StreamingResponse(ending_with_error_event(chunks(), error_event), media_type="application/json")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from functools import lru_cache
 from importlib import resources
@@ -12,6 +13,7 @@ from jsonschema.exceptions import ValidationError, best_match
 from referencing import Registry, Resource
 
 URN_PREFIX = "urn:spark-server:"
+MAX_ERRORS_CONSIDERED = 8
 
 
 @lru_cache(maxsize=None)
@@ -38,8 +40,9 @@ def first_error(name: str, instance: Any) -> ValidationError | None:
     """The most relevant violation of schema ``name``, or None when the instance is valid.
 
     A field that fails its own rule also counts as "unevaluated" for ``unevaluatedProperties``;
-    the rule it broke is the useful message, so that one wins."""
-    errors = list(validator(name).iter_errors(instance))
+    the rule it broke is the useful message, so that one wins. Only the first few violations are
+    looked at: a body with 100,000 bad items must not cost 100,000 error objects."""
+    errors = list(itertools.islice(validator(name).iter_errors(instance), MAX_ERRORS_CONSIDERED))
     specific = [e for e in errors if e.validator != "unevaluatedProperties"]
     return best_match(specific or errors)
 

@@ -13,6 +13,7 @@ from starlette.routing import Route, WebSocketRoute
 from bridges import all_routes
 from engine.model_loader import default_cache_dir
 from engine.protocol import EngineClient
+from lora_store.pack import UnpackLimits
 from lora_store.resolver import LoraResolver, store_validator
 from lora_store.store import LoraStore, StoreLimits
 from spark_server.auth import ApiKeyMiddleware, parse_key_pairs
@@ -85,12 +86,13 @@ def attach_lora(settings: Settings, engine: EngineClient) -> LoraResolver | None
     core = getattr(engine, "engine", None)
     if not settings.lora_enabled or core is None or core.lora_manager is None:
         return None
-    limits = StoreLimits(max_pack_bytes=settings.lora_max_pack_mb << 20,
-                         total_timeout_s=settings.lora_download_timeout,
-                         disk_budget_bytes=int(settings.lora_disk_budget_gb * (1 << 30)))
+    max_pack, budget = settings.lora_max_pack_mb << 20, int(settings.lora_disk_budget_gb * (1 << 30))
+    limits = StoreLimits(max_pack_bytes=max_pack, total_timeout_s=settings.lora_download_timeout,
+                         disk_budget_bytes=budget, unpack=UnpackLimits.for_pack_limit(max_pack, budget))
     cache = Path(settings.lora_cache_dir) if settings.lora_cache_dir else default_cache_dir() / "lora"
     store = LoraStore(cache, (settings.lora_allowed_urls or "").split(","), limits,
-                      validator=store_validator(core.check_adapter))
+                      validator=store_validator(core.check_adapter),
+                      refuse_private=settings.lora_refuse_private_addresses)
     resolver = LoraResolver(store, core.check_adapter)
     engine.lora_resolver = resolver
     return resolver

@@ -90,6 +90,26 @@ def verify_spark(query: dict[str, str], path: str, keys: dict[str, str], now: da
     return key
 
 
+def verify_websocket(headers: dict[str, str], query: dict[str, str], path: str, api_key: str | None,
+                     keys: dict[str, str]) -> None:
+    """The Spark WebSocket's handshake check. With ``--api-key`` the key is accepted as
+    ``Authorization: Bearer KEY`` or, for browsers (which cannot set headers on a WebSocket), as the
+    ``api_key`` query parameter; with ``--spark-auth`` a signed URL is accepted. With both, either
+    credential opens the socket. Raises AuthError; returns None when the socket may open."""
+    if not api_key and not keys:
+        return
+    if api_key:
+        expected = f"Bearer {api_key}"
+        if hmac.compare_digest(headers.get("authorization", "").encode(), expected.encode()) or \
+                hmac.compare_digest(query.get("api_key", "").encode(), api_key.encode()):
+            return
+        if not keys or "authorization" not in query:
+            given = headers.get("authorization") or query.get("api_key")
+            raise AuthError(401, "invalid API key" if given else
+                            "missing credential: send Authorization: Bearer <key> or the api_key query parameter")
+    verify_spark(query, path, keys)
+
+
 class ApiKeyMiddleware:
     """Bearer API key on every HTTP endpoint except the open ones."""
 

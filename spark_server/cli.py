@@ -24,6 +24,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from spark_server.log_safety import EscapeControlCharacters
+
+    for handler in logging.getLogger().handlers:  # no request value can start a line of its own
+        handler.addFilter(EscapeControlCharacters())
     started = time.monotonic()
     try:
         engine = AsyncEngine.from_config(settings.engine_config())

@@ -25,27 +25,31 @@ class BodySizeLimit:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._too_large()(scope, receive, send)
             return
+        # Read the whole body here (bounded), so an over-long chunked body is answered 413 before any
+        # handler runs; the handler then gets it in one message, and later receives (disconnect
+        # watching) go to the server.
+        chunks: list[bytes] = []
         received = 0
-        too_large = False
-
-        async def bounded_receive():
-            nonlocal received, too_large
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    too_large = True
-                    return {"type": "http.disconnect"}
-            return message
+            if message["type"] != "http.request":  # the client left mid-body
+                return
+            chunk = message.get("body", b"")
+            received += len(chunk)
+            if received > self.max_bytes:
+                await self._too_large()(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
 
-        started = False
+        async def replay_receive():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
 
-        async def tracking_send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        await self.app(scope, bounded_receive, tracking_send)
-        if too_large and not started:
-            await self._too_large()(scope, receive, send)
+        await self.app(scope, replay_receive, send)

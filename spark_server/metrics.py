@@ -14,8 +14,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.request import RequestOutput
+from spark_server.log_safety import protect
 
-logger = logging.getLogger("spark_server.requests")
+logger = protect(logging.getLogger("spark_server.requests"))
 
 # Per HTTP request: protocol, id, and what the engine reports when its samples finish (tokens, TTFT).
 # Set by the middleware, filled by the engine's finished-listener running inside the request's task.

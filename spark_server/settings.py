@@ -54,6 +54,9 @@ class Settings:
     full_text_enabled: bool = _opt(False, "the spec's fullTextEnabled: TGI / vLLM stream text is cumulative")
     lora_allowed_urls: str | None = _opt(None, "comma-separated URL prefixes LoRA packs may come from (nothing "
                                                "until set; like ALLOWED_MEDIA_URLS_ENV)")
+    lora_refuse_private_addresses: bool = _opt(False, "refuse LoRA pack hosts named in --lora-allowed-urls by DNS "
+                                                      "name when they resolve to private, loopback or link-local "
+                                                      "addresses (IP literals in the list stay allowed)")
     lora: str | None = _opt(None, "pre-registered adapter NAME=DIR or NAME=URL#md5 (repeatable; env: comma-"
                                   "separated), used by TGI adapter_id, vLLM/OpenAI model, SGLang lora_path",
                             repeatable=True)

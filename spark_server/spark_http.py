@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bridges.common import unless_disconnected
+from schemas.json_body import parse_json
 from spark_server import spark_protocol as sp
 from spark_server.errors import SparkCode, SparkError, http_status_for, spark_error_from
 from spark_server.spark_service import SparkService
@@ -17,7 +17,7 @@ from spark_server.spark_service import SparkService
 def _trace_id(raw: bytes) -> str | None:
     """The traceId of a body that may be invalid, for echoing in the error answer."""
     try:
-        trace = json.loads(raw)["header"]["traceId"]
+        trace = parse_json(raw)["header"]["traceId"]
     except Exception:
         return None
     return trace if isinstance(trace, str) else None

@@ -7,14 +7,15 @@ the body and the frames is here.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import schemas
+from schemas.json_body import JsonContentError, JsonSyntaxError, parse_json
 from engine.errors import PromptTooLongError
+from engine.protocol import EngineClient
 from engine.request import ChatMessage, ChatPrompt, GenerationRequest, LoraRef, RequestOutput
 from engine.sampling_params import SamplingParams
 from spark_server.errors import SparkCode, SparkError
@@ -38,9 +39,11 @@ def new_sid() -> str:
 
 def parse_body(raw: str | bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SparkError(SparkCode.JSON_PARSE_ERROR, f"request is not valid JSON: {exc}") from None
+        body = parse_json(raw)
+    except JsonSyntaxError as exc:
+        raise SparkError(SparkCode.JSON_PARSE_ERROR, exc.message) from None
+    except JsonContentError as exc:
+        raise SparkError(SparkCode.SCHEMA_ERROR, exc.message) from None
     if not isinstance(body, dict):
         raise SparkError(SparkCode.SCHEMA_ERROR, f"$: the request must be a JSON object, not {type(body).__name__}")
     error = schemas.first_error(SCHEMA, body)
@@ -104,37 +107,80 @@ def lower(body: dict[str, Any], sid: str) -> tuple[GenerationRequest, bool]:
     return request, bool(chat.get("adjustTokens", False))
 
 
-def fit_history(request: GenerationRequest, adjust: bool, tokenizer: Any, encode_prompt: Any,
+def fit_history(request: GenerationRequest, adjust: bool, engine: EngineClient,
                 history_limit: int) -> tuple[int, int]:
     """Enforce the token limit: all contents within ``history_limit`` tokens and the templated
     prompt within the model's context. With ``adjust`` the oldest turns are dropped (system prompts
-    and the latest user turn are kept) until it fits. Returns (question_tokens, dropped)."""
+    and the latest user turn are kept) until it fits. Returns (question_tokens, dropped).
+
+    Sizes first: a floor on each content's tokens, known without tokenizing, refuses or drops what
+    cannot fit (a 4 MB content costs nothing); then exact counts; then the templated prompt, with the
+    number of dropped turns found by bisection (each try templates the whole dialogue)."""
     prompt = request.prompt
     assert isinstance(prompt, ChatPrompt)
     messages = prompt.messages
-    counts = [len(ids) for ids in tokenizer([m.content for m in messages], add_special_tokens=False)["input_ids"]]
-    question_tokens = counts[-1]
-    dropped = 0
-    while True:
-        total = sum(counts)
-        reason = None
-        if total > history_limit:
-            reason = f"the dialogue's contents have {total} tokens; the limit is {history_limit}"
-        else:
-            try:
-                encode_prompt(prompt)
-            except PromptTooLongError as exc:
-                reason = str(exc)
-        if reason is None:
-            return question_tokens, dropped
+    hint = "" if adjust else " (set parameter.chat.adjustTokens=true to drop the oldest turns)"
+
+    def too_long(reason: str) -> SparkError:
+        return SparkError(SparkCode.TOKEN_LIMIT_EXCEEDED, f"payload.message.text: {reason}{hint}")
+
+    def drop_for(sizes: list[int], what: str) -> int:
+        """How many of the oldest droppable turns must go for ``sizes`` to fit the history limit."""
+        total = sum(sizes)
+        if total <= history_limit:
+            return 0
         droppable = [i for i, m in enumerate(messages[:-1]) if m.role != "system"]
-        if not adjust or not droppable:
-            hint = "" if adjust else " (set parameter.chat.adjustTokens=true to drop the oldest turns)"
-            raise SparkError(SparkCode.TOKEN_LIMIT_EXCEEDED, f"payload.message.text: {reason}{hint}")
-        i = droppable[0]
-        del messages[i]
-        del counts[i]
-        dropped += 1
+        for k, i in enumerate(droppable, start=1):
+            total -= sizes[i]
+            if adjust and total <= history_limit:
+                return k
+        raise too_long(f"the dialogue's contents have {what}{sum(sizes)} tokens; the limit is {history_limit}")
+
+    def drop(k: int) -> None:
+        gone = set([i for i, m in enumerate(messages[:-1]) if m.role != "system"][:k])
+        messages[:] = [m for i, m in enumerate(messages) if i not in gone]
+
+    dropped = drop_for([engine.min_num_tokens([m.content]) for m in messages], "at least ")
+    drop(dropped)
+    counts = [len(ids) for ids in engine.tokenizer([m.content for m in messages],
+                                                   add_special_tokens=False)["input_ids"]]
+    k = drop_for(counts, "")
+    drop(k)
+    dropped += k
+    question_tokens = counts[-1]
+
+    def fits() -> str | None:
+        try:
+            engine.encode_prompt_sync(prompt)
+        except PromptTooLongError as exc:
+            return str(exc)
+        return None
+
+    reason = fits()
+    if reason is None:
+        return question_tokens, dropped
+    kept = list(messages)
+    droppable = [i for i, m in enumerate(kept[:-1]) if m.role != "system"]
+    if not adjust or not droppable:
+        raise too_long(reason)
+
+    def keep_after_dropping(k: int) -> None:
+        gone = set(droppable[:k])
+        messages[:] = [m for i, m in enumerate(kept) if i not in gone]
+
+    lo, hi = 1, len(droppable)  # the fewest drops that fit lies in [lo, hi] if any does
+    while lo < hi:
+        mid = (lo + hi) // 2
+        keep_after_dropping(mid)
+        if fits() is None:
+            hi = mid
+        else:
+            lo = mid + 1
+    keep_after_dropping(lo)
+    reason = fits()
+    if reason is not None:
+        raise too_long(reason)
+    return question_tokens, dropped + lo
 
 
 # ---- frames --------------------------------------------------------------------------------------

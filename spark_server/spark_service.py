@@ -11,8 +11,9 @@ from typing import Any, AsyncIterator, Callable
 from engine.protocol import EngineClient
 from spark_server import spark_protocol as sp
 from spark_server.errors import SparkCode, SparkError, spark_error_from
+from spark_server.log_safety import protect
 
-logger = logging.getLogger("spark_server.sessions")
+logger = protect(logging.getLogger("spark_server.sessions"))
 
 
 class SparkService:
@@ -42,7 +43,7 @@ class SparkService:
             raise spark_error_from(exc) from None
         engine = self.engine
         question_tokens, dropped = await asyncio.to_thread(
-            sp.fit_history, request, adjust, engine.tokenizer, engine.encode_prompt_sync, self.history_limit)
+            sp.fit_history, request, adjust, engine, self.history_limit)
         return sp.SparkSession(sid=sid, trace_id=trace_id, request=request, question_tokens=question_tokens,
                                num_dropped_messages=dropped)
 

@@ -9,11 +9,12 @@ import logging
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from spark_server import spark_protocol as sp
-from spark_server.auth import AuthError, denial, verify_spark
+from spark_server.auth import AuthError, denial, verify_websocket
 from spark_server.errors import SparkCode, SparkError, spark_error_from
 from spark_server.spark_service import SparkService
+from spark_server.log_safety import protect
 
-logger = logging.getLogger(__name__)
+logger = protect(logging.getLogger(__name__))
 
 
 async def _send(ws: WebSocket, frame: dict) -> None:
@@ -36,13 +37,12 @@ async def _wait_for_disconnect(ws: WebSocket) -> None:
 async def spark_websocket(ws: WebSocket) -> None:
     service: SparkService = ws.app.state.spark
     request_timeout: float = ws.app.state.settings.ws_request_timeout
-    keys = ws.app.state.spark_keys
-    if keys:  # refused at the handshake, before any engine work
-        try:
-            verify_spark(dict(ws.query_params), ws.url.path, keys)
-        except AuthError as err:
-            await ws.send_denial_response(denial(err))
-            return
+    try:  # refused at the handshake, before any engine work
+        verify_websocket(dict(ws.headers), dict(ws.query_params), ws.url.path, ws.app.state.settings.api_key,
+                         ws.app.state.spark_keys)
+    except AuthError as err:
+        await ws.send_denial_response(denial(err))
+        return
     await ws.accept()
     sid = sp.new_sid()
     try:
