@@ -133,3 +133,48 @@ def test_client_hanging_up_on_a_non_streaming_call_aborts_it(live_server, path, 
         httpx.post(live_server.http_url + path, json=body, timeout=httpx.Timeout(10, read=1.0))
     live_server.wait_idle(timeout=10)  # far sooner than 3,000 tokens would take
     assert core.num_aborted == aborted_before + 1
+
+
+@pytest.mark.parametrize("path, body, last_event", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 32,
+                              "stream": True}, lambda events: events[-2].startswith('{"error"') and events[-1] == "[DONE]"),
+    ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 32, "stream": True},
+     lambda events: events[-2].startswith('{"error"') and events[-1] == "[DONE]"),
+    ("/generate_stream", {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 32}},
+     lambda events: '"error_type"' in events[-1]),
+    ("/generate", {"prompt": "Once upon a time", "max_tokens": 32, "stream": True},
+     lambda chunks: chunks[-1].startswith('{"error"')),
+    ("/generate", {"text": "Once upon a time", "stream": True, "sampling_params": {"max_new_tokens": 32}},
+     lambda events: events[-2].startswith('{"error"') and events[-1] == "[DONE]"),
+    ("/v2/models/{model}/generate_stream", {"text_input": "Once upon a time", "parameters": {"max_new_tokens": 32}},
+     lambda events: events[-1].startswith('{"error"')),
+    ("/infer", {"inputs": "Once upon a time", "stream": True, "parameters": {"max_new_tokens": 32}},
+     lambda events: events[-1].startswith('{"error"')),
+])
+def test_a_failure_mid_stream_ends_with_the_protocols_error_event(live_server, path, body, last_event):
+    """After the first byte the status is sent: a model-step failure must end the stream with the
+    protocol's own error event (and terminator), not a cut connection."""
+    model = live_server.engine.model_info.name
+    if path.startswith("/v1/"):
+        body = {"model": model, **body}
+    core = live_server.engine.engine
+    steps = {"n": 0}
+
+    def fail_later(seqs):
+        steps["n"] += 1
+        if steps["n"] > 3:
+            raise RuntimeError("injected fault")
+
+    core.fault_hook = fail_later
+    try:
+        resp = httpx.post(live_server.http_url + path.format(model=model), json=body, timeout=60)
+    finally:
+        core.fault_hook = None
+    assert resp.status_code == 200
+    if "\0" in resp.text:
+        events = [c for c in resp.text.split("\0") if c]
+    else:
+        events = [line.removeprefix("data: ") for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert len(events) >= 2 and last_event(events), events[-3:]
+    assert "injected fault" in resp.text
+    live_server.wait_idle()
