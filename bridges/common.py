@@ -11,7 +11,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 import schemas
@@ -22,7 +22,8 @@ from engine.protocol import EngineClient
 from engine.request import GenerationRequest, RequestOutput, TokenLogprob
 
 
-INVALID_JSON = "invalid_json"  # BridgeError.code of a body that is not JSON at all
+INVALID_JSON = "invalid_json"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer; nobody reads it  # BridgeError.code of a body that is not JSON at all
 
 
 class BridgeError(Exception):
@@ -188,7 +189,12 @@ async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Re
     """Run ``work``; if the client hangs up first, cancel it, which aborts its engine requests (a
     non-streaming completion would otherwise keep generating for nobody, as vLLM's
     ``with_cancellation`` avoids too). Streaming responses watch for disconnects themselves."""
-    await request.body()  # cached for the handler; the watcher may only read what comes after it
+    try:
+        await request.body()  # cached for the handler; the watcher may only read what comes after it
+    except ClientDisconnect:  # gone mid-body: nobody to answer, and not a server error
+        if asyncio.iscoroutine(work):
+            work.close()
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_client_disconnected(request))
     try:
@@ -201,7 +207,7 @@ async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Re
             await task
         except asyncio.CancelledError:
             pass
-        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return task.result()
 
 

@@ -18,7 +18,6 @@ logger = protect(logging.getLogger(__name__))
 
 DEFAULT_MAX_NEW_TOKENS = 20  # TGI / MindIE default
 DEFAULT_PRIORITY = 5
-DEFAULT_TIMEOUT_S = 600
 # Accepted because the spec lists them, with no effect ("当前后处理不支持"): reported in a header when
 # set to anything but their default.
 NO_EFFECT: dict[str, object] = {"typical_p": 1.0, "watermark": False, "batch_size": 1}
@@ -82,9 +81,10 @@ def lower(engine: EngineClient, rid: str, inputs: str | list[int], parameters: d
                 prompt = TokensPrompt(ids[-truncate:])
     else:
         prompt = TokensPrompt(int_list(inputs))
-    timeout = p.get("timeout") or DEFAULT_TIMEOUT_S
+    # no `timeout`: the server's --request-timeout (600 s by default, the spec's default) applies
+    deadline = time.monotonic() + p["timeout"] if p.get("timeout") else None
     request = GenerationRequest(rid, prompt, params, lora=lora, priority=p.get("priority") or DEFAULT_PRIORITY,
-                                deadline=time.monotonic() + timeout)
+                                deadline=deadline)
     no_effect = [k for k, default in NO_EFFECT.items() if p.get(k) is not None and not _is_default(p[k], default)]
     if no_effect:
         logger.info("request %s: %s accepted with no effect (not supported)", rid, ", ".join(no_effect))

@@ -16,7 +16,7 @@ from engine.protocol import EngineClient
 from lora_store.pack import UnpackLimits
 from lora_store.resolver import LoraResolver, store_validator
 from lora_store.store import LoraStore, StoreLimits
-from spark_server.auth import ApiKeyMiddleware, parse_key_pairs
+from spark_server.auth import ApiKeyMiddleware, ReplayGuard, parse_key_pairs
 from spark_server.health import health
 from spark_server.metrics import Metrics, RequestCounter, metrics_endpoint, note_in_request_context
 from spark_server.settings import Settings
@@ -66,6 +66,7 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
             engine.finished_listeners.append(note_in_request_context)
     app.add_middleware(RequestCounter, metrics=metrics)
     app.state.spark_keys = parse_key_pairs(settings.spark_auth)
+    app.state.spark_replay = ReplayGuard()
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.state.draining = False

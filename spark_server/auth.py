@@ -17,6 +17,8 @@ import hashlib
 import hmac
 import re
 import secrets
+import time
+from collections import OrderedDict
 from datetime import datetime, timezone
 from email.utils import format_datetime, parsedate_to_datetime
 from urllib.parse import urlencode, urlsplit
@@ -60,8 +62,30 @@ def sign_url(url: str, key: str, secret: str, now: datetime | None = None) -> st
 _FIELD = re.compile(r'(\w+)="([^"]*)"')
 
 
-def verify_spark(query: dict[str, str], path: str, keys: dict[str, str], now: datetime | None = None) -> str:
-    """Returns the api_key of a valid signed request; raises AuthError otherwise."""
+class ReplayGuard:
+    """Signatures seen within the date window: a signed URL opens one socket (the Spark gateway's rule).
+    Memory is bounded: entries leave when their window has passed, the oldest first when full."""
+
+    def __init__(self, window_s: float = 2 * DATE_WINDOW_S, max_entries: int = 100_000) -> None:
+        self.window_s = window_s
+        self.max_entries = max_entries
+        self._seen: OrderedDict[str, float] = OrderedDict()  # signature -> when it may be forgotten
+
+    def first_use(self, sig: str, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        while self._seen and (next(iter(self._seen.values())) <= now or len(self._seen) >= self.max_entries):
+            self._seen.popitem(last=False)
+        if sig in self._seen:
+            return False
+        self._seen[sig] = now + self.window_s
+        return True
+
+
+def verify_spark(query: dict[str, str], path: str, keys: dict[str, str], now: datetime | None = None,
+                 request_host: str | None = None, replay: ReplayGuard | None = None) -> str:
+    """Returns the api_key of a valid signed request; raises AuthError otherwise. ``request_host``: the
+    request's Host header, which must be the host that was signed; ``replay``: refuses a signature
+    already used."""
     missing = [p for p in ("authorization", "date", "host") if not query.get(p)]
     if missing:
         raise AuthError(401, f"missing query parameter(s): {', '.join(missing)} (sign the URL: spark-server sign-url)")
@@ -76,22 +100,26 @@ def verify_spark(query: dict[str, str], path: str, keys: dict[str, str], now: da
         raise AuthError(401, f"unsupported algorithm {fields.get('algorithm')!r}")
     try:
         date = parsedate_to_datetime(query["date"])
-    except (TypeError, ValueError):
-        raise AuthError(401, "date is not an RFC 1123 date") from None
-    if date.tzinfo is None:
-        date = date.replace(tzinfo=timezone.utc)
-    skew = abs(((now or datetime.now(timezone.utc)) - date).total_seconds())
+        if date.tzinfo is None:
+            date = date.replace(tzinfo=timezone.utc)
+        skew = abs(((now or datetime.now(timezone.utc)) - date).total_seconds())
+    except (TypeError, ValueError, OverflowError, IndexError):
+        raise AuthError(401, "date is not an RFC 1123 date the server can read") from None
     if skew > DATE_WINDOW_S:
         raise AuthError(403, f"date is {skew:.0f}s away from the server's clock (allowed: {DATE_WINDOW_S}s)")
     secret = keys.get(key)
     expected = signature(secret, query["host"], query["date"], path) if secret else secrets.token_hex(16)
     if secret is None or not hmac.compare_digest(expected, sig):
         raise AuthError(401, "signature does not match (unknown api_key, or wrong secret, host, date or path)")
+    if request_host is not None and query["host"].lower() != request_host.lower():
+        raise AuthError(401, "the signed host is not the host this request was sent to")
+    if replay is not None and not replay.first_use(sig):
+        raise AuthError(401, "this signed URL was already used: sign a new one for each connection")
     return key
 
 
 def verify_websocket(headers: dict[str, str], query: dict[str, str], path: str, api_key: str | None,
-                     keys: dict[str, str]) -> None:
+                     keys: dict[str, str], replay: ReplayGuard | None = None) -> None:
     """The Spark WebSocket's handshake check. With ``--api-key`` the key is accepted as
     ``Authorization: Bearer KEY`` or, for browsers (which cannot set headers on a WebSocket), as the
     ``api_key`` query parameter; with ``--spark-auth`` a signed URL is accepted. With both, either
@@ -107,7 +135,7 @@ def verify_websocket(headers: dict[str, str], query: dict[str, str], path: str, 
             given = headers.get("authorization") or query.get("api_key")
             raise AuthError(401, "invalid API key" if given else
                             "missing credential: send Authorization: Bearer <key> or the api_key query parameter")
-    verify_spark(query, path, keys)
+    verify_spark(query, path, keys, request_host=headers.get("host", ""), replay=replay)
 
 
 class ApiKeyMiddleware:

@@ -24,10 +24,6 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from spark_server.log_safety import EscapeControlCharacters
-
-    for handler in logging.getLogger().handlers:  # no request value can start a line of its own
-        handler.addFilter(EscapeControlCharacters())
     started = time.monotonic()
     try:
         engine = AsyncEngine.from_config(settings.engine_config())
@@ -49,6 +45,9 @@ def _serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             ws_max_size=int(settings.max_frame_mb * (1 << 20)), ssl_certfile=settings.ssl_certfile,
                             ssl_keyfile=settings.ssl_keyfile)
+    from spark_server.log_safety import protect_server_logs
+
+    protect_server_logs()  # after uvicorn set up its loggers: no forged lines, no signatures in logs
     DrainingServer(config, app, settings.shutdown_grace).run()
     return 0
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 
 
+async def _disconnected() -> dict:
+    return {"type": "http.disconnect"}
+
+
 class BodySizeLimit:
     """Refuse HTTP bodies over ``max_bytes`` with 413: by Content-Length up front, or while streaming."""
 
@@ -32,7 +36,8 @@ class BodySizeLimit:
         received = 0
         while True:
             message = await receive()
-            if message["type"] != "http.request":  # the client left mid-body
+            if message["type"] != "http.request":  # the client left mid-body: the app counts it (499)
+                await self.app(scope, _disconnected, send)
                 return
             chunk = message.get("body", b"")
             received += len(chunk)

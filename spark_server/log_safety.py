@@ -1,8 +1,11 @@
-"""Log lines that a request cannot forge: control characters in logged values are escaped.
+"""Log lines that a request can neither forge nor use to leak credentials.
 
-A ``traceId`` of ``"x\\nsid=FORGED code=0"`` must stay inside its own line. The filter escapes every
-string argument of a record (the format string is ours), and the message itself when it has no
-arguments; ``clean`` does the same for a single value."""
+- Control characters in logged values are escaped: a ``traceId`` of ``"x\\nsid=FORGED code=0"``
+  stays inside its own line.
+- Credentials in URLs (the Spark signature's ``authorization`` and ``signature`` query parameters,
+  ``api_key``) are replaced by ``REDACTED``: uvicorn logs every WebSocket handshake's full path.
+The filter cleans every string argument of a record (the format string is ours), and the message
+itself when it has no arguments; ``clean`` does the same for a single value."""
 
 from __future__ import annotations
 
@@ -10,7 +13,9 @@ import logging
 import re
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_CREDENTIAL = re.compile(r"(?i)\b(authorization|signature|api_key)=[^&\s\"']*")
 MAX_VALUE_CHARS = 512
+SERVER_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 
 
 def _escape(match: re.Match) -> str:
@@ -19,20 +24,21 @@ def _escape(match: re.Match) -> str:
 
 
 def clean(value: object, limit: int = MAX_VALUE_CHARS) -> str:
-    """``value`` as one printable line: control characters escaped, at most ``limit`` characters."""
+    """``value`` as one printable line: credentials redacted, control characters escaped, at most
+    ``limit`` characters."""
     text = value if isinstance(value, str) else str(value)
     if len(text) > limit:
         text = text[:limit] + "..."
-    return _CONTROL.sub(_escape, text)
+    return _CONTROL.sub(_escape, _CREDENTIAL.sub(r"\1=REDACTED", text))
 
 
-class EscapeControlCharacters(logging.Filter):
+class SanitizeLogValues(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.args:
-            args = record.args if isinstance(record.args, tuple) else (record.args,)
             if isinstance(record.args, dict):
                 record.args = {k: clean(v) if isinstance(v, str) else v for k, v in record.args.items()}
             else:
+                args = record.args if isinstance(record.args, tuple) else (record.args,)
                 record.args = tuple(clean(a) if isinstance(a, str) else a for a in args)
         elif isinstance(record.msg, str):
             record.msg = clean(record.msg, limit=1 << 16)
@@ -41,6 +47,15 @@ class EscapeControlCharacters(logging.Filter):
 
 def protect(logger: logging.Logger) -> logging.Logger:
     """Attach the filter to a logger that prints request-supplied values (idempotent)."""
-    if not any(isinstance(f, EscapeControlCharacters) for f in logger.filters):
-        logger.addFilter(EscapeControlCharacters())
+    if not any(isinstance(f, SanitizeLogValues) for f in logger.filters):
+        logger.addFilter(SanitizeLogValues())
     return logger
+
+
+def protect_server_logs() -> None:
+    """The root logger's handlers and uvicorn's own loggers (which log handshake paths)."""
+    for name in SERVER_LOGGERS:
+        protect(logging.getLogger(name))
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, SanitizeLogValues) for f in handler.filters):
+            handler.addFilter(SanitizeLogValues())

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import schemas
-from schemas.json_body import JsonContentError, JsonSyntaxError, parse_json
 from engine.errors import PromptTooLongError
 from engine.protocol import EngineClient
 from engine.request import ChatMessage, ChatPrompt, GenerationRequest, LoraRef, RequestOutput
 from engine.sampling_params import SamplingParams
+from schemas.json_body import JsonContentError, JsonSyntaxError, parse_json
 from spark_server.errors import SparkCode, SparkError
 
 SCHEMA = "spark-request"
@@ -107,6 +107,16 @@ def lower(body: dict[str, Any], sid: str) -> tuple[GenerationRequest, bool]:
     return request, bool(chat.get("adjustTokens", False))
 
 
+def _droppable(messages: list[ChatMessage]) -> list[int]:
+    """Turns adjustTokens may drop, oldest first: all but system prompts and the latest turn."""
+    return [i for i, m in enumerate(messages[:-1]) if m.role != "system"]
+
+
+def _without_oldest(messages: list[ChatMessage], k: int) -> list[ChatMessage]:
+    gone = set(_droppable(messages)[:k])
+    return [m for i, m in enumerate(messages) if i not in gone]
+
+
 def fit_history(request: GenerationRequest, adjust: bool, engine: EngineClient,
                 history_limit: int) -> tuple[int, int]:
     """Enforce the token limit: all contents within ``history_limit`` tokens and the templated
@@ -124,29 +134,24 @@ def fit_history(request: GenerationRequest, adjust: bool, engine: EngineClient,
     def too_long(reason: str) -> SparkError:
         return SparkError(SparkCode.TOKEN_LIMIT_EXCEEDED, f"payload.message.text: {reason}{hint}")
 
-    def drop_for(sizes: list[int], what: str) -> int:
-        """How many of the oldest droppable turns must go for ``sizes`` to fit the history limit."""
+    def drop_to_history_limit(sizes: list[int], what: str) -> int:
+        """Drop the fewest oldest turns that bring ``sizes`` (one per message) within the limit."""
         total = sum(sizes)
-        if total <= history_limit:
-            return 0
-        droppable = [i for i, m in enumerate(messages[:-1]) if m.role != "system"]
-        for k, i in enumerate(droppable, start=1):
+        k = 0
+        for i in _droppable(messages) if adjust else []:
+            if total <= history_limit:
+                break
             total -= sizes[i]
-            if adjust and total <= history_limit:
-                return k
-        raise too_long(f"the dialogue's contents have {what}{sum(sizes)} tokens; the limit is {history_limit}")
+            k += 1
+        if total > history_limit:
+            raise too_long(f"the dialogue's contents have {what}{sum(sizes)} tokens; the limit is {history_limit}")
+        messages[:] = _without_oldest(messages, k)
+        return k
 
-    def drop(k: int) -> None:
-        gone = set([i for i, m in enumerate(messages[:-1]) if m.role != "system"][:k])
-        messages[:] = [m for i, m in enumerate(messages) if i not in gone]
-
-    dropped = drop_for([engine.min_num_tokens([m.content]) for m in messages], "at least ")
-    drop(dropped)
+    dropped = drop_to_history_limit([engine.min_num_tokens([m.content]) for m in messages], "at least ")
     counts = [len(ids) for ids in engine.tokenizer([m.content for m in messages],
                                                    add_special_tokens=False)["input_ids"]]
-    k = drop_for(counts, "")
-    drop(k)
-    dropped += k
+    dropped += drop_to_history_limit(counts, "")
     question_tokens = counts[-1]
 
     def fits() -> str | None:
@@ -160,23 +165,17 @@ def fit_history(request: GenerationRequest, adjust: bool, engine: EngineClient,
     if reason is None:
         return question_tokens, dropped
     kept = list(messages)
-    droppable = [i for i, m in enumerate(kept[:-1]) if m.role != "system"]
-    if not adjust or not droppable:
+    if not adjust or not _droppable(kept):
         raise too_long(reason)
-
-    def keep_after_dropping(k: int) -> None:
-        gone = set(droppable[:k])
-        messages[:] = [m for i, m in enumerate(kept) if i not in gone]
-
-    lo, hi = 1, len(droppable)  # the fewest drops that fit lies in [lo, hi] if any does
+    lo, hi = 1, len(_droppable(kept))  # the fewest drops that fit lies in [lo, hi] if any does
     while lo < hi:
         mid = (lo + hi) // 2
-        keep_after_dropping(mid)
+        messages[:] = _without_oldest(kept, mid)
         if fits() is None:
             hi = mid
         else:
             lo = mid + 1
-    keep_after_dropping(lo)
+    messages[:] = _without_oldest(kept, lo)
     reason = fits()
     if reason is not None:
         raise too_long(reason)

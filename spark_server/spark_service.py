@@ -13,15 +13,16 @@ from spark_server import spark_protocol as sp
 from spark_server.errors import SparkCode, SparkError, spark_error_from
 from spark_server.log_safety import protect
 
+ABORTED = "aborted"  # the result label of a session whose client left mid-answer
 logger = protect(logging.getLogger("spark_server.sessions"))
 
 
 class SparkService:
     def __init__(self, engine: EngineClient, history_limit: int = 8192,
-                 on_result: Callable[[str, int], None] | None = None) -> None:
+                 on_result: Callable[[str, int | str], None] | None = None) -> None:
         self.engine = engine
         self.history_limit = history_limit
-        self.on_result = on_result  # (protocol, code) of every finished session, for metrics
+        self.on_result = on_result  # (protocol, code or "aborted") of every finished session, for metrics
 
     async def open_session(self, raw: str | bytes, sid: str) -> sp.SparkSession:
         """Parse, validate and lower one request; raises SparkError with the protocol's code."""
@@ -52,7 +53,7 @@ class SparkService:
         builder = sp.FrameBuilder(session.sid, session.question_tokens)
         started = time.monotonic()
         last = None
-        code = SparkCode.SUCCESS
+        code: int | str = int(SparkCode.SUCCESS)
         try:
             async with aclosing(self.engine.generate(session.request)) as outputs:
                 async for out in outputs:
@@ -61,14 +62,18 @@ class SparkService:
                         yield frame
         except Exception as exc:
             err = spark_error_from(exc)
-            code = err.code
+            code = int(err.code)
             raise err from None
+        except (GeneratorExit, asyncio.CancelledError):
+            if last is None or not last.finished:
+                code = ABORTED  # the client left before the answer was complete: not a success
+            raise
         finally:
             if self.on_result is not None:
-                self.on_result("spark", int(code))
+                self.on_result("spark", code)
             ttft = last.timings.first_token_s if last is not None else None
             logger.info("session sid=%s traceId=%s protocol=spark prompt_tokens=%s completion_tokens=%s "
-                        "ttft=%s duration=%.3f code=%d", session.sid, session.trace_id,
+                        "ttft=%s duration=%.3f code=%s", session.sid, session.trace_id,
                         last.num_prompt_tokens if last else 0, last.num_output_tokens if last else 0,
-                        f"{ttft:.3f}" if ttft is not None else "-", time.monotonic() - started, int(code))
+                        f"{ttft:.3f}" if ttft is not None else "-", time.monotonic() - started, code)
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from contextlib import aclosing
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from spark_server import spark_protocol as sp
 from spark_server.auth import AuthError, denial, verify_websocket
 from spark_server.errors import SparkCode, SparkError, spark_error_from
-from spark_server.spark_service import SparkService
 from spark_server.log_safety import protect
+from spark_server.spark_service import SparkService
 
 logger = protect(logging.getLogger(__name__))
 
@@ -39,7 +40,7 @@ async def spark_websocket(ws: WebSocket) -> None:
     request_timeout: float = ws.app.state.settings.ws_request_timeout
     try:  # refused at the handshake, before any engine work
         verify_websocket(dict(ws.headers), dict(ws.query_params), ws.url.path, ws.app.state.settings.api_key,
-                         ws.app.state.spark_keys)
+                         ws.app.state.spark_keys, ws.app.state.spark_replay)
     except AuthError as err:
         await ws.send_denial_response(denial(err))
         return
@@ -70,8 +71,9 @@ async def spark_websocket(ws: WebSocket) -> None:
 
 async def _stream(ws: WebSocket, service: SparkService, session: sp.SparkSession) -> None:
     async def pump() -> None:
-        async for frame in service.frames(session):
-            await _send(ws, frame)
+        async with aclosing(service.frames(session)) as frames:  # closed at once when the client leaves
+            async for frame in frames:
+                await _send(ws, frame)
 
     pump_task = asyncio.create_task(pump())
     gone_task = asyncio.create_task(_wait_for_disconnect(ws))

@@ -38,7 +38,9 @@ def _refused(url: str) -> tuple[int, str]:
 
 
 def test_a_signed_url_works(auth_server):
-    frames = asyncio.run(converse(sign_url(auth_server.ws_url, KEY, SECRET), spark_request("Hi", max_tokens=3)))
+    # dated a few seconds back: a signed URL opens one socket, and the CLI test signs "now"
+    signed = sign_url(auth_server.ws_url, KEY, SECRET, datetime.now(timezone.utc) - timedelta(seconds=7))
+    frames = asyncio.run(converse(signed, spark_request("Hi", max_tokens=3)))
     assert frames[-1]["header"]["code"] == 0
 
 
@@ -72,3 +74,55 @@ def test_http_bridges_need_the_key(auth_server):
     assert httpx.post(url, json=body, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
     assert httpx.post(auth_server.http_url + "/generate", json={"inputs": "hi"}).status_code == 401
     assert httpx.get(auth_server.http_url + "/health").status_code == 200  # open for load balancers
+
+
+def _signed_for(url: str, host: str, when: datetime) -> str:
+    """``url`` signed as if it were sent to ``host`` (the query says ``host``; the socket goes to ``url``)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    other = sign_url(f"{parts.scheme}://{host}{parts.path}", KEY, SECRET, when)
+    return url + "?" + urlsplit(other).query
+
+
+def test_hmac_gaps_are_closed(auth_server):
+    url = auth_server.ws_url
+    when = datetime.now(timezone.utc) - timedelta(seconds=20)
+    # a date far beyond what a datetime holds
+    signed = sign_url(url, KEY, SECRET, when)
+    from urllib.parse import quote
+    overflow = url + "?" + "&".join(p for p in signed.split("?", 1)[1].split("&") if not p.startswith("date=")) + \
+        "&date=" + quote("Fri, 31 Dec 99999999999 23:59:59 GMT")
+    assert _refused(overflow)[0] == 401
+    # signed for another host
+    code, body = _refused(_signed_for(url, "other.example:9990", when))
+    assert code == 401 and "host" in body
+    # one signed URL, one socket
+    once = sign_url(url, KEY, SECRET, when - timedelta(seconds=1))
+    assert _refused(once)[0] == 101
+    code, body = _refused(once)
+    assert code == 401 and "already used" in body
+
+
+def test_logs_hold_no_credentials():
+    import logging
+
+    from spark_server.log_safety import protect_server_logs
+
+    protect_server_logs()
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("uvicorn.error")
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        logger.warning('%s - "WebSocket %s" [accepted]', "127.0.0.1:5",
+                       "/turing/v3/gpt?authorization=YXBpX2tleT0ic2Vj&date=Sun&host=h&api_key=sk-1&signature=abc")
+    finally:
+        logger.removeHandler(handler)
+    assert records and "YXBpX2tleT0ic2Vj" not in records[0] and "sk-1" not in records[0] and "abc" not in records[0]
+    assert "authorization=REDACTED" in records[0]

@@ -53,3 +53,56 @@ def test_one_log_line_per_http_request(live_server, caplog):
     assert len(ok) == 1 and "protocol=openai" in ok[0] and "code=200" in ok[0]
     assert "completion_tokens=3" in ok[0] and "ttft=-" not in ok[0]
     assert any("code=400" in line for line in lines)
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+def test_a_session_the_client_leaves_is_counted_and_logged_as_aborted(live_server, caplog):
+    import json
+    import logging
+
+    import websockets
+
+    url = live_server.http_url + "/metrics"
+    label = 'code="aborted",protocol="spark"'
+    before = _value(httpx.get(url).text, "spark:requests_total", label)
+    ok_before = _value(httpx.get(url).text, "spark:requests_total", 'code="0",protocol="spark"')
+
+    async def leave_after_first_frame() -> None:
+        async with websockets.connect(live_server.ws_url) as ws:
+            await ws.send(json.dumps(spark_request("Tell me a long story.", trace_id="leaver", max_tokens=200,
+                                                   top_k=1)))
+            await ws.recv()
+
+    with caplog.at_level(logging.INFO, logger="spark_server.sessions"):
+        asyncio.run(leave_after_first_frame())
+        _wait_for(lambda: _value(httpx.get(url).text, "spark:requests_total", label) == before + 1)
+        _wait_for(lambda: any("traceId=leaver" in r.getMessage() for r in caplog.records))
+    line = next(r.getMessage() for r in caplog.records if "traceId=leaver" in r.getMessage())
+    assert "code=aborted" in line, line
+    assert _value(httpx.get(url).text, "spark:requests_total", 'code="0",protocol="spark"') == ok_before
+    live_server.wait_idle()
+
+
+def test_a_client_hanging_up_mid_body_is_499_not_500(live_server):
+    import socket
+
+    url = live_server.http_url + "/metrics"
+    before = {s: _value(httpx.get(url).text, "spark:requests_total", f'code="{s}",protocol="openai"')
+              for s in ("499", "500")}
+    for _ in range(5):
+        with socket.create_connection(("127.0.0.1", live_server.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"prompt\": \"Hi")
+    _wait_for(lambda: _value(httpx.get(url).text, "spark:requests_total",
+                             'code="499",protocol="openai"') == before["499"] + 5)
+    assert _value(httpx.get(url).text, "spark:requests_total", 'code="500",protocol="openai"') == before["500"]
