@@ -61,17 +61,17 @@ def bridge_error_from(exc: BaseException) -> BridgeError:
 
 
 async def read_json(request: Request, schema: str) -> dict[str, Any]:
-    body = parse_body(await request.body())
+    body = parse_body(await request.body(), request.app.state.settings.max_request_items)
     if not isinstance(body, dict):
         raise BridgeError(400, "request body must be a JSON object")
     check(schema, body)
     return body
 
 
-def parse_body(raw: bytes) -> Any:
-    """The body as JSON (UTF-8, depth-bounded, no lone surrogates), or a 400 saying what is wrong."""
+def parse_body(raw: bytes, max_items: int) -> Any:
+    """The body as JSON (UTF-8, bounded depth and sizes, no lone surrogates), or a 400 saying what is wrong."""
     try:
-        return parse_json(raw)
+        return parse_json(raw, max_items=max_items)
     except JsonSyntaxError as exc:
         raise BridgeError(400, exc.message.replace("request is", "request body is", 1), code=INVALID_JSON) from None
     except JsonBodyError as exc:
@@ -277,6 +277,14 @@ async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def check_fan_out(request: Request, num_prompts: int, n: int) -> None:
+    """A request may start at most --max-seqs-per-request sequences (prompts x n), checked before any."""
+    limit = request.app.state.settings.max_seqs_per_request
+    if num_prompts * n > limit:
+        raise BridgeError(400, f"{num_prompts} prompt(s) x n={n} would start {num_prompts * n} sequences; at most "
+                               f"{limit} per request (--max-seqs-per-request)", param="n")
 
 
 async def start_streams(engine: EngineClient, reqs: list[GenerationRequest]) -> list[AsyncIterator[RequestOutput]]:

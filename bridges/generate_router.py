@@ -12,7 +12,7 @@ from bridges.common import BridgeError, parse_body
 
 async def generate(request: Request) -> Response:
     try:
-        body = parse_body(await request.body())
+        body = parse_body(await request.body(), request.app.state.settings.max_request_items)
     except BridgeError as err:
         return JSONResponse({"error": err.message, "error_type": "validation"}, status_code=400)
     keys = set(body) if isinstance(body, dict) else set()

@@ -26,7 +26,7 @@ def _ms(seconds: float | None) -> float | None:
 async def infer(request: Request) -> Response:
     body = await read_json(request, "mindie-infer")
     engine = engine_of(request)
-    tg = textgen.lower(engine, request_id("mindie"), body["inputs"], body.get("parameters"))
+    tg = await textgen.lower(engine, request_id("mindie"), body["inputs"], body.get("parameters"))
     if not body.get("stream"):
         (c,) = await collect(engine, tg.request)
         result: dict[str, Any] = {"generated_text": c.text}

@@ -8,8 +8,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from bridges.common import (BridgeError, collect, collect_all, endpoint, ending_with_error_event, engine_of, int_list,
-                            merged, now, read_json, request_id, sse, sse_response, start_streams, stop_list)
+from bridges.common import (BridgeError, check_fan_out, collect, collect_all, endpoint, ending_with_error_event,
+                            engine_of, int_list, merged, now, read_json, request_id, sse, sse_response, start_streams,
+                            stop_list)
 from engine.protocol import EngineClient
 from engine.request import (ChatMessage, ChatPrompt, GenerationRequest, LoraRef, Prompt, TextPrompt,
                             TokenLogprob, TokensPrompt)
@@ -144,6 +145,7 @@ async def completions(request: Request) -> Response:
     model, lora = check_model(engine, body)
     rid = request_id("cmpl")
     reqs = lower_completion(engine, body, rid)
+    check_fan_out(request, len(reqs), reqs[0].params.n)
     for r in reqs:
         r.lora = lora
     n = reqs[0].params.n

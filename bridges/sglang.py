@@ -8,8 +8,9 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from bridges.common import (BridgeError, Completion, bridge_error_from, collect_all, endpoint, engine_of, int_list,
-                            merged, read_json, request_id, sse, sse_response, start_streams, stop_list)
+from bridges.common import (BridgeError, Completion, bridge_error_from, check_fan_out, collect_all, endpoint,
+                            engine_of, int_list, merged, read_json, request_id, sse, sse_response, start_streams,
+                            stop_list)
 from engine.request import GenerationRequest, LoraRef, RequestOutput, TextPrompt, TokensPrompt
 from engine.sampling_params import SamplingParams
 
@@ -84,6 +85,7 @@ async def generate(request: Request) -> Response:
     engine = engine_of(request)
     body = await read_json(request, "sglang-generate")
     reqs, batch = lower(body, request_id("sgl"))
+    check_fan_out(request, len(reqs), max(r.params.n for r in reqs))
     started = time.monotonic()
     if body.get("stream"):
         # every request primed before committing to 200: a refused one is a 4xx, and the others are aborted

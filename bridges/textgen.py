@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -50,8 +51,8 @@ def finish_reason(reason: str | None, stop_reason: str | int | None) -> str:
     return reason or "length"
 
 
-def lower(engine: EngineClient, rid: str, inputs: str | list[int], parameters: dict[str, Any] | None,
-          adapter_field: str = "adapter_id") -> TextGenRequest:
+async def lower(engine: EngineClient, rid: str, inputs: str | list[int], parameters: dict[str, Any] | None,
+                adapter_field: str = "adapter_id") -> TextGenRequest:
     p = dict(parameters or {})
     sampling = p.get("do_sample")
     if sampling is None:  # TGI's rule: any sampling knob turns sampling on
@@ -76,7 +77,7 @@ def lower(engine: EngineClient, rid: str, inputs: str | list[int], parameters: d
         prompt = TextPrompt(inputs)
         truncate = p.get("truncate")
         if truncate:  # keep the last `truncate` tokens, as TGI does
-            ids = engine.tokenizer.encode(inputs)
+            ids = await asyncio.to_thread(engine.tokenizer.encode, inputs)  # a large input: off the event loop
             if len(ids) > truncate:
                 prompt = TokensPrompt(ids[-truncate:])
     else:

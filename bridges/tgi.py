@@ -50,7 +50,7 @@ def _shape(request: Request) -> Shape:
 
 async def generate_response(request: Request, body: dict[str, Any], shape: Shape) -> tuple[dict[str, Any], dict]:
     engine = engine_of(request)
-    tg = textgen.lower(engine, request_id("tgi"), body["inputs"], body.get("parameters"))
+    tg = await textgen.lower(engine, request_id("tgi"), body["inputs"], body.get("parameters"))
     (c,) = await collect(engine, tg.request)
     text = (body["inputs"] if tg.return_full_text else "") + c.text
     result: dict[str, Any] = {"generated_text": text}
@@ -74,7 +74,7 @@ async def generate_response(request: Request, body: dict[str, Any], shape: Shape
 
 async def stream_events(request: Request, body: dict[str, Any], shape: Shape) -> tuple[AsyncIterator[bytes], dict]:
     engine = engine_of(request)
-    tg = textgen.lower(engine, request_id("tgi"), body["inputs"], body.get("parameters"))
+    tg = await textgen.lower(engine, request_id("tgi"), body["inputs"], body.get("parameters"))
     first, rest = await primed(engine, tg.request)
 
     async def events() -> AsyncIterator[bytes]:

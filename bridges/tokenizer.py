@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from starlette.requests import Request
@@ -26,8 +27,12 @@ def _check_model(request: Request, body: dict[str, Any]) -> None:
 async def mindie_tokenizer(request: Request) -> Response:
     body = await read_json(request, "tokenizer")
     tok = engine_of(request).tokenizer
-    ids = tok.encode(body["inputs"])  # as inference sees the text: special tokens (BOS) included
-    return JSONResponse({"token_number": len(ids), "tokens": [tok.decode([i]) for i in ids]})
+
+    def count() -> dict[str, Any]:  # a 4 MB input takes seconds: off the event loop
+        ids = tok.encode(body["inputs"])  # as inference sees the text: special tokens (BOS) included
+        return {"token_number": len(ids), "tokens": [tok.decode([i]) for i in ids]}
+
+    return JSONResponse(await asyncio.to_thread(count))
 
 
 @endpoint(render_error)
@@ -38,7 +43,8 @@ async def tokenize(request: Request) -> Response:
     if "messages" in body:
         ids = await engine.encode_prompt(ChatPrompt([ChatMessage(m["role"], m["content"]) for m in body["messages"]]))
     else:
-        ids = engine.tokenizer.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens") is not False)
+        ids = await asyncio.to_thread(engine.tokenizer.encode, body["prompt"],
+                                      add_special_tokens=body.get("add_special_tokens") is not False)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.model_info.max_model_len, "tokens": ids,
                            "token_strs": None}
     if body.get("return_token_strs"):
@@ -56,7 +62,7 @@ async def detokenize(request: Request) -> Response:
     bad = [t for t in tokens if t >= vocab]
     if bad:
         raise BridgeError(400, f"tokens: id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
-    return JSONResponse({"prompt": engine.tokenizer.decode(tokens)})
+    return JSONResponse({"prompt": await asyncio.to_thread(engine.tokenizer.decode, tokens)})
 
 
 ROUTES = [

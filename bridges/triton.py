@@ -47,7 +47,7 @@ async def _lower_text_request(request: Request) -> tuple[str, dict[str, Any], An
     body = await _read(request, "triton-generate")
     engine = engine_of(request)
     rid = body.get("id") or request_id("triton")
-    return model, body, engine, rid, textgen.lower(engine, rid, body["text_input"], body.get("parameters"))
+    return model, body, engine, rid, await textgen.lower(engine, rid, body["text_input"], body.get("parameters"))
 
 
 @endpoint(render_error)
@@ -120,7 +120,7 @@ async def infer(request: Request) -> Response:
     shape = tensor["shape"]
     if shape[-1] != len(tensor["data"]) or (len(shape) == 2 and shape[0] != 1):
         raise BridgeError(400, f"inputs[0].shape {shape} does not match {len(tensor['data'])} data items")
-    tg = textgen.lower(engine, rid, tensor["data"], body.get("parameters"))
+    tg = await textgen.lower(engine, rid, tensor["data"], body.get("parameters"))
     (c,) = await collect(engine, tg.request)
     # as the spec's example: the input ids followed by the generated ids
     data = list(tensor["data"]) + c.token_ids

@@ -4,6 +4,8 @@
 - bytes must be UTF-8 (a UTF-16 or Latin-1 body is not sniffed and accepted: it is refused);
 - ``NaN`` / ``Infinity`` literals are not JSON and are refused;
 - nesting deeper than ``MAX_DEPTH`` is refused before any schema sees it (no RecursionError);
+- an array or object with more than ``max_items`` entries (3.9 million token ids, 140,000 messages,
+  100,000 bad words) is refused before any per-item work (schema validation, tokenizing);
 - integers too long for Python's int parser (over 4,300 digits) become +-inf, so the schema refuses
   them by name ("is not of type 'integer'", "is greater than the maximum");
 - strings holding a lone UTF-16 surrogate (``"\\ud800"``) are refused, naming the field: they cannot
@@ -19,6 +21,7 @@ import re
 from typing import Any
 
 MAX_DEPTH = 64
+MAX_ITEMS = 16384
 _LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
@@ -48,7 +51,7 @@ def _huge_int(text: str) -> float:
         return -math.inf if text.startswith("-") else math.inf
 
 
-def parse_json(raw: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
+def parse_json(raw: str | bytes, max_depth: int = MAX_DEPTH, max_items: int = MAX_ITEMS) -> Any:
     if isinstance(raw, (bytes, bytearray)):
         try:
             raw = bytes(raw).decode("utf-8")
@@ -65,12 +68,13 @@ def parse_json(raw: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
         if "digits" not in str(exc):
             raise JsonSyntaxError(f"request is not valid JSON: {exc}") from None
         value = json.loads(raw, parse_constant=_refuse_constant, parse_int=_huge_int)
-    _check_tree(value, max_depth, surrogates=_SURROGATE_ESCAPE.search(raw) is not None)
+    _check_tree(value, max_depth, max_items, surrogates=_SURROGATE_ESCAPE.search(raw) is not None)
     return value
 
 
-def _check_tree(value: Any, max_depth: int, surrogates: bool) -> None:
-    """Depth, and (only when the raw text had surrogate escapes) lone surrogates; iterative."""
+def _check_tree(value: Any, max_depth: int, max_items: int, surrogates: bool) -> None:
+    """Depth, size of every container (checked before its items are looked at), and (only when the
+    raw text had surrogate escapes) lone surrogates; iterative."""
     stack: list[tuple[Any, str, int]] = [(value, "$", 0)]
     while stack:
         node, path, depth = stack.pop()
@@ -85,6 +89,9 @@ def _check_tree(value: Any, max_depth: int, surrogates: bool) -> None:
             continue
         if depth >= max_depth:
             raise JsonContentError(f"{path}: the request nests deeper than {max_depth} levels")
+        if len(node) > max_items:
+            raise JsonContentError(f"{path}: {len(node)} items; at most {max_items} are accepted in one array or "
+                                   "object (--max-request-items)")
         for key, child in items:
             if surrogates and isinstance(key, str) and _LONE_SURROGATE.search(key):
                 raise JsonContentError(f"{path}: a key holds a lone UTF-16 surrogate, which is not text")

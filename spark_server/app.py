@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.routing import Route, WebSocketRoute
@@ -71,13 +71,14 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.state.draining = False
     app.add_middleware(DrainGuard, state=app.state)
-    app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_body_mb * (1 << 20)))
+    app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_body_mb * (1 << 20)), timeout_s=settings.body_timeout)
     if hasattr(engine, "default_timeout_s"):
         engine.default_timeout_s = settings.request_timeout
         engine.stuck_after_s = settings.stuck_step_timeout
     app.state.settings = settings
     app.state.engine = engine
-    app.state.spark = SparkService(engine, history_limit=settings.max_history_tokens, on_result=metrics.count)
+    app.state.spark = SparkService(engine, history_limit=settings.max_history_tokens, on_result=metrics.count,
+                                   max_items=settings.max_request_items)
     app.state.lora_resolver = resolver
     return app
 
@@ -97,3 +98,18 @@ def attach_lora(settings: Settings, engine: EngineClient) -> LoraResolver | None
     resolver = LoraResolver(store, core.check_adapter)
     engine.lora_resolver = resolver
     return resolver
+
+
+def uvicorn_config(app: Starlette, settings: Settings, **overrides: Any) -> "uvicorn.Config":
+    """The one uvicorn configuration (the CLI's and the tests'): frame and time limits included."""
+    import uvicorn
+
+    from spark_server.limits import header_timeout_protocol
+
+    options: dict[str, Any] = dict(
+        host=settings.host, port=settings.port, log_level=settings.log_level,
+        ws_max_size=int(settings.max_frame_mb * (1 << 20)), ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile, timeout_keep_alive=settings.timeout_keep_alive,
+        http=header_timeout_protocol(settings.header_timeout))
+    options.update(overrides)
+    return uvicorn.Config(app, **options)

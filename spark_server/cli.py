@@ -11,10 +11,9 @@ from spark_server import settings as settings_mod
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
 
     from engine.async_engine import AsyncEngine
-    from spark_server.app import SPARK_WS_PATH, build_app
+    from spark_server.app import SPARK_WS_PATH, build_app, uvicorn_config
     from spark_server.shutdown import DrainingServer
 
     try:
@@ -42,9 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
     url = f"{scheme}://{settings.host}:{settings.port}{SPARK_WS_PATH}"
     print(f"spark-server: {engine.model_info.name} loaded in {time.monotonic() - started:.1f}s; "
           f"serving {url}", flush=True)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            ws_max_size=int(settings.max_frame_mb * (1 << 20)), ssl_certfile=settings.ssl_certfile,
-                            ssl_keyfile=settings.ssl_keyfile)
+    config = uvicorn_config(app, settings)
     from spark_server.log_safety import protect_server_logs
 
     protect_server_logs()  # after uvicorn set up its loggers: no forged lines, no signatures in logs

@@ -62,6 +62,7 @@ class SparkError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.trace_id: str | None = None  # the request's traceId, once it is known
 
 
 _LORA_CODES = {

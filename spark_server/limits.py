@@ -1,8 +1,13 @@
-"""Input limits that sit in front of every endpoint."""
+"""Input limits that sit in front of every endpoint: body size and time (ASGI middleware), and the
+time a connection may take to send its request headers (a uvicorn protocol)."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 from starlette.responses import JSONResponse
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 
 async def _disconnected() -> dict:
@@ -10,11 +15,18 @@ async def _disconnected() -> dict:
 
 
 class BodySizeLimit:
-    """Refuse HTTP bodies over ``max_bytes`` with 413: by Content-Length up front, or while streaming."""
+    """Refuse HTTP bodies over ``max_bytes`` with 413 (by Content-Length up front, or while streaming),
+    and bodies not received within ``timeout_s`` with 408."""
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app, max_bytes: int, timeout_s: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+
+    def _too_slow(self) -> JSONResponse:
+        message = f"the request body did not arrive within {self.timeout_s:g} s (--body-timeout)"
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": 408}},
+                            status_code=408, headers={"Connection": "close"})
 
     def _too_large(self) -> JSONResponse:
         message = f"request body is over the {self.max_bytes} byte limit (--max-body-mb)"
@@ -34,19 +46,24 @@ class BodySizeLimit:
         # watching) go to the server.
         chunks: list[bytes] = []
         received = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left mid-body: the app counts it (499)
-                await self.app(scope, _disconnected, send)
-                return
-            chunk = message.get("body", b"")
-            received += len(chunk)
-            if received > self.max_bytes:
-                await self._too_large()(scope, receive, send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client left mid-body: the app counts it (499)
+                        await self.app(scope, _disconnected, send)
+                        return
+                    chunk = message.get("body", b"")
+                    received += len(chunk)
+                    if received > self.max_bytes:
+                        await self._too_large()(scope, receive, send)
+                        return
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            await self._too_slow()(scope, receive, send)
+            return
         body = b"".join(chunks)
         replayed = False
 
@@ -58,3 +75,46 @@ class BodySizeLimit:
             return await receive()
 
         await self.app(scope, replay_receive, send)
+
+
+def header_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol, closing a connection that has not sent a request's complete headers
+    within ``timeout_s``: an idle socket that never speaks, or headers sent a byte at a time. (Idle
+    time between keep-alive requests is uvicorn's own --timeout-keep-alive.)"""
+
+    class HeaderTimeoutProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._header_timer is None and self._awaiting_headers():  # a new request has begun
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _awaiting_headers(self) -> bool:
+            cycle = getattr(self, "cycle", None)
+            return cycle is None or cycle.response_complete
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(timeout_s, self._expire)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _expire(self) -> None:
+            self._header_timer = None
+            keep_alive_idle = getattr(self, "timeout_keep_alive_task", None) is not None
+            if self._awaiting_headers() and not keep_alive_idle and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutProtocol

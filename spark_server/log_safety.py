@@ -45,6 +45,17 @@ class SanitizeLogValues(logging.Filter):
         return True
 
 
+class DropDenialNoise(logging.Filter):
+    """uvicorn's sans-I/O WebSocket protocol never marks a handshake refused with a denial response
+    (401 / 403) as complete, and logs every ordinary refusal as an ERROR. Our WebSocket endpoint always
+    accepts or denies, so that line only ever reports a refusal that was answered correctly."""
+
+    NOISE = "ASGI callable returned without completing handshake."
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != self.NOISE
+
+
 def protect(logger: logging.Logger) -> logging.Logger:
     """Attach the filter to a logger that prints request-supplied values (idempotent)."""
     if not any(isinstance(f, SanitizeLogValues) for f in logger.filters):
@@ -56,6 +67,9 @@ def protect_server_logs() -> None:
     """The root logger's handlers and uvicorn's own loggers (which log handshake paths)."""
     for name in SERVER_LOGGERS:
         protect(logging.getLogger(name))
+    error_log = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, DropDenialNoise) for f in error_log.filters):
+        error_log.addFilter(DropDenialNoise())
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, SanitizeLogValues) for f in handler.filters):
             handler.addFilter(SanitizeLogValues())

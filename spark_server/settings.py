@@ -72,6 +72,14 @@ class Settings:
     request_timeout: float = _opt(600.0, "deadline in seconds for requests that do not set their own (Triton/MindIE "
                                          "`timeout` do); past it Spark answers 12100, HTTP 504")
     max_body_mb: float = _opt(8.0, "largest HTTP request body, in MiB (413 beyond)")
+    header_timeout: float = _opt(10.0, "seconds a connection may take to send a request's complete headers (idle "
+                                      "and slowly-sent sockets are closed)")
+    body_timeout: float = _opt(30.0, "seconds a request body may take to arrive in full (408 beyond)")
+    timeout_keep_alive: float = _opt(5.0, "seconds an idle keep-alive connection stays open between requests "
+                                          "(uvicorn's --timeout-keep-alive)")
+    max_request_items: int = _opt(16384, "most entries in any one JSON array or object of a request (token ids, "
+                                         "messages, stop strings, bad words...), refused before any per-item work")
+    max_seqs_per_request: int = _opt(64, "most sequences one request may start: prompts x n (x best_of)")
     max_frame_mb: float = _opt(4.5, "largest WebSocket frame, in MiB (the spec allows 4 MB of text)")
     stuck_step_timeout: float = _opt(60.0, "a model step running longer than this turns /health red")
     ssl_certfile: str | None = _opt(None, "TLS certificate (PEM): serve https:// and wss://")

@@ -8,19 +8,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bridges.common import unless_disconnected
-from schemas.json_body import parse_json
 from spark_server import spark_protocol as sp
 from spark_server.errors import SparkCode, SparkError, http_status_for, spark_error_from
 from spark_server.spark_service import SparkService
-
-
-def _trace_id(raw: bytes) -> str | None:
-    """The traceId of a body that may be invalid, for echoing in the error answer."""
-    try:
-        trace = parse_json(raw)["header"]["traceId"]
-    except Exception:
-        return None
-    return trace if isinstance(trace, str) else None
 
 
 def _error_body(err: SparkError, trace_id: str | None, sid: str) -> dict[str, Any]:
@@ -36,9 +26,10 @@ async def _answer(request: Request) -> JSONResponse:
     service: SparkService = request.app.state.spark
     sid = sp.new_sid()
     raw = await request.body()
-    trace_id = _trace_id(raw)
+    trace_id = None
     try:
         session = await service.open_session(raw, sid)
+        trace_id = session.trace_id
         text: list[str] = []
         usage = None
         async for frame in service.frames(session):
@@ -47,7 +38,7 @@ async def _answer(request: Request) -> JSONResponse:
             usage = frame["payload"].get("usage", usage)
     except Exception as exc:
         err = spark_error_from(exc)
-        return JSONResponse(_error_body(err, trace_id, sid), status_code=http_status_for(err.code))
+        return JSONResponse(_error_body(err, trace_id or err.trace_id, sid), status_code=http_status_for(err.code))
     return JSONResponse({
         "header": {"code": int(SparkCode.SUCCESS), "message": "success", "traceId": trace_id, "sid": sid},
         "payload": {

@@ -17,7 +17,7 @@ from engine.errors import PromptTooLongError
 from engine.protocol import EngineClient
 from engine.request import ChatMessage, ChatPrompt, GenerationRequest, LoraRef, RequestOutput
 from engine.sampling_params import SamplingParams
-from schemas.json_body import JsonContentError, JsonSyntaxError, parse_json
+from schemas.json_body import MAX_ITEMS, JsonContentError, JsonSyntaxError, parse_json
 from spark_server.errors import SparkCode, SparkError
 
 SCHEMA = "spark-request"
@@ -37,19 +37,35 @@ def new_sid() -> str:
     return f"cht{next(_sid_counter) & 0xFFFFFFFF:08x}@dx{stamp}{os.urandom(4).hex()[:7]}"
 
 
-def parse_body(raw: str | bytes) -> dict[str, Any]:
+def decode_body(raw: str | bytes, max_items: int = MAX_ITEMS) -> Any:
+    """The frame as a JSON value (any shape), or 4 / 10000."""
     try:
-        body = parse_json(raw)
+        return parse_json(raw, max_items=max_items)
     except JsonSyntaxError as exc:
         raise SparkError(SparkCode.JSON_PARSE_ERROR, exc.message) from None
     except JsonContentError as exc:
         raise SparkError(SparkCode.SCHEMA_ERROR, exc.message) from None
+
+
+def trace_id_of(body: Any) -> str | None:
+    """The request's traceId when it is one (for echoing, even when the rest is invalid)."""
+    header = body.get("header") if isinstance(body, dict) else None
+    trace = header.get("traceId") if isinstance(header, dict) else None
+    return trace if isinstance(trace, str) else None
+
+
+def validate_body(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise SparkError(SparkCode.SCHEMA_ERROR, f"$: the request must be a JSON object, not {type(body).__name__}")
     error = schemas.first_error(SCHEMA, body)
     if error is not None:
         raise SparkError(SparkCode.SCHEMA_ERROR, schemas.describe(error))
     return body
+
+
+def parse_body(raw: str | bytes, max_items: int = MAX_ITEMS) -> dict[str, Any]:
+    """A frame as a valid Spark request, or the SparkError its protocol documents."""
+    return validate_body(decode_body(raw, max_items))
 
 
 @dataclass(slots=True)

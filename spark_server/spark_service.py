@@ -9,6 +9,7 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable
 
 from engine.protocol import EngineClient
+from schemas.json_body import MAX_ITEMS
 from spark_server import spark_protocol as sp
 from spark_server.errors import SparkCode, SparkError, spark_error_from
 from spark_server.log_safety import protect
@@ -19,9 +20,10 @@ logger = protect(logging.getLogger("spark_server.sessions"))
 
 class SparkService:
     def __init__(self, engine: EngineClient, history_limit: int = 8192,
-                 on_result: Callable[[str, int | str], None] | None = None) -> None:
+                 on_result: Callable[[str, int | str], None] | None = None, max_items: int = MAX_ITEMS) -> None:
         self.engine = engine
         self.history_limit = history_limit
+        self.max_items = max_items  # --max-request-items
         self.on_result = on_result  # (protocol, code or "aborted") of every finished session, for metrics
 
     async def open_session(self, raw: str | bytes, sid: str) -> sp.SparkSession:
@@ -34,18 +36,20 @@ class SparkService:
             raise
 
     async def _open_session(self, raw: str | bytes, sid: str) -> sp.SparkSession:
-        body = sp.parse_body(raw)
-        trace_id = body["header"]["traceId"]
+        body = sp.decode_body(raw, self.max_items)
+        trace_id = sp.trace_id_of(body)
         try:
+            sp.validate_body(body)
             request, adjust = sp.lower(body, sid)
-        except SparkError:
-            raise
+            question_tokens, dropped = await asyncio.to_thread(
+                sp.fit_history, request, adjust, self.engine, self.history_limit)
         except Exception as exc:
-            raise spark_error_from(exc) from None
-        engine = self.engine
-        question_tokens, dropped = await asyncio.to_thread(
-            sp.fit_history, request, adjust, engine, self.history_limit)
-        return sp.SparkSession(sid=sid, trace_id=trace_id, request=request, question_tokens=question_tokens,
+            err = spark_error_from(exc)
+            if err.code == SparkCode.UNKNOWN:
+                logger.error("session sid=%s: unexpected failure before generating", sid, exc_info=exc)
+            err.trace_id = trace_id
+            raise err from None
+        return sp.SparkSession(sid=sid, trace_id=trace_id or "", request=request, question_tokens=question_tokens,
                                num_dropped_messages=dropped)
 
     async def frames(self, session: sp.SparkSession) -> AsyncIterator[dict[str, Any]]:

@@ -40,10 +40,10 @@ def wait_healthy(base_url: str, timeout: float = 120.0, **client_options) -> Non
 class ServerThread:
     """A real uvicorn server in a background thread."""
 
-    def __init__(self, app, port: int) -> None:
+    def __init__(self, app, port: int, config: uvicorn.Config | None = None) -> None:
         self.port = port
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                    ws_max_size=int(4.5 * (1 << 20))))
+        self.server = uvicorn.Server(config or uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                              ws_max_size=int(4.5 * (1 << 20))))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "ServerThread":

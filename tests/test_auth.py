@@ -126,3 +126,18 @@ def test_logs_hold_no_credentials():
         logger.removeHandler(handler)
     assert records and "YXBpX2tleT0ic2Vj" not in records[0] and "sk-1" not in records[0] and "abc" not in records[0]
     assert "authorization=REDACTED" in records[0]
+
+
+def test_a_refused_handshake_logs_no_error(async_engine, caplog):
+    import logging
+
+    from spark_server.log_safety import protect_server_logs
+
+    settings = Settings(port=free_port(), spark_auth=f"{KEY}:{SECRET}")
+    with ServerThread(build_app(settings, async_engine, owns_engine=False), settings.port):
+        protect_server_logs()  # as the CLI does once uvicorn has set up its loggers
+        with caplog.at_level(logging.INFO, logger="uvicorn.error"):
+            assert _refused(LiveServer(async_engine, settings.port).ws_url)[0] == 401
+            assert _refused(LiveServer(async_engine, settings.port).ws_url + "?date=x")[0] == 401
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == []

@@ -220,3 +220,33 @@ async def test_api_key_alone_protects_the_websocket(key_only_server):
         assert (await client.post("/turing/v3/func/gpt", json=body,
                                   headers={"Authorization": f"Bearer {API_KEY}"})).status_code == 200
         assert (await client.get("/health")).status_code == 200
+
+
+async def test_a_fan_out_over_the_limit_is_refused_before_any_work(live_server):
+    m = _model(live_server)
+    core = live_server.engine.engine
+    queries = core.block_manager.num_prefix_queries
+    async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as client:
+        resp = await client.post("/v1/completions", json={"model": m, "prompt": [f"p{i}" for i in range(8)],
+                                                          "n": 16, "max_tokens": 4})
+        assert resp.status_code == 400 and "--max-seqs-per-request" in resp.text, resp.text
+        resp = await client.post("/generate", json={"text": [f"p{i}" for i in range(8)],
+                                                    "sampling_params": {"n": 16, "max_new_tokens": 4}})
+        assert resp.status_code == 400 and "--max-seqs-per-request" in resp.text, resp.text
+    assert core.block_manager.num_prefix_queries == queries  # nothing reached the engine
+
+
+async def test_an_overloaded_fan_out_leaves_nothing_running(live_server):
+    """Refused with 429 part-way (the wait queue is full): the prompts already admitted are aborted."""
+    m = _model(live_server)
+    core = live_server.engine.engine
+    old = core.config.max_waiting
+    core.config.max_waiting = 0  # room for max_num_seqs (32) running sequences, none waiting
+    try:
+        async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as client:
+            resp = await client.post("/v1/completions", json={"model": m, "prompt": [f"story {i}" for i in range(4)],
+                                                              "n": 16, "max_tokens": 1000, "ignore_eos": True})
+        assert resp.status_code == 429, resp.text
+        live_server.wait_idle(timeout=3.0)
+    finally:
+        core.config.max_waiting = old

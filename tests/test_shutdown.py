@@ -16,6 +16,35 @@ from tests.conftest import free_port, wait_healthy
 from tests.spark.client import spark_request
 
 
+MODEL = "SmolLM2-135M-Instruct"
+_LONG = "Write a very long story about the sea."
+_COUNT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"  # plain text that greedy decoding continues for long
+LONG_STREAMS = {
+    "openai": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": _LONG}],
+                                        "max_tokens": 2000, "ignore_eos": True, "stream": True}),
+    "tgi": ("/generate_stream", {"inputs": _COUNT, "parameters": {"max_new_tokens": 2000}}),
+    "vllm": ("/generate", {"prompt": _LONG, "max_tokens": 2000, "ignore_eos": True, "stream": True}),
+    "sglang": ("/generate", {"text": _LONG, "stream": True, "sampling_params": {"max_new_tokens": 2000,
+                                                                                "ignore_eos": True}}),
+    "triton": (f"/v2/models/{MODEL}/generate_stream", {"text_input": _COUNT, "parameters": {"max_new_tokens": 2000}}),
+    "mindie": ("/infer", {"inputs": _COUNT, "stream": True, "parameters": {"max_new_tokens": 2000}}),
+}
+
+
+def _events(text: str) -> list[str]:
+    return [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
+
+
+WELL_FORMED_END = {
+    "openai": lambda t: "shutting down" in _events(t)[-2] and _events(t)[-1] == "[DONE]",
+    "tgi": lambda t: "shutting down" in _events(t)[-1] and '"error_type"' in _events(t)[-1],
+    "vllm": lambda t: t.endswith("\0") and "shutting down" in t.split("\0")[-2],
+    "sglang": lambda t: "shutting down" in _events(t)[-2] and _events(t)[-1] == "[DONE]",
+    "triton": lambda t: "shutting down" in _events(t)[-1],
+    "mindie": lambda t: "shutting down" in _events(t)[-1],
+}
+
+
 def test_sigterm_drains_then_exits_zero():
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "spark_server", "serve", "--port", str(port),
@@ -35,16 +64,26 @@ def test_sigterm_drains_then_exits_zero():
                     frames.append(json.loads(message))
             return frames
 
+        async def stream(client: httpx.AsyncClient, path: str, body: dict) -> str:
+            async with client.stream("POST", f"http://127.0.0.1:{port}{path}", json=body, timeout=60) as resp:
+                assert resp.status_code == 200
+                return "".join([chunk async for chunk in resp.aiter_text()])
+
         async def scenario():
             tasks = [asyncio.create_task(session(long=i % 2 == 0)) for i in range(10)]
-            await asyncio.sleep(1.5)  # everyone is running
-            proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)
-            async with httpx.AsyncClient() as client:  # new work is refused while draining
+            async with httpx.AsyncClient() as client:
+                streams = {name: asyncio.create_task(stream(client, path, body)) for name, (path, body) in LONG_STREAMS.items()}
+                await asyncio.sleep(1.5)  # everyone is running
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                # new work is refused while draining
                 refused = await client.post(f"http://127.0.0.1:{port}/generate", json={"inputs": "hi"})
-            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60), refused
+                ended = {name: await asyncio.wait_for(task, timeout=60) for name, task in streams.items()}
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60), refused, ended
 
-        results, refused = asyncio.run(scenario())
+        results, refused, ended = asyncio.run(scenario())
+        for name, text in ended.items():  # every streaming protocol ends with its own well-formed end
+            assert WELL_FORMED_END[name](text), (name, text[-300:])
         assert refused.status_code == 503
         codes = [frames[-1]["header"]["code"] for frames in results]
         assert all(frames[-1]["header"]["status"] == 2 for frames in results)

@@ -9,9 +9,9 @@ from engine.request import GenerationRequest, TokensPrompt
 from engine.sampling_params import SamplingParams
 from tests.engine.helpers import run_all, tokens_of
 
-NUM_REQUESTS = 12
-PROMPT_LEN = 160
-OUTPUT_LEN = 24
+NUM_REQUESTS = 8
+PROMPT_LEN = 112
+OUTPUT_LEN = 16
 
 
 def _requests() -> list[GenerationRequest]:
@@ -22,8 +22,8 @@ def _requests() -> list[GenerationRequest]:
 
 def test_requests_over_the_kv_budget_all_finish(llm_engine):
     context = PROMPT_LEN + OUTPUT_LEN
-    blocks_for_three = 3 * -(-context // 16)  # room for 3 of the 12 contexts at once
-    tight = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=blocks_for_three, max_num_seqs=12,
+    blocks_for_three = 3 * -(-context // 16)  # room for 3 of the contexts at once
+    tight = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=blocks_for_three, max_num_seqs=NUM_REQUESTS,
                                    max_num_batched_tokens=512, long_prefill_token_threshold=0))
     results = run_all(tight, _requests())
     assert tight.scheduler.num_preemptions > 0  # the budget really was exceeded

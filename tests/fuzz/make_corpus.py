@@ -92,6 +92,7 @@ def _cases_for(name: str, t: Target) -> list[dict[str, Any]]:
         for label, value in (("outside the vocabulary", "[1000000000]"), ("negative", "[-1]"), ("huge", "[1e400]"),
                              ("fractional", "[1.5]"), ("5000 digits", "[" + "9" * 5000 + "]")):
             add("token_ids", label, _text_with(base, ids, value), "content")
+        add("sizes", "20000 token ids", _text_with(base, ids, "[@0@1]"), "json_content", fill=[["1, ", 20000]])
     # sizes
     add("sizes", "over the body limit", _text_with(base, text, '"@0@"'), "too_large", fill=[["a", 9 << 20]])
     add("sizes", "over the body limit, chunked", _text_with(base, text, '"@0@"'), "too_large",
@@ -143,11 +144,12 @@ def _spark_only() -> list[dict[str, Any]]:
         for label, category, mutate, kind in recipes:
             out.append({"id": f"{name}/{category}/{label}", "category": category, "target": name,
                         "body": json.dumps(mutate(t.base), ensure_ascii=False), "expect": t.expect(kind)})
-        # 20,000 turns, over the history limit
+        # 10,000 turns: over the history limit; 20,000: over --max-request-items, refused before any work
         turn = '{"role": "user", "content": "hi hi hi"}, '
-        out.append({"id": f"{name}/sizes/20000 messages", "category": "sizes", "target": name,
-                    "body": json.dumps(t.base).replace('"text": [', '"text": [@0@'), "fill": [[turn, 20000]],
-                    "expect": t.expect("too_long")})
+        for count, kind in ((10000, "too_long"), (20000, "json_content")):
+            out.append({"id": f"{name}/sizes/{count} messages", "category": "sizes", "target": name,
+                        "body": json.dumps(t.base).replace('"text": [', '"text": [@0@'), "fill": [[turn, count]],
+                        "expect": t.expect(kind)})
         # a 4 MB content: refused 10003 from its size, without tokenizing
         out.append({"id": f"{name}/sizes/4 MB content", "category": "sizes", "target": name,
                     "body": _text_with(t.base, t.text_path, '"@0@"'), "fill": [["x", 4 << 20]],

@@ -1,0 +1,206 @@
+"""One client must not stall the server: a steady Spark stream runs beside each abusive request, and
+we report the stream's largest gap between frames while the abuse is in flight, the server's peak
+RSS against its idle RSS, and how fast the abuse was answered (and with which code).
+
+Bars: largest gap under 1 s, peak RSS under 1.5x idle, every abusive request answered with its
+documented code within 2 s.
+
+    python -m benchmarks.bench_abuse
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import httpx
+import websockets
+
+from benchmarks.common import print_table, save, verdict
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_GAP_S, MAX_RSS_RATIO, MAX_ANSWER_S = 1.0, 1.5, 2.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class RssSampler:
+    """The server's peak RSS between start() and stop(), sampled every 5 ms."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.peak = _rss_bytes(self.pid)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss_bytes(self.pid))
+            time.sleep(0.005)
+
+    def stop(self) -> int:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join()
+        return self.peak
+
+
+def _spark(content: Any, **chat: Any) -> dict[str, Any]:
+    return {"header": {"traceId": "bench-abuse"}, "parameter": {"chat": {"top_k": 1, **chat}},
+            "payload": {"message": {"text": content if isinstance(content, list) else
+                                    [{"role": "user", "content": content}]}}}
+
+
+@dataclass
+class Abuse:
+    name: str
+    send: Callable[[str, str], Awaitable[tuple[int, str]]]  # (base url, ws url) -> (code or status, message)
+    expected: int
+
+
+def _http(path: str, body: bytes) -> Callable[[str, str], Awaitable[tuple[int, str]]]:
+    async def send(base: str, _: str) -> tuple[int, str]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            resp = await client.post(base + path, content=body, headers={"Content-Type": "application/json"})
+        return resp.status_code, resp.text[:160]
+    return send
+
+
+def _ws(frame: str) -> Callable[[str, str], Awaitable[tuple[int, str]]]:
+    async def send(_: str, ws_url: str) -> tuple[int, str]:
+        async with websockets.connect(ws_url, max_size=None) as ws:
+            await ws.send(frame)
+            last = json.loads([m async for m in ws][-1])
+        return last["header"]["code"], last["header"]["message"][:160]
+    return send
+
+
+def abuses() -> list[Abuse]:
+    ids_3_9m = [300 + i % 40000 for i in range(3_900_000)]
+    bad_message = {"role": 1, "content": 2}
+    return [
+        Abuse("/v1/completions, 3.9M-id prompt", _http("/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": ids_3_9m, "max_tokens": 4}).encode()), 400),
+        Abuse("Spark frame, 140k invalid messages", _ws(json.dumps(_spark([bad_message] * 140_000))), 10000),
+        Abuse("Triton /infer, 1M ids", _http(f"/v2/models/{MODEL}/infer", json.dumps(
+            {"inputs": [{"name": "input0", "shape": [1, 1 << 20], "datatype": "UINT32", "data": ids_3_9m[:1 << 20]}],
+             "outputs": [{"name": "output0"}]}).encode()), 400),
+        Abuse("chat, 100k bad words", _http("/v1/chat/completions", json.dumps(
+            {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+             "bad_words": [f"w{i}" for i in range(100_000)]}).encode()), 400),
+        Abuse("Spark content, 4.4 MiB", _ws(json.dumps(_spark("word " * (int(4.4 * (1 << 20)) // 5)))), 10003),
+    ]
+
+
+async def steady_stream(ws_url: str, frame_times: list[float], stop: asyncio.Event) -> None:
+    """Spark sessions one after another, recording when each frame arrives, until ``stop``."""
+    question = "Count from one to two hundred, one number per line."
+    while not stop.is_set():
+        async with websockets.connect(ws_url) as ws:
+            await ws.send(json.dumps(_spark(question, max_tokens=400)))
+            async for _ in ws:
+                frame_times.append(time.perf_counter())
+                if stop.is_set():
+                    break
+
+
+async def measure(abuse: Abuse, base: str, ws_url: str, rss: RssSampler) -> dict[str, Any]:
+    frames: list[float] = []
+    stop = asyncio.Event()
+    streamer = asyncio.create_task(steady_stream(ws_url, frames, stop))
+    while len(frames) < 20:  # the stream is decoding
+        await asyncio.sleep(0.01)
+    rss.start()
+    sent = time.perf_counter()
+    code, message = await abuse.send(base, ws_url)
+    answered = time.perf_counter()
+    await asyncio.sleep(0.5)  # the stream after the answer
+    peak = rss.stop()
+    stop.set()
+    await streamer
+    window = [t for t in frames if sent - 0.2 <= t <= answered + 0.5]
+    gaps = [b - a for a, b in zip(window, window[1:])]
+    return {"answer_s": answered - sent, "code": code, "message": message, "max_gap_s": max(gaps, default=float("inf")),
+            "frames_in_window": len(window), "peak_rss": peak}
+
+
+def main() -> int:
+    port = _free_port()
+    base, ws_url = f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/turing/v3/gpt"
+    proc = subprocess.Popen([sys.executable, "-m", "spark_server", "serve", "--port", str(port),
+                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("server did not start")
+            time.sleep(0.1)
+        cases = abuses()
+        rss = RssSampler(proc.pid)
+
+        async def run() -> tuple[int, list[dict[str, Any]]]:
+            frames: list[float] = []
+            stop = asyncio.Event()
+            warm = asyncio.create_task(steady_stream(ws_url, frames, stop))  # warm up, then read idle RSS
+            while len(frames) < 40:
+                await asyncio.sleep(0.01)
+            stop.set()
+            await warm
+            await asyncio.sleep(0.5)
+            idle = _rss_bytes(proc.pid)
+            return idle, [await measure(c, base, ws_url, rss) for c in cases]
+
+        idle, results = asyncio.run(run())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    rows, checks = [], {}
+    for case, r in zip(cases, results):
+        ratio = r["peak_rss"] / idle
+        rows.append([case.name, r["code"], f"{r['answer_s']:.2f}", f"{r['max_gap_s']:.3f}", r["frames_in_window"],
+                     f"{r['peak_rss'] / (1 << 20):.0f}", f"{ratio:.2f}"])
+        checks[f"{case.name}: answered {case.expected} within {MAX_ANSWER_S:g} s"] = (
+            r["code"] == case.expected and r["answer_s"] < MAX_ANSWER_S)
+        checks[f"{case.name}: largest stream gap under {MAX_GAP_S:g} s"] = r["max_gap_s"] < MAX_GAP_S
+        checks[f"{case.name}: peak RSS under {MAX_RSS_RATIO:g}x idle"] = ratio < MAX_RSS_RATIO
+    print_table(f"Abuse beside a steady Spark stream (idle RSS {idle / (1 << 20):.0f} MiB)",
+                ["abusive request", "code", "answered in s", "largest gap s", "frames", "peak RSS MiB", "x idle"],
+                rows)
+    save("abuse", {"idle_rss": idle, "results": [dict(name=c.name, **r) for c, r in zip(cases, results)]})
+    return verdict(checks)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
