@@ -59,17 +59,24 @@ def parse_json(raw: str | bytes, max_depth: int = MAX_DEPTH, max_items: int = MA
             raise JsonSyntaxError(f"request is not valid UTF-8 JSON: {exc}") from None
     raw = raw.removeprefix("\ufeff")
     try:
-        value = json.loads(raw, parse_constant=_refuse_constant)
+        value = _loads(raw, max_depth)
+    except JsonBodyError:
+        raise
+    except ValueError as exc:  # an integer over Python's 4,300-digit conversion limit
+        if "digits" not in str(exc):
+            raise JsonSyntaxError(f"request is not valid JSON: {exc}") from None
+        value = _loads(raw, max_depth, parse_int=_huge_int)
+    _check_tree(value, max_depth, max_items, surrogates=_SURROGATE_ESCAPE.search(raw) is not None)
+    return value
+
+
+def _loads(raw: str, max_depth: int, **hooks: Any) -> Any:
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant, **hooks)
     except RecursionError:
         raise JsonContentError(f"$: the request nests deeper than {max_depth} levels") from None
     except json.JSONDecodeError as exc:
         raise JsonSyntaxError(f"request is not valid JSON: {exc}") from None
-    except ValueError as exc:
-        if "digits" not in str(exc):
-            raise JsonSyntaxError(f"request is not valid JSON: {exc}") from None
-        value = json.loads(raw, parse_constant=_refuse_constant, parse_int=_huge_int)
-    _check_tree(value, max_depth, max_items, surrogates=_SURROGATE_ESCAPE.search(raw) is not None)
-    return value
 
 
 def _check_tree(value: Any, max_depth: int, max_items: int, surrogates: bool) -> None:

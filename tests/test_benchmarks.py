@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-BENCHES = ["offline", "multiturn", "interactivity", "memory", "startup", "online", "lora"]
+BENCHES = ["offline", "multiturn", "interactivity", "memory", "startup", "online", "lora", "abuse"]
 
 
 @pytest.mark.slow

@@ -71,6 +71,8 @@ def _cases_for(name: str, t: Target) -> list[dict[str, Any]]:
         fill=[['{"a":', DEEP], ["}", DEEP]])
     add("depth", "65 arrays in the text field", _text_with(base, text, "@0@@1@"), "json_content",
         fill=[["[", 65], ["]", 65]])
+    add("depth", "500 arrays around a 5000-digit integer", _text_with(base, text, "@0@" + "9" * 5000 + "@1@"),
+        "json_content", fill=[["[", 500], ["]", 500]])
     add("depth", "100000 arrays", _text_with(base, text, "@0@@1@"), "json_content", fill=[["[", 100000], ["]", 100000]])
     # numbers
     for label, value in (("5000-digit integer", "9" * 5000), ("negative 5000-digit integer", "-" + "9" * 5000),

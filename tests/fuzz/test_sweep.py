@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 import httpx
@@ -58,15 +59,23 @@ def _short_answers(node: Any) -> None:
             _short_answers(value)
 
 
+def _marked(node: Any) -> Any:
+    """Deep-nesting markers as placeholder strings (a marker may have been mutated into another)."""
+    if isinstance(node, dict):
+        if set(node) == {"$deep"}:
+            depth = node["$deep"]
+            return f"@DEEP{depth if isinstance(depth, int) and not isinstance(depth, bool) else 60}@"
+        return {k: _marked(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_marked(v) for v in node]
+    return node
+
+
 def _render(body: Any) -> str:
     _short_answers(body)
-    text = json.dumps(body, ensure_ascii=True).replace(f'"{BIG}"', "9" * 5000)
-    while '{"$deep": ' in text:  # nesting deeper than json.dumps would build
-        start = text.index('{"$deep": ')
-        end = text.index("}", start)
-        n = int(text[start + 10:end])
-        text = text[:start] + "[" * n + "]" * n + text[end + 1:]
-    return text
+    text = json.dumps(_marked(body), ensure_ascii=True).replace(f'"{BIG}"', "9" * 5000)
+    # nesting deeper than json.dumps would build
+    return re.sub(r'"@DEEP(\d+)@"', lambda m: "[" * int(m.group(1)) + "]" * int(m.group(1)), text)
 
 
 @st.composite
