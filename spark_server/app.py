@@ -71,7 +71,8 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.state.draining = False
     app.add_middleware(DrainGuard, state=app.state)
-    app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_body_mb * (1 << 20)), timeout_s=settings.body_timeout)
+    app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_body_mb * (1 << 20)), timeout_s=settings.body_timeout,
+                       min_rate=settings.body_min_rate_kb * 1024)
     if hasattr(engine, "default_timeout_s"):
         engine.default_timeout_s = settings.request_timeout
         engine.stuck_after_s = settings.stuck_step_timeout

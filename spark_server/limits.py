@@ -4,6 +4,7 @@ time a connection may take to send its request headers (a uvicorn protocol)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -18,13 +19,16 @@ class BodySizeLimit:
     """Refuse HTTP bodies over ``max_bytes`` with 413 (by Content-Length up front, or while streaming),
     and bodies not received within ``timeout_s`` with 408."""
 
-    def __init__(self, app, max_bytes: int, timeout_s: float | None = None) -> None:
+    def __init__(self, app, max_bytes: int, timeout_s: float | None = None, min_rate: float = 0.0,
+                 rate_grace_s: float = 2.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.min_rate = min_rate  # bytes/s a body must average once ``rate_grace_s`` have passed
+        self.rate_grace_s = rate_grace_s
 
-    def _too_slow(self) -> JSONResponse:
-        message = f"the request body did not arrive within {self.timeout_s:g} s (--body-timeout)"
+    def _too_slow(self, why: str | None = None) -> JSONResponse:
+        message = why or f"the request body did not arrive within {self.timeout_s:g} s (--body-timeout)"
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": 408}},
                             status_code=408, headers={"Connection": "close"})
 
@@ -46,9 +50,16 @@ class BodySizeLimit:
         # watching) go to the server.
         chunks: list[bytes] = []
         received = 0
+        started = time.monotonic()
         try:
             async with asyncio.timeout(self.timeout_s):
                 while True:
+                    elapsed = time.monotonic() - started
+                    if self.min_rate and elapsed > self.rate_grace_s and received / elapsed < self.min_rate:
+                        why = (f"the request body arrives at {received / elapsed:.0f} bytes/s; at least "
+                               f"{self.min_rate:.0f} are required (--body-min-rate-kb)")
+                        await self._too_slow(why)(scope, receive, send)
+                        return
                     message = await receive()
                     if message["type"] != "http.request":  # the client left mid-body: the app counts it (499)
                         await self.app(scope, _disconnected, send)

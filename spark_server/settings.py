@@ -75,6 +75,7 @@ class Settings:
     header_timeout: float = _opt(10.0, "seconds a connection may take to send a request's complete headers (idle "
                                       "and slowly-sent sockets are closed)")
     body_timeout: float = _opt(30.0, "seconds a request body may take to arrive in full (408 beyond)")
+    body_min_rate_kb: float = _opt(8.0, "KiB/s a request body must average after its first 2 s (408 below; 0: off)")
     timeout_keep_alive: float = _opt(5.0, "seconds an idle keep-alive connection stays open between requests "
                                           "(uvicorn's --timeout-keep-alive)")
     max_request_items: int = _opt(16384, "most entries in any one JSON array or object of a request (token ids, "

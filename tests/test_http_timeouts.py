@@ -77,3 +77,28 @@ def test_an_idle_keep_alive_connection_is_closed_and_requests_still_work(short_t
         elapsed, got = _closed_after(sock)
     assert got.startswith(b"HTTP/1.1 200") and elapsed >= TIMEOUT_S * 0.8
     assert httpx.get(f"http://127.0.0.1:{short_timeouts}/health").status_code == 200
+
+
+def test_a_body_trickling_in_below_the_minimum_rate_gets_408(async_engine):
+    settings = Settings(port=free_port(), body_timeout=60, body_min_rate_kb=1, log_level="warning")
+    app = build_app(settings, async_engine, owns_engine=False)
+    with ServerThread(app, settings.port, uvicorn_config(app, settings)):
+        with socket.create_connection(("127.0.0.1", settings.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100000\r\n\r\n")
+            started = time.monotonic()
+            got = b""
+            sock.settimeout(0.2)
+            while time.monotonic() - started < 20:
+                try:
+                    sock.sendall(b"          ")  # 50 bytes/s, far below 1 KiB/s
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        break
+                    got += chunk
+                except TimeoutError:
+                    continue
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+    assert got.startswith(b"HTTP/1.1 408") and b"--body-min-rate-kb" in got, got[:300]
+    assert time.monotonic() - started < 10  # well before the 60 s --body-timeout
