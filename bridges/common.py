@@ -19,7 +19,7 @@ from schemas.json_body import JsonBodyError, JsonSyntaxError, parse_json
 from engine.errors import (EngineError, EngineOverloadedError, EngineShutdownError, InvalidRequestError,
                            LoraUnavailableError, PromptTooLongError, RequestTimeoutError)
 from engine.protocol import EngineClient
-from engine.request import GenerationRequest, RequestOutput, TokenLogprob
+from engine.request import GenerationRequest, LoraRef, RequestOutput, TokenLogprob
 
 
 INVALID_JSON = "invalid_json"
@@ -39,6 +39,32 @@ class BridgeError(Exception):
         self.code = code
 
 
+# LoRA failures by cause: only an unknown adapter is "not found"; a bad pack is the client's (400), a
+# pack server that fails or is slow is upstream's (502 / 504).
+_LORA_STATUS: dict[str, tuple[int, str]] = {
+    "unknown_adapter": (404, "not_found_error"), "disabled": (404, "not_found_error"),
+    "host_not_allowed": (400, "invalid_request_error"), "too_large": (400, "invalid_request_error"),
+    "md5_mismatch": (400, "invalid_request_error"), "invalid_pack": (400, "invalid_request_error"),
+    "incompatible": (400, "invalid_request_error"),
+    "download_failed": (502, "bad_gateway"), "download_timeout": (504, "timeout_error"),
+}
+
+
+def served_model_or_adapter(request: Request, name: Any) -> LoraRef | None:
+    """The adapter a request's model name selects, None for the served model (also when the name is
+    omitted, empty, "default" or "null", as vLLM and FastDeploy accept), or 404 naming what exists."""
+    served = engine_of(request).model_info.name
+    if name in (None, "", "default", "null", "None", served):
+        return None
+    resolver = getattr(request.app.state, "lora_resolver", None)
+    adapters = sorted(resolver.registered) if resolver is not None else []
+    if name in adapters:
+        return LoraRef(name=name)
+    known = ", ".join([served, *adapters])
+    raise BridgeError(404, f"The model `{name}` does not exist (served: {known}).", param="model",
+                      kind="NotFoundError", code="model_not_found")
+
+
 def bridge_error_from(exc: BaseException) -> BridgeError:
     """The one mapping from engine errors to HTTP statuses for every bridge."""
     if isinstance(exc, BridgeError):
@@ -48,7 +74,9 @@ def bridge_error_from(exc: BaseException) -> BridgeError:
     if isinstance(exc, InvalidRequestError):
         return BridgeError(400, str(exc), param=exc.parameter)
     if isinstance(exc, LoraUnavailableError):
-        return BridgeError(404, str(exc), param="model", kind="not_found_error", code="model_not_found")
+        status, kind = _LORA_STATUS.get(exc.code, (404, "not_found_error"))
+        return BridgeError(status, str(exc), param="model", kind=kind,
+                           code="model_not_found" if status == 404 else f"lora_{exc.code}")
     if isinstance(exc, EngineOverloadedError):
         return BridgeError(429, str(exc), kind="rate_limit_error", code="server_busy")
     if isinstance(exc, RequestTimeoutError):

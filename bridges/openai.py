@@ -9,8 +9,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from bridges.common import (BridgeError, check_fan_out, collect, collect_all, endpoint, ending_with_error_event,
-                            engine_of, int_list, merged, now, read_json, request_id, sse, sse_response, start_streams,
-                            stop_list)
+                            engine_of, int_list, merged, now, read_json, request_id, served_model_or_adapter, sse,
+                            sse_response, start_streams, stop_list)
 from engine.protocol import EngineClient
 from engine.request import (ChatMessage, ChatPrompt, GenerationRequest, LoraRef, Prompt, TextPrompt,
                             TokenLogprob, TokensPrompt)
@@ -23,15 +23,21 @@ def render_error(err: BridgeError) -> dict[str, Any]:
     return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code or err.status}}
 
 
+def engine_priority(priority: int | None) -> int:
+    """vLLM's priority (default 0, lower is more urgent, any integer) on the engine's 1 (most urgent)
+    .. 5 (default) scale: 0 -> 5, -1 -> 4, ..., -4 and below -> 1; above 0 stays at the default."""
+    return max(1, min(5, 5 + (priority or 0)))
+
+
 def _error_event(err: BridgeError) -> bytes:
     """A failure mid-stream, as vLLM's OpenAI server sends it: an error event, then [DONE]."""
     return sse(render_error(err)) + sse("[DONE]")
 
 
-def check_model(engine: EngineClient, body: dict[str, Any]) -> tuple[str, LoraRef | None]:
-    """The served model, or a LoRA adapter registered under that name (the resolver says 404 if not)."""
-    name = body.get("model")
-    return name, (None if name == engine.model_info.name else LoraRef(name=name))
+def check_model(request: Request, body: dict[str, Any]) -> tuple[str, LoraRef | None]:
+    """(the model name to answer with, the adapter it selects or None for the served model)."""
+    lora = served_model_or_adapter(request, body.get("model"))
+    return (lora.name if lora else engine_of(request).model_info.name), lora
 
 
 def banned_ids(engine: EngineClient, words: list[str] | None) -> list[int]:
@@ -128,7 +134,7 @@ def lower_completion(engine: EngineClient, body: dict[str, Any], rid: str) -> li
     lp = body.get("logprobs")
     params = sampling_params(engine, body, COMPLETION_DEFAULT_MAX_TOKENS, lp is not None, lp or 0)
     prompts = completion_prompts(body)
-    return [GenerationRequest(f"{rid}-{i}", p, params, priority=body.get("priority") or 5)
+    return [GenerationRequest(f"{rid}-{i}", p, params, priority=engine_priority(body.get("priority")))
             for i, p in enumerate(prompts)]
 
 
@@ -142,7 +148,7 @@ def _echo_text(engine: EngineClient, prompt: Prompt) -> str:
 async def completions(request: Request) -> Response:
     engine = engine_of(request)
     body = await read_json(request, "openai-completion")
-    model, lora = check_model(engine, body)
+    model, lora = check_model(request, body)
     rid = request_id("cmpl")
     reqs = lower_completion(engine, body, rid)
     check_fan_out(request, len(reqs), reqs[0].params.n)
@@ -232,14 +238,14 @@ def lower_chat(engine: EngineClient, body: dict[str, Any], rid: str) -> Generati
     params = sampling_params(engine, body, engine.model_info.max_model_len, want_logprobs,
                              body.get("top_logprobs") or 0)
     prompt = ChatPrompt(messages, chat_template_kwargs=dict(body.get("chat_template_kwargs") or {}))
-    return GenerationRequest(rid, prompt, params, priority=body.get("priority") or 5)
+    return GenerationRequest(rid, prompt, params, priority=engine_priority(body.get("priority")))
 
 
 @endpoint(render_error)
 async def chat_completions(request: Request) -> Response:
     engine = engine_of(request)
     body = await read_json(request, "openai-chat")
-    model, lora = check_model(engine, body)
+    model, lora = check_model(request, body)
     rid = request_id("chatcmpl")
     req = lower_chat(engine, body, rid)
     req.lora = lora

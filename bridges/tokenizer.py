@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from bridges.common import BridgeError, endpoint, engine_of, int_list, read_json
+from bridges.common import BridgeError, endpoint, engine_of, int_list, read_json, served_model_or_adapter
 from engine.request import ChatMessage, ChatPrompt
 
 
@@ -18,9 +18,7 @@ def render_error(err: BridgeError) -> dict[str, Any]:
 
 
 def _check_model(request: Request, body: dict[str, Any]) -> None:
-    name = body.get("model")
-    if name not in (None, engine_of(request).model_info.name):
-        raise BridgeError(404, f"The model `{name}` does not exist.", param="model", kind="NotFoundError")
+    served_model_or_adapter(request, body.get("model"))  # 404 for a name that is neither
 
 
 @endpoint(render_error)

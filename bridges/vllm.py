@@ -13,9 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from bridges.common import (BridgeError, collect, endpoint, ending_with_error_event, engine_of, int_list, primed,
-                            read_json, replay, request_id, stop_list)
+                            read_json, replay, request_id, served_model_or_adapter, stop_list)
 from engine.protocol import EngineClient
-from engine.request import GenerationRequest, LoraRef, TextPrompt
+from engine.request import GenerationRequest, TextPrompt
 from engine.sampling_params import SamplingParams
 
 
@@ -23,9 +23,8 @@ def render_error(err: BridgeError) -> dict[str, Any]:
     return {"error": err.message, "object": "error", "type": err.kind, "param": err.param, "code": err.status}
 
 
-def lower(engine: EngineClient, body: dict[str, Any], rid: str) -> GenerationRequest:
-    model = body.get("model")
-    lora = None if model in (None, "", "None", engine.model_info.name) else LoraRef(name=model)
+def lower(request: Request, engine: EngineClient, body: dict[str, Any], rid: str) -> GenerationRequest:
+    lora = served_model_or_adapter(request, body.get("model"))
     params = SamplingParams(
         max_tokens=body.get("max_tokens") or engine.model_info.max_model_len,
         temperature=1.0 if body.get("temperature") is None else float(body["temperature"]),
@@ -47,7 +46,7 @@ def lower(engine: EngineClient, body: dict[str, Any], rid: str) -> GenerationReq
 async def generate(request: Request) -> Response:
     engine = engine_of(request)
     body = await read_json(request, "vllm-generate")
-    req = lower(engine, body, request_id("vllm"))
+    req = lower(request, engine, body, request_id("vllm"))
     settings = request.app.state.settings
     if not body.get("stream"):
         (c,) = await collect(engine, req)

@@ -111,3 +111,47 @@ def test_openai_client_raises_typed_errors(client, model):
         client.completions.create(model=model, prompt="hi", max_tokens=0)
     with pytest.raises(openai.BadRequestError, match="context"):
         client.completions.create(model=model, prompt=[5] * 9000, max_tokens=1)
+
+
+@pytest.mark.parametrize("model", [None, "", "default", "null"])
+def test_an_omitted_or_placeholder_model_is_the_served_model(live_server, model):
+    """FastDeploy's examples omit `model` or send "default" / "null"; vLLM accepts them too."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    if model is not None:
+        body["model"] = model
+    r = httpx.post(live_server.http_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == live_server.engine.model_info.name
+
+
+def test_an_unknown_model_is_not_found_naming_what_is_served(live_server):
+    r = httpx.post(live_server.http_url + "/v1/completions", json={"model": "gpt-4", "prompt": "Hi"}, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 404 and err["code"] == "model_not_found" and err["param"] == "model"
+    assert "gpt-4" in err["message"] and live_server.engine.model_info.name in err["message"]
+    assert "LoRA" not in err["message"]
+
+
+@pytest.mark.parametrize("priority", [0, -3, 7])
+def test_vllm_priorities_are_accepted(live_server, priority):
+    body = {"model": live_server.engine.model_info.name, "prompt": "Hi", "max_tokens": 2, "priority": priority,
+            "parallel_tool_calls": False}
+    assert httpx.post(live_server.http_url + "/v1/completions", json=body, timeout=60).status_code == 200
+
+
+def test_vllm_priority_maps_onto_the_engine_scale():
+    from bridges.openai import engine_priority
+
+    assert [engine_priority(p) for p in (None, 0, 3, -1, -4, -100)] == [5, 5, 5, 4, 1, 1]
+
+
+@pytest.mark.parametrize("code, status", [
+    ("unknown_adapter", 404), ("disabled", 404), ("host_not_allowed", 400), ("too_large", 400),
+    ("md5_mismatch", 400), ("invalid_pack", 400), ("incompatible", 400), ("download_failed", 502),
+    ("download_timeout", 504),
+])
+def test_lora_failures_map_to_their_own_status(code, status):
+    from bridges.common import bridge_error_from
+    from engine.errors import LoraUnavailableError
+
+    assert bridge_error_from(LoraUnavailableError("x", code=code)).status == status

@@ -317,4 +317,5 @@ def test_bridges_reach_registered_adapters(registered_server):
     assert all(m["parent"] == names[0] for m in models[1:])
     unknown = httpx.post(base + "/v1/chat/completions", json={"model": "nope", "messages": [
         {"role": "user", "content": "hi"}]}, timeout=60)
-    assert unknown.status_code == 404 and "not registered" in unknown.json()["error"]["message"]
+    message = unknown.json()["error"]["message"]
+    assert unknown.status_code == 404 and "does not exist" in message and "secret" in message
