@@ -64,7 +64,7 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
         engine.finished_listeners.append(metrics.observe_finished)
         if note_in_request_context not in engine.finished_listeners:  # once, however many apps share the engine
             engine.finished_listeners.append(note_in_request_context)
-    app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(RequestCounter, metrics=metrics, echo_request_id=settings.enable_request_id_headers)
     app.state.spark_keys = parse_key_pairs(settings.spark_auth)
     app.state.spark_replay = ReplayGuard()
     if settings.api_key:

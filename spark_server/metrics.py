@@ -119,9 +119,10 @@ class RequestCounter:
     """ASGI middleware counting HTTP answers by protocol and status, and logging one line per request
     (Spark sessions count and log themselves)."""
 
-    def __init__(self, app, metrics: Metrics) -> None:
+    def __init__(self, app, metrics: Metrics, echo_request_id: bool = True) -> None:
         self.app = app
         self.metrics = metrics
+        self.echo_request_id = echo_request_id
 
     async def __call__(self, scope, receive, send) -> None:
         protocol = protocol_of(scope.get("path", "")) if scope["type"] == "http" else None
@@ -134,9 +135,15 @@ class RequestCounter:
         token = REQUEST_CONTEXT.set(ctx)
         started = time.monotonic()
 
+        scope.setdefault("state", {})["request_id"] = ctx["id"]  # request.state.request_id, for error logs
+
         async def record(message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+            if message["type"] == "http.response.start" and self.echo_request_id:
+                # echoed as vLLM does (--enable-request-id-headers): the client's id, or the one we made
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", ctx["id"].encode("latin-1", "replace"))]}
             await send(message)
 
         try:

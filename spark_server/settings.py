@@ -78,6 +78,9 @@ class Settings:
     body_min_rate_kb: float = _opt(8.0, "KiB/s a request body must average after its first 2 s (408 below; 0: off)")
     timeout_keep_alive: float = _opt(5.0, "seconds an idle keep-alive connection stays open between requests "
                                           "(uvicorn's --timeout-keep-alive)")
+    enable_request_id_headers: bool = _opt(True, "vLLM's flag, accepted: every HTTP answer carries X-Request-Id (the "
+                                                 "client's, or one made for it); --no-enable-request-id-headers "
+                                                 "leaves it out")
     max_request_items: int = _opt(16384, "most entries in any one JSON array or object of a request (token ids, "
                                          "messages, stop strings, bad words...), refused before any per-item work")
     max_seqs_per_request: int = _opt(64, "most sequences one request may start: prompts x n (x best_of)")

@@ -141,7 +141,8 @@ def fit_history(request: GenerationRequest, adjust: bool, engine: EngineClient,
 
     Sizes first: a floor on each content's tokens, known without tokenizing, refuses or drops what
     cannot fit (a 4 MB content costs nothing); then exact counts; then the templated prompt, with the
-    number of dropped turns found by bisection (each try templates the whole dialogue)."""
+    number of dropped turns found by bisection (each try templates the whole dialogue). Trimming
+    leaves ``max_tokens`` (at most half the context) free for the answer."""
     prompt = request.prompt
     assert isinstance(prompt, ChatPrompt)
     messages = prompt.messages
@@ -170,11 +171,18 @@ def fit_history(request: GenerationRequest, adjust: bool, engine: EngineClient,
     dropped += drop_to_history_limit(counts, "")
     question_tokens = counts[-1]
 
+    # With adjustTokens, trimming also leaves room for the answer: max_tokens free in the context.
+    context = engine.model_info.max_model_len
+    room = min(request.params.max_tokens, context // 2) if adjust else 1
+
     def fits() -> str | None:
         try:
-            engine.encode_prompt_sync(prompt)
+            num_tokens = len(engine.encode_prompt_sync(prompt))
         except PromptTooLongError as exc:
             return str(exc)
+        if num_tokens + room > context:
+            return (f"the prompt has {num_tokens} tokens; with max_tokens={request.params.max_tokens} free for the "
+                    f"answer it must fit the model's {context}-token context")
         return None
 
     reason = fits()

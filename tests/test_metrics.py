@@ -106,3 +106,26 @@ def test_a_client_hanging_up_mid_body_is_499_not_500(live_server):
     _wait_for(lambda: _value(httpx.get(url).text, "spark:requests_total",
                              'code="499",protocol="openai"') == before["499"] + 5)
     assert _value(httpx.get(url).text, "spark:requests_total", 'code="500",protocol="openai"') == before["500"]
+
+
+def test_the_request_id_is_echoed_and_a_500_is_logged_with_it(live_server, caplog, monkeypatch):
+    import logging
+
+    from bridges import openai as openai_bridge
+
+    model = live_server.engine.model_info.name
+    body = {"model": model, "prompt": "Hi", "max_tokens": 2}
+    given = httpx.post(live_server.http_url + "/v1/completions", json=body, headers={"X-Request-Id": "abc-123"})
+    assert given.headers["x-request-id"] == "abc-123"
+    made = httpx.post(live_server.http_url + "/v1/completions", json=body)
+    assert made.status_code == 200 and len(made.headers["x-request-id"]) >= 8
+
+    def broken(*args, **kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(openai_bridge, "lower_completion", broken)
+    with caplog.at_level(logging.ERROR, logger="spark_server.requests"):
+        failed = httpx.post(live_server.http_url + "/v1/completions", json=body, headers={"X-Request-Id": "r-500"})
+    assert failed.status_code == 500 and failed.headers["x-request-id"] == "r-500"
+    logged = [r for r in caplog.records if "r-500" in r.getMessage()]
+    assert logged and logged[0].exc_info is not None  # the traceback goes with the id

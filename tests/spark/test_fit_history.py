@@ -7,6 +7,7 @@ import pytest
 
 from engine.errors import PromptTooLongError
 from engine.request import ChatMessage, ChatPrompt, GenerationRequest
+from engine.sampling_params import SamplingParams
 from spark_server.errors import SparkCode, SparkError
 from spark_server.spark_protocol import fit_history
 
@@ -16,6 +17,7 @@ BYTES_PER_TOKEN = 16  # no scripted token is longer
 class ScriptedEngine:
     def __init__(self, context: int) -> None:
         self.context = context
+        self.model_info = type("Info", (), {"max_model_len": context})()
         self.tokenized_bytes = 0
         self.templated = 0
 
@@ -34,11 +36,12 @@ class ScriptedEngine:
         return [0] * n
 
 
-def _request(contents: list[str]) -> GenerationRequest:
+def _request(contents: list[str], max_tokens: int = 1) -> GenerationRequest:
     roles = ["user" if i % 2 == 0 else "assistant" for i in range(len(contents))]
     if len(contents) % 2 == 0:
         roles = ["system"] + roles[:-1]
-    return GenerationRequest("s", ChatPrompt([ChatMessage(r, c) for r, c in zip(roles, contents)]))
+    return GenerationRequest("s", ChatPrompt([ChatMessage(r, c) for r, c in zip(roles, contents)]),
+                             SamplingParams(max_tokens=max_tokens))
 
 
 def test_a_4mb_content_is_refused_by_its_size_alone():
@@ -79,3 +82,21 @@ def test_without_adjust_nothing_is_dropped():
     with pytest.raises(SparkError) as err:
         fit_history(_request(["word " * 50, "ok", "q"]), False, ScriptedEngine(8192), history_limit=20)
     assert err.value.code == SparkCode.TOKEN_LIMIT_EXCEEDED and "adjustTokens" in err.value.message
+
+
+def test_adjust_leaves_room_for_the_answer():
+    """A history that fills the context would leave a 1-token answer: trimming keeps max_tokens free."""
+    contents = [f"turn {i} " + "word " * 10 for i in range(41)]
+    engine = ScriptedEngine(context=400)
+    req = _request(contents, max_tokens=120)
+    fit_history(req, True, engine, history_limit=10_000)
+    prompt = sum(len(m.content.split()) + 5 for m in req.prompt.messages)
+    assert prompt + 120 <= 400
+    one_more = prompt + len(contents[0].split()) + 5  # the fewest turns were dropped
+    assert one_more + 120 > 400
+
+
+def test_a_question_too_long_for_its_answer_is_refused_with_adjust():
+    with pytest.raises(SparkError) as err:
+        fit_history(_request(["word " * 300], max_tokens=150), True, ScriptedEngine(400), history_limit=10_000)
+    assert err.value.code == SparkCode.TOKEN_LIMIT_EXCEEDED and "max_tokens=150" in err.value.message
