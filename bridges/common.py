@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from contextlib import aclosing
@@ -22,8 +23,9 @@ from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, RequestOutput, TokenLogprob
 
 
-INVALID_JSON = "invalid_json"
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer; nobody reads it  # BridgeError.code of a body that is not JSON at all
+logger = logging.getLogger("spark_server.requests")
+INVALID_JSON = "invalid_json"  # BridgeError.code of a body that is not JSON at all
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer; nobody reads it
 
 
 class BridgeError(Exception):
@@ -252,6 +254,9 @@ def endpoint(render: Callable[[BridgeError], dict[str, Any]], invalid_status: in
                 err = bridge_error_from(exc)
                 if err.status == 400 and err.code != INVALID_JSON:
                     err.status = invalid_status
+                if err.status >= 500:
+                    logger.error("request id=%s path=%s failed with %d: %s", getattr(request.state, "request_id", "-"),
+                                 request.url.path, err.status, err.message, exc_info=exc)
                 return error_response(err, render)
 
         run.__name__ = handler.__name__
