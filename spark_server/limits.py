@@ -124,6 +124,8 @@ def header_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol]:
 
         def _expire(self) -> None:
             self._header_timer = None
+            if self.transport.get_protocol() is not self:  # upgraded: the WebSocket protocol owns it now
+                return
             keep_alive_idle = getattr(self, "timeout_keep_alive_task", None) is not None
             if self._awaiting_headers() and not keep_alive_idle and not self.transport.is_closing():
                 self.transport.close()

@@ -102,3 +102,18 @@ def test_a_body_trickling_in_below_the_minimum_rate_gets_408(async_engine):
                     break
     assert got.startswith(b"HTTP/1.1 408") and b"--body-min-rate-kb" in got, got[:300]
     assert time.monotonic() - started < 10  # well before the 60 s --body-timeout
+
+
+def test_a_websocket_outlives_the_header_timeout(short_timeouts):
+    """The upgrade hands the socket to the WebSocket protocol: the HTTP header timer must not cut it."""
+    import json
+
+    from websockets.sync.client import connect
+
+    from tests.spark.client import spark_request
+
+    with connect(f"ws://127.0.0.1:{short_timeouts}/turing/v3/gpt") as ws:
+        time.sleep(3 * TIMEOUT_S)
+        ws.send(json.dumps(spark_request("Hi", max_tokens=2, top_k=1)))
+        frames = [json.loads(m) for m in ws]
+    assert frames[-1]["header"]["code"] == 0
