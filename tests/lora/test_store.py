@@ -65,3 +65,34 @@ def test_least_recently_used_packs_are_evicted_under_the_budget(tmp_path, adapte
     names = {p.name for p in store.entries()}
     assert k2 in names and k1 not in names  # the older pack made room for the newer one
     assert store.num_downloads == 2
+
+
+def test_a_bomb_writes_nothing_and_a_directory_flood_stops_at_the_entry_limit(tmp_path):
+    """Limits are checked before anything is written: a member over the unpacked-size cap writes no byte,
+    and a pack of 20,000 directories creates at most the entry limit's worth before it is refused."""
+    import io
+    import tarfile
+
+    from lora_store.pack import UnpackLimits
+
+    bomb = tmp_path / "bomb.tar.gz"
+    with tarfile.open(bomb, "w:gz") as tar:
+        info = tarfile.TarInfo("adapter_model.safetensors")
+        info.size = 64 << 20
+        tar.addfile(info, io.BytesIO(bytes(64 << 20)))
+    limits = UnpackLimits.for_pack_limit(max_pack_bytes=bomb.stat().st_size, disk_budget_bytes=1 << 30)
+    assert limits.max_total_bytes == 4 * bomb.stat().st_size  # the stated ratio
+    with pytest.raises(LoraUnavailableError, match="larger than"):
+        unpack(bomb, tmp_path / "out", limits)
+    written = sum(f.stat().st_size for f in (tmp_path / "out").rglob("*") if f.is_file())
+    assert written == 0
+
+    flood = tmp_path / "dirs.tar.gz"
+    with tarfile.open(flood, "w:gz") as tar:
+        for i in range(20000):
+            info = tarfile.TarInfo(f"d{i}")
+            info.type = tarfile.DIRTYPE
+            tar.addfile(info)
+    with pytest.raises(LoraUnavailableError, match="more than 64 entries"):
+        unpack(flood, tmp_path / "out2")
+    assert sum(1 for _ in (tmp_path / "out2").rglob("*")) <= 64
