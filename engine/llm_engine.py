@@ -110,8 +110,11 @@ class LLMEngine:
         """Most input bytes one token can stand for: twice the longest token's UTF-8 text, a margin for
         tokenizers whose normalisation drops characters. ``len(text bytes) // this`` is then a floor on
         the token count, known without tokenizing (a 4 MB prompt is refused in microseconds)."""
-        longest = max(len(self.tokenizer.decode([i]).encode()) for i in range(len(self.tokenizer)))
-        return 2 * max(longest, 1)
+        ids = [[i] for i in range(len(self.tokenizer))]
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)  # fast tokenizers: one Rust batch call
+        texts = (backend.decode_batch(ids, skip_special_tokens=False) if backend is not None
+                 else [self.tokenizer.decode(i) for i in ids])
+        return 2 * max(max(len(t.encode()) for t in texts), 1)
 
     def min_num_tokens(self, texts: list[str]) -> int:
         """A floor on the tokens ``texts`` need, from their sizes alone."""
