@@ -30,8 +30,9 @@ async def infer(request: Request) -> Response:
     if not body.get("stream"):
         (c,) = await collect(engine, tg.request)
         result: dict[str, Any] = {"generated_text": c.text}
-        result["details"] = {"finish_reason": textgen.finish_reason(c.finish_reason, c.stop_reason),
-                             "generated_tokens": len(c.token_ids), "seed": tg.seed}
+        if tg.details:  # the spec: details only when asked for
+            result["details"] = {"finish_reason": textgen.finish_reason(c.finish_reason, c.stop_reason),
+                                 "generated_tokens": len(c.token_ids), "seed": tg.seed}
         return JSONResponse(result, headers=textgen.ignored_header(tg))
     first, rest = await primed(engine, tg.request)
 
@@ -49,6 +50,7 @@ async def infer(request: Request) -> Response:
                                              "decode_time": None if is_first else _ms(t.last_token_gap_s)}
                     if out.finished:
                         event["generated_text"] = text
+                    if out.finished and tg.details:
                         event["details"] = {"finish_reason": textgen.finish_reason(out.finish_reason, out.stop_reason),
                                             "generated_tokens": out.num_output_tokens, "seed": tg.seed}
                     event["token"] = {"id": out.new_token_ids, "text": out.text_delta}

@@ -75,6 +75,9 @@ async def generate_response(request: Request, body: dict[str, Any], shape: Shape
 async def stream_events(request: Request, body: dict[str, Any], shape: Shape) -> tuple[AsyncIterator[bytes], dict]:
     engine = engine_of(request)
     tg = await textgen.lower(engine, request_id("tgi"), body["inputs"], body.get("parameters"))
+    if tg.decoder_input_details:  # the spec: "对于流式接口，该参数只能为false"
+        raise BridgeError(422, "decoder_input_details must be false on a stream (the prompt's tokens are only "
+                               "returned by the non-streaming /generate)", param="decoder_input_details")
     first, rest = await primed(engine, tg.request)
 
     async def events() -> AsyncIterator[bytes]:
@@ -94,6 +97,7 @@ async def stream_events(request: Request, body: dict[str, Any], shape: Shape) ->
                         event["top_tokens"] = None
                     if last and out.finished:
                         event["generated_text"] = (body["inputs"] if tg.return_full_text else "") + text
+                    if last and out.finished and tg.details:  # the spec: details only with details=true
                         event["details"] = {"finish_reason": textgen.finish_reason(out.finish_reason, out.stop_reason),
                                             "generated_tokens": out.num_output_tokens, "seed": tg.seed,
                                             "prompt_tokens": out.num_prompt_tokens}

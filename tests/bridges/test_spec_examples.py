@@ -170,3 +170,18 @@ def test_openapi_document(live_server):
 
     assert set(doc["components"]["schemas"]) == set(schemas.available())
     assert "urn:" not in json.dumps(doc)
+
+
+def test_details_only_when_asked_for(live_server):
+    """TGI stream and MindIE: `details` only when the request says details=true (the spec's rule);
+    decoder_input_details=true is refused on a TGI stream."""
+    plain = {"inputs": "My name is Olivier and I", "parameters": {"max_new_tokens": 4}}
+    tgi = sse_events(post(live_server, "/generate_stream", plain))
+    assert all(e["details"] is None for e in tgi) and tgi[-1]["generated_text"] is not None
+    refused = httpx.post(live_server.http_url + "/generate_stream", json={
+        "inputs": "hi", "parameters": {"max_new_tokens": 4, "decoder_input_details": True}}, timeout=60)
+    assert refused.status_code == 422 and "decoder_input_details" in refused.json()["error"]
+    mindie = post(live_server, "/infer", plain).json()
+    assert "details" not in mindie and isinstance(mindie["generated_text"], str)
+    stream = sse_events(post(live_server, "/infer", dict(plain, stream=True)))
+    assert all("details" not in e for e in stream) and "generated_text" in stream[-1]
