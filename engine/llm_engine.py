@@ -137,11 +137,7 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
         elif isinstance(prompt, TokensPrompt):
             ids = list(prompt.token_ids)
-            vocab = self.model_info.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                                          parameter="prompt_token_ids")
+            self._check_in_vocab(ids, "prompt_token_ids")
         else:
             raise InvalidRequestError("unknown prompt type", parameter="prompt")
         if not ids:
@@ -155,12 +151,15 @@ class LLMEngine:
     def check_token_ids(self, params: SamplingParams) -> None:
         """Every token id a request names must be in the vocabulary: one bad id must fail its own
         request at the door, not a model step shared with others."""
-        vocab = self.model_info.vocab_size
         for name in ("stop_token_ids", "banned_token_ids"):
-            bad = [t for t in getattr(params, name) if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"'{name}': token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                                          parameter=name)
+            self._check_in_vocab(getattr(params, name), name)
+
+    def _check_in_vocab(self, ids: list[int], parameter: str) -> None:
+        vocab = self.model_info.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"'{parameter}': token id {bad} is outside the vocabulary [0, {vocab})",
+                                      parameter=parameter)
 
     # ---- the core loop -------------------------------------------------------------------------
 

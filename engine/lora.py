@@ -123,9 +123,8 @@ def read_adapter(path: str | Path, name: str, config, max_rank: int) -> LoraAdap
             problems.append(f"{module} in layer {layer}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
                             f"this model (expected A ({rank}, {in_f}), B ({out_f}, {rank}))")
         else:
-            _check_weight(name, key, a)
-            _check_weight(name, key.replace(".lora_A.", ".lora_B."), b)
-            weights[(layer, module)] = (a.float(), b.float())
+            weights[(layer, module)] = (_checked_fp32(name, key, a),
+                                        _checked_fp32(name, key.replace(".lora_A.", ".lora_B."), b))
     if not weights and not problems:
         problems.append("the adapter holds no LoRA weights")
     if problems:
@@ -151,8 +150,8 @@ def _rank_and_alpha(cfg: object, name: str) -> tuple[int, float]:
     return rank, float(alpha)
 
 
-def _check_weight(name: str, key: str, tensor: torch.Tensor) -> None:
-    """Weights must be floating point (else 12007), finite and of a sane size (else 12006)."""
+def _checked_fp32(name: str, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The weight in fp32, once checked: floating point (else 12007), finite and of a sane size (else 12006)."""
     if not tensor.is_floating_point():
         raise LoraUnavailableError(f"{name}: {key} has dtype {str(tensor.dtype).removeprefix('torch.')}; LoRA "
                                    "weights must be floating point", code="incompatible")
@@ -162,6 +161,7 @@ def _check_weight(name: str, key: str, tensor: torch.Tensor) -> None:
     if t.numel() and float(t.abs().max()) > MAX_WEIGHT_MAGNITUDE:
         raise LoraUnavailableError(f"{name}: {key} holds values over {MAX_WEIGHT_MAGNITUDE:g} in magnitude (a "
                                    "trained adapter's weights are orders of magnitude smaller)", code="invalid_pack")
+    return t
 
 
 class LoraBatch:

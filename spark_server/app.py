@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.routing import Route, WebSocketRoute
@@ -101,16 +101,13 @@ def attach_lora(settings: Settings, engine: EngineClient) -> LoraResolver | None
     return resolver
 
 
-def uvicorn_config(app: Starlette, settings: Settings, **overrides: Any) -> "uvicorn.Config":
+def uvicorn_config(app: Starlette, settings: Settings) -> "uvicorn.Config":
     """The one uvicorn configuration (the CLI's and the tests'): frame and time limits included."""
     import uvicorn
 
     from spark_server.limits import header_timeout_protocol
 
-    options: dict[str, Any] = dict(
-        host=settings.host, port=settings.port, log_level=settings.log_level,
-        ws_max_size=int(settings.max_frame_mb * (1 << 20)), ssl_certfile=settings.ssl_certfile,
-        ssl_keyfile=settings.ssl_keyfile, timeout_keep_alive=settings.timeout_keep_alive,
-        http=header_timeout_protocol(settings.header_timeout))
-    options.update(overrides)
-    return uvicorn.Config(app, **options)
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                          ws_max_size=int(settings.max_frame_mb * (1 << 20)), ssl_certfile=settings.ssl_certfile,
+                          ssl_keyfile=settings.ssl_keyfile, timeout_keep_alive=settings.timeout_keep_alive,
+                          http=header_timeout_protocol(settings.header_timeout))
