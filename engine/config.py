@@ -21,6 +21,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_waiting: int = 1024
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    quantization: str = "auto"  # auto | none | int8 | int4 | gguf (engine/models/weights.py)
     native_kernels: bool = True  # CPU: fused C kernels between the linears (compiled at first use)
     max_loras: int = 0  # resident LoRA adapter slots (0: LoRA off)
     max_lora_rank: int = 16

@@ -14,10 +14,13 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.device import resolve_device, resolve_dtype
 from engine.errors import EngineOverloadedError, InvalidRequestError, LoraUnavailableError, PromptTooLongError
-from engine.model_loader import EMBEDDED_MODEL_NAME, resolve_model_dir
+from engine.kernels import load_cpu_kernels
+from engine.model_loader import EMBEDDED_MODEL_NAME, gguf_source, resolve_model_dir
 from engine.lora import LoraManager, read_adapter
 from engine.model_runner import ModelRunner
 from engine.models import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
+from engine.models.weights import resolve_quantization
+from engine.quant import cache as quant_cache
 from engine.request import (ChatPrompt, GenerationRequest, Prompt, RequestOutput, TextPrompt,
                             TokensPrompt)
 from engine.sampler import sample
@@ -53,11 +56,24 @@ class LLMEngine:
             raise ValueError(f"model type '{hf_config.model_type}' is not supported by this engine "
                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        kernels = load_cpu_kernels() if config.native_kernels and self.device.type == "cpu" else None
+        if config.dtype == "auto" and kernels is not None and kernels.linear_isa == 2:
+            self.dtype = torch.bfloat16  # the packed bf16 kernels: bf16 is this CPU's fast dtype
+        else:
+            self.dtype = resolve_dtype(config.dtype, self.device)
+        gguf = gguf_source(config.model)
+        self.quantization = resolve_quantization(config.quantization, gguf is not None, kernels, self.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype)
-        self.model = LlamaForCausalLM(hf_model, self.dtype, self.device, config.native_kernels)
+        # Quantizing starts from the checkpoint's own precision, not from a bf16 rounding of it.
+        load_dtype = self.dtype if self.quantization in ("none", "gguf") else "auto"
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=load_dtype)
+        stored, cache_file = self._stored_weights(model_dir, gguf, hf_config)
+        self.model = LlamaForCausalLM(hf_model, self.dtype, self.device, config.native_kernels, self.quantization,
+                                      stored)
+        if cache_file is not None and self.model.builder.made:
+            quant_cache.save(cache_file, self.model.builder.made)
         del hf_model
+        logger.info("weights: --quantization %s; %s", self.quantization, self.model.linears_summary)
         self.max_model_len = min(config.max_model_len or self.model.max_position, self.model.max_position)
         window = getattr(hf_config, "sliding_window", None)
         if window and getattr(hf_config, "use_sliding_window", True) and window < self.max_model_len:
@@ -71,7 +87,7 @@ class LLMEngine:
             raise ValueError("the KV cache budget holds fewer than 2 blocks; raise --kv-cache-space")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.lora_manager = (LoraManager(hf_config, config.max_loras, config.max_lora_rank, self.dtype, self.device,
-                                         self.model.projection_weights(), self.model.kernels)
+                                         self.model.projections(), self.model.kernels)
                              if config.max_loras > 0 else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, self.lora_manager)
@@ -90,6 +106,24 @@ class LLMEngine:
         logger.info("engine ready in %.1fs: %s on %s/%s, %d KV blocks of %d tokens, fused CPU kernels %s",
                     time.monotonic() - started, name, self.device, self.model_info.dtype, num_blocks,
                     config.block_size, "on" if self.model.kernels is not None else "off")
+
+    def _stored_weights(self, model_dir, gguf, hf_config):
+        """(quantized weights already made, the cache file to save new ones to) for this run's mode."""
+        if self.quantization in ("none", "auto"):
+            return None, None
+        if self.quantization == "gguf":
+            path = quant_cache.cache_path([gguf], "gguf")
+            stored = quant_cache.load(path)
+            if stored is None:
+                from engine.quant.gguf_blocks import read_gguf_linears
+
+                stored = {k: v for k, v in read_gguf_linears(gguf, hf_config).items() if k != "model.embed_tokens.weight"}
+                quant_cache.save(path, stored)
+            return stored, None
+        sources = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
+        path = quant_cache.cache_path(sources or [model_dir / "config.json"], self.quantization)
+        stored = quant_cache.load(path)
+        return stored, (path if stored is None else None)
 
     def _eos_ids(self, model_dir) -> list[int]:
         ids: set[int] = set()

@@ -21,6 +21,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -193,15 +194,25 @@ class LoraBatch:
         return y[:, :n] + b(y[:, n:] * self.masks[group])
 
 
+class _BaseThenA:
+    """[x @ W_base^T | x @ A^T] for a base projection that cannot be stacked with A (packed kernels)."""
+
+    def __init__(self, base: Any, a: Linear) -> None:
+        self.base = base
+        self.a = a
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.base(x), self.a(x)], dim=1)
+
+
 class LoraManager:
     def __init__(self, config, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device,
-                 base_weights: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]],
-                 kernels: CpuKernels | None = None) -> None:
+                 base_projections: list[dict[str, Any]], kernels: CpuKernels | None = None) -> None:
         self.config = config
         # With the fused CPU kernels each token applies only its own adapter's B, stored per projection
         # as [S, r, out] (b_compact); without them, B is one block-diagonal matrix per group.
         self.kernels = kernels
-        self.base_weights = base_weights  # per layer: group -> the base projection's (weight [out, in], bias)
+        self.base_projections = base_projections  # per layer: group -> the base projection's linear
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.dtype = dtype
@@ -225,7 +236,7 @@ class LoraManager:
                     compact[group] = torch.zeros(rows * out_total, dtype=dtype, device=device)
             self.stacks.append(layer)
             self.b_compact.append(compact)
-        self.fused: list[dict[str, tuple[Linear, Linear, int]]] = []
+        self.fused: list[dict[str, tuple[Any, Linear | None, int]]] = []
         self._pack()
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident adapters, least recently used first
         self.pins = [0] * max_loras
@@ -270,11 +281,15 @@ class LoraManager:
         for layer, groups in enumerate(self.stacks):
             packed = {}
             for g, (a, b) in groups.items():
-                weight, bias = self.base_weights[layer][g]
-                if bias is not None:  # the A rows get no bias
-                    bias = torch.cat([bias, bias.new_zeros(a.shape[0])])
-                packed[g] = (Linear(torch.cat([weight, a]), bias), Linear(b) if b is not None else None,
-                             weight.shape[0])
+                base = self.base_projections[layer][g]
+                if isinstance(base, Linear):  # dense: one matmul over [W_base; A]
+                    bias = base.bias
+                    if bias is not None:  # the A rows get no bias
+                        bias = torch.cat([bias, bias.new_zeros(a.shape[0])])
+                    first: Any = Linear(torch.cat([base.weight, a]), bias)
+                else:  # packed or quantized base: its own kernel, then A
+                    first = _BaseThenA(base, Linear(a))
+                packed[g] = (first, Linear(b) if b is not None else None, base.out_features)
             self.fused.append(packed)
 
     def _write(self, slot: int, adapter: LoraAdapter) -> None:

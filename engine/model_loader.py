@@ -57,6 +57,14 @@ def resolve_model_dir(model: str | None, cache_dir: Path | None = None) -> Path:
     )
 
 
+def gguf_source(model: str | None) -> Path | None:
+    """The GGUF file a model argument names (the embedded model is one), or None for an HF directory."""
+    if model is None or model in ("", "embedded", EMBEDDED_MODEL_NAME):
+        return embedded_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def _converted_dir(gguf: Path, cache_dir: Path, name: str) -> Path:
     stat = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]

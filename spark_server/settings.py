@@ -34,6 +34,10 @@ class Settings:
                        choices=["auto", "cpu", "cuda", "npu"])
     dtype: str = _opt("auto", "auto, float32, bfloat16 or float16",
                       choices=["auto", "float32", "bfloat16", "float16"])
+    quantization: str = _opt("auto", "weights the linears run on: none (the model's dtype), int8 (per channel), "
+                                     "int4 (groups of 32), gguf (a GGUF file's own Q4_0/Q4_1/Q8_0 blocks); auto: "
+                                     "gguf for a GGUF model on a CPU with AVX512-BF16, else none",
+                             choices=["auto", "none", "int8", "int4", "gguf"])
     max_model_len: int | None = _opt(None, "context length in tokens (default: the model's)")
     max_num_seqs: int = _opt(64, "most sequences decoded together in one step")
     max_num_batched_tokens: int = _opt(512, "token budget of one engine step (prefill is chunked to fit)")
@@ -107,7 +111,7 @@ class Settings:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=self.model, served_model_name=self.served_model_name, device=self.device, dtype=self.dtype,
-            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+            quantization=self.quantization, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             long_prefill_token_threshold=self.long_prefill_token_threshold, block_size=self.block_size,
             kv_cache_space_gib=self.kv_cache_space, num_kv_blocks=self.num_kv_blocks,

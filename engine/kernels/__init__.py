@@ -18,16 +18,20 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.model_loader import default_cache_dir
 
+if TYPE_CHECKING:
+    from engine.quant.packing import PackedWeight
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_impl.h"))  # the .c includes the .h
-ABI_VERSION = 1
+SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_impl.h"), SOURCE.with_name("cpu_linear.h"))  # the .c includes the .h files
+ABI_VERSION = 2
 CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11"]
 NATIVE = "-march=native"  # this CPU's full instruction set (AVX-512 where it has it)
 DISABLE_ENV = "SPARK_NATIVE_KERNELS"
@@ -114,6 +118,14 @@ class CpuKernels:
                 fn.argtypes = argtypes
                 fn.restype = None
                 self._fns[(name, dtype)] = fn
+        self._linear = lib.spark_linear
+        self._linear.argtypes = [_INT, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _INT, _INT, _INT]
+        self._linear.restype = None
+        self._read_sum = lib.spark_read_sum
+        self._read_sum.argtypes = [_P, _I64, _INT]
+        self._read_sum.restype = ctypes.c_uint64
+        # 2: AVX512-BF16 dot products; 0: the portable C path only (correct everywhere, slower)
+        self.linear_isa = lib.spark_linear_isa()
         self._count_top_ties = lib.count_top_ties
         self._count_top_ties.argtypes = [_P, _I64, _I64, _P]
         self._count_top_ties.restype = None
@@ -147,6 +159,26 @@ class CpuKernels:
         self._fns[("lora_expand", y.dtype)](
             y.data_ptr(), y.stride(0), n, out.data_ptr(), token_slots.data_ptr(), y.shape[0], b.data_ptr(),
             out_sizes.shape[0], out_sizes.data_ptr(), num_slots, rank, self.num_threads)
+
+    def linear(self, x: torch.Tensor, weight: "PackedWeight", bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, portable: bool = False) -> torch.Tensor:
+        """y = x @ W^T (+ bias) over a packed weight (engine/quant/packing.py); x bf16 [M, K] with unit
+        column stride; y bf16 (or fp32 when ``out`` is fp32). ``portable`` forces the plain-C path."""
+        m, k = x.shape
+        if x.dtype != torch.bfloat16 or x.stride(1) != 1 or k != weight.in_features:
+            raise ValueError("linear kernel takes bf16 rows of in_features with unit stride")
+        if out is None:
+            out = torch.empty(m, weight.out_features, dtype=torch.bfloat16)
+        if bias is not None and bias.dtype != torch.float32:
+            raise ValueError("linear kernel bias must be fp32")
+        self._linear(weight.fmt_code, x.data_ptr(), m, k, x.stride(0), weight.data.data_ptr(), weight.out_features,
+                     weight.group, bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0),
+                     int(out.dtype == torch.float32), int(portable), self.num_threads)
+        return out
+
+    def read_sum(self, buffer: torch.Tensor) -> int:
+        """Read every byte of a buffer (a multiple of 8 bytes) once: the plain-read bandwidth reference."""
+        return self._read_sum(buffer.data_ptr(), buffer.numel() * buffer.element_size() // 8, self.num_threads)
 
     def count_top_ties(self, logits: torch.Tensor) -> torch.Tensor:
         """Per row of fp32 logits [S, V]: how many entries equal the row's maximum."""

@@ -17,6 +17,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -119,6 +120,8 @@ static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 #define LOAD16 load16_f32
 #include "cpu_kernels_impl.h"
 
+#include "cpu_linear.h"
+
 /* counts[r] = how many entries of logits row r equal the row's maximum (1 when the top is unique). */
 void count_top_ties(const float *logits, int64_t rows, int64_t vocab, int64_t *counts) {
     for (int64_t r = 0; r < rows; r++) {
@@ -133,6 +136,6 @@ void count_top_ties(const float *logits, int64_t rows, int64_t vocab, int64_t *c
     }
 }
 
-int spark_kernels_abi_version(void) { return 1; }
+int spark_kernels_abi_version(void) { return 2; }
 int spark_kernels_max_head_dim(void) { return MAX_HEAD_DIM; }
 int spark_kernels_max_group(void) { return MAX_GROUP; }

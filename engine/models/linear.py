@@ -1,13 +1,26 @@
-"""Linear layers with the fastest kernel the device offers, same results as ``F.linear``.
+"""Linear layers with the fastest kernel the device offers.
 
-On CPU in bfloat16, oneDNN's prepacked weights (what torch.compile's CPU backend uses) run the
-projections about 1.5-2x faster than plain ``F.linear``; the packing serves any batch size.
+``Linear``: dense weights. On CPU in bfloat16, oneDNN's prepacked weights (what torch.compile's CPU
+backend uses) run the projections about 1.5-2x faster than plain ``F.linear``; the packing serves
+any batch size.
+
+``PackedLinear``: weights packed for the engine's own CPU kernels (engine/kernels/cpu_linear.h), in
+bf16 or quantized (int8, int4, GGUF blocks). Decode steps are a few rows each and stream every weight
+once, which the kernels do near memory speed. Where a dense fallback is kept (bf16 weights), batches
+above ``max_kernel_rows`` (measured at start) go to oneDNN instead.
+
+``ReferenceLinear``: the slow meaning of a quantized weight (dequantize to fp32, multiply in fp32),
+for tests and for comparing paths.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels import CpuKernels
+from engine.quant.formats import QuantizedWeight
+from engine.quant.packing import PackedWeight
 
 
 def _mkldnn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -21,6 +34,7 @@ class Linear:
         self.weight = weight  # [out, in], kept for reference paths (LoRA checks, tests)
         self.bias = bias
         self.out_features = weight.shape[0]
+        self.in_features = weight.shape[1]
         self._packed = None
         if _mkldnn_packing_available(weight.dtype, weight.device):
             try:
@@ -36,3 +50,85 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Selected output rows of the weight, in fp32."""
+        return self.weight[index].float()
+
+    @property
+    def dense(self) -> bool:
+        return True
+
+
+class PackedLinear:
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, kernels: CpuKernels,
+                 quantized: QuantizedWeight | None = None, fallback: Linear | None = None,
+                 max_kernel_rows: int | None = None) -> None:
+        self.packed = packed
+        self.bias = bias
+        self._bias32 = bias.float().contiguous() if bias is not None else None
+        self.kernels = kernels
+        self.quantized = quantized  # None: packed from bf16 weights (then ``fallback`` holds them)
+        self.fallback = fallback
+        self.max_kernel_rows = max_kernel_rows
+        self.out_features = packed.out_features
+        self.in_features = packed.in_features
+
+    def takes(self, rows: int) -> bool:
+        """Whether a batch of ``rows`` runs on the packed kernel (else on the oneDNN fallback)."""
+        return self.fallback is None or self.max_kernel_rows is None or rows <= self.max_kernel_rows
+
+    def __call__(self, x: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
+        """y in x's dtype, or in fp32 (unrounded sums) when ``fp32_out`` and the kernel takes the batch."""
+        if not self.takes(x.shape[0]):
+            assert self.fallback is not None
+            return self.fallback(x)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32) if fp32_out else None
+        return self.kernels.linear(x, self.packed, self._bias32, out)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole weight in bf16 (reference paths and tests; the forward never needs it)."""
+        if self.fallback is not None:
+            return self.fallback.weight
+        assert self.quantized is not None
+        return self.quantized.dequantize().to(torch.bfloat16)
+
+    def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.rows(index)
+        assert self.fallback is not None
+        return self.fallback.weight_rows(index)
+
+    @property
+    def dense(self) -> bool:
+        return self.quantized is None
+
+
+class ReferenceLinear:
+    """x @ dequantize(W)^T in fp32, rounded to x's dtype once: what every packed kernel must equal."""
+
+    def __init__(self, quantized: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        self.quantized = quantized
+        self.w32 = quantized.dequantize()
+        self.bias = bias
+        self.out_features, self.in_features = quantized.shape
+
+    def takes(self, rows: int) -> bool:
+        return True
+
+    def __call__(self, x: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
+        y = F.linear(x.float(), self.w32, self.bias.float() if self.bias is not None else None)
+        return y if fp32_out else y.to(x.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.w32
+
+    def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
+        return self.w32[index]
+
+    @property
+    def dense(self) -> bool:
+        return False

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, PagedKVCache, paged_attention, prefill_attention
 from engine.kernels import CpuKernels, load_cpu_kernels
-from engine.models.linear import Linear
+from engine.models.linear import Linear, PackedLinear, ReferenceLinear
+from engine.models.weights import LinearBuilder
+from engine.quant.formats import QuantizedWeight
 
 if TYPE_CHECKING:
     from engine.lora import LoraBatch
@@ -25,11 +27,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 @dataclass(slots=True)
 class _LayerWeights:
     input_norm: torch.Tensor
-    qkv: Linear  # [(H + 2*Hkv) * D, hidden]
-    o: Linear
+    qkv: Linear | PackedLinear | ReferenceLinear  # [(H + 2*Hkv) * D, hidden]
+    o: Linear | PackedLinear | ReferenceLinear
     post_norm: torch.Tensor
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear
+    gate_up: Linear | PackedLinear | ReferenceLinear  # [2 * intermediate, hidden]
+    down: Linear | PackedLinear | ReferenceLinear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,7 +43,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LlamaForCausalLM:
     def __init__(self, hf_model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
-                 native_kernels: bool = True) -> None:
+                 native_kernels: bool = True, quantization: str = "none",
+                 stored: dict[str, QuantizedWeight] | None = None, reference: bool = False) -> None:
+        """``quantization`` is a resolved ``--quantization`` mode (engine/models/weights.py); ``stored`` its
+        weights read from a GGUF file or the quantization cache; ``reference`` builds the slow
+        dequantize-then-fp32 linears that the packed kernels are held to."""
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -55,28 +61,41 @@ class LlamaForCausalLM:
         self.eps = cfg.rms_norm_eps
         self.dtype = dtype
         self.device = device
+        self.kernels: CpuKernels | None = None
+        if native_kernels and device.type == "cpu":
+            kernels = load_cpu_kernels()
+            if kernels is not None and kernels.supports(dtype, self.head_dim, self.num_heads // self.num_kv_heads):
+                kernels.num_threads = torch.get_num_threads()  # the engine has set its thread count by now
+                self.kernels = kernels
+        self.builder = LinearBuilder(quantization, dtype, device, self.kernels, stored, reference)
 
         def w(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(device=device, dtype=dtype).contiguous()
 
+        def linear(prefix: str, parts: list[str], modules: list[torch.nn.Module], bias: torch.Tensor | None = None):
+            return self.builder.build([f"{prefix}.{p}.weight" for p in parts], [m.weight for m in modules], bias)
+
         inner = hf_model.model
         self.embed = w(inner.embed_tokens.weight)
-        self.lm_head = Linear(w(hf_model.lm_head.weight))
+        self.lm_head = self.builder.build(["lm_head.weight"], [hf_model.lm_head.weight], None)
         self.final_norm = w(inner.norm.weight)
         self.layers: list[_LayerWeights] = []
-        for layer in inner.layers:
+        for i, layer in enumerate(inner.layers):
             att, mlp = layer.self_attn, layer.mlp
             bias = None
             if att.q_proj.bias is not None:
                 bias = w(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]))
+            prefix = f"model.layers.{i}"
             self.layers.append(_LayerWeights(
                 input_norm=w(layer.input_layernorm.weight),
-                qkv=Linear(w(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])), bias),
-                o=Linear(w(att.o_proj.weight)),
+                qkv=linear(prefix, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                           [att.q_proj, att.k_proj, att.v_proj], bias),
+                o=linear(prefix, ["self_attn.o_proj"], [att.o_proj]),
                 post_norm=w(layer.post_attention_layernorm.weight),
-                gate_up=Linear(w(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))),
-                down=Linear(w(mlp.down_proj.weight)),
+                gate_up=linear(prefix, ["mlp.gate_proj", "mlp.up_proj"], [mlp.gate_proj, mlp.up_proj]),
+                down=linear(prefix, ["mlp.down_proj"], [mlp.down_proj]),
             ))
+        self.linears_summary = self.builder.tune()
         self.intermediate = self.layers[0].gate_up.out_features // 2
         # RoPE tables from the model's own rotary module, so every rope_scaling variant matches it.
         # rotate_half(x) * sin == roll(x, D/2) * sin_signed, with the sign folded into the table.
@@ -90,19 +109,11 @@ class LlamaForCausalLM:
         self.cos = cos[0].to(dtype)
         self.sin_signed = sin.to(dtype)
         self.max_position = max_pos
-        self.kernels: CpuKernels | None = None
         self._scratch = torch.empty(0, dtype=torch.float32)
-        if native_kernels and device.type == "cpu":
-            kernels = load_cpu_kernels()
-            if kernels is not None and kernels.supports(dtype, self.head_dim, self.num_heads // self.num_kv_heads):
-                kernels.num_threads = torch.get_num_threads()  # the engine has set its thread count by now
-                self.kernels = kernels
 
-    def projection_weights(self) -> list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
-        """Per layer, (weight, bias) of each LoRA-targetable projection group (qkv, o, gate_up, down)."""
-        return [{g: (lin.weight, lin.bias) for g, lin in (("qkv", lw.qkv), ("o", lw.o), ("gate_up", lw.gate_up),
-                                                          ("down", lw.down))}
-                for lw in self.layers]
+    def projections(self) -> list[dict[str, Linear | PackedLinear | ReferenceLinear]]:
+        """Per layer, each LoRA-targetable projection group (qkv, o, gate_up, down)."""
+        return [{"qkv": lw.qkv, "o": lw.o, "gate_up": lw.gate_up, "down": lw.down} for lw in self.layers]
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         return PagedKVCache(self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim,
@@ -195,6 +206,8 @@ class LlamaForCausalLM:
         two close candidates can come out equal (greedy then takes the lower id, whatever the model
         preferred). Rounding keeps order, so the true best is always among the tokens tied at the
         top; those few are recomputed in fp32, and greedy picks the model's own preference."""
+        if isinstance(self.lm_head, (PackedLinear, ReferenceLinear)) and self.lm_head.takes(h.shape[0]):
+            return self.lm_head(h, fp32_out=True)  # summed in fp32 and never rounded: no ties to break
         logits = self.lm_head(h).float()
         if self.dtype == torch.float32 or logits.shape[0] == 0:
             return logits
@@ -204,5 +217,5 @@ class LlamaForCausalLM:
             tied_rows = ((logits == logits.amax(-1, keepdim=True)).sum(-1) > 1).nonzero().flatten().tolist()
         for row in tied_rows:
             cols = (logits[row] == logits[row].max()).nonzero().flatten()
-            logits[row, cols] = (h[row].float() * self.lm_head.weight[cols].float()).sum(-1)
+            logits[row, cols] = (h[row].float() * self.lm_head.weight_rows(cols)).sum(-1)
         return logits

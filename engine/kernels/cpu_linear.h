@@ -1,0 +1,331 @@
+/* Decode-shaped linear layers over prepacked weights: y [M, N] = x [M, K] @ W^T (+ bias).
+ *
+ * A decode step reads every weight once and does little arithmetic with it, so its speed is the
+ * speed at which weights stream from memory. These kernels read weights in the layout they are
+ * packed in at load (engine/quant/packing.py), split the output tiles between the threads so each
+ * streams its own slice, and turn stored integers into bf16 in registers. Three weight formats:
+ *
+ *   bf16: the weights themselves.
+ *   u4:   4-bit codes q in [0, 15] with an fp16 scale d and min m per group of G inputs:
+ *         w = d * q + m (GGUF Q4_1; Q4_0 is m = -8 d; --quantization int4).
+ *   i8:   int8 codes with an fp32 scale per group (G = K: per output channel, --quantization int8;
+ *         G = 32: GGUF Q8_0).
+ *
+ * Packed layout, per tile of 16 outputs (N padded to whole tiles), per group of G inputs:
+ *   bf16: K/2 rows of 64 bytes: output i's inputs (2j, 2j+1) at bf16 lanes (2i, 2i+1) of row j.
+ *   u4:   G/32 blocks of 8 x 32 bytes: byte l of chunk c holds lane l of pair-row c (low nibble)
+ *         and of pair-row c+8 (high nibble); then d[16], m[16] as fp16.
+ *   i8:   G/2 pair-rows of 32 int8 lanes; then d[16] as fp32.
+ * So the outputs of a tile are the 16 lanes of one fp32 vector and no horizontal sums are needed.
+ *
+ * Exactness: x is bf16 and the codes are small integers, both exact in bf16, so with AVX512-BF16
+ * each product x * q is exact in fp32 and the scale is applied to the group's fp32 sum:
+ * sum x (d q + m) = d * sum x q + m * sum x. The result equals dequantize-to-fp32-then-matmul up
+ * to the order of fp32 additions. Where the CPU has no AVX512-BF16, the same arithmetic runs in
+ * plain C (vectorised by the compiler for the machine's own instruction set).
+ */
+
+#define TILE_N 16
+#define ROWS_PER_PASS 8 /* rows of x per pass over a tile's weights (register-resident accumulators) */
+#define ROW_CHUNK 64    /* rows of x kept hot in cache while every tile streams past them */
+
+enum { WFMT_BF16 = 0, WFMT_U4 = 1, WFMT_I8 = 2 };
+
+static inline int64_t tile_group_bytes(int fmt, int64_t G) {
+    switch (fmt) {
+    case WFMT_BF16: return G * TILE_N * 2;
+    case WFMT_U4: return G * TILE_N / 2 + TILE_N * 4;
+    default: return G * TILE_N + TILE_N * 4;
+    }
+}
+
+int64_t spark_packed_tile_group_bytes(int fmt, int64_t G) { return tile_group_bytes(fmt, G); }
+
+static inline float half_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400u)) {
+            man <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* sums[r * groups + g] = sum of row r's inputs in group g (the u4 min term needs it). */
+static void group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, int64_t G, float *sums) {
+    const int64_t groups = K / G;
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.f;
+            const uint16_t *xg = x + r * ldx + g * G;
+#pragma omp simd reduction(+ : s)
+            for (int64_t k = 0; k < G; k++) s += bf16_to_f32(xg[k]);
+            sums[r * groups + g] = s;
+        }
+}
+
+static inline void store_row(float *acc, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy,
+                             int64_t r, int y_f32) {
+    const int64_t live = N - n0 < TILE_N ? N - n0 : TILE_N;
+    for (int64_t i = 0; i < live; i++) {
+        const float v = acc[i] + (bias ? bias[n0 + i] : 0.f);
+        if (y_f32)
+            ((float *)y)[r * ldy + n0 + i] = v;
+        else
+            ((uint16_t *)y)[r * ldy + n0 + i] = f32_to_bf16(v);
+    }
+}
+
+/* ---- portable path: one tile, rows [r0, r1), plain C ---- */
+static void tile_generic(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_t K, int64_t ldx,
+                         const uint8_t *tile, int64_t G, const float *sums, const float *bias, int64_t n0,
+                         int64_t N, void *y, int64_t ldy, int y_f32) {
+    const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t *xr = x + r * ldx;
+        float acc[TILE_N] = {0};
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *blk = tile + g * gbytes;
+            float part[TILE_N] = {0};
+            for (int64_t j = 0; j < G / 2; j++) {
+                const float x0 = bf16_to_f32(xr[g * G + 2 * j]), x1 = bf16_to_f32(xr[g * G + 2 * j + 1]);
+                float w0[TILE_N], w1[TILE_N];
+                for (int i = 0; i < TILE_N; i++) {
+                    if (fmt == WFMT_BF16) {
+                        const uint16_t *row = (const uint16_t *)blk + j * 2 * TILE_N;
+                        w0[i] = bf16_to_f32(row[2 * i]);
+                        w1[i] = bf16_to_f32(row[2 * i + 1]);
+                    } else if (fmt == WFMT_U4) {
+                        const int64_t b = j / 16, pr = j % 16; /* 32-input block, pair-row in it */
+                        const uint8_t *chunk = blk + b * 256 + (pr % 8) * 32;
+                        const int shift = pr < 8 ? 0 : 4;
+                        w0[i] = (float)((chunk[2 * i] >> shift) & 15);
+                        w1[i] = (float)((chunk[2 * i + 1] >> shift) & 15);
+                    } else {
+                        const int8_t *row = (const int8_t *)blk + j * 2 * TILE_N;
+                        w0[i] = (float)row[2 * i];
+                        w1[i] = (float)row[2 * i + 1];
+                    }
+                }
+                for (int i = 0; i < TILE_N; i++) part[i] += x0 * w0[i] + x1 * w1[i];
+            }
+            if (fmt == WFMT_BF16) {
+                for (int i = 0; i < TILE_N; i++) acc[i] += part[i];
+            } else if (fmt == WFMT_U4) {
+                const uint16_t *d = (const uint16_t *)(blk + G * TILE_N / 2), *m = d + TILE_N;
+                const float s = sums[r * groups + g];
+                for (int i = 0; i < TILE_N; i++) acc[i] += half_to_f32(d[i]) * part[i] + half_to_f32(m[i]) * s;
+            } else {
+                const float *d = (const float *)(blk + G * TILE_N);
+                for (int i = 0; i < TILE_N; i++) acc[i] += d[i] * part[i];
+            }
+        }
+        store_row(acc, bias, n0, N, y, ldy, r, y_f32);
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define LINEAR_ISA 2
+
+/* Input pair (2j, 2j+1) of a row, broadcast to every lane. */
+static inline __m512bh pair_bcast(const uint16_t *xr, int64_t k) {
+    int32_t v;
+    memcpy(&v, xr + k, sizeof v);
+    return (__m512bh)_mm512_set1_epi32(v);
+}
+
+static inline void store_acc(__m512 acc, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy,
+                             int64_t r, int y_f32) {
+    const int64_t live = N - n0 < TILE_N ? N - n0 : TILE_N;
+    const __mmask16 mask = live == TILE_N ? (__mmask16)0xffff : (__mmask16)((1u << live) - 1);
+    if (bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, bias + n0));
+    if (y_f32)
+        _mm512_mask_storeu_ps((float *)y + r * ldy + n0, mask, acc);
+    else
+        _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(acc));
+}
+
+/* RB rows of x against one tile: accumulators stay in registers for the whole K. RB is a compile-time
+ * constant at each call (always_inline), so the row loops unroll. With few rows, each row's sum is
+ * split over CH independent chains so the dot products' latency does not serialise the stream. */
+#define CHAINS(RB) ((RB) >= 4 ? 1 : (RB) >= 2 ? 2 : 4)
+static inline __attribute__((always_inline)) void tile_rows_avx512(
+    const int RB, int fmt, const uint16_t *x, int64_t r0, int64_t K, int64_t ldx, const uint8_t *tile, int64_t G,
+    const float *sums, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32) {
+    const int CH = CHAINS(RB);
+    const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
+    const uint16_t *xr[ROWS_PER_PASS];
+    __m512 acc[ROWS_PER_PASS], part[ROWS_PER_PASS][4];
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; r++) {
+        xr[r] = x + (r0 + r) * ldx;
+        acc[r] = _mm512_setzero_ps();
+    }
+    /* bf16 of 0..15 indexed by the low 5 bits of a 16-bit lane (bit 4 ignored) */
+    const __m512i nibble_bf16 = _mm512_set_epi16(
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040,
+        0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0,
+        0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *blk = tile + g * gbytes;
+        const int64_t k0 = g * G;
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; r++)
+#pragma GCC unroll 4
+            for (int c = 0; c < CH; c++) part[r][c] = _mm512_setzero_ps();
+        if (fmt == WFMT_BF16 || fmt == WFMT_I8) {
+            const int64_t pairs = G / 2;
+            int64_t j = 0;
+            for (; j + CH <= pairs; j += CH) {
+#pragma GCC unroll 4
+                for (int c = 0; c < CH; c++) {
+                    __m512bh w;
+                    if (fmt == WFMT_BF16) {
+                        w = (__m512bh)_mm512_loadu_si512(blk + (j + c) * 64);
+                    } else {
+                        const int8_t *codes = (const int8_t *)blk + (j + c) * 32;
+                        const __m512 lo =
+                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
+                        const __m512 hi =
+                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16))));
+                        w = _mm512_cvtne2ps_pbh(hi, lo);
+                    }
+#pragma GCC unroll 8
+                    for (int r = 0; r < RB; r++)
+                        part[r][c] = _mm512_dpbf16_ps(part[r][c], pair_bcast(xr[r], k0 + 2 * (j + c)), w);
+                }
+            }
+            for (; j < pairs; j++) { /* an odd tail of pairs when CH > 1 */
+                __m512bh w;
+                if (fmt == WFMT_BF16) {
+                    w = (__m512bh)_mm512_loadu_si512(blk + j * 64);
+                } else {
+                    const int8_t *codes = (const int8_t *)blk + j * 32;
+                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
+                    const __m512 hi =
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16))));
+                    w = _mm512_cvtne2ps_pbh(hi, lo);
+                }
+#pragma GCC unroll 8
+                for (int r = 0; r < RB; r++) part[r][0] = _mm512_dpbf16_ps(part[r][0], pair_bcast(xr[r], k0 + 2 * j), w);
+            }
+        } else { /* WFMT_U4 */
+            for (int64_t b = 0; b < G / 32; b++) {
+                const uint8_t *codes = blk + b * 256;
+                const int64_t kb = k0 + b * 32;
+#pragma GCC unroll 2
+                for (int c = 0; c < 8; c++) {
+                    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + c * 32)));
+                    const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(v, nibble_bf16);
+                    const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), nibble_bf16);
+                    const int cl = (2 * c) % CH, chi = (2 * c + 1) % CH;
+#pragma GCC unroll 8
+                    for (int r = 0; r < RB; r++) {
+                        part[r][cl] = _mm512_dpbf16_ps(part[r][cl], pair_bcast(xr[r], kb + 2 * c), lo);
+                        part[r][chi] = _mm512_dpbf16_ps(part[r][chi], pair_bcast(xr[r], kb + 2 * (c + 8)), hi);
+                    }
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; r++) {
+#pragma GCC unroll 4
+            for (int c = 1; c < CH; c++) part[r][0] = _mm512_add_ps(part[r][0], part[r][c]);
+        }
+        if (fmt == WFMT_BF16) {
+#pragma GCC unroll 8
+            for (int r = 0; r < RB; r++) acc[r] = _mm512_add_ps(acc[r], part[r][0]);
+        } else if (fmt == WFMT_U4) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + G * TILE_N / 2)));
+            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + G * TILE_N / 2 + 32)));
+#pragma GCC unroll 8
+            for (int r = 0; r < RB; r++) {
+                acc[r] = _mm512_fmadd_ps(part[r][0], d, acc[r]);
+                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[(r0 + r) * groups + g]), acc[r]);
+            }
+        } else {
+            const __m512 d = _mm512_loadu_ps((const float *)(blk + G * TILE_N));
+#pragma GCC unroll 8
+            for (int r = 0; r < RB; r++) acc[r] = _mm512_fmadd_ps(part[r][0], d, acc[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; r++) store_acc(acc[r], bias, n0, N, y, ldy, r0 + r, y_f32);
+}
+
+static void tile_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_t K, int64_t ldx,
+                      const uint8_t *tile, int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N,
+                      void *y, int64_t ldy, int y_f32) {
+    int64_t r = r0;
+    for (; r + 8 <= r1; r += 8) tile_rows_avx512(8, fmt, x, r, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32);
+    switch (r1 - r) {
+    case 7: tile_rows_avx512(7, fmt, x, r, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32); break;
+    case 6: tile_rows_avx512(6, fmt, x, r, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32); break;
+    case 5: tile_rows_avx512(5, fmt, x, r, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32); break;
+    case 4: tile_rows_avx512(4, fmt, x, r, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32); break;
+    case 3: tile_rows_avx512(3, fmt, x, r, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32); break;
+    case 2: tile_rows_avx512(2, fmt, x, r, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32); break;
+    case 1: tile_rows_avx512(1, fmt, x, r, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32); break;
+    default: break;
+    }
+}
+#else
+#define LINEAR_ISA 0
+#endif
+
+/* y = x @ W^T (+ bias) for one packed weight. x: bf16 [M, K] with row stride ldx; y: [M, N] bf16
+ * (or fp32 when y_f32) with row stride ldy. K must be a multiple of G, and G of 32 (u4) or 2. */
+void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
+                  int64_t G, const float *bias, void *y, int64_t ldy, int y_f32, int portable, int num_threads) {
+    const int64_t tiles = (N + TILE_N - 1) / TILE_N;
+    const int64_t tile_bytes = (K / G) * tile_group_bytes(fmt, G);
+    float *sums = NULL;
+    if (fmt == WFMT_U4) {
+        sums = (float *)malloc((size_t)(M * (K / G)) * sizeof(float));
+        if (!sums) return;
+        group_sums(x, M, K, ldx, G, sums);
+    }
+    /* Few tiles (small N) are not worth a second thread's wake-up. */
+    const int threads = tiles * M < 8 ? 1 : num_threads;
+#pragma omp parallel num_threads(threads)
+    for (int64_t c0 = 0; c0 < M; c0 += ROW_CHUNK) {
+        const int64_t c1 = c0 + ROW_CHUNK < M ? c0 + ROW_CHUNK : M;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const uint8_t *tile = w + t * tile_bytes;
+#if LINEAR_ISA == 2
+            if (!portable) {
+                tile_fast(fmt, x, c0, c1, K, ldx, tile, G, sums, bias, t * TILE_N, N, y, ldy, y_f32);
+                continue;
+            }
+#endif
+            tile_generic(fmt, x, c0, c1, K, ldx, tile, G, sums, bias, t * TILE_N, N, y, ldy, y_f32);
+        }
+    }
+    free(sums);
+}
+
+/* Which fast path this build has: 2 = AVX512-BF16, 0 = portable C only. */
+int spark_linear_isa(void) { return LINEAR_ISA; }
+
+/* Sum of every 64-bit word of a buffer, split between the threads: the plain-read bandwidth that
+ * bench_kernels.py compares the linear kernels against. */
+uint64_t spark_read_sum(const uint64_t *p, int64_t words, int num_threads) {
+    uint64_t total = 0;
+#pragma omp parallel for num_threads(num_threads) reduction(+ : total) schedule(static)
+    for (int64_t i = 0; i < words; i++) total += p[i];
+    return total;
+}

@@ -1,0 +1,164 @@
+"""Which weights and which linear kernel each projection runs on (``--quantization``).
+
+  none:  the model's weights in its dtype. On a CPU with AVX512-BF16, bf16 projections are also packed
+         for the engine's kernels, used for batches up to a row count measured at start (oneDNN above).
+  int8:  per-channel int8, quantized once at load and cached on disk.
+  int4:  4-bit groups of 32 with fp16 scale and min, quantized once at load and cached on disk.
+  gguf:  a GGUF model's own Q4_0 / Q4_1 / Q8_0 blocks, as the file holds them (other types dequantized).
+  auto:  gguf for a GGUF model where the kernels have their AVX512-BF16 path; none otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.kernels import CpuKernels
+from engine.models.linear import Linear, PackedLinear, ReferenceLinear
+from engine.quant.formats import QuantizedWeight, concat, quantize_int4, quantize_int8
+from engine.quant.packing import pack_bf16, pack_quantized, packable
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "gguf")
+_QUANTIZERS: dict[str, Callable[[torch.Tensor], QuantizedWeight]] = {"int8": quantize_int8, "int4": quantize_int4}
+_ROW_PROBES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+AnyLinear = Linear | PackedLinear | ReferenceLinear
+
+
+def resolve_quantization(mode: str, is_gguf: bool, kernels: CpuKernels | None, dtype: torch.dtype) -> str:
+    if mode not in QUANTIZATION_CHOICES:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, not {mode!r}")
+    fast = kernels is not None and kernels.linear_isa == 2 and dtype == torch.bfloat16
+    if mode == "auto":
+        return "gguf" if is_gguf and fast else "none"
+    if mode == "none":
+        return mode
+    if mode == "gguf" and not is_gguf:
+        raise ValueError("--quantization gguf needs a .gguf model file")
+    if kernels is None:
+        raise ValueError(f"--quantization {mode} needs the fused CPU kernels (a C compiler, --native-kernels)")
+    if dtype != torch.bfloat16:
+        raise ValueError(f"--quantization {mode} computes in bfloat16: use --dtype bfloat16 or auto")
+    if kernels.linear_isa != 2:
+        logger.warning("--quantization %s: this CPU has no AVX512-BF16, so the quantized linears run on the "
+                       "portable C path (slower than --quantization none here)", mode)
+    return mode
+
+
+class LinearBuilder:
+    """Builds every projection for one ``--quantization`` mode. ``reference=True`` builds the slow
+    dequantize-then-fp32-matmul linears instead (tests compare the two paths)."""
+
+    def __init__(self, mode: str, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
+                 stored: dict[str, QuantizedWeight] | None = None, reference: bool = False) -> None:
+        self.mode = mode
+        self.dtype = dtype
+        self.device = device
+        self.kernels = kernels
+        self.stored = stored or {}  # gguf: HF name -> the file's blocks; int8/int4: cached quantized weights
+        self.reference = reference
+        self.made: dict[str, QuantizedWeight] = {}  # int8/int4 weights quantized now (to be cached)
+        self.built: list[AnyLinear] = []
+        self.pack_bf16 = (mode == "none" and kernels is not None and kernels.linear_isa == 2
+                          and dtype == torch.bfloat16 and device.type == "cpu" and not reference)
+
+    def build(self, names: list[str], weights: list[torch.Tensor], bias: torch.Tensor | None) -> AnyLinear:
+        """One (possibly fused) projection: ``names`` are the HF weight names of its parts, in order."""
+        quantized = self._quantized(names, weights)
+        if quantized is not None:
+            if self.reference:
+                linear: AnyLinear = ReferenceLinear(quantized, bias)
+            else:
+                assert self.kernels is not None
+                linear = PackedLinear(pack_quantized(quantized), bias, self.kernels, quantized=quantized)
+        else:
+            weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+            weight = weight.detach().to(device=self.device, dtype=self.dtype).contiguous()
+            dense = Linear(weight, bias)
+            linear = dense
+            if self.pack_bf16 and packable("bf16", weight.shape[1], weight.shape[1]):
+                assert self.kernels is not None
+                linear = PackedLinear(pack_bf16(weight), bias, self.kernels, fallback=dense, max_kernel_rows=0)
+        self.built.append(linear)
+        return linear
+
+    def _quantized(self, names: list[str], weights: list[torch.Tensor]) -> QuantizedWeight | None:
+        if self.mode in ("none", "auto"):
+            return None
+        parts = []
+        for name, weight in zip(names, weights):
+            q = self.stored.get(name)
+            if q is None and self.mode in _QUANTIZERS:
+                if not packable("u4" if self.mode == "int4" else "i8", weight.shape[1],
+                                32 if self.mode == "int4" else weight.shape[1]):
+                    return None
+                q = self.made[name] = _QUANTIZERS[self.mode](weight)
+            if q is None:
+                return None  # gguf: a tensor type read dequantized
+            parts.append(q)
+        kinds = {(p.kind, p.group) for p in parts}
+        if len(kinds) != 1:
+            return None  # parts stored in different block types: the dequantized weights serve
+        fused = concat(parts) if len(parts) > 1 else parts[0]
+        kind, group = kinds.pop()
+        return fused if packable(kind, fused.shape[1], group) else None
+
+    def tune(self) -> str:
+        """Measure where the bf16 kernels stop beating oneDNN, and the weights' stream rate at one row.
+        Returns a line for the start-up log."""
+        packed = [lin for lin in self.built if isinstance(lin, PackedLinear)]
+        if not packed:
+            return "linears: " + ("reference (fp32 dequantized)" if self.reference else "oneDNN / torch")
+        with_fallback = [lin for lin in packed if lin.fallback is not None]
+        if with_fallback:
+            probe = max(with_fallback, key=lambda lin: lin.out_features * lin.in_features)
+            rows = _kernel_row_limit(probe)
+            for lin in with_fallback:
+                lin.max_kernel_rows = rows
+        gbps, read_gbps = _stream_rate(packed)
+        total = sum(lin.packed.data.numel() for lin in packed)
+        sources = sorted({lin.quantized.source if lin.quantized is not None else "bf16" for lin in packed})
+        limit = f", up to {with_fallback[0].max_kernel_rows} rows (oneDNN above)" if with_fallback else ""
+        return (f"linears: {len(packed)} packed ({', '.join(sources)}; {total / 1e6:.0f} MB){limit}; "
+                f"one-row pass {gbps:.1f} GB/s = {100 * gbps / read_gbps:.0f}% of a plain read ({read_gbps:.1f} GB/s)")
+
+
+def _best_time(fn: Callable[[], object], reps: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _kernel_row_limit(lin: PackedLinear) -> int:
+    """The largest probed row count up to which the packed kernel is at least as fast as oneDNN."""
+    assert lin.fallback is not None
+    limit = 0
+    gen = torch.Generator().manual_seed(0)
+    for rows in _ROW_PROBES:
+        x = torch.randn(rows, lin.in_features, generator=gen).to(torch.bfloat16)
+        mine = _best_time(lambda: lin.kernels.linear(x, lin.packed, lin._bias32))
+        theirs = _best_time(lambda: lin.fallback(x))  # type: ignore[misc]
+        if mine > theirs:
+            break
+        limit = rows
+    return limit
+
+
+def _stream_rate(packed: list[PackedLinear]) -> tuple[float, float]:
+    """GB/s of one-row passes over every packed weight, and of a plain read of as many bytes."""
+    kern = packed[0].kernels
+    inputs = {lin.in_features: torch.ones(1, lin.in_features, dtype=torch.bfloat16) for lin in packed}
+    total = sum(lin.packed.data.numel() for lin in packed)
+    elapsed = _best_time(lambda: [kern.linear(inputs[lin.in_features], lin.packed) for lin in packed], reps=3)
+    buffer = torch.ones(total // 8 + 1, dtype=torch.int64)
+    read = _best_time(lambda: kern.read_sum(buffer), reps=3)
+    return total / elapsed / 1e9, buffer.numel() * 8 / read / 1e9

@@ -1,0 +1,77 @@
+"""Weights laid out for the CPU linear kernels (the layout is described in engine/kernels/cpu_linear.h).
+
+Outputs are grouped in tiles of 16 (one fp32 vector of results); inside a tile, inputs come in pairs
+(2j, 2j+1) at lanes (2i, 2i+1), the operand shape of AVX512-BF16's pairwise dot product.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.quant.formats import QuantizedWeight
+
+TILE = 16
+FORMATS = {"bf16": 0, "u4": 1, "i8": 2}
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    fmt: str  # "bf16" | "u4" | "i8"
+    data: torch.Tensor  # uint8, the whole packed matrix
+    out_features: int
+    in_features: int
+    group: int
+
+    @property
+    def fmt_code(self) -> int:
+        return FORMATS[self.fmt]
+
+
+def packable(fmt: str, in_features: int, group: int) -> bool:
+    if in_features % group:
+        return False
+    return group % 32 == 0 if fmt == "u4" else group % 2 == 0
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return F.pad(t, (0, 0, 0, rows - t.shape[0])) if t.shape[0] != rows else t
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def pack_bf16(weight: torch.Tensor) -> PackedWeight:
+    n, k = weight.shape
+    if not packable("bf16", k, k):
+        raise ValueError(f"in_features {k} must be even")
+    tiles = -(-n // TILE)
+    w = _pad_rows(weight.to(torch.bfloat16), tiles * TILE).view(tiles, TILE, k // 2, 2).permute(0, 2, 1, 3)
+    return PackedWeight("bf16", _as_bytes(w).flatten(), n, k, k)
+
+
+def pack_quantized(q: QuantizedWeight) -> PackedWeight:
+    n, k = q.shape
+    g = q.group
+    if not packable(q.kind, k, g):
+        raise ValueError(f"in_features {k} does not fit {q.kind} groups of {g}")
+    tiles, groups = -(-n // TILE), k // g
+    rows = tiles * TILE
+    # scales [N, groups] -> [tiles, groups, 16]
+    per_tile = lambda t: _pad_rows(t, rows).view(tiles, TILE, groups).transpose(1, 2)  # noqa: E731
+    if q.kind == "u4":
+        codes = _pad_rows(q.codes, rows).view(tiles, TILE, groups, g // 32, 16, 2)
+        codes = codes.permute(0, 2, 3, 4, 1, 5).reshape(tiles, groups, g // 32, 16, 2 * TILE)
+        nibbles = (codes[:, :, :, :8] | (codes[:, :, :, 8:] << 4)).reshape(tiles, groups, g * TILE // 2)
+        parts = [nibbles, _as_bytes(per_tile(q.scales.to(torch.float16))),
+                 _as_bytes(per_tile(q.mins.to(torch.float16)))]  # type: ignore[union-attr]
+    elif q.kind == "i8":
+        codes = _pad_rows(q.codes, rows).view(tiles, TILE, groups, g // 2, 2).permute(0, 2, 3, 1, 4)
+        parts = [_as_bytes(codes).reshape(tiles, groups, g * TILE), _as_bytes(per_tile(q.scales.float()))]
+    else:
+        raise ValueError(f"unknown quantized kind {q.kind}")
+    data = torch.cat([p.reshape(tiles, groups, -1) for p in parts], dim=2)
+    return PackedWeight(q.kind, data.flatten().contiguous(), n, k, g)

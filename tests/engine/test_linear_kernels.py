@@ -1,0 +1,101 @@
+"""The packed CPU linear kernels against the slow reference: dequantize to fp32, then matmul.
+
+Random shapes include ragged output tiles (N not a multiple of 16), odd row counts on both sides of
+the kernel's 8-row passes and 64-row chunks, biases, and both output dtypes. Each format runs on the
+machine's fast path and on the portable C path, which CPUs without AVX512-BF16 use.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import load_cpu_kernels
+from engine.quant.formats import QuantizedWeight, concat, quantize_int4, quantize_int8
+from engine.quant.packing import pack_bf16, pack_quantized
+
+kernels = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the fused CPU kernels are not built")
+
+SHAPES = [(1, 64, 32), (5, 96, 70), (13, 576, 960), (64, 192, 17), (71, 128, 33), (8, 1536, 48), (3, 64, 1)]
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.float() @ w.T
+    return y + bias if bias is not None else y
+
+
+def _tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # fp32 rounding of sums of |x*w| (plus the u4 min term's sum of x), in any order: a few ulps of the
+    # largest partial sum per output
+    return (x.float().abs() @ w.abs().T) * 2e-6 + 1e-6
+
+
+def _weights(kind: str, n: int, k: int, gen: torch.Generator) -> tuple[object, torch.Tensor]:
+    w = torch.randn(n, k, generator=gen) * 0.05
+    if kind == "bf16":
+        wb = w.to(torch.bfloat16)
+        return pack_bf16(wb), wb.float()
+    q = quantize_int4(w) if kind == "u4" else quantize_int8(w)
+    return pack_quantized(q), q.dequantize()
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+@pytest.mark.parametrize("kind", ["bf16", "i8", "u4"])
+def test_kernel_equals_dequantize_then_matmul(kind: str, portable: bool) -> None:
+    gen = torch.Generator().manual_seed(7)
+    for m, k, n in SHAPES:
+        packed, w = _weights(kind, n, k, gen)
+        x = (torch.randn(m, k, generator=gen) * 2).to(torch.bfloat16)
+        for bias in (None, torch.randn(n, generator=gen)):
+            want = _reference(x, w, bias)
+            got32 = kernels.linear(x, packed, bias, torch.empty(m, n), portable=portable)
+            assert ((got32 - want).abs() <= _tolerance(x, w)).all(), (kind, m, k, n)
+            got16 = kernels.linear(x, packed, bias, portable=portable)
+            assert got16.dtype == torch.bfloat16
+            # bf16 output: the fp32 result rounded once (within one bf16 ulp of the reference)
+            assert torch.allclose(got16.float(), want, rtol=2 ** -8, atol=1e-5), (kind, m, k, n)
+
+
+def test_gguf_style_groups_of_32_in_i8_and_strided_rows() -> None:
+    """Q8_0-shaped int8 (a scale per 32 inputs), and x rows taken from a wider buffer."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 40, 128
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, k // 32, generator=gen) * 0.01
+    q = QuantizedWeight("i8", codes, scales, None, 32, "gguf Q8_0")
+    wide = (torch.randn(9, k + 10, generator=gen)).to(torch.bfloat16)
+    x = wide[:, 4:4 + k]
+    got = kernels.linear(x, pack_quantized(q), None, torch.empty(9, n))
+    w = q.dequantize()
+    assert ((got - _reference(x, w, None)).abs() <= _tolerance(x, w)).all()
+
+
+def test_fused_projections_pack_like_their_parts() -> None:
+    gen = torch.Generator().manual_seed(5)
+    parts = [quantize_int4(torch.randn(n, 64, generator=gen)) for n in (48, 16, 16)]
+    fused = concat(parts)
+    x = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
+    got = kernels.linear(x, pack_quantized(fused), None, torch.empty(4, 80))
+    want = torch.cat([_reference(x, p.dequantize(), None) for p in parts], dim=1)
+    assert ((got - want).abs() <= _tolerance(x, fused.dequantize())).all()
+
+
+def test_int4_and_int8_quantization_round_trip_closely() -> None:
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(64, 256, generator=gen) * 0.02
+    for q, bound in ((quantize_int8(w), 0.5 / 127), (quantize_int4(w), 0.5 / 15)):
+        # each weight within half a step of its group's (or channel's) range
+        span = w.abs().amax(1, keepdim=True) if q.kind == "i8" else \
+            (w.view(64, -1, 32).amax(-1) - w.view(64, -1, 32).amin(-1)).repeat_interleave(32, 1)
+        assert ((q.dequantize() - w).abs() <= span * bound * 1.01 + 1e-6).all()
+
+
+def test_refuses_what_it_cannot_compute() -> None:
+    packed, _ = _weights("u4", 16, 64, torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError):
+        kernels.linear(torch.zeros(2, 64), packed)  # fp32 rows
+    with pytest.raises(ValueError):
+        kernels.linear(torch.zeros(2, 32, dtype=torch.bfloat16), packed)  # wrong width
+    with pytest.raises(ValueError):
+        pack_quantized(quantize_int4(torch.zeros(4, 48), group=16))  # u4 groups must be whole 32s

@@ -1,0 +1,119 @@
+"""The engine on quantized weights: the GGUF file's own blocks, and --quantization int8 / int4.
+
+The packed kernels must compute what the weights mean: greedy answers on the GGUF blocks equal,
+token for token, a forward whose linears dequantize the same blocks to fp32 and multiply in fp32
+(ReferenceLinear), batched as the engine batches them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.kernels import load_cpu_kernels
+from engine.llm_engine import LLMEngine
+from engine.models.linear import PackedLinear, ReferenceLinear
+from engine.models.llama import LlamaForCausalLM
+from tests.engine.helpers import chat, run_all, text_of, tokens_of
+from tests.engine.test_greedy_matches_transformers import PROMPTS
+
+kernels = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the fused CPU kernels are not built")
+MAX_TOKENS = 24
+
+
+def _with_reference_linears(engine: LLMEngine) -> None:
+    """Swap the engine's linears for the slow reference built from the very same quantized weights."""
+    from transformers import AutoModelForCausalLM
+
+    stored = {}
+    model = engine.model
+    for i, lw in enumerate(model.layers):
+        for group, lin in (("qkv", lw.qkv), ("o", lw.o), ("gate_up", lw.gate_up), ("down", lw.down)):
+            assert isinstance(lin, PackedLinear) and lin.quantized is not None
+            stored[(i, group)] = lin.quantized
+    head = model.lm_head
+    assert isinstance(head, PackedLinear) and head.quantized is not None
+    for i, lw in enumerate(model.layers):
+        lw.qkv, lw.o = ReferenceLinear(stored[(i, "qkv")], lw.qkv.bias), ReferenceLinear(stored[(i, "o")])
+        lw.gate_up, lw.down = ReferenceLinear(stored[(i, "gate_up")]), ReferenceLinear(stored[(i, "down")])
+    model.lm_head = ReferenceLinear(head.quantized)
+    del AutoModelForCausalLM
+
+
+@pytest.fixture(scope="module")
+def gguf_engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(dtype="bfloat16", quantization="gguf", max_num_seqs=16))
+
+
+def test_gguf_blocks_serve_the_files_own_weights(gguf_engine):
+    model = gguf_engine.model
+    sources = {lin.quantized.source for lw in model.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)}
+    assert sources == {"gguf Q4_1"}  # the embedded file's layer type, not a bf16 copy
+    assert model.lm_head.quantized.source == "gguf Q8_0"  # tied to the Q8_0 token embedding
+    # 4-bit blocks: about a third of the bf16 bytes
+    packed = sum(lin.packed.data.numel() for lw in model.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down))
+    dense = sum(lin.in_features * lin.out_features * 2 for lw in model.layers
+                for lin in (lw.qkv, lw.o, lw.gate_up, lw.down))
+    assert packed < 0.35 * dense
+
+
+def _logprobs_of(outs) -> list:
+    return [lp for o in outs for lp in (o.logprobs or [])]
+
+
+def test_gguf_greedy_equals_the_reference_forward(gguf_engine):
+    """Token for token, except past a genuine near-tie: there both paths' bf16 activations are equally
+    right, and the first divergence must be between top candidates of both, less than 0.25 nat apart
+    (bf16 activation noise; vLLM's check_logprobs_close, with a margin). Most prompts match entirely."""
+    requests = lambda: [chat(f"p{i}", p, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,  # noqa: E731
+                             top_logprobs=5) for i, p in enumerate(PROMPTS)]
+    fast = run_all(gguf_engine, requests())
+    reference = LLMEngine(EngineConfig(dtype="bfloat16", quantization="gguf", max_num_seqs=16))
+    _with_reference_linears(reference)
+    slow = run_all(reference, requests())
+    identical = 0
+    for i, prompt in enumerate(PROMPTS):
+        a, b = tokens_of(fast[f"p{i}"]), tokens_of(slow[f"p{i}"])
+        if a == b:
+            identical += 1
+            continue
+        at = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        top_a = dict(_logprobs_of(fast[f"p{i}"])[at].top)
+        top_b = dict(_logprobs_of(slow[f"p{i}"])[at].top)
+        detail = (prompt, at, top_a, top_b)
+        assert b[at] in top_a and a[at] in top_b, detail
+        assert top_a[a[at]] - top_a[b[at]] < 0.25 and top_b[b[at]] - top_b[a[at]] < 0.25, detail
+    assert identical >= len(PROMPTS) - 2
+
+
+def test_gguf_answers_a_factual_question(gguf_engine):
+    out = run_all(gguf_engine, [chat("f", "What is the capital of France?", max_tokens=12, temperature=0)])["f"]
+    assert "Paris" in text_of(out)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_modes_answer_and_cache_their_weights(mode, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARK_CACHE_DIR", str(tmp_path))  # a fresh quantization cache (the model converts once more)
+    first = LLMEngine(EngineConfig(dtype="bfloat16", quantization=mode, num_kv_blocks=64))
+    kind = "i8" if mode == "int8" else "u4"
+    assert {lw.gate_up.quantized.kind for lw in first.model.layers} == {kind}
+    cached = list((tmp_path / "quantized").glob(f"{mode}-*.safetensors"))
+    assert len(cached) == 1
+    second = LLMEngine(EngineConfig(dtype="bfloat16", quantization=mode, num_kv_blocks=64))
+    assert not second.model.builder.made  # read back, not quantized again
+    a = first.model.layers[3].down.quantized
+    b = second.model.layers[3].down.quantized
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+    out = run_all(second, [chat("f", "What is the capital of France?", max_tokens=12, temperature=0)])["f"]
+    assert len(tokens_of(out)) == 12 and text_of(out).strip()
+    if mode == "int8":  # 4-bit rounding of this already-4-bit checkpoint costs more (see the README's table)
+        assert "Paris" in text_of(out)
+
+
+def test_quantization_needs_what_it_names():
+    with pytest.raises(ValueError, match="bfloat16"):
+        LLMEngine(EngineConfig(dtype="float32", quantization="int8"))
+    with pytest.raises(ValueError, match="must be one of"):
+        LLMEngine(EngineConfig(quantization="int3"))
