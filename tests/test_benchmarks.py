@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-BENCHES = ["offline", "multiturn", "interactivity", "memory", "startup", "online", "lora", "abuse"]
+BENCHES = ["offline", "multiturn", "interactivity", "memory", "startup", "online", "lora", "abuse", "kernels"]
 
 
 @pytest.mark.slow
