@@ -158,6 +158,15 @@ static inline void store_acc(__m512 acc, const float *bias, int64_t n0, int64_t 
         _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(acc));
 }
 
+/* Pair-row j of a bf16 or i8 group as 32 bf16 lanes (int8 codes are exact in bf16). */
+static inline __m512bh pair_row(int fmt, const uint8_t *blk, int64_t j) {
+    if (fmt == WFMT_BF16) return (__m512bh)_mm512_loadu_si512(blk + j * 64);
+    const int8_t *codes = (const int8_t *)blk + j * 32;
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
 /* RB rows of x against one tile: accumulators stay in registers for the whole K. RB is a compile-time
  * constant at each call (always_inline), so the row loops unroll. With few rows, each row's sum is
  * split over CH independent chains so the dot products' latency does not serialise the stream. */
@@ -192,33 +201,14 @@ static inline __attribute__((always_inline)) void tile_rows_avx512(
             for (; j + CH <= pairs; j += CH) {
 #pragma GCC unroll 4
                 for (int c = 0; c < CH; c++) {
-                    __m512bh w;
-                    if (fmt == WFMT_BF16) {
-                        w = (__m512bh)_mm512_loadu_si512(blk + (j + c) * 64);
-                    } else {
-                        const int8_t *codes = (const int8_t *)blk + (j + c) * 32;
-                        const __m512 lo =
-                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
-                        const __m512 hi =
-                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16))));
-                        w = _mm512_cvtne2ps_pbh(hi, lo);
-                    }
+                    const __m512bh w = pair_row(fmt, blk, j + c);
 #pragma GCC unroll 8
                     for (int r = 0; r < RB; r++)
                         part[r][c] = _mm512_dpbf16_ps(part[r][c], pair_bcast(xr[r], k0 + 2 * (j + c)), w);
                 }
             }
             for (; j < pairs; j++) { /* an odd tail of pairs when CH > 1 */
-                __m512bh w;
-                if (fmt == WFMT_BF16) {
-                    w = (__m512bh)_mm512_loadu_si512(blk + j * 64);
-                } else {
-                    const int8_t *codes = (const int8_t *)blk + j * 32;
-                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
-                    const __m512 hi =
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16))));
-                    w = _mm512_cvtne2ps_pbh(hi, lo);
-                }
+                const __m512bh w = pair_row(fmt, blk, j);
 #pragma GCC unroll 8
                 for (int r = 0; r < RB; r++) part[r][0] = _mm512_dpbf16_ps(part[r][0], pair_bcast(xr[r], k0 + 2 * j), w);
             }

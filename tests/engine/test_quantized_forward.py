@@ -14,7 +14,6 @@ from engine.config import EngineConfig
 from engine.kernels import load_cpu_kernels
 from engine.llm_engine import LLMEngine
 from engine.models.linear import PackedLinear, ReferenceLinear
-from engine.models.llama import LlamaForCausalLM
 from tests.engine.helpers import chat, run_all, text_of, tokens_of
 from tests.engine.test_greedy_matches_transformers import PROMPTS
 
@@ -25,8 +24,6 @@ MAX_TOKENS = 24
 
 def _with_reference_linears(engine: LLMEngine) -> None:
     """Swap the engine's linears for the slow reference built from the very same quantized weights."""
-    from transformers import AutoModelForCausalLM
-
     stored = {}
     model = engine.model
     for i, lw in enumerate(model.layers):
@@ -39,7 +36,6 @@ def _with_reference_linears(engine: LLMEngine) -> None:
         lw.qkv, lw.o = ReferenceLinear(stored[(i, "qkv")], lw.qkv.bias), ReferenceLinear(stored[(i, "o")])
         lw.gate_up, lw.down = ReferenceLinear(stored[(i, "gate_up")]), ReferenceLinear(stored[(i, "down")])
     model.lm_head = ReferenceLinear(head.quantized)
-    del AutoModelForCausalLM
 
 
 @pytest.fixture(scope="module")
