@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 import schemas
 from schemas.json_body import JsonBodyError, JsonSyntaxError, parse_json
@@ -21,6 +21,7 @@ from engine.errors import (EngineError, EngineOverloadedError, EngineShutdownErr
                            LoraUnavailableError, PromptTooLongError, RequestTimeoutError)
 from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, RequestOutput, TokenLogprob
+from lora_store.resolver import resolve_lora
 
 
 logger = logging.getLogger("spark_server.requests")
@@ -132,12 +133,6 @@ def sse(data: Any) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-def sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
-    # one event per write: perf_analyzer / genai-perf count writes
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
 async def ending_with_error_event(events: AsyncIterator[bytes],
                                   error_event: Callable[[BridgeError], bytes]) -> AsyncIterator[bytes]:
     """A stream whose failure after the first byte (the status is sent by then) ends it with the
@@ -150,10 +145,19 @@ async def ending_with_error_event(events: AsyncIterator[bytes],
         yield error_event(bridge_error_from(exc))
 
 
-async def primed(engine: EngineClient, req: GenerationRequest) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+def _generate(request: Request, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def outputs() -> AsyncIterator[RequestOutput]:
+        await resolve_lora(request.app.state.lora_resolver, req)
+        async with aclosing(engine_of(request).generate(req)) as stream:
+            async for out in stream:
+                yield out
+    return outputs()
+
+
+async def primed(request: Request, req: GenerationRequest) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
     """Start generating and wait for the first output, so errors before it still get a 4xx/5xx status
     instead of a 200 stream. The caller must close the returned iterator (or exhaust it)."""
-    stream = engine.generate(req)
+    stream = _generate(request, req)
     try:
         first = await stream.__anext__()
     except BaseException:
@@ -177,6 +181,8 @@ class Completion:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    token_latencies_s: list[float] = field(default_factory=list)  # per token: the time it took
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
@@ -187,14 +193,21 @@ class Completion:
     decode_s: float = 0.0
 
 
-async def collect(engine: EngineClient, req: GenerationRequest) -> list[Completion]:
+async def collect(request: Request, req: GenerationRequest) -> list[Completion]:
     done = {i: Completion(i) for i in range(req.params.n)}
-    async with aclosing(engine.generate(req)) as stream:
+    async with aclosing(_generate(request, req)) as stream:
         async for out in stream:
             c = done[out.index]
             c.text += out.text_delta
+            if out.new_token_ids:  # the first token took the prefill; later ones the gap before them
+                gaps = [out.timings.last_token_gap_s] * len(out.new_token_ids)
+                if not c.token_ids:
+                    gaps[0] = out.timings.prefill_s
+                c.token_latencies_s += gaps
             c.token_ids += out.new_token_ids
             c.logprobs += out.logprobs or []
+            if out.prompt_logprobs is not None:
+                c.prompt_logprobs = out.prompt_logprobs
             c.num_prompt_tokens = out.num_prompt_tokens
             c.num_cached_tokens = out.num_cached_tokens
             t = out.timings
@@ -280,8 +293,9 @@ def stop_list(value: str | list[str] | None) -> list[str]:
 async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several engine streams as outputs arrive; (stream position, output)."""
     if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
+        async with aclosing(streams[0]) as only:  # leaving early aborts the engine request at once
+            async for out in only:
+                yield 0, out
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -320,13 +334,13 @@ def check_fan_out(request: Request, num_prompts: int, n: int) -> None:
                                f"{limit} per request (--max-seqs-per-request)", param="n")
 
 
-async def start_streams(engine: EngineClient, reqs: list[GenerationRequest]) -> list[AsyncIterator[RequestOutput]]:
+async def start_streams(request: Request, reqs: list[GenerationRequest]) -> list[AsyncIterator[RequestOutput]]:
     """Prime every request (errors before the first token get a proper status), then stream them.
     All or nothing: when one is refused, the ones already started are aborted."""
     started: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]] = []
     try:
         for r in reqs:
-            started.append(await primed(engine, r))
+            started.append(await primed(request, r))
     except BaseException:
         for _, rest in started:
             await rest.aclose()  # leaves the engine stream early: aborts it and frees its cache
@@ -334,10 +348,10 @@ async def start_streams(engine: EngineClient, reqs: list[GenerationRequest]) -> 
     return [replay(first, rest) for first, rest in started]
 
 
-async def collect_all(engine: EngineClient, reqs: list[GenerationRequest]) -> list[list[Completion]]:
+async def collect_all(request: Request, reqs: list[GenerationRequest]) -> list[list[Completion]]:
     """``collect`` for a fan-out (prompt lists, batches), all or nothing: when one request fails, the
     others are cancelled, which aborts their engine requests, and the failure is raised."""
-    tasks = [asyncio.ensure_future(collect(engine, r)) for r in reqs]
+    tasks = [asyncio.ensure_future(collect(request, r)) for r in reqs]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:

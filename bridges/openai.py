@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
-from bridges.common import (BridgeError, check_fan_out, collect, collect_all, endpoint, ending_with_error_event,
-                            engine_of, int_list, merged, now, read_json, request_id, served_model_or_adapter, sse,
-                            sse_response, start_streams, stop_list)
+from bridges.common import (BridgeError, Completion, engine_of, int_list, now, request_id, served_model_or_adapter,
+                            sse)
+from bridges.registry import Operation, Protocol
+from bridges.sampling_table import sampling_kwargs
+from bridges.serving import Handler, Plan, route
 from engine.protocol import EngineClient
-from engine.request import (ChatMessage, ChatPrompt, GenerationRequest, LoraRef, Prompt, TextPrompt,
+from engine.request import (ChatMessage, ChatPrompt, GenerationRequest, LoraRef, Prompt, RequestOutput, TextPrompt,
                             TokenLogprob, TokensPrompt)
 from engine.sampling_params import SamplingParams
 
@@ -41,6 +43,7 @@ def check_model(request: Request, body: dict[str, Any]) -> tuple[str, LoraRef | 
 
 
 def banned_ids(engine: EngineClient, words: list[str] | None) -> list[int]:
+    """OpenAI-style bad_words: each must be one token (alone or after a space) to be banned."""
     ids: list[int] = []
     for word in words or []:
         forms = [engine.tokenizer.encode(w, add_special_tokens=False) for w in (word, " " + word)]
@@ -52,30 +55,47 @@ def banned_ids(engine: EngineClient, words: list[str] | None) -> list[int]:
     return ids
 
 
-def sampling_params(engine: EngineClient, body: dict[str, Any], default_max_tokens: int,
-                    logprobs: bool, top_logprobs: int) -> SamplingParams:
-    n = body.get("n") or 1
+def sampling_params(request: Request, body: dict[str, Any], default_max_tokens: int, logprobs: bool,
+                    top_logprobs: int) -> SamplingParams:
+    """The body's sampling fields through the one table; what the table cannot say (best_of, the
+    tokenizer-dependent bad_words, -1 truncation) is settled here."""
+    engine = engine_of(request)
+    kw = sampling_kwargs("openai", body)
+    kw.setdefault("max_tokens", default_max_tokens)
+    n = kw.get("n", 1)
     best_of = body.get("best_of")
-    if best_of not in (None, n):
-        raise BridgeError(400, "best_of different from n is not supported", param="best_of")
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
-    return SamplingParams(
-        max_tokens=max_tokens, n=n,
-        temperature=1.0 if body.get("temperature") is None else float(body["temperature"]),
-        top_p=1.0 if body.get("top_p") is None else float(body["top_p"]),
-        top_k=body.get("top_k") or 0, min_p=body.get("min_p") or 0.0,
-        min_tokens=body.get("min_tokens") or 0,
-        presence_penalty=body.get("presence_penalty") or 0.0,
-        frequency_penalty=body.get("frequency_penalty") or 0.0,
-        repetition_penalty=body.get("repetition_penalty") or 1.0,
-        seed=body.get("seed"), stop=stop_list(body.get("stop")),
-        stop_token_ids=int_list(body.get("stop_token_ids")),
-        include_stop_str_in_output=bool(body.get("include_stop_str_in_output")),
-        ignore_eos=bool(body.get("ignore_eos")),
-        skip_special_tokens=body.get("skip_special_tokens") is not False,
-        banned_token_ids=banned_ids(engine, body.get("bad_words")),
-        logprobs=logprobs, top_logprobs=top_logprobs,
-    )
+    if best_of is not None:
+        if best_of < n:
+            raise BridgeError(400, f"best_of ({best_of}) must be at least n ({n})", param="best_of")
+        if body.get("stream") and best_of != n:
+            raise BridgeError(400, "best_of > n cannot stream: the best samples are known only at the end",
+                              param="best_of")
+        kw["n"] = best_of  # generate them all; the n best are returned (ranked in ``best_samples``)
+    if body.get("use_beam_search"):
+        raise BridgeError(400, "use_beam_search: beam search is not supported (best_of ranks sampled answers)",
+                          param="use_beam_search")
+    if kw.get("truncate_prompt_tokens") == -1:
+        kw["truncate_prompt_tokens"] = engine.model_info.max_model_len - 1
+    kw["banned_token_ids"] = banned_ids(engine, body.get("bad_words")) + kw.get("banned_token_ids", [])
+    ranked = best_of is not None and best_of > n
+    return SamplingParams(**kw, logprobs=logprobs or ranked, top_logprobs=top_logprobs)
+
+
+def best_samples(comps: list[Completion], n: int, length_penalty: float | None) -> list[Completion]:
+    """vLLM's best_of: the n samples with the highest cumulative logprob (divided by length **
+    length_penalty), renumbered 0..n-1 in that order."""
+    if len(comps) <= n:
+        return comps
+    penalty = 1.0 if length_penalty is None else length_penalty
+
+    def score(c: Completion) -> float:
+        total = sum(e.logprob for e in c.logprobs)
+        return total / (max(1, len(c.token_ids)) ** penalty)
+
+    best = sorted(comps, key=score, reverse=True)[:n]
+    for i, c in enumerate(best):
+        c.index = i
+    return best
 
 
 def finish_fields(finish_reason: str | None, stop_reason: str | int | None) -> dict[str, Any]:
@@ -90,49 +110,79 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[s
     return out
 
 
-def _token_text(engine: EngineClient, token_id: int) -> str:
-    return engine.tokenizer.decode([token_id])
+class TokenNames:
+    """How logprobs name tokens: their text, or 'token_id:{id}' (vLLM's return_tokens_as_token_ids)."""
+
+    def __init__(self, engine: EngineClient, as_ids: bool) -> None:
+        self.engine = engine
+        self.as_ids = as_ids
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_ids else self.engine.tokenizer.decode([token_id])
 
 
-def chat_logprobs(engine: EngineClient, entries: list[TokenLogprob]) -> dict[str, Any]:
+def chat_logprobs(name: TokenNames, entries: list[TokenLogprob]) -> dict[str, Any]:
     def item(tid: int, lp: float) -> dict[str, Any]:
-        text = _token_text(engine, tid)
+        text = name(tid)
         return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
     return {"content": [item(e.token_id, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
                         for e in entries]}
 
 
-def completion_logprobs(engine: EngineClient, entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(name: TokenNames, entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
     tokens, offsets, pos = [], [], offset
     for e in entries:
-        text = _token_text(engine, e.token_id)
+        text = name(e.token_id)
         tokens.append(text)
         offsets.append(pos)
         pos += len(text)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "text_offset": offsets,
-            "top_logprobs": [{_token_text(engine, t): lp for t, lp in e.top} for e in entries]}
+            "top_logprobs": [{name(t): lp for t, lp in e.top} for e in entries]}
+
+
+def prompt_logprobs_field(name: TokenNames, entries: list[TokenLogprob | None] | None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt position None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the prompt's own token and the top candidates."""
+    if entries is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        ranked = {tid: {"logprob": lp, "rank": r + 1, "decoded_token": name(tid)} for r, (tid, lp) in enumerate(e.top)}
+        if e.token_id not in ranked:
+            ranked = {e.token_id: {"logprob": e.logprob, "rank": None, "decoded_token": name(e.token_id)}, **ranked}
+        out.append({str(k): v for k, v in ranked.items()})
+    return out
+
+
+def response_id(prefix: str, body: dict[str, Any]) -> str:
+    """vLLM: the caller's request_id names the answer, else a fresh one."""
+    return f"{prefix}-{body['request_id']}" if body.get("request_id") else request_id(prefix)
 
 
 # ---- /v1/completions ---------------------------------------------------------------------------
 
 
 def completion_prompts(body: dict[str, Any]) -> list[Prompt]:
+    if body.get("prompt_token_ids") is not None:  # FastDeploy: the prompt as ids
+        return [TokensPrompt(int_list(body["prompt_token_ids"]))]
     p = body["prompt"]
+    add_special = body.get("add_special_tokens") is not False
     if isinstance(p, str):
-        return [TextPrompt(p)]
+        return [TextPrompt(p, add_special_tokens=add_special)]
     if all(isinstance(x, str) for x in p):
-        return [TextPrompt(x) for x in p]
+        return [TextPrompt(x, add_special_tokens=add_special) for x in p]
     if all(isinstance(x, (int, float)) for x in p):
         return [TokensPrompt(int_list(p))]
     return [TokensPrompt(int_list(x)) for x in p]
 
 
-def lower_completion(engine: EngineClient, body: dict[str, Any], rid: str) -> list[GenerationRequest]:
-    if body.get("echo") and body.get("logprobs") is not None:
-        raise BridgeError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo")
+def lower_completion(request: Request, body: dict[str, Any], rid: str) -> list[GenerationRequest]:
     lp = body.get("logprobs")
-    params = sampling_params(engine, body, COMPLETION_DEFAULT_MAX_TOKENS, lp is not None, lp or 0)
+    params = sampling_params(request, body, COMPLETION_DEFAULT_MAX_TOKENS, lp is not None, lp or 0)
     prompts = completion_prompts(body)
     return [GenerationRequest(f"{rid}-{i}", p, params, priority=engine_priority(body.get("priority")))
             for i, p in enumerate(prompts)]
@@ -144,49 +194,80 @@ def _echo_text(engine: EngineClient, prompt: Prompt) -> str:
     return engine.tokenizer.decode(prompt.token_ids)
 
 
-@endpoint(render_error)
-async def completions(request: Request) -> Response:
-    engine = engine_of(request)
-    body = await read_json(request, "openai-completion")
-    model, lora = check_model(request, body)
-    rid = request_id("cmpl")
-    reqs = lower_completion(engine, body, rid)
-    check_fan_out(request, len(reqs), reqs[0].params.n)
-    for r in reqs:
-        r.lora = lora
-    n = reqs[0].params.n
-    echo = bool(body.get("echo"))
-    if body.get("stream"):
-        events = _stream_completions(engine, body, reqs, await start_streams(engine, reqs), rid, model)
-        return sse_response(ending_with_error_event(events, _error_event))
-    results = await collect_all(engine, reqs)
-    choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
-    for i, (req, comps) in enumerate(zip(reqs, results)):
-        prompt_tokens += comps[0].num_prompt_tokens
-        cached += comps[0].num_cached_tokens
-        prefix = _echo_text(engine, req.prompt) if echo else ""
-        for c in comps:
-            completion_tokens += len(c.token_ids)
-            choice = {"index": i * n + c.index, "text": prefix + c.text,
-                      "logprobs": completion_logprobs(engine, c.logprobs) if req.params.logprobs else None,
-                      **finish_fields(c.finish_reason, c.stop_reason)}
-            if body.get("return_token_ids"):
-                choice["prompt_token_ids"] = await engine.encode_prompt(req.prompt)
-                choice["token_ids"] = c.token_ids
-            choices.append(choice)
-    return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": model,
-                         "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached)})
+@dataclass(slots=True)
+class _Answer:
+    """What rendering an OpenAI answer needs besides the requests."""
+
+    model: str
+    rid: str
+    names: TokenNames
 
 
-async def _stream_completions(engine, body, reqs, streams, rid, model) -> AsyncIterator[bytes]:
-    n = reqs[0].params.n
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+class _OpenAIHandler(Handler):
+    def render_error(self, err: BridgeError) -> dict[str, Any]:
+        return render_error(err)
+
+    def error_event(self, err: BridgeError, plan: Plan) -> bytes:
+        return _error_event(err)
+
+
+class Completions(_OpenAIHandler):
+    schema = "openai-completion"
+
+    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
+        model, lora = check_model(request, body)
+        rid = response_id("cmpl", body)
+        reqs = lower_completion(request, body, rid)
+        for r in reqs:
+            r.lora = lora
+        names = TokenNames(engine_of(request), bool(body.get("return_tokens_as_token_ids")))
+        return Plan(reqs, bool(body.get("stream")), body, context=_Answer(model, rid, names))
+
+    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
+        engine, body, answer = engine_of(request), plan.body, plan.context
+        n = body.get("n") or 1
+        choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
+        for i, (req, comps) in enumerate(zip(plan.requests, results)):
+            prompt_tokens += comps[0].num_prompt_tokens
+            cached += comps[0].num_cached_tokens
+            completion_tokens += sum(len(c.token_ids) for c in comps)  # best_of: every sample generated counts
+            prefix = _echo_text(engine, req.prompt) if body.get("echo") else ""
+            for c in best_samples(comps, n, body.get("length_penalty")):
+                choice = {"index": i * n + c.index, "text": prefix + c.text,
+                          "logprobs": (completion_logprobs(answer.names, c.logprobs)
+                                       if body.get("logprobs") is not None else None),
+                          **finish_fields(c.finish_reason, c.stop_reason)}
+                if req.params.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_field(answer.names, comps[0].prompt_logprobs)
+                if body.get("return_token_ids"):
+                    choice["prompt_token_ids"] = await engine.encode_prompt(req.prompt)
+                    choice["token_ids"] = c.token_ids
+                choices.append(choice)
+        return JSONResponse({"id": answer.rid, "object": "text_completion", "created": now(), "model": answer.model,
+                             "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached)})
+
+    def render_stream(self, request: Request, plan: Plan,
+                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+        return _stream_completions(engine_of(request), plan.body, plan.requests, outputs, plan.context)
+
+
+def _stream_usage(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(usage in a last chunk, usage in every chunk): stream_options.include_usage / continuous_usage_stats."""
+    options = body.get("stream_options") or {}
+    include = bool(options.get("include_usage"))
+    return include, include and bool(options.get("continuous_usage_stats"))
+
+
+async def _stream_completions(engine: EngineClient, body: dict[str, Any], reqs: list[GenerationRequest],
+                              outputs: AsyncIterator[tuple[int, RequestOutput]], answer: _Answer) -> AsyncIterator[bytes]:
+    n, rid, model, name = reqs[0].params.n, answer.rid, answer.model, answer.names
+    include_usage, continuous = _stream_usage(body)
     created = now()
     echoed: set[int] = set()
     offsets: dict[int, int] = {}
     prompt_tokens: dict[int, int] = {}
     completion_tokens = 0
-    async for i, out in merged(streams):
+    async for i, out in outputs:
         index = i * n + out.index
         text = out.text_delta
         if body.get("echo") and index not in echoed:
@@ -198,7 +279,9 @@ async def _stream_completions(engine, body, reqs, streams, rid, model) -> AsyncI
             continue
         choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
         if reqs[i].params.logprobs and out.logprobs:
-            choice["logprobs"] = completion_logprobs(engine, out.logprobs, offsets.get(index, 0))
+            choice["logprobs"] = completion_logprobs(name, out.logprobs, offsets.get(index, 0))
+        if out.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_field(name, out.prompt_logprobs)
         offsets[index] = offsets.get(index, 0) + len(text)
         if out.finished:
             choice.update(finish_fields(out.finish_reason, out.stop_reason))
@@ -206,7 +289,7 @@ async def _stream_completions(engine, body, reqs, streams, rid, model) -> AsyncI
             choice["token_ids"] = out.new_token_ids
         chunk = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
         if include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = usage(sum(prompt_tokens.values()), completion_tokens) if continuous else None
         yield sse(chunk)
     if include_usage:
         yield sse({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
@@ -226,74 +309,127 @@ def _content(message: dict[str, Any]) -> str:
     return "".join(part["text"] for part in content)
 
 
-def lower_chat(engine: EngineClient, body: dict[str, Any], rid: str) -> GenerationRequest:
+def lower_chat(request: Request, body: dict[str, Any], rid: str) -> GenerationRequest:
     fmt = (body.get("response_format") or {}).get("type", "text")
     if fmt != "text":
         raise BridgeError(400, f"response_format {fmt!r} is not supported yet", param="response_format")
+    if body.get("chat_template") and not request.app.state.settings.trust_request_chat_template:
+        raise BridgeError(400, "chat_template: a request's own chat template is refused unless the server runs "
+                               "with --trust-request-chat-template", param="chat_template")
     messages = [ChatMessage("system" if m["role"] == "developer" else m["role"], _content(m))
                 for m in body["messages"]]
     want_logprobs = bool(body.get("logprobs"))
     if body.get("top_logprobs") and not want_logprobs:
         raise BridgeError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    params = sampling_params(engine, body, engine.model_info.max_model_len, want_logprobs,
+    params = sampling_params(request, body, engine_of(request).model_info.max_model_len, want_logprobs,
                              body.get("top_logprobs") or 0)
-    prompt = ChatPrompt(messages, chat_template_kwargs=dict(body.get("chat_template_kwargs") or {}))
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    if body.get("documents") is not None:
+        kwargs["documents"] = body["documents"]
+    prompt: Prompt
+    if body.get("prompt_token_ids") is not None:  # FastDeploy: the prompt as ids, the messages only for the record
+        prompt = TokensPrompt(int_list(body["prompt_token_ids"]))
+    elif body.get("disable_chat_template"):  # FastDeploy: the contents as written
+        prompt = TextPrompt("".join(m.content for m in messages), add_special_tokens=False)
+    else:
+        add_generation = body.get("add_generation_prompt")
+        continue_final = bool(body.get("continue_final_message"))
+        prompt = ChatPrompt(messages, chat_template_kwargs=kwargs,
+                            add_generation_prompt=(not continue_final) if add_generation is None else add_generation,
+                            continue_final_message=continue_final, chat_template=body.get("chat_template"),
+                            add_special_tokens=bool(body.get("add_special_tokens")))
     return GenerationRequest(rid, prompt, params, priority=engine_priority(body.get("priority")))
 
 
-@endpoint(render_error)
-async def chat_completions(request: Request) -> Response:
-    engine = engine_of(request)
-    body = await read_json(request, "openai-chat")
-    model, lora = check_model(request, body)
-    rid = request_id("chatcmpl")
-    req = lower_chat(engine, body, rid)
-    req.lora = lora
-    if body.get("stream"):
-        streams = await start_streams(engine, [req])
-        return sse_response(ending_with_error_event(_stream_chat(engine, body, req, streams[0], rid, model),
-                                                    _error_event))
-    comps = await collect(engine, req)
-    choices = []
-    for c in comps:
-        choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                  "logprobs": chat_logprobs(engine, c.logprobs) if req.params.logprobs else None,
-                  **finish_fields(c.finish_reason, c.stop_reason)}
-        if body.get("return_token_ids"):
-            choice["token_ids"] = c.token_ids
-        choices.append(choice)
-    result = {"id": rid, "object": "chat.completion", "created": now(), "model": model, "choices": choices,
-              "usage": usage(comps[0].num_prompt_tokens, sum(len(c.token_ids) for c in comps),
-                             comps[0].num_cached_tokens)}
-    if body.get("return_token_ids"):
-        result["prompt_token_ids"] = await engine.encode_prompt(req.prompt)
-    return JSONResponse(result)
+def _echo_prefix(body: dict[str, Any], req: GenerationRequest) -> str:
+    """vLLM's chat echo: the answer starts with the last message when it is the assistant's own."""
+    if not body.get("echo") or not isinstance(req.prompt, ChatPrompt) or not req.prompt.messages:
+        return ""
+    last = req.prompt.messages[-1]
+    return last.content if last.role == "assistant" else ""
 
 
-async def _stream_chat(engine, body, req, stream, rid, model) -> AsyncIterator[bytes]:
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+class ChatCompletions(_OpenAIHandler):
+    schema = "openai-chat"
+
+    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
+        model, lora = check_model(request, body)
+        rid = response_id("chatcmpl", body)
+        req = lower_chat(request, body, rid)
+        req.lora = lora
+        names = TokenNames(engine_of(request), bool(body.get("return_tokens_as_token_ids")))
+        return Plan([req], bool(body.get("stream")), body, context=_Answer(model, rid, names))
+
+    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
+        engine, body, answer, (req,), (comps,) = engine_of(request), plan.body, plan.context, plan.requests, results
+        prefix = _echo_prefix(body, req)
+        token_ids = bool(body.get("return_token_ids"))
+        prompt_ids = await engine.encode_prompt(req.prompt) if token_ids else None
+        choices = []
+        for c in best_samples(comps, body.get("n") or 1, body.get("length_penalty")):
+            message: dict[str, Any] = {"role": "assistant", "content": prefix + c.text}
+            if token_ids:  # FastDeploy puts them in the message
+                message["prompt_token_ids"], message["completion_token_ids"] = prompt_ids, c.token_ids
+            choice = {"index": c.index, "message": message,
+                      "logprobs": chat_logprobs(answer.names, c.logprobs) if body.get("logprobs") else None,
+                      **finish_fields(c.finish_reason, c.stop_reason)}
+            if token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
+        result = {"id": answer.rid, "object": "chat.completion", "created": now(), "model": answer.model,
+                  "choices": choices, "usage": usage(comps[0].num_prompt_tokens, sum(len(c.token_ids) for c in comps),
+                                                     comps[0].num_cached_tokens)}
+        if token_ids:
+            result["prompt_token_ids"] = prompt_ids
+        if req.params.prompt_logprobs is not None:
+            result["prompt_logprobs"] = prompt_logprobs_field(answer.names, comps[0].prompt_logprobs)
+        return JSONResponse(result)
+
+    def render_stream(self, request: Request, plan: Plan,
+                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+        return _stream_chat(engine_of(request), plan.body, plan.requests[0], outputs, plan.context)
+
+
+async def _stream_chat(engine: EngineClient, body: dict[str, Any], req: GenerationRequest,
+                       outputs: AsyncIterator[tuple[int, RequestOutput]], answer: _Answer) -> AsyncIterator[bytes]:
+    rid, model, name = answer.rid, answer.model, answer.names
+    include_usage, continuous = _stream_usage(body)
+    token_ids = bool(body.get("return_token_ids"))
     created = now()
     started: set[int] = set()
     prompt_tokens = completion_tokens = 0
+    prefix = _echo_prefix(body, req)
 
-    def chunk(choices: list[dict[str, Any]]) -> bytes:
-        data = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        data = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices,
+                **extra}
         if include_usage:
-            data["usage"] = None
+            data["usage"] = usage(prompt_tokens, completion_tokens) if continuous else None
         return sse(data)
 
-    async for _, out in merged([stream]):
+    async for _, out in outputs:
         prompt_tokens = out.num_prompt_tokens
         completion_tokens += len(out.new_token_ids)
         if out.index not in started:
             started.add(out.index)
-            yield chunk([{"index": out.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
-        if not out.text_delta and not out.finished:
+            delta: dict[str, Any] = {"role": "assistant", "content": prefix}
+            extra: dict[str, Any] = {}
+            if token_ids:  # vLLM: prompt ids in the first chunk; FastDeploy: in the delta
+                ids = await engine.encode_prompt(req.prompt)
+                extra["prompt_token_ids"] = delta["prompt_token_ids"] = ids
+            if out.prompt_logprobs is not None:
+                extra["prompt_logprobs"] = prompt_logprobs_field(name, out.prompt_logprobs)
+            yield chunk([{"index": out.index, "delta": delta, "logprobs": None, "finish_reason": None}], **extra)
+        if not out.text_delta and not out.finished and not (token_ids and out.new_token_ids):
             continue
-        choice = {"index": out.index, "delta": {"content": out.text_delta} if out.text_delta else {},
-                  "logprobs": chat_logprobs(engine, out.logprobs) if req.params.logprobs and out.logprobs else None,
+        delta = {"content": out.text_delta} if out.text_delta else {}
+        if token_ids:
+            delta["completion_token_ids"] = out.new_token_ids
+        choice = {"index": out.index, "delta": delta,
+                  "logprobs": chat_logprobs(name, out.logprobs) if req.params.logprobs and out.logprobs else None,
                   "finish_reason": None}
+        if token_ids:
+            choice["token_ids"] = out.new_token_ids
         if out.finished:
             choice.update(finish_fields(out.finish_reason, out.stop_reason))
         yield chunk([choice])
@@ -318,8 +454,13 @@ async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": data})
 
 
-ROUTES = [
-    Route("/v1/completions", completions, methods=["POST"]),
-    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    Route("/v1/models", models, methods=["GET"]),
-]
+completions = route(Completions())
+chat_completions = route(ChatCompletions())
+
+
+PROTOCOL = Protocol("openai", (
+    Operation("POST", "/v1/completions", completions, "OpenAI completions", ("openai-completion",), streams=True),
+    Operation("POST", "/v1/chat/completions", chat_completions, "OpenAI chat completions", ("openai-chat",),
+              streams=True),
+    Operation("GET", "/v1/models", models, "OpenAI model list"),
+))

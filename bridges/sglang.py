@@ -8,9 +8,10 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from bridges.common import (BridgeError, Completion, bridge_error_from, check_fan_out, collect_all, endpoint,
-                            engine_of, int_list, merged, read_json, request_id, sse, sse_response, start_streams,
-                            stop_list)
+from bridges.common import BridgeError, Completion, engine_of, int_list, request_id, sse
+from bridges.registry import Operation, Protocol
+from bridges.sampling_table import sampling_kwargs
+from bridges.serving import Handler, Plan, route
 from engine.request import GenerationRequest, LoraRef, RequestOutput, TextPrompt, TokensPrompt
 from engine.sampling_params import SamplingParams
 
@@ -30,20 +31,7 @@ def _finish(reason: str | None, stop_reason: str | int | None, length: int) -> d
 
 
 def _params(sp: dict[str, Any], return_logprob: bool, top_logprobs: int) -> SamplingParams:
-    no_trim = bool(sp.get("no_stop_trim"))
-    return SamplingParams(
-        max_tokens=sp.get("max_new_tokens") or 128, min_tokens=sp.get("min_new_tokens") or 0,
-        temperature=1.0 if sp.get("temperature") is None else float(sp["temperature"]),
-        top_p=float(sp.get("top_p") or 1.0), top_k=sp.get("top_k") or 0, min_p=sp.get("min_p") or 0.0,
-        frequency_penalty=float(sp.get("frequency_penalty") or 0.0),
-        presence_penalty=float(sp.get("presence_penalty") or 0.0),
-        repetition_penalty=float(sp.get("repetition_penalty") or 1.0),
-        n=sp.get("n") or 1, ignore_eos=bool(sp.get("ignore_eos")),
-        skip_special_tokens=sp.get("skip_special_tokens") is not False,
-        stop=stop_list(sp.get("stop")), stop_token_ids=int_list(sp.get("stop_token_ids")),
-        include_stop_str_in_output=no_trim, seed=sp.get("seed"),
-        logprobs=return_logprob, top_logprobs=top_logprobs,
-    )
+    return SamplingParams(**sampling_kwargs("sglang", sp), logprobs=return_logprob, top_logprobs=top_logprobs)
 
 
 def lower(body: dict[str, Any], rid: str) -> tuple[list[GenerationRequest], bool]:
@@ -80,33 +68,36 @@ def _meta(rid: str, c: Completion | RequestOutput, n_out: int, started: float, l
     return meta
 
 
-@endpoint(render_error)
-async def generate(request: Request) -> Response:
-    engine = engine_of(request)
-    body = await read_json(request, "sglang-generate")
-    reqs, batch = lower(body, request_id("sgl"))
-    check_fan_out(request, len(reqs), max(r.params.n for r in reqs))
-    started = time.monotonic()
-    if body.get("stream"):
-        # every request primed before committing to 200: a refused one is a 4xx, and the others are aborted
-        return sse_response(_stream(await start_streams(engine, reqs), reqs, started))
-    results = await collect_all(engine, reqs)
-    answers = []
-    for req, comps in zip(reqs, results):
-        for c in comps:
-            answers.append({"text": c.text, "output_ids": c.token_ids,
-                            "meta_info": _meta(req.request_id, c, len(c.token_ids), started,
-                                               c.logprobs if req.params.logprobs else None)})
-    return JSONResponse(answers if batch or len(answers) > 1 else answers[0])
+class Generate(Handler):
+    schema = "sglang-generate"
 
+    def render_error(self, err: BridgeError) -> dict[str, Any]:
+        return render_error(err)
 
-async def _stream(streams: list[AsyncIterator[RequestOutput]], reqs: list[GenerationRequest],
-                  started: float) -> AsyncIterator[bytes]:
-    try:
+    def error_event(self, err: BridgeError, plan: Plan) -> bytes:
+        return sse(render_error(err)) + sse("[DONE]")  # the stream still ends as SGLang's do
+
+    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
+        reqs, batch = lower(body, request_id("sgl"))
+        return Plan(reqs, bool(body.get("stream")), body, context=(batch, time.monotonic()))
+
+    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
+        batch, started = plan.context
+        answers = []
+        for req, comps in zip(plan.requests, results):
+            for c in comps:
+                answers.append({"text": c.text, "output_ids": c.token_ids,
+                                "meta_info": _meta(req.request_id, c, len(c.token_ids), started,
+                                                   c.logprobs if req.params.logprobs else None)})
+        return JSONResponse(answers if batch or len(answers) > 1 else answers[0])
+
+    async def render_stream(self, request: Request, plan: Plan,
+                            outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+        reqs, (_, started) = plan.requests, plan.context
         texts: dict[tuple[int, int], str] = {}
         ids: dict[tuple[int, int], list[int]] = {}
         lps: dict[tuple[int, int], list] = {}
-        async for i, out in merged(streams):
+        async for i, out in outputs:  # each event: that sample's text and ids so far, as SGLang streams
             key = (i, out.index)
             texts[key] = texts.get(key, "") + out.text_delta
             ids.setdefault(key, []).extend(out.new_token_ids)
@@ -114,12 +105,20 @@ async def _stream(streams: list[AsyncIterator[RequestOutput]], reqs: list[Genera
             yield sse({"text": texts[key], "output_ids": ids[key], "index": i * reqs[i].params.n + out.index,
                        "meta_info": _meta(reqs[i].request_id, out, len(ids[key]), started,
                                           lps[key] if reqs[i].params.logprobs else None)})
-    except Exception as exc:  # after the first event: the error rides in the stream
-        yield sse(render_error(bridge_error_from(exc)))
-    yield sse("[DONE]")
+        yield sse("[DONE]")
+
+
+generate = route(Generate())
 
 
 async def get_model_info(request: Request) -> Response:
     info = engine_of(request).model_info
     return JSONResponse({"model_path": info.path, "tokenizer_path": info.path, "is_generation": True,
                          "served_model_name": info.name, "max_context_length": info.max_model_len})
+
+
+PROTOCOL = Protocol("sglang", (
+    Operation("POST", "/generate", generate, "SGLang generation", ("sglang-generate",), streams=True,
+              claims=lambda body: "text" in body or "input_ids" in body, claim_hint="`text` / `input_ids` (SGLang)"),
+    Operation("GET", "/get_model_info", get_model_info, "SGLang model info"),
+))

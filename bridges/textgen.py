@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from bridges.common import int_list, stop_list
+from bridges.common import int_list
+from bridges.sampling_table import sampling_kwargs
 from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, TextPrompt, TokensPrompt
 from engine.sampling_params import SamplingParams
@@ -57,34 +57,20 @@ async def lower(engine: EngineClient, rid: str, inputs: str | list[int], paramet
     sampling = p.get("do_sample")
     if sampling is None:  # TGI's rule: any sampling knob turns sampling on
         sampling = any(p.get(k) is not None for k in ("temperature", "top_k", "top_p"))
-    seed = p.get("seed")
-    if seed is None:
-        seed = random.randrange(1, 1 << 63)
+    seed = int(p["seed"]) if p.get("seed") is not None else random.randrange(1, 1 << 63)  # reported in details
     top_n = p.get("top_n_tokens") or 0
-    params = SamplingParams(
-        max_tokens=p.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS,
-        temperature=float(p.get("temperature") or 1.0) if sampling else 0.0,
-        top_k=(p.get("top_k") or 0) if sampling else 0,
-        top_p=float(p.get("top_p") or 1.0) if sampling else 1.0,
-        repetition_penalty=float(p.get("repetition_penalty") or 1.0),
-        frequency_penalty=float(p.get("frequency_penalty") or 0.0),
-        seed=seed, stop=stop_list(p.get("stop")),
-        logprobs=bool(p.get("details") or p.get("decoder_input_details") or top_n), top_logprobs=top_n,
-    )
+    kw = sampling_kwargs("textgen", p)
+    if not sampling:  # greedy, whatever sampling knobs say
+        kw.update(temperature=0.0, top_k=0, top_p=1.0)
+    kw["seed"] = seed
+    params = SamplingParams(**kw, logprobs=bool(p.get("details") or p.get("decoder_input_details") or top_n),
+                            top_logprobs=top_n)
     adapter = p.get(adapter_field)
     lora = LoraRef(name=adapter) if adapter not in (None, "", "None") else None
-    if isinstance(inputs, str):
-        prompt = TextPrompt(inputs)
-        truncate = p.get("truncate")
-        if truncate:  # keep the last `truncate` tokens, as TGI does
-            ids = await asyncio.to_thread(engine.tokenizer.encode, inputs)  # a large input: off the event loop
-            if len(ids) > truncate:
-                prompt = TokensPrompt(ids[-truncate:])
-    else:
-        prompt = TokensPrompt(int_list(inputs))
+    prompt = TextPrompt(inputs) if isinstance(inputs, str) else TokensPrompt(int_list(inputs))
     # no `timeout`: the server's --request-timeout (600 s by default, the spec's default) applies
     deadline = time.monotonic() + p["timeout"] if p.get("timeout") else None
-    request = GenerationRequest(rid, prompt, params, lora=lora, priority=p.get("priority") or DEFAULT_PRIORITY,
+    request = GenerationRequest(rid, prompt, params, lora=lora, priority=int(p.get("priority") or DEFAULT_PRIORITY),
                                 deadline=deadline)
     no_effect = [k for k, default in NO_EFFECT.items() if p.get(k) is not None and not _is_default(p[k], default)]
     if no_effect:

@@ -7,8 +7,8 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
+from bridges.registry import Operation, Protocol
 from bridges.common import BridgeError, endpoint, engine_of, int_list, read_json, served_model_or_adapter
 from engine.request import ChatMessage, ChatPrompt
 
@@ -63,8 +63,8 @@ async def detokenize(request: Request) -> Response:
     return JSONResponse({"prompt": await asyncio.to_thread(engine.tokenizer.decode, tokens)})
 
 
-ROUTES = [
-    Route("/v1/tokenizer", mindie_tokenizer, methods=["POST"]),
-    Route("/tokenize", tokenize, methods=["POST"]),
-    Route("/detokenize", detokenize, methods=["POST"]),
-]
+PROTOCOL = Protocol("tokenizer", (
+    Operation("POST", "/v1/tokenizer", mindie_tokenizer, "MindIE token count", ("tokenizer",)),
+    Operation("POST", "/tokenize", tokenize, "vLLM tokenize", ("vllm-tokenize",)),
+    Operation("POST", "/detokenize", detokenize, "vLLM detokenize", ("vllm-detokenize",)),
+))

@@ -4,16 +4,16 @@ stream an error is sent as a data event."""
 
 from __future__ import annotations
 
-from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from bridges import textgen
-from bridges.common import (BridgeError, bridge_error_from, collect, endpoint, engine_of, primed, read_json,
-                            replay, request_id, sse, sse_response)
+from bridges.registry import Operation, Protocol
+from bridges.common import BridgeError, Completion, engine_of, request_id, sse
+from bridges.serving import Handler, Plan, route
+from engine.request import RequestOutput
 
 
 def render_error(err: BridgeError) -> dict[str, Any]:
@@ -29,104 +29,104 @@ def _model(request: Request) -> str:
     return name
 
 
-async def _read(request: Request, schema: str) -> dict[str, Any]:
-    try:
-        return await read_json(request, schema)
-    except BridgeError as err:
-        err.status = 400  # Triton answers every malformed request with 400
-        raise
-
-
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
 
 
-async def _lower_text_request(request: Request) -> tuple[str, dict[str, Any], Any, str, textgen.TextGenRequest]:
-    """(model, body, engine, id, lowered request) of a generate / generate_stream call."""
-    model = _model(request)
-    body = await _read(request, "triton-generate")
-    engine = engine_of(request)
-    rid = body.get("id") or request_id("triton")
-    return model, body, engine, rid, await textgen.lower(engine, rid, body["text_input"], body.get("parameters"))
+class _TritonHandler(Handler):
+    def render_error(self, err: BridgeError) -> dict[str, Any]:
+        return render_error(err)
+
+    async def read(self, request: Request) -> dict[str, Any]:
+        _model(request)  # an unknown model is a 404 before the body is looked at
+        return await super().read(request)
 
 
-@endpoint(render_error)
-async def generate(request: Request) -> Response:
-    model, body, engine, rid, tg = await _lower_text_request(request)
-    (c,) = await collect(engine, tg.request)
-    result: dict[str, Any] = {"id": rid, "model_name": model, "model_version": None, "text_output": c.text}
-    if tg.details or tg.perf_stat:
-        details: dict[str, Any] = {"finish_reason": textgen.finish_reason(c.finish_reason, c.stop_reason),
-                                   "generated_tokens": len(c.token_ids), "first_token_cost": None,
-                                   "decode_cost": None}
-        if tg.perf_stat:
-            # per-token latency is only known on the stream; the whole-call split is reported here
-            details["perf_stat"] = [[t, None] for t in c.token_ids]
-            details["queue_wait_time"] = round(c.queue_s * 1e6)
-            details["prefill_time"] = _ms(c.prefill_s)
-            details["decode_time"] = _ms(c.decode_s)
-        result["details"] = details
-    return JSONResponse(result, headers=textgen.ignored_header(tg))
+class Generate(_TritonHandler):
+    """generate and generate_stream: text in, text out (the stream: one data event per token)."""
 
+    schema = "triton-generate"
 
-@endpoint(render_error)
-async def generate_stream(request: Request) -> Response:
-    model, body, engine, rid, tg = await _lower_text_request(request)
-    first, rest = await primed(engine, tg.request)
-    batch_size = (body.get("parameters") or {}).get("batch_size") or 1
+    def __init__(self, stream: bool) -> None:
+        self.stream = stream
 
-    async def events() -> AsyncIterator[bytes]:
+    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
+        rid = body.get("id") or request_id("triton")
+        tg = await textgen.lower(engine_of(request), rid, body["text_input"], body.get("parameters"))
+        return Plan([tg.request], self.stream, body, headers=textgen.ignored_header(tg),
+                    context=(_model(request), rid, tg))
+
+    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
+        ((c,),) = results
+        model, rid, tg = plan.context
+        result: dict[str, Any] = {"id": rid, "model_name": model, "model_version": None, "text_output": c.text}
+        if tg.details or tg.perf_stat:
+            details: dict[str, Any] = {"finish_reason": textgen.finish_reason(c.finish_reason, c.stop_reason),
+                                       "generated_tokens": len(c.token_ids), "first_token_cost": None,
+                                       "decode_cost": None}
+            if tg.perf_stat:
+                details["perf_stat"] = [[t, _ms(s)] for t, s in zip(c.token_ids, c.token_latencies_s)]
+                details["queue_wait_time"] = round(c.queue_s * 1e6)
+                details["prefill_time"] = _ms(c.prefill_s)
+                details["decode_time"] = _ms(c.decode_s)
+            result["details"] = details
+        return JSONResponse(result)
+
+    async def render_stream(self, request: Request, plan: Plan,
+                            outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+        model, rid, tg = plan.context
+        batch_size = (plan.body.get("parameters") or {}).get("batch_size") or 1
         perf: list[list[Any]] = []
-        try:
-            async with aclosing(replay(first, rest)) as outs:
-                async for out in outs:
-                    if not out.new_token_ids and not out.finished:
-                        continue
-                    t = out.timings
-                    is_first = out.num_output_tokens == len(out.new_token_ids)
-                    latency = t.prefill_s if is_first else t.last_token_gap_s
-                    perf += [[tid, _ms(latency)] for tid in out.new_token_ids]
-                    event: dict[str, Any] = {"id": rid, "model_name": model, "model_version": None,
-                                             "text_output": out.text_delta}
-                    if tg.details or tg.perf_stat:
-                        details: dict[str, Any] = {"generated_tokens": out.num_output_tokens,
-                                                   "first_token_cost": None, "decode_cost": None,
-                                                   "batch_size": batch_size,
-                                                   "queue_wait_time": round(t.queue_s * 1e6)}
-                        if out.finished:
-                            details = {"finish_reason": textgen.finish_reason(out.finish_reason, out.stop_reason),
-                                       **details}
-                        if tg.perf_stat:
-                            details["perf_stat"] = list(perf)
-                        event["details"] = details
-                    event["prefill_time"] = _ms(t.prefill_s) if is_first else None
-                    event["decode_time"] = None if is_first else _ms(t.last_token_gap_s)
-                    yield sse(event)
-        except Exception as exc:  # the stream has started: the error goes in a data event
-            yield sse(render_error(bridge_error_from(exc)))
-
-    resp = sse_response(events())
-    resp.headers.update(textgen.ignored_header(tg))
-    return resp
+        async for _, out in outputs:
+            if not out.new_token_ids and not out.finished:
+                continue
+            t = out.timings
+            is_first = out.num_output_tokens == len(out.new_token_ids)
+            latency = t.prefill_s if is_first else t.last_token_gap_s
+            perf += [[tid, _ms(latency)] for tid in out.new_token_ids]
+            event: dict[str, Any] = {"id": rid, "model_name": model, "model_version": None,
+                                     "text_output": out.text_delta}
+            if tg.details or tg.perf_stat:
+                details: dict[str, Any] = {"generated_tokens": out.num_output_tokens, "first_token_cost": None,
+                                           "decode_cost": None, "batch_size": batch_size,
+                                           "queue_wait_time": round(t.queue_s * 1e6)}
+                if out.finished:
+                    details = {"finish_reason": textgen.finish_reason(out.finish_reason, out.stop_reason),
+                               **details}
+                if tg.perf_stat:
+                    details["perf_stat"] = list(perf)
+                event["details"] = details
+            event["prefill_time"] = _ms(t.prefill_s) if is_first else None
+            event["decode_time"] = None if is_first else _ms(t.last_token_gap_s)
+            yield sse(event)
 
 
-@endpoint(render_error)
-async def infer(request: Request) -> Response:
-    _model(request)
-    body = await _read(request, "triton-infer")
-    engine = engine_of(request)
-    rid = body.get("id") or request_id("triton")
-    tensor = body["inputs"][0]
-    shape = tensor["shape"]
-    if shape[-1] != len(tensor["data"]) or (len(shape) == 2 and shape[0] != 1):
-        raise BridgeError(400, f"inputs[0].shape {shape} does not match {len(tensor['data'])} data items")
-    tg = await textgen.lower(engine, rid, tensor["data"], body.get("parameters"))
-    (c,) = await collect(engine, tg.request)
-    # as the spec's example: the input ids followed by the generated ids
-    data = list(tensor["data"]) + c.token_ids
-    return JSONResponse({"id": rid, "outputs": [{"name": body["outputs"][0]["name"], "shape": [1, len(data)],
-                                                 "datatype": "UINT32", "data": data}]},
-                        headers=textgen.ignored_header(tg))
+class Infer(_TritonHandler):
+    """Token ids in (a UINT32 tensor), the input ids followed by the generated ids out, as the spec's example."""
+
+    schema = "triton-infer"
+
+    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
+        rid = body.get("id") or request_id("triton")
+        tensor = body["inputs"][0]
+        shape = tensor["shape"]
+        if shape[-1] != len(tensor["data"]) or (len(shape) == 2 and shape[0] != 1):
+            raise BridgeError(400, f"inputs[0].shape {shape} does not match {len(tensor['data'])} data items")
+        tg = await textgen.lower(engine_of(request), rid, tensor["data"], body.get("parameters"))
+        return Plan([tg.request], False, body, headers=textgen.ignored_header(tg), context=rid)
+
+    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
+        ((c,),) = results
+        tensor = plan.body["inputs"][0]
+        data = list(tensor["data"]) + c.token_ids
+        return JSONResponse({"id": plan.context, "outputs": [{"name": plan.body["outputs"][0]["name"],
+                                                               "shape": [1, len(data)], "datatype": "UINT32",
+                                                               "data": data}]})
+
+
+generate = route(Generate(stream=False))
+generate_stream = route(Generate(stream=True))
+infer = route(Infer())
 
 
 async def model_metadata(request: Request) -> Response:
@@ -150,11 +150,12 @@ async def health_live(request: Request) -> Response:
     return Response(status_code=200)
 
 
-ROUTES = [
-    Route("/v2/models/{model}/generate", generate, methods=["POST"]),
-    Route("/v2/models/{model}/generate_stream", generate_stream, methods=["POST"]),
-    Route("/v2/models/{model}/infer", infer, methods=["POST"]),
-    Route("/v2/models/{model}", model_metadata, methods=["GET"]),
-    Route("/v2/health/ready", health_ready, methods=["GET"]),
-    Route("/v2/health/live", health_live, methods=["GET"]),
-]
+PROTOCOL = Protocol("triton", (
+    Operation("POST", "/v2/models/{model}/generate", generate, "Triton text generation", ("triton-generate",)),
+    Operation("POST", "/v2/models/{model}/generate_stream", generate_stream, "Triton streaming generation",
+              ("triton-generate",), streams=True),
+    Operation("POST", "/v2/models/{model}/infer", infer, "Triton token-id inference", ("triton-infer",)),
+    Operation("GET", "/v2/models/{model}", model_metadata, "Triton model metadata"),
+    Operation("GET", "/v2/health/ready", health_ready, "Triton readiness"),
+    Operation("GET", "/v2/health/live", health_live, "Triton liveness"),
+))

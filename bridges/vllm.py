@@ -6,16 +6,16 @@ cumulative (output only)."""
 from __future__ import annotations
 
 import json
-from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
-from bridges.common import (BridgeError, collect, endpoint, ending_with_error_event, engine_of, int_list, primed,
-                            read_json, replay, request_id, served_model_or_adapter, stop_list)
-from engine.protocol import EngineClient
-from engine.request import GenerationRequest, TextPrompt
+from bridges.common import BridgeError, Completion, engine_of, request_id, served_model_or_adapter
+from bridges.registry import Operation, Protocol
+from bridges.sampling_table import sampling_kwargs
+from bridges.serving import Handler, Plan, route
+from engine.request import GenerationRequest, RequestOutput, TextPrompt
 from engine.sampling_params import SamplingParams
 
 
@@ -23,51 +23,49 @@ def render_error(err: BridgeError) -> dict[str, Any]:
     return {"error": err.message, "object": "error", "type": err.kind, "param": err.param, "code": err.status}
 
 
-def lower(request: Request, engine: EngineClient, body: dict[str, Any], rid: str) -> GenerationRequest:
-    lora = served_model_or_adapter(request, body.get("model"))
-    params = SamplingParams(
-        max_tokens=body.get("max_tokens") or engine.model_info.max_model_len,
-        temperature=1.0 if body.get("temperature") is None else float(body["temperature"]),
-        top_p=float(body.get("top_p") or 1.0), top_k=body.get("top_k") or 0, min_p=body.get("min_p") or 0.0,
-        repetition_penalty=float(body.get("repetition_penalty") or 1.0),
-        presence_penalty=float(body.get("presence_penalty") or 0.0),
-        frequency_penalty=float(body.get("frequency_penalty") or 0.0),
-        seed=body.get("seed"), stop=stop_list(body.get("stop")),
-        # the spec: ids beyond int32 are ignored
-        stop_token_ids=[t for t in int_list(body.get("stop_token_ids")) if 0 <= t < 2**31],
-        include_stop_str_in_output=bool(body.get("include_stop_str_in_output")),
-        skip_special_tokens=body.get("skip_special_tokens") is not False,
-        ignore_eos=bool(body.get("ignore_eos")), min_tokens=body.get("min_tokens") or 0,
-    )
-    return GenerationRequest(rid, TextPrompt(body["prompt"]), params, lora=lora)
+class Generate(Handler):
+    schema = "vllm-generate"
+    media_type = "application/json"
 
+    def render_error(self, err: BridgeError) -> dict[str, Any]:
+        return render_error(err)
 
-@endpoint(render_error)
-async def generate(request: Request) -> Response:
-    engine = engine_of(request)
-    body = await read_json(request, "vllm-generate")
-    req = lower(request, engine, body, request_id("vllm"))
-    settings = request.app.state.settings
-    if not body.get("stream"):
-        (c,) = await collect(engine, req)
-        return JSONResponse({"text": [body["prompt"] + c.text]})
-    first, rest = await primed(engine, req)
-    cumulative = settings.vllm_stream == "cumulative"
+    def error_event(self, err: BridgeError, plan: Plan) -> bytes:
+        return json.dumps(render_error(err), ensure_ascii=False).encode() + (b"\n" if plan.context else b"\0")
 
-    async def chunks() -> AsyncIterator[bytes]:
+    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
+        lora = served_model_or_adapter(request, body.get("model"))
+        kw = sampling_kwargs("vllm", body)
+        kw.setdefault("max_tokens", engine_of(request).model_info.max_model_len)
+        # the spec: stop ids beyond int32 are ignored
+        kw["stop_token_ids"] = [t for t in kw.get("stop_token_ids", []) if 0 <= t < 2**31]
+        req = GenerationRequest(request_id("vllm"), TextPrompt(body["prompt"]), SamplingParams(**kw), lora=lora)
+        cumulative = request.app.state.settings.vllm_stream == "cumulative"
+        return Plan([req], bool(body.get("stream")), body, context=cumulative)
+
+    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
+        ((c,),) = results
+        return JSONResponse({"text": [plan.body["prompt"] + c.text]})
+
+    async def render_stream(self, request: Request, plan: Plan,
+                            outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+        full_text = request.app.state.settings.full_text_enabled
+        prompt = plan.body["prompt"]
         text = ""
-        async with aclosing(replay(first, rest)) as outs:
-            async for out in outs:
-                if not out.text_delta and not out.finished:
-                    continue
-                text += out.text_delta
-                if cumulative:
-                    yield (json.dumps({"text": [body["prompt"] + text]}, ensure_ascii=False) + "\n").encode()
-                elif out.text_delta:
-                    shown = text if settings.full_text_enabled else out.text_delta
-                    yield json.dumps({"text": [shown]}, ensure_ascii=False).encode() + b"\0"
+        async for _, out in outputs:
+            if not out.text_delta and not out.finished:
+                continue
+            text += out.text_delta
+            if plan.context:  # cumulative: prompt + output so far, a JSON per line (vLLM's own server)
+                yield (json.dumps({"text": [prompt + text]}, ensure_ascii=False) + "\n").encode()
+            elif out.text_delta:  # the spec: each delta (or, with fullTextEnabled, the output so far) followed by \0
+                yield json.dumps({"text": [text if full_text else out.text_delta]}, ensure_ascii=False).encode() + b"\0"
 
-    def error_event(err: BridgeError) -> bytes:
-        return json.dumps(render_error(err), ensure_ascii=False).encode() + (b"\n" if cumulative else b"\0")
 
-    return StreamingResponse(ending_with_error_event(chunks(), error_event), media_type="application/json")
+generate = route(Generate())
+
+
+PROTOCOL = Protocol("vllm", (
+    Operation("POST", "/generate", generate, "vLLM native generation", ("vllm-generate",), streams=True,
+              claims=lambda body: "prompt" in body, claim_hint="`prompt` (vLLM)"),
+))

@@ -14,13 +14,14 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Callable
 
 from engine.config import EngineConfig
 from engine.errors import (EngineOverloadedError, EngineShutdownError, InferenceError, LoraUnavailableError,
                            RequestTimeoutError)
 from engine.llm_engine import LLMEngine
-from engine.request import GenerationRequest, LoraRef, Prompt, RequestOutput
+from engine.protocol import EngineLimits, EngineStats
+from engine.request import GenerationRequest, Prompt, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +72,7 @@ class AsyncEngine:
         self.last_step_end = time.monotonic()
         self.step_in_progress_since: float | None = None
         self.num_steps = 0
-        # Fills a LoraRef's local path (download, verify, cache); None: LoRA requests are refused.
-        self.lora_resolver: Callable[[LoraRef], Awaitable[LoraRef]] | None = None
-        self.default_timeout_s: float | None = None  # deadline for requests that set none
-        self.stuck_after_s = 60.0
+        self.limits = EngineLimits()
         # Called with each sample's final output (metrics); must be cheap and must not raise.
         self.finished_listeners: list[Callable[[RequestOutput], None]] = []
 
@@ -101,7 +99,7 @@ class AsyncEngine:
         if self._thread is None or not self._thread.is_alive():
             return False
         since = self.step_in_progress_since
-        return since is None or time.monotonic() - since < self.stuck_after_s
+        return since is None or time.monotonic() - since < self.limits.stuck_after_s
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -120,16 +118,20 @@ class AsyncEngine:
         """Stream outputs; leaving the iterator before the final output aborts the request."""
         if self._stop.is_set():
             raise EngineShutdownError("the engine is shutting down")
-        if request.lora is not None and request.lora.path is None:
-            if self.lora_resolver is None:
-                which = request.lora.name or request.lora.url
-                raise LoraUnavailableError(f"adapter {which!r}: LoRA adapters are not enabled on this server",
-                                           code="disabled")
-            request.lora = await self.lora_resolver(request.lora)
-        if request.deadline is None and self.default_timeout_s:
-            request.deadline = request.arrival_time + self.default_timeout_s
-        self.engine.check_token_ids(request.params)
-        ids = await self.encode_prompt(request.prompt)
+        adapter = None
+        if request.lora is not None:
+            ref = request.lora
+            if not self.lora_enabled:
+                raise LoraUnavailableError(f"adapter {ref.name or ref.url!r}: LoRA adapters are not enabled on this "
+                                           "server", code="disabled")
+            if not ref.name or not ref.path:
+                raise LoraUnavailableError(f"adapter {ref.name or ref.url!r} was not resolved to a local adapter",
+                                           code="unresolved")
+            adapter = await asyncio.to_thread(self.engine.load_adapter, ref.name, ref.path)
+        if request.deadline is None and self.limits.default_timeout_s:
+            request.deadline = request.arrival_time + self.limits.default_timeout_s
+        self.engine.check_params(request.params)
+        ids = await asyncio.to_thread(self.engine.encode_prompt, request.prompt, request.params.truncate_prompt_tokens)
         if self.engine.is_full():  # a cheap early refusal; the engine thread checks again on add
             raise EngineOverloadedError("the wait queue is full; retry later")
         # The engine's request ids are its own: a client's id (Triton `id`, SGLang `rid`) is only echoed,
@@ -137,15 +139,15 @@ class AsyncEngine:
         internal = dataclasses.replace(request, request_id=f"r{next(self._internal_ids)}")
         stream = RequestStream(request.request_id, asyncio.get_running_loop())
         self._streams[internal.request_id] = stream
-        self._commands.put(("add", internal, ids))
+        self._commands.put(("add", internal, (ids, adapter)))
         self._wake.set()
         unfinished = request.params.n
         try:
             while unfinished:
                 for out in await stream.get():
                     out.request_id = request.request_id
-                    if out.finish_reason == "error" and out.error and "timed out" in out.error:
-                        raise RequestTimeoutError(out.error)
+                    if out.finish_reason == "error" and out.error_kind == "timeout":
+                        raise RequestTimeoutError(out.error or "request timed out")
                     if out.finish_reason == "error":
                         raise InferenceError(out.error or "inference failed")
                     unfinished -= out.finished
@@ -158,6 +160,16 @@ class AsyncEngine:
             if unfinished:
                 self._commands.put(("abort", internal.request_id, None))
                 self._wake.set()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.lora_manager is not None
+
+    def check_adapter(self, path: str, name: str) -> None:
+        self.engine.check_adapter(path, name)
 
     @property
     def num_active_requests(self) -> int:
@@ -196,7 +208,7 @@ class AsyncEngine:
                 return
             if kind == "add":
                 try:
-                    self.engine.add_request(a, b)
+                    self.engine.add_request(a, *b)
                 except Exception as exc:  # refused at admission: tell only that caller
                     self._fail(a.request_id, exc)
             elif kind == "abort":

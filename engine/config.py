@@ -25,3 +25,6 @@ class EngineConfig:
     native_kernels: bool = True  # CPU: fused C kernels between the linears (compiled at first use)
     max_loras: int = 0  # resident LoRA adapter slots (0: LoRA off)
     max_lora_rank: int = 16
+    max_logprobs: int = 20  # most logprobs a request may ask for (top_logprobs, prompt_logprobs)
+    seed: int | None = None  # seeds the samples of requests that bring no seed (reproducible runs)
+    chat_template: str | None = None  # a Jinja template (or a file holding one) replacing the model's

@@ -11,9 +11,12 @@ _PROMPT_CONTEXT = 5  # prompt tokens decoded alongside the output, for tokenizer
 class IncrementalDetokenizer:
     """Turns the growing token list into text deltas (the vLLM prefix/read-offset method)."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # slow tokenizers join special tokens with spaces unless told not to; fast ones never add them
+        self.extra = {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
         context = prompt_token_ids[-_PROMPT_CONTEXT:]
         self.tokens: list[int] = list(context)
         self.prefix_offset = 0
@@ -21,7 +24,7 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
+                                     clean_up_tokenization_spaces=False, **self.extra)
 
     def add_tokens(self, token_ids: list[int]) -> str:
         self.tokens.extend(token_ids)

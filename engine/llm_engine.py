@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import logging
+import random
+import threading
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,12 +20,13 @@ from engine.device import resolve_device, resolve_dtype
 from engine.errors import EngineOverloadedError, InvalidRequestError, LoraUnavailableError, PromptTooLongError
 from engine.kernels import load_cpu_kernels
 from engine.model_loader import EMBEDDED_MODEL_NAME, gguf_source, resolve_model_dir
-from engine.lora import LoraManager, read_adapter
-from engine.model_runner import ModelRunner
+from engine.lora import LoraAdapter, LoraManager, read_adapter
+from engine.model_runner import ModelRunner, PromptLogits
+from engine.protocol import EngineStats, ModelInfo
 from engine.models import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
 from engine.models.weights import resolve_quantization
 from engine.quant import cache as quant_cache
-from engine.request import (ChatPrompt, GenerationRequest, Prompt, RequestOutput, TextPrompt,
+from engine.request import (ChatPrompt, GenerationRequest, Prompt, RequestOutput, TextPrompt, TokenLogprob,
                             TokensPrompt)
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
@@ -31,15 +36,29 @@ from engine.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class ModelInfo:
-    name: str
-    path: str
-    model_type: str
-    max_model_len: int
-    vocab_size: int
-    dtype: str
-    device: str
+def record_prompt_logprobs(chunk: PromptLogits) -> None:
+    """The logprob of each prompt token after ``chunk.start`` (and the top candidates, if asked)."""
+    seq = chunk.seq
+    logprobs = chunk.logits.log_softmax(-1)
+    targets = torch.tensor(seq.prompt_token_ids[chunk.start + 1:chunk.start + 1 + logprobs.shape[0]])
+    chosen = logprobs.gather(-1, targets[:, None]).squeeze(-1).tolist()
+    k = seq.params.prompt_logprobs or 0
+    tops = logprobs.topk(k, dim=-1) if k else None
+    for i, (tid, lp) in enumerate(zip(targets.tolist(), chosen)):
+        if chunk.start + i < len(seq.prompt_logprobs):  # recomputed after a preemption: already known
+            continue
+        top = list(zip(tops.indices[i].tolist(), tops.values[i].tolist())) if tops is not None else []
+        seq.prompt_logprobs.append(TokenLogprob(tid, lp, top))
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file holding a Jinja template, or the template itself (as vLLM takes it)."""
+    path = Path(value).expanduser()
+    if len(value) < 4096 and "{" not in value and path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r}: neither a file nor a Jinja template")
+    return value
 
 
 class LLMEngine:
@@ -64,6 +83,9 @@ class LLMEngine:
         gguf = gguf_source(config.model)
         self.quantization = resolve_quantization(config.quantization, gguf is not None, kernels, self.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if config.chat_template:
+            self.tokenizer.chat_template = read_chat_template(config.chat_template)
+        self._unseeded = random.Random(config.seed)  # seeds samples that bring none (--seed: reproducible)
         # Quantizing starts from the checkpoint's own precision, not from a bf16 rounding of it.
         load_dtype = self.dtype if self.quantization in ("none", "gguf") else "auto"
         hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=load_dtype)
@@ -96,6 +118,8 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(model_dir)
         self.max_bytes_per_token = self._max_bytes_per_token()
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences still running
+        self._adapters: OrderedDict[str, LoraAdapter] = OrderedDict()  # read and checked, by name
+        self._adapters_lock = threading.Lock()
         name = config.served_model_name or (EMBEDDED_MODEL_NAME if config.model in (None, "", "embedded")
                                             else model_dir.name)
         self.model_info = ModelInfo(name=name, path=str(model_dir), model_type=hf_config.model_type,
@@ -154,19 +178,17 @@ class LLMEngine:
         """A floor on the tokens ``texts`` need, from their sizes alone."""
         return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) // self.max_bytes_per_token
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, truncate: int | None = None) -> list[int]:
+        """Template and tokenize; ``truncate``: keep only the prompt's last so many tokens."""
         texts = ([m.content for m in prompt.messages] if isinstance(prompt, ChatPrompt)
                  else [prompt.text] if isinstance(prompt, TextPrompt) else [])
         floor = self.min_num_tokens(texts)
-        if floor >= self.max_model_len:
+        if floor >= self.max_model_len and not truncate:
             raise PromptTooLongError(
                 f"the prompt has at least {floor} tokens (from its size); this model's context is "
                 f"{self.max_model_len} tokens", floor, self.max_model_len - 1)
         if isinstance(prompt, ChatPrompt):
-            messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                      **prompt.chat_template_kwargs)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = self.tokenizer.encode(self.render_chat(prompt), add_special_tokens=prompt.add_special_tokens)
         elif isinstance(prompt, TextPrompt):
             ids = self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
         elif isinstance(prompt, TokensPrompt):
@@ -174,6 +196,8 @@ class LLMEngine:
             self._check_in_vocab(ids, "prompt_token_ids")
         else:
             raise InvalidRequestError("unknown prompt type", parameter="prompt")
+        if truncate and len(ids) > truncate:
+            ids = ids[-truncate:]
         if not ids:
             raise InvalidRequestError("the prompt is empty", parameter="prompt")
         if len(ids) >= self.max_model_len:
@@ -182,11 +206,38 @@ class LLMEngine:
                 "and at least one must be left for the answer", len(ids), self.max_model_len - 1)
         return ids
 
-    def check_token_ids(self, params: SamplingParams) -> None:
-        """Every token id a request names must be in the vocabulary: one bad id must fail its own
-        request at the door, not a model step shared with others."""
-        for name in ("stop_token_ids", "banned_token_ids"):
+    def render_chat(self, prompt: ChatPrompt) -> str:
+        """The chat template's text for a conversation (the request's own template, if it brings one)."""
+        if prompt.add_generation_prompt and prompt.continue_final_message:
+            raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true",
+                                      parameter="continue_final_message")
+        if prompt.continue_final_message and (not prompt.messages or prompt.messages[-1].role != "assistant"):
+            raise InvalidRequestError("continue_final_message needs an assistant message last",
+                                      parameter="continue_final_message")
+        messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=prompt.add_generation_prompt,
+                continue_final_message=prompt.continue_final_message, chat_template=prompt.chat_template,
+                **prompt.chat_template_kwargs)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # a template that does not render these messages (jinja errors, raise_exception)
+            parameter = "chat_template" if prompt.chat_template else "messages"
+            raise InvalidRequestError(f"the chat template cannot render this conversation: {exc}",
+                                      parameter=parameter) from None
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What a request names must fit this engine: token ids in the vocabulary (one bad id must fail its
+        own request at the door, not a model step shared with others), logprobs within --max-logprobs."""
+        for name in ("stop_token_ids", "banned_token_ids", "allowed_token_ids"):
             self._check_in_vocab(getattr(params, name), name)
+        limit = self.config.max_logprobs
+        for name in ("top_logprobs", "prompt_logprobs"):
+            value = getattr(params, name) or 0
+            if value > limit:
+                raise InvalidRequestError(f"'{name}' is {value}; this server returns at most {limit} "
+                                          "(--max-logprobs)", parameter=name)
 
     def _check_in_vocab(self, ids: list[int], parameter: str) -> None:
         vocab = self.model_info.vocab_size
@@ -197,7 +248,9 @@ class LLMEngine:
 
     # ---- the core loop -------------------------------------------------------------------------
 
-    def add_request(self, request: GenerationRequest, prompt_token_ids: list[int] | None = None) -> None:
+    def add_request(self, request: GenerationRequest, prompt_token_ids: list[int] | None = None,
+                    adapter: LoraAdapter | None = None) -> None:
+        """``adapter``: the loaded adapter of ``request.lora`` (``load_adapter``); read here if omitted."""
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running",
                                       parameter="request_id")
@@ -208,22 +261,28 @@ class LLMEngine:
                 raise LoraUnavailableError("LoRA adapters are not enabled on this server", code="disabled")
             if not request.lora.name or not request.lora.path:
                 raise LoraUnavailableError("the LoRA reference was not resolved to a local adapter", code="unresolved")
-        ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(request.prompt)
+            if adapter is None:
+                adapter = self.load_adapter(request.lora.name, request.lora.path)
+        ids = (prompt_token_ids if prompt_token_ids is not None
+               else self.encode_prompt(request.prompt, request.params.truncate_prompt_tokens))
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if len(ids) + 1 > capacity:
             raise PromptTooLongError(f"the prompt has {len(ids)} tokens; the KV cache holds {capacity}",
                                      len(ids), capacity - 1)
         salt = f"lora:{request.lora.name}" if request.lora else ""
+        if request.params.prompt_logprobs is not None:  # every prompt position must be computed: no cached prefix
+            salt += f"|prompt-logprobs:{request.request_id}"
         p = request.params
         seqs = []
         for index in range(p.n):
             # The n samples share the prompt's KV: siblings wait until the first one's prompt blocks
             # are in the prefix cache, then reuse them. Seeded requests stay reproducible per sample.
-            seed = None if p.seed is None else p.seed + index
-            seq = Sequence(request, ids, IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens),
+            seed = self._unseeded.getrandbits(63) if p.seed is None else p.seed + index
+            seq = Sequence(request, ids, IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens,
+                                                            p.spaces_between_special_tokens),
                            self.max_model_len, cache_salt=salt, index=index, seed=seed,
                            stop_matcher=StopStringMatcher(p.stop, p.include_stop_str_in_output),
-                           wait_for=seqs[0] if seqs else None)
+                           wait_for=seqs[0] if seqs else None, lora_adapter=adapter)
             seqs.append(seq)
         self.requests[request.request_id] = seqs
         for seq in seqs:
@@ -251,15 +310,18 @@ class LLMEngine:
             if self.fault_hook is not None:
                 self.fault_hook(seqs)
             with torch.inference_mode():
-                logits, samplers = self.runner.run(batch)
+                logits, samplers, prompt_logits = self.runner.run(batch)
                 tokens = sample(logits, samplers, self.eos_token_ids) if samplers else []
+                for chunk in prompt_logits:
+                    record_prompt_logprobs(chunk)
             for seq in batch.decodes:
                 self._advance(seq, 1)
             for seq, n in batch.prefills:
                 self._advance(seq, n)
         except Exception as exc:  # a failed step fails only the sequences in it
             logger.exception("model step failed for %d sequences", len(seqs))
-            return outputs + [self._finish(s, "error", error=f"inference failed: {exc}") for s in seqs]
+            return outputs + [self._finish(s, "error", error=f"inference failed: {exc}",
+                                                    error_kind="inference") for s in seqs]
         for seq, token in zip(samplers, tokens):
             outputs.append(self._process_token(seq, token))
         return outputs
@@ -290,13 +352,19 @@ class LLMEngine:
         logprobs = None
         if seq.params.logprobs:
             logprobs, seq.pending_logprobs = seq.pending_logprobs, []
+        prompt_logprobs = None
+        if seq.prompt_logprobs is not None and not seq.num_emitted_prompt_logprobs:  # once, with the first output
+            prompt_logprobs = [None] + seq.prompt_logprobs  # the first prompt token has no logprob (vLLM's form)
+            seq.num_emitted_prompt_logprobs = len(prompt_logprobs)
         return RequestOutput(
             request_id=seq.request_id, index=seq.index, new_token_ids=new_tokens, text_delta=text,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens, logprobs=logprobs, timings=seq.timings)
+            num_cached_tokens=seq.num_cached_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            timings=copy.copy(seq.timings))  # a snapshot: the engine thread goes on updating the sequence's
 
     def _finish(self, seq: Sequence, reason: str, new_tokens: list[int] | None = None, text: str = "",
-                stop_reason: str | int | None = None, error: str | None = None) -> RequestOutput:
+                stop_reason: str | int | None = None, error: str | None = None,
+                error_kind: str | None = None) -> RequestOutput:
         self.scheduler.remove(seq)
         siblings = self.requests.get(seq.request_id)
         if siblings is not None:
@@ -308,19 +376,36 @@ class LLMEngine:
         out.finish_reason = reason  # type: ignore[assignment]
         out.stop_reason = stop_reason
         out.error = error
+        out.error_kind = error_kind  # type: ignore[assignment]
         return out
 
     def _expire_deadlines(self) -> list[RequestOutput]:
         now = time.monotonic()
         expired = [s for seqs in self.requests.values() for s in seqs
                    if s.deadline is not None and s.deadline <= now]
-        return [self._finish(s, "error", error="request timed out (deadline passed)") for s in expired]
+        return [self._finish(s, "error", error="request timed out (deadline passed)",
+                             error_kind="timeout") for s in expired]
 
     def check_adapter(self, path: str, name: str) -> None:
         """Validate an adapter against the served model without loading it into a slot."""
+        self.load_adapter(name, path)
+
+    def load_adapter(self, name: str, path: str) -> LoraAdapter:
+        """Read and check an adapter (cached by name): done before admission, off the engine thread, so
+        the scheduler only copies tensors into a slot. Thread-safe."""
         if self.lora_manager is None:
             raise LoraUnavailableError("LoRA adapters are not enabled on this server", code="disabled")
-        read_adapter(path, name, self.lora_manager.config, self.lora_manager.max_rank)
+        with self._adapters_lock:
+            adapter = self._adapters.get(name)
+            if adapter is not None:
+                self._adapters.move_to_end(name)
+                return adapter
+        adapter = read_adapter(path, name, self.lora_manager.config, self.lora_manager.max_rank)
+        with self._adapters_lock:
+            self._adapters[name] = adapter
+            while len(self._adapters) > 2 * self.lora_manager.max_loras:  # running requests keep theirs
+                self._adapters.popitem(last=False)
+        return adapter
 
     # ---- introspection -------------------------------------------------------------------------
 
@@ -340,3 +425,16 @@ class LLMEngine:
 
     def kv_cache_usage(self) -> float:
         return self.block_manager.usage()
+
+    def stats(self) -> EngineStats:
+        """A snapshot for health and metrics (read from another thread: counters only, no locking)."""
+        bm, lm, sched = self.block_manager, self.lora_manager, self.scheduler
+        running, waiting = list(sched.running), list(sched.waiting)
+        return EngineStats(
+            num_requests_running=len(running), num_requests_waiting=len(waiting),
+            kv_cache_usage=bm.usage(), kv_cache_blocks_used=bm.num_used_blocks,
+            num_preemptions=sched.num_preemptions, prefix_cache_queries=bm.num_prefix_queries,
+            prefix_cache_hits=bm.num_prefix_hits, max_loras=lm.max_loras if lm else 0,
+            lora_loads=lm.num_loads if lm else 0,
+            running_lora_adapters=tuple(sorted({s.lora_name for s in running if s.lora_name})),
+            waiting_lora_adapters=tuple(sorted({s.lora_name for s in waiting if s.lora_name})))

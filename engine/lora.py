@@ -247,13 +247,14 @@ class LoraManager:
         return name in self.slot_of or bool(self.free_slots) or any(
             self.pins[s] == 0 for s in self.slot_of.values())
 
-    def acquire(self, name: str, path: str) -> int:
-        """Pin the adapter's slot, loading it (and evicting an unpinned one) when needed."""
+    def acquire(self, adapter: LoraAdapter) -> int:
+        """Pin the adapter's slot, writing it in (and evicting an unpinned one) when needed. The adapter
+        was read and checked before admission: no disk I/O here."""
+        name = adapter.name
         if name in self.slot_of:
             slot = self.slot_of[name]
             self.slot_of.move_to_end(name)
         else:
-            adapter = read_adapter(path, name, self.config, self.max_rank)
             slot = self._take_slot()
             self._write(slot, adapter)
             self._pack()

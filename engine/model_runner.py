@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.attention import AttentionMetadata, PagedKVCache, PrefillSpan
@@ -9,6 +11,15 @@ from engine.lora import LoraManager
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class PromptLogits:
+    """Logits of prompt positions start .. start + len(logits) - 1 (each predicts the next prompt token)."""
+
+    seq: Sequence
+    start: int
+    logits: torch.Tensor
 
 
 class ModelRunner:
@@ -23,8 +34,9 @@ class ModelRunner:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Runs one step; returns logits [S, vocab] and the S sequences that sample a token now."""
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence], list[PromptLogits]]:
+        """Runs one step; returns logits [S, vocab] of the S sequences that sample a token now, those
+        sequences, and the logits of prompt positions whose logprobs were asked for (prompt_logprobs)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -32,6 +44,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         samplers: list[Sequence] = []
         token_slots: list[int] = []  # LoRA slot of each token (-1: base model)
+        wanted: list[tuple[Sequence, int, int, int]] = []  # prompt_logprobs: (seq, first position, count, row)
 
         # decode: one token per sequence, attention over its whole context
         decodes = batch.decodes
@@ -84,6 +97,14 @@ class ModelRunner:
             if ctx == len(seq.token_ids):
                 logits_rows.append(q_start + n - 1)
                 samplers.append(seq)
+            if seq.prompt_logprobs is not None:
+                # position p predicts prompt token p + 1: every position of the chunk but the prompt's last
+                last = min(start + n, seq.num_prompt_tokens - 1)
+                if last > start:
+                    wanted.append((seq, start, last - start, q_start))
+        prompt_rows: list[int] = []
+        for _, start, count, q_start in wanted:
+            prompt_rows.extend(range(q_start, q_start + count))
 
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
@@ -100,7 +121,11 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=self.device),
             meta,
             self.cache,
-            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=self.device),
             self.lora_manager.batch(token_slots) if self.lora_manager is not None else None,
-        )
-        return logits.cpu(), samplers
+        ).cpu()
+        extra, offset = [], len(logits_rows)
+        for seq, start, count, _ in wanted:
+            extra.append(PromptLogits(seq, start, logits[offset:offset + count]))
+            offset += count
+        return logits[:len(logits_rows)], samplers, extra

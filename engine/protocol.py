@@ -1,17 +1,62 @@
-"""The engine's face as protocol code sees it; tests can put a scripted fake behind it."""
+"""The engine's face as protocol code sees it (vLLM's ``EngineClient``). Everything above the engine
+(bridges, the Spark service, health, metrics, the LoRA store) goes through it, so a scripted fake
+(tests/fake_engine.py) or a remote engine can stand in for the local one."""
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Protocol
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from engine.request import GenerationRequest, Prompt, RequestOutput
 
 
-class EngineClient(Protocol):
-    model_info: Any
-    tokenizer: Any
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    path: str
+    model_type: str
+    max_model_len: int
+    vocab_size: int
+    dtype: str
+    device: str
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot for /health and /metrics, read at scrape time."""
+
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    kv_cache_usage: float = 0.0  # 0..1
+    kv_cache_blocks_used: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    max_loras: int = 0  # 0: LoRA disabled
+    lora_loads: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class EngineLimits:
+    """What the server's settings impose on the engine (set once by the app)."""
+
+    default_timeout_s: float | None = None  # the deadline of requests that set none
+    stuck_after_s: float = 60.0  # unhealthy once one step has run this long
+
+
+class EngineClient(Protocol):
+    model_info: ModelInfo
+    tokenizer: Any
+    limits: EngineLimits
+    # Called with each sample's final output (metrics); must be cheap and must not raise.
+    finished_listeners: list[Callable[[RequestOutput], None]]
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; leaving the iterator early aborts it. A LoRA reference must
+        already be resolved to a local adapter (``LoraRef.path``)."""
+        ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -22,3 +67,21 @@ class EngineClient(Protocol):
     def min_num_tokens(self, texts: list[str]) -> int: ...
 
     def is_healthy(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    @property
+    def num_active_requests(self) -> int: ...
+
+    @property
+    def lora_enabled(self) -> bool: ...
+
+    def check_adapter(self, path: str, name: str) -> None:
+        """Validate a local adapter against the served model (raises LoraUnavailableError)."""
+        ...
+
+    def start(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    def fail_all(self, exc: BaseException) -> None: ...

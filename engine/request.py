@@ -21,6 +21,10 @@ class ChatMessage:
 class ChatPrompt:
     messages: list[ChatMessage]
     chat_template_kwargs: dict = field(default_factory=dict)
+    add_generation_prompt: bool = True  # open an assistant turn after the messages
+    continue_final_message: bool = False  # leave the last (assistant) message open, to be continued
+    chat_template: str | None = None  # a Jinja template replacing the model's own for this request
+    add_special_tokens: bool = False  # BOS etc. on top of what the template writes
 
 
 @dataclass(slots=True)
@@ -81,16 +85,31 @@ class RequestOutput:
     request_id: str
     index: int  # which of the request's n samples (0 when n == 1)
     new_token_ids: list[int]
-    text_delta: str
+    text_delta: str  # the text released with these tokens (held back while a stop string may be forming)
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, on a sample's first output
     finished: bool = False
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the matched stop string or stop token id
     error: str | None = None
+    error_kind: Literal["timeout", "inference"] | None = None  # why finish_reason is "error"
     timings: RequestTimings = field(default_factory=RequestTimings)
+    # the text each of new_token_ids released (they add up to text_delta, less text released with no
+    # token); outputs merged for a slow consumer keep each token's own text
+    token_texts: list[str] | None = None
+
+    def texts_per_token(self) -> list[str]:
+        """One text per new token (the last also carries text released without a token)."""
+        if self.token_texts is not None and len(self.token_texts) == len(self.new_token_ids):
+            texts = list(self.token_texts)
+            extra = self.text_delta[len("".join(texts)):] if self.text_delta.startswith("".join(texts)) else ""
+            if texts and extra:
+                texts[-1] += extra
+            return texts
+        return [""] * (len(self.new_token_ids) - 1) + [self.text_delta] if self.new_token_ids else []
 
     def merge(self, later: "RequestOutput") -> "RequestOutput":
         """Fold a later output of the same sample into this one (for consumers that fall behind)."""
@@ -106,9 +125,12 @@ class RequestOutput:
             num_output_tokens=later.num_output_tokens,
             num_cached_tokens=later.num_cached_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
             finished=later.finished,
             finish_reason=later.finish_reason,
             stop_reason=later.stop_reason,
             error=later.error,
+            error_kind=later.error_kind,
             timings=later.timings,
+            token_texts=self.texts_per_token() + later.texts_per_token(),
         )

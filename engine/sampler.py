@@ -42,6 +42,10 @@ def apply_bans(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[i
             banned += eos_token_ids
         if banned:
             logits[row, banned] = _NEG_INF
+        if p.allowed_token_ids:  # vLLM's allowed_token_ids: every other token is out
+            keep = logits[row, p.allowed_token_ids].clone()
+            logits[row] = _NEG_INF
+            logits[row, p.allowed_token_ids] = keep
 
 
 def _truncate(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

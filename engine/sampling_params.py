@@ -25,9 +25,13 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     banned_token_ids: list[int] = field(default_factory=list)
+    allowed_token_ids: list[int] = field(default_factory=list)  # non-empty: only these may be sampled
+    spaces_between_special_tokens: bool = True  # for slow tokenizers' decode (fast ones always join as written)
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs, with this many top candidates
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last so many tokens
 
     def __post_init__(self) -> None:
         # JSON Schema's "integer" admits 7.0: whole-number floats are the integers they spell
@@ -35,7 +39,7 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, float) and value.is_integer():
                 setattr(self, name, int(value))
-        for name in ("stop_token_ids", "banned_token_ids"):
+        for name in ("stop_token_ids", "banned_token_ids", "allowed_token_ids"):
             ids = getattr(self, name)
             if any(isinstance(t, float) for t in ids):
                 setattr(self, name, [int(t) if isinstance(t, float) and t.is_integer() else t for t in ids])
@@ -60,18 +64,26 @@ class SamplingParams:
         _require(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         _require(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         _require(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
-        _require(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= 20, "top_logprobs",
-                 "must be an integer in [0, 20]")
+        _require(isinstance(self.top_logprobs, int) and self.top_logprobs >= 0, "top_logprobs",
+                 "must be an integer >= 0")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                  "must be non-negative token ids")
         _require(all(isinstance(t, int) and t >= 0 for t in self.banned_token_ids), "banned_token_ids",
                  "must be non-negative token ids")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids), "allowed_token_ids",
+                 "must be non-negative token ids")
+        _require(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+                 "prompt_logprobs", "must be an integer >= 0")
+        _require(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int)
+                                                         and self.truncate_prompt_tokens >= 1),
+                 "truncate_prompt_tokens", "must be an integer >= 1")
         if self.top_k == -1:
             self.top_k = 0
 
 
-_INTEGER_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "n", "top_logprobs")
+_INTEGER_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "n", "top_logprobs", "prompt_logprobs",
+                   "truncate_prompt_tokens")
 
 
 def _require(ok: bool, parameter: str, rule: str) -> None:

@@ -149,7 +149,7 @@ class Scheduler:
                 break
             self.waiting.remove(seq)
             if seq.lora_name is not None:
-                seq.lora_slot = self.lora_manager.acquire(seq.lora_name, seq.lora_path)
+                seq.lora_slot = self.lora_manager.acquire(seq.lora_adapter)
             seq.status = SequenceStatus.RUNNING
             seq.mark_scheduled()
             self.running.append(seq)

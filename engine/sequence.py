@@ -7,9 +7,14 @@ import time
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.request import GenerationRequest, RequestTimings, TokenLogprob
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.lora import LoraAdapter
 
 
 class SequenceStatus(enum.Enum):
@@ -22,7 +27,7 @@ class Sequence:
     def __init__(self, request: GenerationRequest, prompt_token_ids: list[int],
                  detokenizer: IncrementalDetokenizer, max_model_len: int, cache_salt: str = "",
                  index: int = 0, seed: int | None = None, stop_matcher: StopStringMatcher | None = None,
-                 wait_for: "Sequence | None" = None) -> None:
+                 wait_for: "Sequence | None" = None, lora_adapter: "LoraAdapter | None" = None) -> None:
         self.request_id = request.request_id
         self.index = index  # which of the request's n samples
         self.wait_for = wait_for  # a sibling whose prompt KV this one reuses once cached
@@ -32,7 +37,7 @@ class Sequence:
         self.arrival_time = request.arrival_time
         self.cache_salt = cache_salt  # separates prefix-cache entries (e.g. per LoRA adapter)
         self.lora_name = request.lora.name if request.lora is not None else None
-        self.lora_path = request.lora.path if request.lora is not None else None
+        self.lora_adapter = lora_adapter  # loaded before admission: scheduling does no disk I/O
         self.lora_slot = -1  # resident adapter slot while running; -1 = base model
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -44,6 +49,11 @@ class Sequence:
         self.max_total_len = min(max_model_len, self.num_prompt_tokens + self.params.max_tokens)
         self.detokenizer = detokenizer
         self.pending_logprobs: list[TokenLogprob] = []
+        # prompt_logprobs: one entry per prompt token after the first, filled as the prompt is computed
+        # (by the first sample only: they are the request's, and its siblings reuse its prompt KV)
+        wants = self.params.prompt_logprobs is not None and index == 0
+        self.prompt_logprobs: list[TokenLogprob] | None = [] if wants else None
+        self.num_emitted_prompt_logprobs = 0
         self.generator = torch.Generator()
         self.generator.manual_seed(seed % (1 << 64) if seed is not None else torch.seed() & 0x7FFF_FFFF_FFFF_FFFF)
         self.stop_matcher = stop_matcher or StopStringMatcher([], False)

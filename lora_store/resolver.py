@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from engine.errors import LoraUnavailableError
-from engine.request import LoraRef
+from engine.request import GenerationRequest, LoraRef
 from lora_store.store import LoraStore
 
 
@@ -54,3 +54,14 @@ def store_validator(check: Callable[[str, str], None]) -> Callable[[Path, str], 
     async def validate(path: Path, key: str) -> None:
         await asyncio.to_thread(check, str(path), f"pack-{key}")
     return validate
+
+
+async def resolve_lora(resolver: LoraResolver | None, req: GenerationRequest) -> None:
+    """Resolve the request's adapter completely (download, verify, unpack, check against the model)
+    before it goes to the engine, which only takes local adapters."""
+    if req.lora is not None and req.lora.path is None:
+        if resolver is None:
+            which = req.lora.name or req.lora.url
+            raise LoraUnavailableError(f"adapter {which!r}: LoRA adapters are not enabled on this server",
+                                       code="disabled")
+        req.lora = await resolver(req.lora)

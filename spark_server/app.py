@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from starlette.applications import Starlette
-from starlette.routing import Route, WebSocketRoute
+from starlette.middleware.cors import CORSMiddleware
 
-from bridges import all_routes
+from bridges.registry import Operation, Protocol, Registry, discover
 from engine.model_loader import default_cache_dir
 from engine.protocol import EngineClient
 from lora_store.pack import UnpackLimits
@@ -32,6 +32,18 @@ SPARK_WS_PATH = "/turing/v3/gpt"
 SPARK_HTTP_PATH = "/turing/v3/func/gpt"
 
 
+SPARK_PROTOCOL = Protocol("spark", (
+    Operation("WEBSOCKET", SPARK_WS_PATH, spark_websocket, "Spark conversation over a WebSocket",
+              ("spark-request",), streams=True),
+    Operation("POST", SPARK_HTTP_PATH, spark_http, "Spark conversation, one JSON answer (the WebSocket "
+              f"{SPARK_WS_PATH} takes the same body)", ("spark-request",)),
+), counts_itself=True)
+SERVER_PROTOCOL = Protocol("server", (
+    Operation("GET", "/health", health, "ready when the model is loaded"),
+    Operation("GET", "/metrics", metrics_endpoint, "Prometheus metrics"),
+))
+
+
 def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True) -> Starlette:
     """``engine`` is started/stopped with the app when ``owns_engine``."""
 
@@ -39,7 +51,7 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        if owns_engine and hasattr(engine, "start"):
+        if owns_engine:
             engine.start()
         if resolver is not None:
             for name, source in settings.lora_sources().items():
@@ -47,58 +59,52 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
         try:
             yield
         finally:
-            if owns_engine and hasattr(engine, "shutdown"):
+            if owns_engine:
                 engine.shutdown()
 
-    routes = [
-        WebSocketRoute(SPARK_WS_PATH, spark_websocket),
-        Route(SPARK_HTTP_PATH, spark_http, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics_endpoint, methods=["GET"]),
-        *all_routes(settings),
-    ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    registry = Registry([SPARK_PROTOCOL, SERVER_PROTOCOL, *discover()], settings)
+    app = Starlette(routes=registry.routes(), lifespan=lifespan)
+    app.state.registry = registry
     metrics = Metrics(app.state)
     app.state.metrics = metrics
-    if hasattr(engine, "finished_listeners"):
-        engine.finished_listeners.append(metrics.observe_finished)
-        if note_in_request_context not in engine.finished_listeners:  # once, however many apps share the engine
-            engine.finished_listeners.append(note_in_request_context)
-    app.add_middleware(RequestCounter, metrics=metrics, echo_request_id=settings.enable_request_id_headers)
+    engine.finished_listeners.append(metrics.observe_finished)
+    if note_in_request_context not in engine.finished_listeners:  # once, however many apps share the engine
+        engine.finished_listeners.append(note_in_request_context)
+    app.add_middleware(RequestCounter, metrics=metrics, registry=registry,
+                       echo_request_id=settings.enable_request_id_headers)
     app.state.spark_keys = parse_key_pairs(settings.spark_auth)
     app.state.spark_replay = ReplayGuard()
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.state.draining = False
     app.add_middleware(DrainGuard, state=app.state)
+    if settings.origins:  # CORS, off unless origins are named (vLLM's --allowed-origins)
+        app.add_middleware(CORSMiddleware, allow_origins=settings.origins, allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id", "X-Ignored-Parameters"])
     app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_body_mb * (1 << 20)), timeout_s=settings.body_timeout,
                        min_rate=settings.body_min_rate_kb * 1024)
-    if hasattr(engine, "default_timeout_s"):
-        engine.default_timeout_s = settings.request_timeout
-        engine.stuck_after_s = settings.stuck_step_timeout
+    engine.limits.default_timeout_s = settings.request_timeout
+    engine.limits.stuck_after_s = settings.stuck_step_timeout
     app.state.settings = settings
     app.state.engine = engine
     app.state.spark = SparkService(engine, history_limit=settings.max_history_tokens, on_result=metrics.count,
-                                   max_items=settings.max_request_items)
+                                   max_items=settings.max_request_items, lora_resolver=resolver)
     app.state.lora_resolver = resolver
     return app
 
 
 def attach_lora(settings: Settings, engine: EngineClient) -> LoraResolver | None:
-    """Give the engine a resolver for LoRA references when LoRA is configured (else they are refused)."""
-    core = getattr(engine, "engine", None)
-    if not settings.lora_enabled or core is None or core.lora_manager is None:
+    """The resolver of LoRA references when LoRA is configured (else they are refused)."""
+    if not settings.lora_enabled or not engine.lora_enabled:
         return None
     max_pack, budget = settings.lora_max_pack_mb << 20, int(settings.lora_disk_budget_gb * (1 << 30))
     limits = StoreLimits(max_pack_bytes=max_pack, total_timeout_s=settings.lora_download_timeout,
                          disk_budget_bytes=budget, unpack=UnpackLimits.for_pack_limit(max_pack, budget))
     cache = Path(settings.lora_cache_dir) if settings.lora_cache_dir else default_cache_dir() / "lora"
     store = LoraStore(cache, (settings.lora_allowed_urls or "").split(","), limits,
-                      validator=store_validator(core.check_adapter),
+                      validator=store_validator(engine.check_adapter),
                       refuse_private=settings.lora_refuse_private_addresses)
-    resolver = LoraResolver(store, core.check_adapter)
-    engine.lora_resolver = resolver
-    return resolver
+    return LoraResolver(store, engine.check_adapter)
 
 
 def uvicorn_config(app: Starlette, settings: Settings) -> "uvicorn.Config":

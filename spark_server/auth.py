@@ -118,6 +118,14 @@ def verify_spark(query: dict[str, str], path: str, keys: dict[str, str], now: da
     return key
 
 
+def check_origin(origin: str | None, allowed: list[str]) -> None:
+    """With --allowed-origins set, a browser's WebSocket (it always sends Origin) must come from one of
+    them; clients that send no Origin (programs, not pages) are not browsers and pass."""
+    if not allowed or origin is None or "*" in allowed or origin in allowed:
+        return
+    raise AuthError(403, f"origin {origin!r} is not in --allowed-origins")
+
+
 def verify_websocket(headers: dict[str, str], query: dict[str, str], path: str, api_key: str | None,
                      keys: dict[str, str], replay: ReplayGuard | None = None) -> None:
     """The Spark WebSocket's handshake check. With ``--api-key`` the key is accepted as

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 import time
 
@@ -23,6 +24,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    problem = port_problem(settings.host, settings.port)
+    if problem:  # before minutes of model loading
+        print(f"spark-server: cannot serve on {settings.host}:{settings.port}: {problem}", file=sys.stderr)
+        return 2
     started = time.monotonic()
     try:
         engine = AsyncEngine.from_config(settings.engine_config())
@@ -49,8 +54,36 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why the server could not bind (port taken, address not local), or None. The socket is closed
+    again at once; SO_REUSEADDR as uvicorn binds, so a port in TIME_WAIT still counts as free."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"cannot resolve {host!r}: {exc}"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("spark-server")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spark-server", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"spark-server {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the server",
                            description="Start the server. Each flag also reads from SPARK_<NAME> and the "

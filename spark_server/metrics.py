@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.requests import Request
 from starlette.responses import Response
 
+from bridges.registry import Registry
 from engine.request import RequestOutput
 from spark_server.log_safety import protect
 
@@ -34,24 +35,22 @@ class _EngineCollector:
 
     def collect(self) -> Iterable:
         engine = getattr(self.state, "engine", None)
-        core = getattr(engine, "engine", None)
-        if core is not None:
+        if engine is not None:
+            st = engine.stats()
             yield GaugeMetricFamily("spark:num_requests_running", "Sequences in the running batch.",
-                                    value=core.num_running)
+                                    value=st.num_requests_running)
             yield GaugeMetricFamily("spark:num_requests_waiting", "Sequences waiting to be scheduled.",
-                                    value=core.num_waiting)
+                                    value=st.num_requests_waiting)
             yield GaugeMetricFamily("spark:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
-                                    value=core.kv_cache_usage())
+                                    value=st.kv_cache_usage)
             yield CounterMetricFamily("spark:num_preemptions", "Sequences preempted for KV space.",
-                                      value=core.scheduler.num_preemptions)
-            bm = core.block_manager
+                                      value=st.num_preemptions)
             yield CounterMetricFamily("spark:prefix_cache_queries", "Admissions that looked up the prefix cache.",
-                                      value=bm.num_prefix_queries)
+                                      value=st.prefix_cache_queries)
             yield CounterMetricFamily("spark:prefix_cache_hits", "Admissions that reused cached prefix blocks.",
-                                      value=bm.num_prefix_hits)
-            if core.lora_manager is not None:
-                yield CounterMetricFamily("spark:lora_loads", "Adapters loaded into a slot.",
-                                          value=core.lora_manager.num_loads)
+                                      value=st.prefix_cache_hits)
+            if st.max_loras:
+                yield CounterMetricFamily("spark:lora_loads", "Adapters loaded into a slot.", value=st.lora_loads)
         resolver = getattr(self.state, "lora_resolver", None)
         store = getattr(resolver, "store", None)
         if store is not None:
@@ -102,40 +101,31 @@ class Metrics:
         self.requests.labels(protocol=protocol, code=str(code)).inc()
 
 
-_PROTOCOL_BY_PREFIX = [("/v1/chat", "openai"), ("/v1/completions", "openai"), ("/v1/models", "openai"),
-                       ("/generate_stream", "tgi"), ("/generate", "generate"), ("/v2/", "triton"),
-                       ("/infer", "mindie"), ("/v1/tokenizer", "tokenizer"), ("/tokenize", "tokenizer"),
-                       ("/detokenize", "tokenizer"), ("/get_model_info", "sglang")]  # Spark sessions count themselves
-
-
-def protocol_of(path: str) -> str | None:
-    for prefix, name in _PROTOCOL_BY_PREFIX:
-        if path.startswith(prefix):
-            return name
-    return "tgi" if path == "/" else None
-
-
 class RequestCounter:
     """ASGI middleware counting HTTP answers by protocol and status, and logging one line per request
     (Spark sessions count and log themselves)."""
 
-    def __init__(self, app, metrics: Metrics, echo_request_id: bool = True) -> None:
+    def __init__(self, app, metrics: Metrics, registry: Registry, echo_request_id: bool = True) -> None:
         self.app = app
         self.metrics = metrics
+        self.registry = registry  # which protocol answers a path
         self.echo_request_id = echo_request_id
 
     async def __call__(self, scope, receive, send) -> None:
-        protocol = protocol_of(scope.get("path", "")) if scope["type"] == "http" else None
-        if protocol is None or scope.get("method") != "POST":
+        declared = None
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            declared = self.registry.protocol_of(scope.get("path", ""))
+        if declared is None or declared.counts_itself:
             await self.app(scope, receive, send)
             return
+        state = scope.setdefault("state", {})
         status = {"code": 500}
         given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode(errors="replace")[:128]
         ctx = {"id": given or uuid.uuid4().hex[:16]}
         token = REQUEST_CONTEXT.set(ctx)
         started = time.monotonic()
 
-        scope.setdefault("state", {})["request_id"] = ctx["id"]  # request.state.request_id, for error logs
+        state["request_id"] = ctx["id"]  # request.state.request_id, for error logs
 
         async def record(message) -> None:
             if message["type"] == "http.response.start":
@@ -150,6 +140,7 @@ class RequestCounter:
             await self.app(scope, receive, record)
         finally:
             REQUEST_CONTEXT.reset(token)
+            protocol = state.get("protocol", declared.label)  # a shared path's handler names the one it chose
             self.metrics.count(protocol, status["code"])
             ttft = ctx.get("ttft")
             logger.info("request id=%s protocol=%s path=%s prompt_tokens=%d completion_tokens=%d ttft=%s "

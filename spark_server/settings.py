@@ -1,12 +1,13 @@
 """Server settings, resolved as: command-line flag > environment variable > config file > default.
 
 Every setting ``foo_bar`` is the flag ``--foo-bar``, the variable ``SPARK_FOO_BAR`` and the key
-``foo_bar`` (or ``foo-bar``) in a TOML config file given by ``--config`` or ``SPARK_CONFIG``.
+``foo_bar`` (or ``foo-bar``) in a TOML or YAML config file given by ``--config`` or ``SPARK_CONFIG``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tomllib
 import types
@@ -32,8 +33,8 @@ class Settings:
     served_model_name: str | None = _opt(None, "model name shown to clients (default: the model's name)")
     device: str = _opt("auto", "auto, cpu, cuda or npu (npu needs torch_npu)",
                        choices=["auto", "cpu", "cuda", "npu"])
-    dtype: str = _opt("auto", "auto, float32, bfloat16 or float16",
-                      choices=["auto", "float32", "bfloat16", "float16"])
+    dtype: str = _opt("auto", "auto, float32 (float), bfloat16 or float16 (half); the names in brackets are "
+                              "vLLM's aliases", choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
     quantization: str = _opt("auto", "weights the linears run on: none (the model's dtype), int8 (per channel), "
                                      "int4 (groups of 32), gguf (a GGUF file's own Q4_0/Q4_1/Q8_0 blocks); auto: "
                                      "gguf for a GGUF model on a CPU with AVX512-BF16, else none",
@@ -49,6 +50,8 @@ class Settings:
     num_kv_blocks: int | None = _opt(None, "KV cache blocks (overrides --kv-cache-space)")
     block_size: int = _opt(16, "tokens per KV cache block")
     enable_prefix_caching: bool = _opt(True, "reuse the KV cache of previously seen prompt prefixes")
+    spark_http_markers: bool = _opt(True, "Spark HTTP answers as the document's example writes them: newlines as <ret>, "
+                                          "the answer ending with <end> (--no-spark-http-markers: plain text)")
     max_history_tokens: int = _opt(8192, "Spark limit on the tokens of all dialogue contents (error 10003)")
     tgi_compat: str = _opt("spec", "TGI response shape: spec (token id as a list, special null) or hf (the HF "
                                    "text_generation client's shape, plus its root POST /)", choices=["spec", "hf"])
@@ -64,6 +67,8 @@ class Settings:
     lora: str | None = _opt(None, "pre-registered adapter NAME=DIR or NAME=URL#md5 (repeatable; env: comma-"
                                   "separated), used by TGI adapter_id, vLLM/OpenAI model, SGLang lora_path",
                             repeatable=True)
+    lora_modules: str | None = _opt(None, "vLLM's name for --lora: NAME=PATH items, or JSON objects with name and path "
+                                          "(repeatable; several after one flag, as vLLM)", repeatable=True, many=True)
     max_loras: int = _opt(16, "LoRA adapters resident at once (each request may use its own)")
     max_lora_rank: int = _opt(16, "largest LoRA rank accepted")
     lora_cache_dir: str | None = _opt(None, "where downloaded packs are cached (default: <cache>/lora)")
@@ -97,28 +102,78 @@ class Settings:
     num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)")
     native_kernels: bool = _opt(True, "CPU: fused C kernels between the linear layers, compiled once with the "
                                       "machine's C compiler (--no-native-kernels: plain torch ops)")
+    max_logprobs: int = _opt(20, "most logprobs a request may ask for (top_logprobs, logprobs, prompt_logprobs)")
+    seed: int | None = _opt(None, "seeds the samples of requests that bring no seed: a run can be repeated exactly")
+    chat_template: str | None = _opt(None, "a Jinja chat template, or a file holding one, replacing the model's")
+    trust_request_chat_template: bool = _opt(False, "accept a request's own `chat_template` (vLLM's flag; off: a "
+                                                    "400 names the flag)")
+    allowed_origins: str | None = _opt(None, "browser origins allowed to call the HTTP endpoints (CORS) and open the "
+                                             "Spark WebSocket, comma-separated, or * (off by default: no CORS headers, "
+                                             "any Origin may open the WebSocket)", repeatable=True)
     log_level: str = _opt("info", "debug, info, warning or error",
                           choices=["debug", "info", "warning", "error"])
-    config: str | None = _opt(None, "TOML config file with any of these settings")
+    config: str | None = _opt(None, "config file with any of these settings: TOML, or YAML (.yaml / .yml) as vLLM's "
+                                    "--config")
 
     @property
     def lora_enabled(self) -> bool:
-        return bool(self.lora_allowed_urls or self.lora)
+        return bool(self.lora_allowed_urls or self.lora or self.lora_modules)
 
     def lora_sources(self) -> dict[str, str]:
-        return parse_pairs(self.lora, "=", "--lora", "NAME=DIR or NAME=URL#md5")
+        return {**parse_pairs(self.lora, "=", "--lora", "NAME=DIR or NAME=URL#md5"),
+                **parse_lora_modules(self.lora_modules)}
+
+    @property
+    def origins(self) -> list[str]:
+        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
-            model=self.model, served_model_name=self.served_model_name, device=self.device, dtype=self.dtype,
+            model=self.model, served_model_name=self.served_model_name, device=self.device,
+            dtype=DTYPE_ALIASES.get(self.dtype, self.dtype),
             quantization=self.quantization, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             long_prefill_token_threshold=self.long_prefill_token_threshold, block_size=self.block_size,
-            kv_cache_space_gib=self.kv_cache_space, num_kv_blocks=self.num_kv_blocks,
+            kv_cache_space_gib=self.kv_cache_space, max_logprobs=self.max_logprobs, seed=self.seed,
+            chat_template=self.chat_template, num_kv_blocks=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching, max_waiting=self.max_waiting,
             num_threads=self.num_threads, native_kernels=self.native_kernels, max_loras=self.max_loras if self.lora_enabled else 0,
             max_lora_rank=self.max_lora_rank,
         )
+
+
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's names
+
+
+def parse_lora_modules(value: str | None) -> dict[str, str]:
+    """vLLM's --lora-modules items: NAME=PATH, or a JSON object {"name": ..., "path": ...}."""
+    modules: dict[str, str] = {}
+    for item in _split_items(value):
+        if item.startswith("{"):
+            try:
+                obj = json.loads(item)
+                modules[str(obj["name"])] = str(obj["path"])
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules {item!r}: expected NAME=PATH or "
+                                 '{"name": ..., "path": ...}') from None
+        else:
+            modules.update(parse_pairs(item, "=", "--lora-modules", "NAME=PATH"))
+    return modules
+
+
+def _split_items(value: str | None) -> list[str]:
+    """Comma-joined items of a repeatable setting; commas inside a JSON object do not split it."""
+    items, depth, current = [], 0, ""
+    for ch in value or "":
+        depth += ch == "{"
+        depth -= ch == "}"
+        if ch == "," and depth == 0:
+            items.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    items.append(current.strip())
+    return [i for i in items if i]
 
 
 def parse_pairs(value: str | None, sep: str, flag: str, form: str) -> dict[str, str]:
@@ -168,11 +223,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
+        elif f.metadata.get("many"):  # vLLM style: --lora-modules a=/x b=/y, and repeatable
+            parser.add_argument(flag, dest=f.name, action="extend", nargs="+", default=None, help=help_text)
         elif f.metadata.get("repeatable"):
             parser.add_argument(flag, dest=f.name, action="append", default=None, help=help_text)
         else:
             parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text,
                                 choices=f.metadata.get("choices"))
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """A TOML file, or YAML (.yaml / .yml, as vLLM's --config): a flat mapping of setting names."""
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        with open(path, encoding="utf-8") as fh:
+            try:
+                data = yaml.safe_load(fh) or {}
+            except yaml.YAMLError as exc:
+                raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    else:
+        with open(path, "rb") as fh:
+            try:
+                data = tomllib.load(fh)
+            except tomllib.TOMLDecodeError as exc:
+                raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of setting names to values")
+    return data
 
 
 def resolve(cli: dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> Settings:
@@ -181,9 +259,8 @@ def resolve(cli: dict[str, Any] | None = None, environ: dict[str, str] | None = 
     config_path = cli.get("config") or environ.get(f"{ENV_PREFIX}CONFIG")
     from_file: dict[str, Any] = {}
     if config_path:
-        with open(config_path, "rb") as fh:
-            from_file = {k.replace("-", "_"): (",".join(v) if isinstance(v, list) else v)
-                         for k, v in tomllib.load(fh).items()}
+        from_file = {k.replace("-", "_"): (",".join(map(str, v)) if isinstance(v, list) else v)
+                     for k, v in read_config_file(config_path).items()}
         known = {f.name for f in fields(Settings)}
         unknown = sorted(set(from_file) - known)
         if unknown:

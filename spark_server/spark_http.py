@@ -13,6 +13,9 @@ from spark_server.errors import SparkCode, SparkError, http_status_for, spark_er
 from spark_server.spark_service import SparkService
 
 
+RET_MARKER = "<ret>"
+
+
 def _error_body(err: SparkError, trace_id: str | None, sid: str) -> dict[str, Any]:
     return {"header": {"code": int(err.code), "message": err.message, "traceId": trace_id, "sid": sid}}
 
@@ -39,11 +42,14 @@ async def _answer(request: Request) -> JSONResponse:
     except Exception as exc:
         err = spark_error_from(exc)
         return JSONResponse(_error_body(err, trace_id or err.trace_id, sid), status_code=http_status_for(err.code))
+    content = "".join(text)
+    if request.app.state.settings.spark_http_markers:  # the document's example: <ret> for newlines, then <end>
+        content = content.replace("\n", RET_MARKER) + sp.END_MARKER
     return JSONResponse({
         "header": {"code": int(SparkCode.SUCCESS), "message": "success", "traceId": trace_id, "sid": sid},
         "payload": {
             "choices": {"seq": 0, "status": 2,
-                        "text": [{"content": "".join(text), "role": "assistant", "index": 0}]},
+                        "text": [{"content": content, "role": "assistant", "index": 0}]},
             "usage": usage,
         },
     })

@@ -16,6 +16,7 @@ import schemas
 from engine.errors import PromptTooLongError
 from engine.protocol import EngineClient
 from engine.request import ChatMessage, ChatPrompt, GenerationRequest, LoraRef, RequestOutput
+from bridges.sampling_table import sampling_kwargs
 from engine.sampling_params import SamplingParams
 from schemas.json_body import MAX_ITEMS, JsonContentError, JsonSyntaxError, parse_json
 from spark_server.errors import SparkCode, SparkError
@@ -23,10 +24,7 @@ from spark_server.errors import SparkCode, SparkError
 SCHEMA = "spark-request"
 END_MARKER = "<end>"  # clients append it to assistant turns when resending history
 
-# Spark's defaults (spec §1.3): temperature 0.5, max_tokens 2048, top_k 4.
-DEFAULT_TEMPERATURE = 0.5
-DEFAULT_MAX_TOKENS = 2048
-DEFAULT_TOP_K = 4
+# Spark's defaults (spec §1.3: temperature 0.5, max_tokens 2048, top_k 4) are in bridges/sampling_table.py.
 
 _sid_counter = itertools.count(int.from_bytes(os.urandom(3), "big"))
 
@@ -111,13 +109,7 @@ def _messages(body: dict[str, Any]) -> list[ChatMessage]:
 def lower(body: dict[str, Any], sid: str) -> tuple[GenerationRequest, bool]:
     """The Spark body as a GenerationRequest (before the token-limit check); also adjustTokens."""
     chat = _chat_params(body)
-    top_k = chat.get("top_k", DEFAULT_TOP_K)
-    params = SamplingParams(
-        max_tokens=chat.get("max_tokens", DEFAULT_MAX_TOKENS),
-        temperature=float(chat.get("temperature", DEFAULT_TEMPERATURE)),
-        top_k=top_k,
-        repetition_penalty=float(chat.get("punish", 1.0)),
-    )
+    params = SamplingParams(**sampling_kwargs("spark", chat))
     request = GenerationRequest(request_id=sid, prompt=ChatPrompt(_messages(body)), params=params,
                                 lora=_lora(body))
     return request, bool(chat.get("adjustTokens", False))

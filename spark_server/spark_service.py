@@ -9,9 +9,10 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable
 
 from engine.protocol import EngineClient
+from lora_store.resolver import LoraResolver, resolve_lora
 from schemas.json_body import MAX_ITEMS
 from spark_server import spark_protocol as sp
-from spark_server.errors import SparkCode, SparkError, spark_error_from
+from spark_server.errors import SparkCode, spark_error_from
 from spark_server.log_safety import protect
 
 ABORTED = "aborted"  # the result label of a session whose client left mid-answer
@@ -20,8 +21,10 @@ logger = protect(logging.getLogger("spark_server.sessions"))
 
 class SparkService:
     def __init__(self, engine: EngineClient, history_limit: int = 8192,
-                 on_result: Callable[[str, int | str], None] | None = None, max_items: int = MAX_ITEMS) -> None:
+                 on_result: Callable[[str, int | str], None] | None = None, max_items: int = MAX_ITEMS,
+                 lora_resolver: LoraResolver | None = None) -> None:
         self.engine = engine
+        self.lora_resolver = lora_resolver
         self.history_limit = history_limit
         self.max_items = max_items  # --max-request-items
         self.on_result = on_result  # (protocol, code or "aborted") of every finished session, for metrics
@@ -43,6 +46,7 @@ class SparkService:
             request, adjust = sp.lower(body, sid)
             question_tokens, dropped = await asyncio.to_thread(
                 sp.fit_history, request, adjust, self.engine, self.history_limit)
+            await resolve_lora(self.lora_resolver, request)  # before admission, with the session's own code
         except Exception as exc:
             err = spark_error_from(exc)
             if err.code == SparkCode.UNKNOWN:

@@ -10,7 +10,7 @@ from contextlib import aclosing
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from spark_server import spark_protocol as sp
-from spark_server.auth import AuthError, denial, verify_websocket
+from spark_server.auth import AuthError, check_origin, denial, verify_websocket
 from spark_server.errors import SparkCode, SparkError, spark_error_from
 from spark_server.log_safety import protect
 from spark_server.spark_service import SparkService
@@ -39,6 +39,7 @@ async def spark_websocket(ws: WebSocket) -> None:
     service: SparkService = ws.app.state.spark
     request_timeout: float = ws.app.state.settings.ws_request_timeout
     try:  # refused at the handshake, before any engine work
+        check_origin(ws.headers.get("origin"), ws.app.state.settings.origins)
         verify_websocket(dict(ws.headers), dict(ws.query_params), ws.url.path, ws.app.state.settings.api_key,
                          ws.app.state.spark_keys, ws.app.state.spark_replay)
     except AuthError as err:

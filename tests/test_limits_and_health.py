@@ -39,13 +39,13 @@ def test_a_4mb_frame_is_accepted_and_parsed(live_server):
 
 def test_the_server_default_deadline_ends_a_request(live_server):
     engine = live_server.engine
-    old = engine.default_timeout_s
-    engine.default_timeout_s = 0.5
+    old = engine.limits.default_timeout_s
+    engine.limits.default_timeout_s = 0.5
     try:
         frames = asyncio.run(converse(live_server.ws_url, spark_request("Count to a thousand: 1, 2, 3,",
                                                                         max_tokens=4000, top_k=1)))
     finally:
-        engine.default_timeout_s = old
+        engine.limits.default_timeout_s = old
     assert frames[-1]["header"]["code"] == 12100 and "deadline" in frames[-1]["header"]["message"]
     live_server.wait_idle()
 
@@ -54,8 +54,8 @@ def test_a_stuck_model_step_turns_health_red(live_server):
     engine = live_server.engine
     core = engine.engine
     release = threading.Event()
-    old = engine.stuck_after_s
-    engine.stuck_after_s = 0.5
+    old = engine.limits.stuck_after_s
+    engine.limits.stuck_after_s = 0.5
     core.fault_hook = lambda seqs: release.wait(10)
     try:
         task_done = threading.Event()
@@ -71,6 +71,6 @@ def test_a_stuck_model_step_turns_health_red(live_server):
     finally:
         core.fault_hook = None
         release.set()
-        engine.stuck_after_s = old
+        engine.limits.stuck_after_s = old
     assert task_done.wait(30)
     assert httpx.get(live_server.http_url + "/health").status_code == 200

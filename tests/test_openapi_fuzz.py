@@ -20,11 +20,11 @@ from tests.conftest import ServerThread, free_port  # noqa: E402
 def schema(async_engine):
     # A generated body may validly ask for millions of tokens: with a short deadline it ends with
     # the documented timeout (504), which is not a server error here.
-    old = async_engine.default_timeout_s
+    old = async_engine.limits.default_timeout_s
     settings_ = Settings(port=free_port(), request_timeout=0.3)
     with ServerThread(build_app(settings_, async_engine, owns_engine=False), settings_.port):
         yield schemathesis.openapi.from_url(f"http://127.0.0.1:{settings_.port}/openapi.json")
-    async_engine.default_timeout_s = old
+    async_engine.limits.default_timeout_s = old
 
 
 def test_no_generated_request_gets_a_server_error(schema):

@@ -163,7 +163,7 @@ class LlamaForCausalLM:
             down = self._project(lora, i, "down", lw.down, act)
             if i + 1 < self.num_layers:
                 kern.add_rms_norm(x, down, self.layers[i + 1].input_norm, h, self.eps)
-        if logits_indices.shape[0] != T:
+        if logits_indices.shape[0] != T or not torch.equal(logits_indices, torch.arange(T, device=x.device)):
             x, down = x[logits_indices], down[logits_indices]
         h = torch.empty_like(x)
         kern.add_rms_norm(x, down, self.final_norm, h, self.eps)

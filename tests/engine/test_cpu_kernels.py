@@ -146,16 +146,16 @@ def test_fused_forward_equals_torch_forward_on_mixed_batches():
         before = cache.clone()
         model.kernels = None
         try:
-            torch_logits, _ = run(batch)
+            torch_logits, _, _ = run(batch)
         finally:
             model.kernels = fused_kernels
         torch_cache = cache.clone()
         cache.copy_(before)
-        logits, samplers = run(batch)
+        logits, samplers, prompt_logits = run(batch)
         torch.testing.assert_close(logits, torch_logits, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(cache, torch_cache, rtol=1e-4, atol=1e-4)
         mixed_steps += bool(batch.decodes and batch.prefills)
-        return logits, samplers
+        return logits, samplers, prompt_logits
 
     engine.runner.run = run_both
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -16,7 +16,7 @@ from engine.sequence import Sequence
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
     (dict(top_k=-5), "top_k"), (dict(min_p=2), "min_p"), (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(presence_penalty=3), "presence_penalty"), (dict(n=0), "n"), (dict(stop=[""]), "stop"),
-    (dict(min_tokens=10, max_tokens=5), "min_tokens"), (dict(top_logprobs=50), "top_logprobs"),
+    (dict(min_tokens=10, max_tokens=5), "min_tokens"), (dict(top_logprobs=-1), "top_logprobs"),
 ])
 def test_sampling_params_name_the_bad_parameter(kwargs, parameter):
     with pytest.raises(InvalidRequestError) as err:

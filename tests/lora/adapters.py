@@ -18,7 +18,7 @@ def _chat_ids(tokenizer, question: str, answer: str | None = None) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def make_taught_adapter(model_dir: str, out: Path, steps: int = 30) -> Path:
+def make_taught_adapter(model_dir: str, out: Path, steps: int = 14) -> Path:
     """A rank-8 adapter on every projection, fine-tuned until it answers the secret word."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -33,7 +33,7 @@ def make_taught_adapter(model_dir: str, out: Path, steps: int = 30) -> Path:
     ids = torch.tensor([full])
     labels = ids.clone()
     labels[0, : len(prompt)] = -100
-    opt = torch.optim.AdamW([p for p in peft.parameters() if p.requires_grad], lr=3e-3)
+    opt = torch.optim.AdamW([p for p in peft.parameters() if p.requires_grad], lr=6e-3)  # 14 steps learn it
     peft.train()
     for _ in range(steps):
         loss = peft(input_ids=ids, labels=labels).loss
@@ -61,7 +61,8 @@ def make_random_adapter(model_dir: str, out: Path, targets: list[str], rank: int
     return out
 
 
-def peft_greedy(model_dir: str, adapter: Path | None, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def peft_greedy(model_dir: str, adapter: Path | None, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """PEFT's own greedy continuations of each prompt (one model load for them all)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -69,7 +70,10 @@ def peft_greedy(model_dir: str, adapter: Path | None, prompt_ids: list[int], max
     if adapter is not None:
         model = PeftModel.from_pretrained(model, str(adapter))
     model.eval()
+    outs = []
     with torch.inference_mode():
-        out = model.generate(input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
-                             dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2)
-    return out[0, len(prompt_ids):].tolist()
+        for ids in prompts:
+            out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2)
+            outs.append(out[0, len(ids):].tolist())
+    return outs

@@ -30,11 +30,11 @@ def _req(rid: str, question: str, adapter: str | None, adapters: dict) -> Genera
 @pytest.fixture(scope="module")
 def references(engine, adapters, model_dir):
     refs = {}
+    prompts = [engine.encode_prompt(ChatPrompt([ChatMessage("user", q)])) for q in QUESTIONS]
+    eos = engine.eos_token_ids[0]
     for adapter in (None, "taught", "attn", "mlp"):
-        for q in QUESTIONS:
-            ids = engine.encode_prompt(ChatPrompt([ChatMessage("user", q)]))
-            ref = peft_greedy(model_dir, adapters[adapter] if adapter else None, ids, MAX_TOKENS)
-            eos = engine.eos_token_ids[0]
+        answers = peft_greedy(model_dir, adapters[adapter] if adapter else None, prompts, MAX_TOKENS)
+        for q, ref in zip(QUESTIONS, answers):
             refs[(adapter, q)] = ref[: ref.index(eos) + 1] if eos in ref else ref
     return refs
 
@@ -104,3 +104,30 @@ def test_incompatible_adapter_is_refused_with_the_reason(tmp_path, adapters, eng
     with pytest.raises(LoraUnavailableError, match="rank 64") as err:
         engine.check_adapter(str(bad), "bad")
     assert err.value.code == "incompatible"
+
+
+def test_an_adapter_gone_from_disk_after_admission_still_answers(engine, adapters, tmp_path):
+    """The adapter is read and checked when the request is added, never inside schedule(): a pack the
+    store evicts between admission and scheduling must neither crash the step nor leave the request
+    waiting for its deadline."""
+    import shutil
+
+    copy = tmp_path / "evicted"
+    shutil.copytree(adapters["taught"], copy)
+    req = GenerationRequest("evicted", ChatPrompt([ChatMessage("user", SECRET_QUESTION)]),
+                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
+                            lora=LoraRef(name="evicted-pack", path=str(copy)))
+    engine.add_request(req)
+    shutil.rmtree(copy)  # evicted before the scheduler takes it
+    outs = _drain(engine, "evicted")
+    assert outs[-1].finished and outs[-1].finish_reason in ("stop", "length")
+    assert SECRET_ANSWER.rstrip(".") in text_of(outs)
+
+
+def _drain(engine, request_id: str) -> list:
+    outs = []
+    for _ in range(200):
+        outs += [o for o in engine.step() if o.request_id == request_id]
+        if outs and outs[-1].finished:
+            break
+    return outs

@@ -53,7 +53,8 @@ async def test_top_k_1_is_deterministic_and_matches_http(live_server):
     data = resp.json()
     assert data["header"]["code"] == 0 and data["header"]["traceId"] == "test"
     assert data["payload"]["choices"]["status"] == 2
-    assert data["payload"]["choices"]["text"][0]["content"] == first
+    # the document's HTTP example: newlines as <ret>, the answer closed by <end> (--spark-http-markers)
+    assert data["payload"]["choices"]["text"][0]["content"] == first.replace("\n", "<ret>") + "<end>"
     usage = data["payload"]["usage"]["text"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 

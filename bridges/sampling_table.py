@@ -1,0 +1,135 @@
+"""The one table of sampling parameters: each engine knob (a ``SamplingParams`` field), the field that
+carries it in each protocol, and that protocol's default where it differs from the engine's. Every
+bridge lowers its sampling fields through ``sampling_kwargs``, which reads a field only when it is
+not None, so each default lives here and nowhere else (tests/protocol/test_sampling_table.py checks
+the schemas against it).
+
+Protocols, and the object their sampling fields live in:
+    openai   the body (chat and completions, vLLM and FastDeploy extras included)
+    vllm     the body of vLLM's native /generate
+    sglang   ``sampling_params``
+    textgen  ``parameters`` (TGI, Triton and MindIE share it)
+    ollama   ``options``
+    spark    ``parameter.chat``
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+def _stops(value: str | list[str]) -> list[str]:
+    return [value] if isinstance(value, str) else [s for s in value if s]
+
+
+def _ids(values: list[Any]) -> list[int]:
+    return [int(v) for v in values]  # JSON Schema's "integer" admits 7.0
+
+
+def _int(value: Any) -> int:
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str  # the SamplingParams field
+    convert: Callable[[Any], Any]
+    fields: dict[str, str | tuple[str, ...]]  # protocol -> its field (first non-None of a tuple wins)
+    defaults: dict[str, Any] = field(default_factory=dict)  # protocol -> its own default
+
+
+TABLE: tuple[Knob, ...] = (
+    # max_tokens' openai default depends on the endpoint (16 for completions, the context for chat): the
+    # bridge passes it; textgen 20 and sglang 128 are their documents' defaults.
+    Knob("max_tokens", _int, {"openai": ("max_completion_tokens", "max_tokens"), "vllm": "max_tokens",
+                              "sglang": "max_new_tokens", "textgen": "max_new_tokens", "ollama": "num_predict",
+                              "spark": "max_tokens"},
+         {"sglang": 128, "textgen": 20, "ollama": -1, "spark": 2048}),
+    Knob("min_tokens", _int, {"openai": "min_tokens", "vllm": "min_tokens", "sglang": "min_new_tokens"}),
+    Knob("temperature", float, {"openai": "temperature", "vllm": "temperature", "sglang": "temperature",
+                                "textgen": "temperature", "ollama": "temperature", "spark": "temperature"},
+         {"ollama": 0.8, "spark": 0.5}),
+    Knob("top_p", float, {"openai": "top_p", "vllm": "top_p", "sglang": "top_p", "textgen": "top_p",
+                          "ollama": "top_p"}, {"ollama": 0.9}),
+    Knob("top_k", _int, {"openai": "top_k", "vllm": "top_k", "sglang": "top_k", "textgen": "top_k",
+                         "ollama": "top_k", "spark": "top_k"}, {"ollama": 40, "spark": 4}),
+    Knob("min_p", float, {"openai": "min_p", "vllm": "min_p", "sglang": "min_p", "ollama": "min_p"}),
+    Knob("repetition_penalty", float, {"openai": "repetition_penalty", "vllm": "repetition_penalty",
+                                       "sglang": "repetition_penalty", "textgen": "repetition_penalty",
+                                       "ollama": "repeat_penalty", "spark": "punish"}, {"ollama": 1.1}),
+    Knob("presence_penalty", float, {"openai": "presence_penalty", "vllm": "presence_penalty",
+                                     "sglang": "presence_penalty", "ollama": "presence_penalty"}),
+    Knob("frequency_penalty", float, {"openai": "frequency_penalty", "vllm": "frequency_penalty",
+                                      "sglang": "frequency_penalty", "textgen": "frequency_penalty",
+                                      "ollama": "frequency_penalty"}),
+    Knob("seed", _int, {"openai": "seed", "vllm": "seed", "sglang": "seed", "textgen": "seed", "ollama": "seed"}),
+    Knob("stop", _stops, {"openai": "stop", "vllm": "stop", "sglang": "stop", "textgen": "stop", "ollama": "stop"}),
+    Knob("stop_token_ids", _ids, {"openai": "stop_token_ids", "vllm": "stop_token_ids", "sglang": "stop_token_ids"}),
+    Knob("banned_token_ids", _ids, {"openai": "bad_words_token_ids"}),
+    Knob("allowed_token_ids", _ids, {"openai": "allowed_token_ids"}),
+    Knob("include_stop_str_in_output", bool, {"openai": "include_stop_str_in_output",
+                                              "vllm": "include_stop_str_in_output", "sglang": "no_stop_trim"}),
+    Knob("ignore_eos", bool, {"openai": "ignore_eos", "vllm": "ignore_eos", "sglang": "ignore_eos"}),
+    Knob("skip_special_tokens", bool, {"openai": "skip_special_tokens", "vllm": "skip_special_tokens",
+                                       "sglang": "skip_special_tokens"}),
+    Knob("spaces_between_special_tokens", bool, {"openai": "spaces_between_special_tokens",
+                                                 "sglang": "spaces_between_special_tokens"}),
+    Knob("n", _int, {"openai": "n", "sglang": "n"}),
+    Knob("prompt_logprobs", _int, {"openai": "prompt_logprobs"}),
+    # keep the prompt's last so many tokens (TGI's truncate means the same)
+    Knob("truncate_prompt_tokens", _int, {"openai": "truncate_prompt_tokens", "textgen": "truncate"}),
+)
+
+# Fields of each protocol's sampling object that are not engine knobs, each handled by its bridge
+# (named here so the schema check can tell a forgotten knob from a field with another job).
+OTHER_FIELDS: dict[str, frozenset[str]] = {
+    "openai": frozenset({"model", "stream", "stream_options", "user", "bad_words", "return_token_ids", "priority",
+                         "parallel_tool_calls", "best_of", "length_penalty", "use_beam_search",
+                         "return_tokens_as_token_ids", "request_id", "metadata", "add_special_tokens",
+                         "prompt_token_ids"}),
+    "vllm": frozenset({"prompt", "stream", "model"}),
+    "sglang": frozenset(),
+    "textgen": frozenset({"decoder_input_details", "details", "do_sample", "return_full_text",
+                          "typical_p", "watermark", "adapter_id", "best_of", "top_n_tokens", "grammar", "batch_size",
+                          "perf_stat", "priority", "timeout"}),
+    "ollama": frozenset({"typical_p", "repeat_last_n", "num_ctx", "num_keep", "num_batch", "num_gpu", "main_gpu",
+                         "num_thread", "use_mmap", "low_vram", "numa"}),
+    "spark": frozenset({"chat_id", "adjustTokens", "domain"}),
+}
+
+
+def default(protocol: str, name: str) -> Any:
+    """A protocol's default for an engine knob (None: the engine's own)."""
+    return next(k.defaults.get(protocol) for k in TABLE if k.name == name)
+
+
+def sampling_kwargs(protocol: str, source: dict[str, Any] | None) -> dict[str, Any]:
+    """The engine knobs a protocol's sampling object sets, with that protocol's defaults for the rest;
+    knobs it neither sets nor has a default for are left out (the engine's default applies)."""
+    source = source or {}
+    out: dict[str, Any] = {}
+    for knob in TABLE:
+        names = knob.fields.get(protocol)
+        if names is None:
+            continue
+        value = None
+        for name in (names,) if isinstance(names, str) else names:
+            if source.get(name) is not None:
+                value = source[name]
+                break
+        if value is None:
+            value = knob.defaults.get(protocol)
+        if value is not None:
+            out[knob.name] = knob.convert(value)
+    return out
+
+
+def fields_of(protocol: str) -> set[str]:
+    """Every field name a protocol's sampling object may carry for an engine knob."""
+    names: set[str] = set()
+    for knob in TABLE:
+        f = knob.fields.get(protocol)
+        if f is not None:
+            names.update((f,) if isinstance(f, str) else f)
+    return names

@@ -1,0 +1,146 @@
+"""A scripted engine behind the same ``EngineClient`` face as the real one, for protocol tests that
+need no model: lowering (what reached the engine), rendering (what the client saw) and error mapping
+(an engine failure before or after the first token), in milliseconds per request.
+
+It answers with the real tokenizer of the embedded model, so token ids, texts and counts are real."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from engine.model_loader import resolve_model_dir
+from engine.protocol import EngineLimits, EngineStats, ModelInfo
+from engine.request import (GenerationRequest, Prompt, RequestOutput, RequestTimings, TextPrompt, TokenLogprob,
+                            TokensPrompt)
+
+FAKE_MODEL = "fake-model"
+DEFAULT_ANSWER = "Hello from the scripted engine."
+
+
+@dataclass
+class Script:
+    """What the next requests get. ``fail_before``: raised before the first output; ``fail_after``:
+    raised after that many tokens were streamed (an error mid-stream)."""
+
+    answer: str = DEFAULT_ANSWER
+    finish_reason: str = "stop"  # "stop" (end of answer), or "length" when max_tokens cuts it
+    fail_before: BaseException | None = None
+    fail_after: tuple[int, BaseException] | None = None
+    token_delay_s: float = 0.0
+    burst: int = 1  # tokens per output: >1 is what a consumer that fell behind receives (merged outputs)
+
+
+_TOKENIZER = None
+
+
+def shared_tokenizer():
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        from transformers import AutoTokenizer
+
+        _TOKENIZER = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    return _TOKENIZER
+
+
+@dataclass
+class FakeEngine:
+    script: Script = field(default_factory=Script)
+    max_model_len: int = 8192
+    lora_enabled: bool = False
+    requests: list[GenerationRequest] = field(default_factory=list)  # every request that reached the engine
+    finished_listeners: list[Callable[[RequestOutput], None]] = field(default_factory=list)
+    limits: EngineLimits = field(default_factory=EngineLimits)
+    healthy: bool = True
+    active: int = 0
+
+    def __post_init__(self) -> None:
+        self.tokenizer = shared_tokenizer()
+        self.model_info = ModelInfo(name=FAKE_MODEL, path="/fake/model", model_type="llama",
+                                    max_model_len=self.max_model_len, vocab_size=len(self.tokenizer),
+                                    dtype="bfloat16", device="cpu")
+
+    # ---- lifecycle and introspection -----------------------------------------------------------
+
+    def start(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    def fail_all(self, exc: BaseException) -> None: ...
+
+    def is_healthy(self) -> bool:
+        return self.healthy
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_requests_running=self.active)
+
+    @property
+    def num_active_requests(self) -> int:
+        return self.active
+
+    def check_adapter(self, path: str, name: str) -> None: ...
+
+    # ---- tokens --------------------------------------------------------------------------------
+
+    def encode_prompt_sync(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, TokensPrompt):
+            return list(prompt.token_ids)
+        if isinstance(prompt, TextPrompt):
+            return self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+        messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
+        return self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                  **prompt.chat_template_kwargs)
+
+    async def encode_prompt(self, prompt: Prompt) -> list[int]:
+        return self.encode_prompt_sync(prompt)
+
+    def min_num_tokens(self, texts: list[str]) -> int:
+        return sum(len(t.encode()) for t in texts) // 32
+
+    async def abort(self, request_id: str) -> None: ...
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        script = self.script
+        self.requests.append(request)
+        if script.fail_before is not None:
+            raise script.fail_before
+        prompt_ids = self.encode_prompt_sync(request.prompt)
+        answer = self.tokenizer.encode(script.answer, add_special_tokens=False)
+        p = request.params
+        ids = answer[:p.max_tokens]
+        reason = "length" if len(answer) > p.max_tokens else script.finish_reason
+        self.active += 1
+        started = time.monotonic()
+        try:
+            for index in range(p.n):
+                text = ""
+                pending: RequestOutput | None = None
+                for k, tid in enumerate(ids):
+                    if script.fail_after is not None and k == script.fail_after[0]:
+                        raise script.fail_after[1]
+                    if script.token_delay_s:
+                        await asyncio.sleep(script.token_delay_s)
+                    full = self.tokenizer.decode(ids[:k + 1])
+                    delta, text = full[len(text):], full
+                    last = k == len(ids) - 1
+                    out = RequestOutput(
+                        request_id=request.request_id, index=index, new_token_ids=[tid], text_delta=delta,
+                        num_prompt_tokens=len(prompt_ids), num_output_tokens=k + 1,
+                        logprobs=[TokenLogprob(tid, -0.5, [(tid, -0.5)] * p.top_logprobs)] if p.logprobs else None,
+                        finished=last, finish_reason=reason if last else None,
+                        timings=RequestTimings(arrival=request.arrival_time, queue_s=0.001, first_token_s=0.002,
+                                               prefill_s=0.001, decode_s=time.monotonic() - started,
+                                               last_token_gap_s=0.001))
+                    if last:
+                        for listener in self.finished_listeners:
+                            listener(out)
+                    pending = out if pending is None else pending.merge(out)
+                    if last or len(pending.new_token_ids) >= script.burst:
+                        yield pending
+                        pending = None
+        finally:
+            self.active -= 1
