@@ -82,11 +82,11 @@ def sampling_params(request: Request, body: dict[str, Any], default_max_tokens: 
 
 
 def best_samples(comps: list[Completion], n: int, length_penalty: float | None) -> list[Completion]:
-    """vLLM's best_of: the n samples with the highest cumulative logprob (divided by length **
-    length_penalty), renumbered 0..n-1 in that order."""
+    """vLLM's best_of: the n samples with the highest cumulative logprob, renumbered 0..n-1 in that order.
+    With ``length_penalty`` the score is divided by length ** length_penalty, as in beam search."""
     if len(comps) <= n:
         return comps
-    penalty = 1.0 if length_penalty is None else length_penalty
+    penalty = 0.0 if length_penalty is None else length_penalty
 
     def score(c: Completion) -> float:
         total = sum(e.logprob for e in c.logprobs)

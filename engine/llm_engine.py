@@ -187,7 +187,9 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"the prompt has at least {floor} tokens (from its size); this model's context is "
                 f"{self.max_model_len} tokens", floor, self.max_model_len - 1)
-        if isinstance(prompt, ChatPrompt):
+        if isinstance(prompt, ChatPrompt) and prompt.token_ids is not None:
+            ids = list(prompt.token_ids)
+        elif isinstance(prompt, ChatPrompt):
             ids = self.tokenizer.encode(self.render_chat(prompt), add_special_tokens=prompt.add_special_tokens)
         elif isinstance(prompt, TextPrompt):
             ids = self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)

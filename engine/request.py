@@ -25,6 +25,9 @@ class ChatPrompt:
     continue_final_message: bool = False  # leave the last (assistant) message open, to be continued
     chat_template: str | None = None  # a Jinja template replacing the model's own for this request
     add_special_tokens: bool = False  # BOS etc. on top of what the template writes
+    # the messages already templated and tokenized by this engine's tokenizer (Spark's history fitting
+    # does it once; the engine then takes them as they are)
+    token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)

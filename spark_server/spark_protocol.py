@@ -167,19 +167,27 @@ def fit_history(request: GenerationRequest, adjust: bool, engine: EngineClient,
     context = engine.model_info.max_model_len
     room = min(request.params.max_tokens, context // 2) if adjust else 1
 
+    encoded: list[list[int]] = []  # the templated prompt of the latest try: the engine gets it as is
+
     def fits() -> str | None:
         try:
-            num_tokens = len(engine.encode_prompt_sync(prompt))
+            ids = engine.encode_prompt_sync(prompt)
         except PromptTooLongError as exc:
             return str(exc)
+        encoded[:] = [ids]
+        num_tokens = len(ids)
         if num_tokens + room > context:
             return (f"the prompt has {num_tokens} tokens; with max_tokens={request.params.max_tokens} free for the "
                     f"answer it must fit the model's {context}-token context")
         return None
 
+    def templated_once(result: tuple[int, int]) -> tuple[int, int]:
+        prompt.token_ids = encoded[0]  # templated and tokenized here once, not again in the engine
+        return result
+
     reason = fits()
     if reason is None:
-        return question_tokens, dropped
+        return templated_once((question_tokens, dropped))
     kept = list(messages)
     if not adjust or not _droppable(kept):
         raise too_long(reason)
@@ -195,7 +203,7 @@ def fit_history(request: GenerationRequest, adjust: bool, engine: EngineClient,
     reason = fits()
     if reason is not None:
         raise too_long(reason)
-    return question_tokens, dropped + lo
+    return templated_once((question_tokens, dropped + lo))
 
 
 # ---- frames --------------------------------------------------------------------------------------

@@ -89,6 +89,8 @@ class FakeEngine:
             return list(prompt.token_ids)
         if isinstance(prompt, TextPrompt):
             return self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+        if prompt.token_ids is not None:
+            return list(prompt.token_ids)
         messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
         return self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                                   **prompt.chat_template_kwargs)

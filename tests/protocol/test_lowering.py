@@ -214,3 +214,33 @@ def test_spark_parameters(fake):
     asyncio.run(converse(fake.ws_url, spark_request("hi")))
     p = fake.last_request().params
     assert (p.temperature, p.max_tokens, p.top_k) == (0.5, 2048, 4)  # the spec's defaults
+
+
+def test_spark_prompt_is_templated_once(fake):
+    """fit_history templates and tokenizes the dialogue to check it fits; the engine takes those ids
+    instead of templating it a second time."""
+    import asyncio
+
+    from tests.spark.client import converse, spark_request
+
+    asyncio.run(converse(fake.ws_url, spark_request("hi")))
+    prompt = fake.last_request().prompt
+    messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
+    expected = fake.engine.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    assert prompt.token_ids == list(expected)
+
+
+def test_best_samples_rank_by_cumulative_logprob_and_length_penalty():
+    from bridges.common import Completion
+    from bridges.openai import best_samples
+    from engine.request import TokenLogprob
+
+    def sample(index: int, logprobs: list[float]) -> Completion:
+        return Completion(index, token_ids=list(range(len(logprobs))),
+                          logprobs=[TokenLogprob(0, lp) for lp in logprobs])
+
+    # cumulative -1.0 vs -1.2; per token -1.0 vs -0.6
+    (best,) = best_samples([sample(0, [-1.0]), sample(1, [-0.6, -0.6])], 1, None)  # vLLM: cumulative
+    assert best.token_ids == [0] and best.index == 0
+    (best,) = best_samples([sample(0, [-1.0]), sample(1, [-0.6, -0.6])], 1, 1.0)  # length_penalty 1: per token
+    assert best.token_ids == [0, 1] and best.index == 0

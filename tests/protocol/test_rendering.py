@@ -68,6 +68,19 @@ def test_openai_chat_stream_shapes(fake):
     assert all(e["usage"]["completion_tokens"] >= 1 for e in body)  # continuous usage
     assert sum(len(e["choices"][0]["token_ids"]) for e in body) == events[-1]["usage"]["completion_tokens"]
     assert body[-1]["choices"][0]["finish_reason"] == "stop"
+    # FastDeploy's places: the prompt's ids in the first delta, each chunk's ids in its delta
+    assert first["choices"][0]["delta"]["prompt_token_ids"] == first["prompt_token_ids"]
+    assert all(e["choices"][0]["delta"]["completion_token_ids"] == e["choices"][0]["token_ids"] for e in body)
+
+
+def test_openai_chat_token_ids_where_vllm_and_fastdeploy_put_them(fake):
+    r = httpx.post(fake.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                             "return_token_ids": True})
+    data = r.json()
+    message = data["choices"][0]["message"]
+    assert message["prompt_token_ids"] == data["prompt_token_ids"] and data["prompt_token_ids"]
+    assert message["completion_token_ids"] == data["choices"][0]["token_ids"]
+    assert fake.engine.tokenizer.decode(message["completion_token_ids"]) == message["content"]
 
 
 def test_openai_logprobs_as_token_ids_and_prompt_logprobs(fake):
