@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bridges.common import BridgeError, Completion, engine_of, int_list, request_id, served_model_or_adapter
+from bridges.constraints import ollama_format
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
 from bridges.serving import Handler, Plan, route
@@ -57,8 +58,6 @@ def ignored_options(body: dict[str, Any]) -> list[str]:
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
-    if body.get("format") not in (None, ""):
-        raise BridgeError(400, "format (structured output) is not supported yet", param="format")
     if body.get("think") not in (None, False):
         raise BridgeError(400, "think: the served model has no thinking mode", param="think")
     for field in ("suffix", "template"):
@@ -81,7 +80,7 @@ def sampling_params(request: Request, body: dict[str, Any]) -> SamplingParams:
     if kw.get("seed", 0) < 0:  # Ollama: a negative seed means "random"
         del kw["seed"]
     kw["top_p"] = kw["top_p"] or 1.0  # 0 turns the cut off
-    return SamplingParams(**kw)
+    return SamplingParams(**kw, constraint=ollama_format(body.get("format")))
 
 
 async def lower_generate(request: Request, body: dict[str, Any], rid: str) -> GenerationRequest:

@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse, Response
 
 from bridges.common import (BridgeError, Completion, engine_of, int_list, now, request_id, served_model_or_adapter,
                             sse)
+from bridges.constraints import openai_constraint
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
 from bridges.serving import Handler, Plan, route
@@ -78,7 +79,8 @@ def sampling_params(request: Request, body: dict[str, Any], default_max_tokens: 
         kw["truncate_prompt_tokens"] = engine.model_info.max_model_len - 1
     kw["banned_token_ids"] = banned_ids(engine, body.get("bad_words")) + kw.get("banned_token_ids", [])
     ranked = best_of is not None and best_of > n
-    return SamplingParams(**kw, logprobs=logprobs or ranked, top_logprobs=top_logprobs)
+    return SamplingParams(**kw, logprobs=logprobs or ranked, top_logprobs=top_logprobs,
+                          constraint=openai_constraint(body))
 
 
 def best_samples(comps: list[Completion], n: int, length_penalty: float | None) -> list[Completion]:
@@ -310,9 +312,6 @@ def _content(message: dict[str, Any]) -> str:
 
 
 def lower_chat(request: Request, body: dict[str, Any], rid: str) -> GenerationRequest:
-    fmt = (body.get("response_format") or {}).get("type", "text")
-    if fmt != "text":
-        raise BridgeError(400, f"response_format {fmt!r} is not supported yet", param="response_format")
     if body.get("chat_template") and not request.app.state.settings.trust_request_chat_template:
         raise BridgeError(400, "chat_template: a request's own chat template is refused unless the server runs "
                                "with --trust-request-chat-template", param="chat_template")

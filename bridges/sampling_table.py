@@ -87,15 +87,16 @@ OTHER_FIELDS: dict[str, frozenset[str]] = {
     "openai": frozenset({"model", "stream", "stream_options", "user", "bad_words", "return_token_ids", "priority",
                          "parallel_tool_calls", "best_of", "length_penalty", "use_beam_search",
                          "return_tokens_as_token_ids", "request_id", "metadata", "add_special_tokens",
-                         "prompt_token_ids"}),
+                         "prompt_token_ids", "response_format", "guided_json", "guided_regex", "guided_choice",
+                         "guided_grammar", "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern"}),
     "vllm": frozenset({"prompt", "stream", "model"}),
-    "sglang": frozenset(),
+    "sglang": frozenset({"json_schema", "regex", "ebnf"}),  # structured output: bridges/constraints.py
     "textgen": frozenset({"decoder_input_details", "details", "do_sample", "return_full_text",
                           "typical_p", "watermark", "adapter_id", "best_of", "top_n_tokens", "grammar", "batch_size",
                           "perf_stat", "priority", "timeout"}),
     "ollama": frozenset({"typical_p", "repeat_last_n", "num_ctx", "num_keep", "num_batch", "num_gpu", "main_gpu",
                          "num_thread", "use_mmap", "low_vram", "numa"}),
-    "spark": frozenset({"chat_id", "adjustTokens", "domain"}),
+    "spark": frozenset({"chat_id", "adjustTokens", "domain", "response_format"}),
 }
 
 

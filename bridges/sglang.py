@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bridges.common import BridgeError, Completion, engine_of, int_list, request_id, sse
+from bridges.constraints import sglang_constraint
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
 from bridges.serving import Handler, Plan, route
@@ -31,7 +32,8 @@ def _finish(reason: str | None, stop_reason: str | int | None, length: int) -> d
 
 
 def _params(sp: dict[str, Any], return_logprob: bool, top_logprobs: int) -> SamplingParams:
-    return SamplingParams(**sampling_kwargs("sglang", sp), logprobs=return_logprob, top_logprobs=top_logprobs)
+    return SamplingParams(**sampling_kwargs("sglang", sp), logprobs=return_logprob, top_logprobs=top_logprobs,
+                          constraint=sglang_constraint(sp))
 
 
 def lower(body: dict[str, Any], rid: str) -> tuple[list[GenerationRequest], bool]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bridges.common import int_list
+from bridges.constraints import tgi_grammar
 from bridges.sampling_table import sampling_kwargs
 from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, TextPrompt, TokensPrompt
@@ -64,7 +65,7 @@ async def lower(engine: EngineClient, rid: str, inputs: str | list[int], paramet
         kw.update(temperature=0.0, top_k=0, top_p=1.0)
     kw["seed"] = seed
     params = SamplingParams(**kw, logprobs=bool(p.get("details") or p.get("decoder_input_details") or top_n),
-                            top_logprobs=top_n)
+                            top_logprobs=top_n, constraint=tgi_grammar(p.get("grammar")))
     adapter = p.get(adapter_field)
     lora = LoraRef(name=adapter) if adapter not in (None, "", "None") else None
     prompt = TextPrompt(inputs) if isinstance(inputs, str) else TokensPrompt(int_list(inputs))

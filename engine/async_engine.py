@@ -128,6 +128,9 @@ class AsyncEngine:
                 raise LoraUnavailableError(f"adapter {ref.name or ref.url!r} was not resolved to a local adapter",
                                            code="unresolved")
             adapter = await asyncio.to_thread(self.engine.load_adapter, ref.name, ref.path)
+        grammar = None
+        if request.params.constraint is not None:  # compiled off the engine thread, once per grammar text
+            grammar = await asyncio.to_thread(self.engine.compile_constraint, request.params.constraint)
         if request.deadline is None and self.limits.default_timeout_s:
             request.deadline = request.arrival_time + self.limits.default_timeout_s
         self.engine.check_params(request.params)
@@ -139,7 +142,7 @@ class AsyncEngine:
         internal = dataclasses.replace(request, request_id=f"r{next(self._internal_ids)}")
         stream = RequestStream(request.request_id, asyncio.get_running_loop())
         self._streams[internal.request_id] = stream
-        self._commands.put(("add", internal, (ids, adapter)))
+        self._commands.put(("add", internal, (ids, adapter, grammar)))
         self._wake.set()
         unfinished = request.params.n
         try:

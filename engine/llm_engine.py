@@ -32,6 +32,7 @@ from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.structured import CompiledGrammar, Constraint, GrammarCompiler, MaskApplier, PreparedMasks
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.model.make_kv_cache(num_blocks, config.block_size),
                                   self.lora_manager)
         self.eos_token_ids = self._eos_ids(model_dir)
+        self._grammars: GrammarCompiler | None = None  # structured output, made at its first use
+        self._masks: MaskApplier | None = None
+        self._grammars_lock = threading.Lock()
         self.max_bytes_per_token = self._max_bytes_per_token()
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences still running
         self._adapters: OrderedDict[str, LoraAdapter] = OrderedDict()  # read and checked, by name
@@ -229,6 +233,18 @@ class LLMEngine:
             raise InvalidRequestError(f"the chat template cannot render this conversation: {exc}",
                                       parameter=parameter) from None
 
+    def compile_constraint(self, constraint: Constraint) -> CompiledGrammar:
+        """Compile (or find cached) a request's constraint; thread-safe, meant to run off the engine thread.
+        Raises InvalidRequestError naming the constraint's field and the grammar library's reason."""
+        return self.grammars().compile(constraint)
+
+    def grammars(self) -> GrammarCompiler:
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size, self.eos_token_ids)
+                self._masks = MaskApplier(self._grammars, self.config.num_threads, self.model.kernels)
+            return self._grammars
+
     def check_params(self, params: SamplingParams) -> None:
         """What a request names must fit this engine: token ids in the vocabulary (one bad id must fail its
         own request at the door, not a model step shared with others), logprobs within --max-logprobs."""
@@ -251,8 +267,9 @@ class LLMEngine:
     # ---- the core loop -------------------------------------------------------------------------
 
     def add_request(self, request: GenerationRequest, prompt_token_ids: list[int] | None = None,
-                    adapter: LoraAdapter | None = None) -> None:
-        """``adapter``: the loaded adapter of ``request.lora`` (``load_adapter``); read here if omitted."""
+                    adapter: LoraAdapter | None = None, grammar: CompiledGrammar | None = None) -> None:
+        """``adapter``: the loaded adapter of ``request.lora`` (``load_adapter``), ``grammar``: the compiled
+        ``params.constraint`` (``compile_constraint``); each is made here if omitted."""
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running",
                                       parameter="request_id")
@@ -271,6 +288,8 @@ class LLMEngine:
         if len(ids) + 1 > capacity:
             raise PromptTooLongError(f"the prompt has {len(ids)} tokens; the KV cache holds {capacity}",
                                      len(ids), capacity - 1)
+        if request.params.constraint is not None and grammar is None:
+            grammar = self.compile_constraint(request.params.constraint)
         salt = f"lora:{request.lora.name}" if request.lora else ""
         if request.params.prompt_logprobs is not None:  # every prompt position must be computed: no cached prefix
             salt += f"|prompt-logprobs:{request.request_id}"
@@ -284,7 +303,8 @@ class LLMEngine:
                                                             p.spaces_between_special_tokens),
                            self.max_model_len, cache_salt=salt, index=index, seed=seed,
                            stop_matcher=StopStringMatcher(p.stop, p.include_stop_str_in_output),
-                           wait_for=seqs[0] if seqs else None, lora_adapter=adapter)
+                           wait_for=seqs[0] if seqs else None, lora_adapter=adapter,
+                           matcher=grammar.new_matcher() if grammar is not None else None)
             seqs.append(seq)
         self.requests[request.request_id] = seqs
         for seq in seqs:
@@ -311,9 +331,10 @@ class LLMEngine:
         try:
             if self.fault_hook is not None:
                 self.fault_hook(seqs)
+            masks = self._prepare_masks(batch)  # filled while the forward runs
             with torch.inference_mode():
                 logits, samplers, prompt_logits = self.runner.run(batch)
-                tokens = sample(logits, samplers, self.eos_token_ids) if samplers else []
+                tokens = sample(logits, samplers, self.eos_token_ids, masks) if samplers else []
                 for chunk in prompt_logits:
                     record_prompt_logprobs(chunk)
             for seq in batch.decodes:
@@ -328,6 +349,16 @@ class LLMEngine:
             outputs.append(self._process_token(seq, token))
         return outputs
 
+    def _prepare_masks(self, batch) -> PreparedMasks | None:
+        """Structured output: start filling the grammar masks of the constrained sequences that sample a
+        token this step (every decode; a prefill whose chunk ends its prompt)."""
+        if self._masks is None:
+            return None
+        sampling = [s for s in batch.decodes if s.matcher is not None]
+        sampling += [s for s, n in batch.prefills
+                     if s.matcher is not None and s.num_computed_tokens + n == len(s.token_ids)]
+        return self._masks.prepare(sampling) if sampling else None
+
     def _advance(self, seq: Sequence, n: int) -> None:
         old = seq.num_computed_tokens
         seq.num_computed_tokens += n
@@ -336,18 +367,23 @@ class LLMEngine:
     def _process_token(self, seq: Sequence, token: int) -> RequestOutput:
         p = seq.params
         seq.append_token(token)
-        matcher = seq.stop_matcher
+        if seq.matcher is not None and not seq.matcher.consume_token(token):  # cannot happen: it was masked
+            return self._finish(seq, "error", new_tokens=[token], error="structured output: the grammar refused "
+                                f"token {token}: {seq.matcher.get_error()}", error_kind="inference")
+        stops = seq.stop_matcher
         can_stop = seq.num_output_tokens >= p.min_tokens
         if can_stop and not p.ignore_eos and token in self.eos_token_ids:
-            return self._finish(seq, "stop", new_tokens=[token], text=matcher.flush())
+            return self._finish(seq, "stop", new_tokens=[token], text=stops.flush())
         if can_stop and token in p.stop_token_ids:
-            return self._finish(seq, "stop", new_tokens=[token], text=matcher.flush(), stop_reason=token)
+            return self._finish(seq, "stop", new_tokens=[token], text=stops.flush(), stop_reason=token)
         delta = seq.detokenizer.add_tokens([token])
-        text, matched = matcher.feed(delta) if can_stop else (delta, None)
+        text, matched = stops.feed(delta) if can_stop else (delta, None)
         if matched is not None:
             return self._finish(seq, "stop", new_tokens=[token], text=text, stop_reason=matched)
+        if seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete: nothing may follow
+            return self._finish(seq, "stop", new_tokens=[token], text=text + stops.flush())
         if len(seq.token_ids) >= seq.max_total_len:
-            return self._finish(seq, "length", new_tokens=[token], text=text + matcher.flush())
+            return self._finish(seq, "length", new_tokens=[token], text=text + stops.flush())
         return self._output(seq, [token], text)
 
     def _output(self, seq: Sequence, new_tokens: list[int], text: str) -> RequestOutput:

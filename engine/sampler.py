@@ -10,6 +10,7 @@ import torch
 
 from engine.request import TokenLogprob
 from engine.sequence import Sequence
+from engine.structured import PreparedMasks
 
 _NEG_INF = float("-inf")
 
@@ -82,13 +83,30 @@ def _truncate(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> list[int]:
-    """logits [B, V] fp32 (modified in place); returns one token id per row."""
+def apply_constraints(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
+                      masks: PreparedMasks | None) -> None:
+    """Structured output: each constrained row keeps only what its grammar allows next. Bans and
+    penalties come on top, unless they would leave the row nothing (a grammar that must end now while
+    ignore_eos or min_tokens ban the end): then the grammar wins."""
+    rows = masks.apply(logits, seqs) if masks is not None else []
+    if rows:
+        allowed = logits[rows].clone()
+    apply_bans(logits, seqs, eos_token_ids)
+    if rows:
+        dead = torch.isinf(logits[rows]).all(-1).nonzero().flatten().tolist()
+        for j in dead:
+            logits[rows[j]] = allowed[j]
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
+           masks: PreparedMasks | None = None) -> list[int]:
+    """logits [B, V] fp32 (modified in place); returns one token id per row. ``masks``: the constrained
+    sequences' grammar masks for this step (``MaskApplier.prepare``)."""
     raw_logprobs = None
     if any(s.params.logprobs for s in seqs):
         raw_logprobs = logits.log_softmax(-1)
     apply_penalties(logits, seqs)
-    apply_bans(logits, seqs, eos_token_ids)
+    apply_constraints(logits, seqs, eos_token_ids, masks)
     greedy_rows = [i for i, s in enumerate(seqs) if s.params.is_greedy]
     random_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
     tokens = [0] * len(seqs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.structured import Constraint
 
 
 @dataclass(slots=True)
@@ -32,6 +33,7 @@ class SamplingParams:
     top_logprobs: int = 0
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs, with this many top candidates
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last so many tokens
+    constraint: Constraint | None = None  # structured output: what the answer must match (engine/structured.py)
 
     def __post_init__(self) -> None:
         # JSON Schema's "integer" admits 7.0: whole-number floats are the integers they spell

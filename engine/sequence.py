@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.request import GenerationRequest, RequestTimings, TokenLogprob
@@ -27,7 +27,8 @@ class Sequence:
     def __init__(self, request: GenerationRequest, prompt_token_ids: list[int],
                  detokenizer: IncrementalDetokenizer, max_model_len: int, cache_salt: str = "",
                  index: int = 0, seed: int | None = None, stop_matcher: StopStringMatcher | None = None,
-                 wait_for: "Sequence | None" = None, lora_adapter: "LoraAdapter | None" = None) -> None:
+                 wait_for: "Sequence | None" = None, lora_adapter: "LoraAdapter | None" = None,
+                 matcher: Any = None) -> None:
         self.request_id = request.request_id
         self.index = index  # which of the request's n samples
         self.wait_for = wait_for  # a sibling whose prompt KV this one reuses once cached
@@ -38,6 +39,7 @@ class Sequence:
         self.cache_salt = cache_salt  # separates prefix-cache entries (e.g. per LoRA adapter)
         self.lora_name = request.lora.name if request.lora is not None else None
         self.lora_adapter = lora_adapter  # loaded before admission: scheduling does no disk I/O
+        self.matcher = matcher  # structured output: the grammar's state after this sequence's output so far
         self.lora_slot = -1  # resident adapter slot while running; -1 = base model
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = list(prompt_token_ids)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+from bridges.common import BridgeError
 from engine.errors import (EngineError, EngineOverloadedError, EngineShutdownError, InferenceError,
                            InvalidRequestError, LoraUnavailableError, PromptTooLongError, RequestTimeoutError)
 
@@ -79,8 +80,10 @@ def spark_error_from(exc: BaseException) -> SparkError:
     if isinstance(exc, PromptTooLongError):
         return SparkError(SparkCode.TOKEN_LIMIT_EXCEEDED, str(exc))
     if isinstance(exc, InvalidRequestError):
-        where = f"{exc.parameter}: " if exc.parameter else ""
+        where = f"{exc.parameter}: " if exc.parameter and exc.parameter not in str(exc) else ""
         return SparkError(SparkCode.SCHEMA_ERROR, f"{where}{exc}")
+    if isinstance(exc, BridgeError) and exc.status < 500:  # a request field the shared lowering refused
+        return SparkError(SparkCode.SCHEMA_ERROR, exc.message)
     if isinstance(exc, EngineOverloadedError):
         return SparkError(SparkCode.SERVER_BUSY, str(exc))
     if isinstance(exc, LoraUnavailableError):

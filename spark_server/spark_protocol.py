@@ -16,6 +16,7 @@ import schemas
 from engine.errors import PromptTooLongError
 from engine.protocol import EngineClient
 from engine.request import ChatMessage, ChatPrompt, GenerationRequest, LoraRef, RequestOutput
+from bridges.constraints import response_format
 from bridges.sampling_table import sampling_kwargs
 from engine.sampling_params import SamplingParams
 from schemas.json_body import MAX_ITEMS, JsonContentError, JsonSyntaxError, parse_json
@@ -109,7 +110,8 @@ def _messages(body: dict[str, Any]) -> list[ChatMessage]:
 def lower(body: dict[str, Any], sid: str) -> tuple[GenerationRequest, bool]:
     """The Spark body as a GenerationRequest (before the token-limit check); also adjustTokens."""
     chat = _chat_params(body)
-    params = SamplingParams(**sampling_kwargs("spark", chat))
+    params = SamplingParams(**sampling_kwargs("spark", chat),
+                            constraint=response_format(chat.get("response_format"), "parameter.chat.response_format"))
     request = GenerationRequest(request_id=sid, prompt=ChatPrompt(_messages(body)), params=params,
                                 lora=_lora(body))
     return request, bool(chat.get("adjustTokens", False))

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-BENCHES = ["offline", "multiturn", "interactivity", "memory", "startup", "online", "lora", "abuse", "kernels"]
+BENCHES = ["offline", "multiturn", "interactivity", "memory", "startup", "online", "lora", "abuse", "kernels",
+           "structured"]
 
 
 @pytest.mark.slow

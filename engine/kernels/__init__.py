@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_impl.h"), SOURCE.with_name("cpu_linear.h"))  # the .c includes the .h files
-ABI_VERSION = 2
+ABI_VERSION = 3
 CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11"]
 NATIVE = "-march=native"  # this CPU's full instruction set (AVX-512 where it has it)
 DISABLE_ENV = "SPARK_NATIVE_KERNELS"
@@ -129,6 +129,9 @@ class CpuKernels:
         self._count_top_ties = lib.count_top_ties
         self._count_top_ties.argtypes = [_P, _I64, _I64, _P]
         self._count_top_ties.restype = None
+        self._apply_token_bitmask = lib.apply_token_bitmask
+        self._apply_token_bitmask.argtypes = [_P, _I64, _P, _I64, _P, _I64]
+        self._apply_token_bitmask.restype = None
         self.num_threads = torch.get_num_threads()
 
     def supports(self, dtype: torch.dtype, head_dim: int, group: int) -> bool:
@@ -179,6 +182,14 @@ class CpuKernels:
     def read_sum(self, buffer: torch.Tensor) -> int:
         """Read every byte of a buffer (a multiple of 8 bytes) once: the plain-read bandwidth reference."""
         return self._read_sum(buffer.data_ptr(), buffer.numel() * buffer.element_size() // 8, self.num_threads)
+
+    def apply_token_bitmask(self, logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
+        """fp32 logits [B, V] in place: in row rows[i], tokens whose bit is 0 in mask[i] (int32 words) -> -inf."""
+        assert logits.dtype == torch.float32 and logits.is_contiguous() and mask.dtype == torch.int32
+        assert mask.is_contiguous() and rows.dtype == torch.int64 and mask.shape[0] >= rows.shape[0]
+        assert int(rows.max()) < logits.shape[0] and int(rows.min()) >= 0
+        self._apply_token_bitmask(logits.data_ptr(), logits.shape[1], mask.data_ptr(), mask.shape[1], rows.data_ptr(),
+                                  rows.shape[0])
 
     def count_top_ties(self, logits: torch.Tensor) -> torch.Tensor:
         """Per row of fp32 logits [S, V]: how many entries equal the row's maximum."""

@@ -136,6 +136,25 @@ void count_top_ties(const float *logits, int64_t rows, int64_t vocab, int64_t *c
     }
 }
 
-int spark_kernels_abi_version(void) { return 2; }
+/* Structured output: for each listed row, every token whose bit is 0 in that row's mask becomes -inf
+   (tokens past the mask's width too). mask: n rows of `words` 32-bit words, bit t of word w = token 32w+t. */
+void apply_token_bitmask(float *logits, int64_t vocab, const int32_t *mask, int64_t words, const int64_t *rows,
+                         int64_t n) {
+    int64_t covered = words * 32 < vocab ? words * 32 : vocab;
+    for (int64_t i = 0; i < n; i++) {
+        float *row = logits + rows[i] * vocab;
+        const uint32_t *m = (const uint32_t *)(mask + i * words);
+        for (int64_t w = 0; w * 32 < covered; w++) {
+            uint32_t bits = m[w];
+            if (bits == 0xFFFFFFFFu) continue;
+            int64_t base = w * 32, end = base + 32 < covered ? base + 32 : covered;
+            for (int64_t t = base; t < end; t++)
+                if (!((bits >> (t - base)) & 1u)) row[t] = -INFINITY;
+        }
+        for (int64_t t = covered; t < vocab; t++) row[t] = -INFINITY;
+    }
+}
+
+int spark_kernels_abi_version(void) { return 3; }
 int spark_kernels_max_head_dim(void) { return MAX_HEAD_DIM; }
 int spark_kernels_max_group(void) { return MAX_GROUP; }

@@ -3,6 +3,8 @@ engine as the GenerationRequest it means (or is refused with a 4xx naming the fi
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -198,7 +200,9 @@ def test_ollama_prompt_forms(fake):
                                  "stream": False})
     ids = fake.last_request().prompt.token_ids
     assert ids[:2] == [1, 2] and ids[2:] == fake.engine.tokenizer.encode("hi", add_special_tokens=False)
-    for field, value in (("format", "json"), ("images", ["x"]), ("suffix", "s"), ("template", "t")):
+    post(fake, "/api/generate", {"model": "fake-model", "prompt": "hi", "format": "json", "stream": False})
+    assert fake.last_request().params.constraint.kind == "json_object"
+    for field, value in (("images", ["x"]), ("suffix", "s"), ("template", "t")):
         r = post(fake, "/api/generate", {"model": "fake-model", "prompt": "hi", field: value}, 400)
         assert field in r.json()["error"]
 
@@ -244,3 +248,42 @@ def test_best_samples_rank_by_cumulative_logprob_and_length_penalty():
     assert best.token_ids == [0] and best.index == 0
     (best,) = best_samples([sample(0, [-1.0]), sample(1, [-0.6, -0.6])], 1, 1.0)  # length_penalty 1: per token
     assert best.token_ids == [0, 1] and best.index == 0
+
+
+# ---- structured output: each protocol's fields onto the one Constraint -------------------------------
+
+@pytest.mark.parametrize("path, body, kind, field", [
+    ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json_object"}}, "json_object",
+     "response_format"),
+    ("/v1/chat/completions", {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "json", "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"messages": MSGS, "guided_json": '{"type": "object"}'}, "json", "guided_json"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "a+"}, "regex", "guided_regex"),
+    ("/v1/completions", {"prompt": "hi", "guided_choice": ["a", "b"]}, "choice", "guided_choice"),
+    ("/v1/chat/completions", {"messages": MSGS, "guided_grammar": "root ::= \"a\""}, "grammar", "guided_grammar"),
+    ("/v1/chat/completions", {"messages": MSGS, "structural_tag": json.dumps({
+        "structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}], "triggers": ["<f>"]})}, "structural_tag",
+     "structural_tag"),
+    ("/generate", {"text": "hi", "sampling_params": {"json_schema": '{"type": "object"}'}}, "json",
+     "sampling_params.json_schema"),
+    ("/generate", {"text": "hi", "sampling_params": {"ebnf": 'root ::= "a"'}}, "grammar", "sampling_params.ebnf"),
+    ("/generate", {"inputs": "hi", "parameters": {"grammar": {"type": "regex", "value": "a+"}}}, "regex",
+     "parameters.grammar.value"),
+    ("/infer", {"inputs": "hi", "parameters": {"grammar": {"type": "json", "value": {"type": "object"}}}}, "json",
+     "parameters.grammar.value"),
+    ("/api/chat", {"model": "fake-model", "messages": MSGS, "stream": False, "format": {"type": "object"}}, "json",
+     "format"),
+])
+def test_structured_output_fields(fake, path, body, kind, field):
+    post(fake, path, body)
+    c = fake.last_request().params.constraint
+    assert (c.kind, c.field) == (kind, field)
+
+
+def test_structured_output_whitespace_and_backend(fake):
+    chat(fake, guided_json={"type": "object"}, guided_whitespace_pattern="[ ]?", guided_decoding_backend="guidance")
+    assert fake.last_request().params.constraint.whitespace_pattern == "[ ]?"
+    r, _ = chat(fake, 400, guided_json={"type": "object"}, guided_decoding_backend="xgrammar")
+    assert r.json()["error"]["param"] == "guided_decoding_backend"
+    r, _ = chat(fake, 400, guided_regex="a", guided_choice=["a"])
+    assert "only one" in r.json()["error"]["message"]

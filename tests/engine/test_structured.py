@@ -1,0 +1,94 @@
+"""Structured output in the engine: the grammar library sees the tokenizer's true bytes, the mask kernel
+equals the torch path, constrained and free rows share one batch without changing the free ones, and a
+seeded constrained sample reproduces alone or in a busy batch."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from engine.kernels import load_cpu_kernels
+from engine.request import ChatMessage, ChatPrompt, GenerationRequest
+from engine.sampling_params import SamplingParams
+from engine.structured import Constraint, MaskApplier, grammar_tokenizer
+from tests.engine.helpers import chat, run_all, text_of, tokens_of
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                           "rank": {"type": "integer", "minimum": 1, "maximum": 99}},
+          "required": ["city", "rank"], "additionalProperties": False}
+QUESTIONS = ["Name a city.", "What is 2+2?", "Say hello.", "Name a colour."]
+
+
+def test_the_grammar_tokenizer_sees_each_tokens_true_bytes(llm_engine):
+    """Every token that decodes to whole characters must have exactly those bytes in the grammar's view
+    (the converted tokenizer's decoders once made byte tokens read as literal 'Ċ', letting a raw newline
+    into JSON strings)."""
+    tok = llm_engine.tokenizer
+    view = grammar_tokenizer(tok, llm_engine.eos_token_ids)
+    specials = set(tok.all_special_ids)
+    wrong = []
+    for tid in range(len(tok)):
+        if tid in specials:
+            continue
+        text = tok.decode([tid], clean_up_tokenization_spaces=False)
+        if "\ufffd" not in text and view.decode_bytes([tid]) != text.encode():
+            wrong.append(tid)
+    assert not wrong, wrong[:20]
+
+
+def test_mask_kernel_equals_the_torch_path(llm_engine):
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C compiler here: the torch path is the only one")
+    compiler = llm_engine.grammars()
+    g = torch.Generator().manual_seed(0)
+    vocab = compiler.tokenizer.vocab_size + 37  # logits wider than the tokenizer (padded embeddings)
+    words = (compiler.tokenizer.vocab_size + 31) // 32
+    mask = torch.randint(-2**31, 2**31 - 1, (3, words), generator=g, dtype=torch.int64).to(torch.int32)
+    mask[1] = -1  # all allowed
+    logits = torch.randn(5, vocab, generator=g)
+    rows = [4, 0, 2]
+    fast, slow = logits.clone(), logits.clone()
+    MaskApplier(compiler, 1, kernels).apply(fast, rows, mask)
+    MaskApplier(compiler, 1, None).apply(slow, rows, mask)
+    assert torch.equal(fast, slow)
+    assert torch.equal(fast[[1, 3]], logits[[1, 3]])  # rows not listed are untouched
+    assert torch.isinf(fast[[4, 2], -37:]).all() and not torch.isinf(fast[0, :-37]).any()
+
+
+def _constrained(rid: str, question: str, seed: int) -> GenerationRequest:
+    return GenerationRequest(rid, ChatPrompt([ChatMessage("user", question)]),
+                             SamplingParams(max_tokens=40, temperature=1.0, seed=seed,
+                                            constraint=Constraint("json", json.dumps(SCHEMA))))
+
+
+def test_constrained_and_free_rows_share_a_batch(llm_engine):
+    free = [chat(f"f{i}", QUESTIONS[i % 4] + " " * (i // 4), max_tokens=16, temperature=0) for i in range(16)]
+    alone = run_all(llm_engine, free)
+    constrained = [_constrained(f"c{i}", QUESTIONS[i % 4], seed=i) for i in range(16)]
+    free_again = [chat(f"g{i}", QUESTIONS[i % 4] + " " * (i // 4), max_tokens=16, temperature=0) for i in range(16)]
+    mixed = run_all(llm_engine, [x for pair in zip(constrained, free_again) for x in pair])
+    for i in range(16):
+        assert tokens_of(mixed[f"g{i}"]) == tokens_of(alone[f"f{i}"]), i
+        text = text_of(mixed[f"c{i}"])
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert mixed[f"c{i}"][-1].finish_reason == "stop"
+
+
+def test_a_seeded_constrained_sample_is_the_same_alone_and_in_a_busy_batch(llm_engine):
+    alone = text_of(run_all(llm_engine, [_constrained("a", "Name a city.", seed=7)])["a"])
+    busy = [_constrained("b", "Name a city.", seed=7)] + [_constrained(f"x{i}", QUESTIONS[i % 4], seed=100 + i)
+                                                          for i in range(8)]
+    assert text_of(run_all(llm_engine, busy)["b"]) == alone
+
+
+def test_every_sample_of_n_follows_the_grammar(llm_engine):
+    req = GenerationRequest("n", ChatPrompt([ChatMessage("user", "Pick one.")]),
+                            SamplingParams(max_tokens=8, temperature=1.0, n=6, seed=1,
+                                           constraint=Constraint.choice(["alpha", "beta", "gamma"])))
+    outs = run_all(llm_engine, [req])["n"]
+    texts = ["".join(o.text_delta for o in outs if o.index == i) for i in range(6)]
+    assert all(t in ("alpha", "beta", "gamma") for t in texts), texts
