@@ -10,12 +10,14 @@ from starlette.responses import JSONResponse, Response
 
 from bridges.common import (BridgeError, Completion, engine_of, int_list, now, request_id, served_model_or_adapter,
                             sse)
+from bridges import tools
 from bridges.constraints import openai_constraint
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
 from bridges.serving import Handler, Plan, route
+from bridges.tools import ToolPlan
 from engine.protocol import EngineClient
-from engine.request import (ChatMessage, ChatPrompt, GenerationRequest, LoraRef, Prompt, RequestOutput, TextPrompt,
+from engine.request import (ChatPrompt, GenerationRequest, LoraRef, Prompt, RequestOutput, TextPrompt,
                             TokenLogprob, TokensPrompt)
 from engine.sampling_params import SamplingParams
 
@@ -203,6 +205,7 @@ class _Answer:
     model: str
     rid: str
     names: TokenNames
+    tools: ToolPlan | None = None  # chat with tools: the answer is parsed for calls
 
 
 class _OpenAIHandler(Handler):
@@ -302,26 +305,26 @@ async def _stream_completions(engine: EngineClient, body: dict[str, Any], reqs: 
 # ---- /v1/chat/completions ----------------------------------------------------------------------
 
 
-def _content(message: dict[str, Any]) -> str:
-    content = message.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part["text"] for part in content)
-
-
-def lower_chat(request: Request, body: dict[str, Any], rid: str) -> GenerationRequest:
+def lower_chat(request: Request, body: dict[str, Any], rid: str) -> tuple[GenerationRequest, ToolPlan]:
     if body.get("chat_template") and not request.app.state.settings.trust_request_chat_template:
         raise BridgeError(400, "chat_template: a request's own chat template is refused unless the server runs "
                                "with --trust-request-chat-template", param="chat_template")
-    messages = [ChatMessage("system" if m["role"] == "developer" else m["role"], _content(m))
-                for m in body["messages"]]
+    info = engine_of(request).model_info
+    if body.get("tools") and body.get("tool_choice", "auto") == "auto" \
+            and not request.app.state.settings.enable_auto_tool_choice:
+        raise BridgeError(400, 'tool_choice "auto" needs the server to run with --enable-auto-tool-choice',
+                          param="tool_choice")
+    tool_plan = tools.plan(body, body["messages"], native=info.chat_template_tools)
+    messages = tool_plan.messages
     want_logprobs = bool(body.get("logprobs"))
     if body.get("top_logprobs") and not want_logprobs:
         raise BridgeError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    params = sampling_params(request, body, engine_of(request).model_info.max_model_len, want_logprobs,
-                             body.get("top_logprobs") or 0)
+    params = sampling_params(request, body, info.max_model_len, want_logprobs, body.get("top_logprobs") or 0)
+    if tool_plan.constraint is not None:  # tool_choice required / named: the calls' format is enforced
+        if params.constraint is not None:
+            raise BridgeError(400, f"tool_choice {body.get('tool_choice')!r} already constrains the answer; "
+                                   f"drop {params.constraint.field}", param=params.constraint.field)
+        params.constraint = tool_plan.constraint
     kwargs = dict(body.get("chat_template_kwargs") or {})
     if body.get("documents") is not None:
         kwargs["documents"] = body["documents"]
@@ -336,8 +339,8 @@ def lower_chat(request: Request, body: dict[str, Any], rid: str) -> GenerationRe
         prompt = ChatPrompt(messages, chat_template_kwargs=kwargs,
                             add_generation_prompt=(not continue_final) if add_generation is None else add_generation,
                             continue_final_message=continue_final, chat_template=body.get("chat_template"),
-                            add_special_tokens=bool(body.get("add_special_tokens")))
-    return GenerationRequest(rid, prompt, params, priority=engine_priority(body.get("priority")))
+                            add_special_tokens=bool(body.get("add_special_tokens")), tools=tool_plan.template_tools)
+    return GenerationRequest(rid, prompt, params, priority=engine_priority(body.get("priority"))), tool_plan
 
 
 def _echo_prefix(body: dict[str, Any], req: GenerationRequest) -> str:
@@ -354,10 +357,11 @@ class ChatCompletions(_OpenAIHandler):
     async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
         model, lora = check_model(request, body)
         rid = response_id("chatcmpl", body)
-        req = lower_chat(request, body, rid)
+        req, tool_plan = lower_chat(request, body, rid)
         req.lora = lora
         names = TokenNames(engine_of(request), bool(body.get("return_tokens_as_token_ids")))
-        return Plan([req], bool(body.get("stream")), body, context=_Answer(model, rid, names))
+        answer = _Answer(model, rid, names, tool_plan if tool_plan.parse else None)
+        return Plan([req], bool(body.get("stream")), body, context=answer)
 
     async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
         engine, body, answer, (req,), (comps,) = engine_of(request), plan.body, plan.context, plan.requests, results
@@ -367,11 +371,17 @@ class ChatCompletions(_OpenAIHandler):
         choices = []
         for c in best_samples(comps, body.get("n") or 1, body.get("length_penalty")):
             message: dict[str, Any] = {"role": "assistant", "content": prefix + c.text}
+            finish = c.finish_reason
+            if answer.tools is not None:
+                content, calls = tools.parse(prefix + c.text, answer.tools.names)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": [x.as_dict() for x in calls]}
+                    finish = "tool_calls" if finish == "stop" else finish
             if token_ids:  # FastDeploy puts them in the message
                 message["prompt_token_ids"], message["completion_token_ids"] = prompt_ids, c.token_ids
             choice = {"index": c.index, "message": message,
                       "logprobs": chat_logprobs(answer.names, c.logprobs) if body.get("logprobs") else None,
-                      **finish_fields(c.finish_reason, c.stop_reason)}
+                      **finish_fields(finish, c.stop_reason)}
             if token_ids:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
@@ -398,6 +408,8 @@ async def _stream_chat(engine: EngineClient, body: dict[str, Any], req: Generati
     started: set[int] = set()
     prompt_tokens = completion_tokens = 0
     prefix = _echo_prefix(body, req)
+    parsers: dict[int, tools.StreamParser] = {}  # per sample, with tools: content vs completed calls
+    num_calls: dict[int, int] = {}
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         data = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices,
@@ -421,7 +433,21 @@ async def _stream_chat(engine: EngineClient, body: dict[str, Any], req: Generati
             yield chunk([{"index": out.index, "delta": delta, "logprobs": None, "finish_reason": None}], **extra)
         if not out.text_delta and not out.finished and not (token_ids and out.new_token_ids):
             continue
-        delta = {"content": out.text_delta} if out.text_delta else {}
+        text, calls = out.text_delta, []
+        if answer.tools is not None:
+            parser = parsers.setdefault(out.index, tools.StreamParser(answer.tools.names))
+            text, calls = parser.feed(out.text_delta, final=out.finished)
+        for call in calls:  # a completed call: its id and name, then its arguments (as OpenAI streams them)
+            k = num_calls.get(out.index, 0)
+            num_calls[out.index] = k + 1
+            head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            yield chunk([{"index": out.index, "delta": {"tool_calls": [head]}, "logprobs": None,
+                          "finish_reason": None}])
+            yield chunk([{"index": out.index, "delta": {"tool_calls": [{"index": k, "function": {
+                "arguments": call.arguments}}]}, "logprobs": None, "finish_reason": None}])
+        if not text and not out.finished and not (token_ids and out.new_token_ids):
+            continue
+        delta = {"content": text} if text else {}
         if token_ids:
             delta["completion_token_ids"] = out.new_token_ids
         choice = {"index": out.index, "delta": delta,
@@ -430,7 +456,8 @@ async def _stream_chat(engine: EngineClient, body: dict[str, Any], req: Generati
         if token_ids:
             choice["token_ids"] = out.new_token_ids
         if out.finished:
-            choice.update(finish_fields(out.finish_reason, out.stop_reason))
+            reason = "tool_calls" if num_calls.get(out.index) and out.finish_reason == "stop" else out.finish_reason
+            choice.update(finish_fields(reason, out.stop_reason))
         yield chunk([choice])
     if include_usage:
         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],

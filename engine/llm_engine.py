@@ -128,7 +128,8 @@ class LLMEngine:
                                             else model_dir.name)
         self.model_info = ModelInfo(name=name, path=str(model_dir), model_type=hf_config.model_type,
                                     max_model_len=self.max_model_len, vocab_size=self.model.embed.shape[0],
-                                    dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
+                                    dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
+                                    chat_template_tools="tools" in (self.tokenizer.chat_template or ""))
         self.num_aborted = 0
         self.fault_hook: Any = None  # test hook: called before every model step
         logger.info("engine ready in %.1fs: %s on %s/%s, %d KV blocks of %d tokens, fused CPU kernels %s",
@@ -220,12 +221,20 @@ class LLMEngine:
         if prompt.continue_final_message and (not prompt.messages or prompt.messages[-1].role != "assistant"):
             raise InvalidRequestError("continue_final_message needs an assistant message last",
                                       parameter="continue_final_message")
-        messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
+        messages = []
+        for m in prompt.messages:
+            message: dict = {"role": m.role, "content": m.content}
+            if m.tool_calls:
+                message["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
+        extra = {"tools": prompt.tools} if prompt.tools else {}
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=prompt.add_generation_prompt,
                 continue_final_message=prompt.continue_final_message, chat_template=prompt.chat_template,
-                **prompt.chat_template_kwargs)
+                **extra, **prompt.chat_template_kwargs)
         except InvalidRequestError:
             raise
         except Exception as exc:  # a template that does not render these messages (jinja errors, raise_exception)

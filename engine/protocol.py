@@ -19,6 +19,7 @@ class ModelInfo:
     vocab_size: int
     dtype: str
     device: str
+    chat_template_tools: bool = False  # the chat template renders function tools itself
 
 
 @dataclass(frozen=True, slots=True)

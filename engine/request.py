@@ -15,6 +15,10 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 class ChatMessage:
     role: str
     content: str
+    # for chat templates that render tool calls themselves: an assistant's calls
+    # ([{"type": "function", "id", "function": {"name", "arguments": {...}}}]) and a tool result's call id
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -24,6 +28,7 @@ class ChatPrompt:
     add_generation_prompt: bool = True  # open an assistant turn after the messages
     continue_final_message: bool = False  # leave the last (assistant) message open, to be continued
     chat_template: str | None = None  # a Jinja template replacing the model's own for this request
+    tools: list[dict] | None = None  # function tools, for templates that render them themselves
     add_special_tokens: bool = False  # BOS etc. on top of what the template writes
     # the messages already templated and tokenized by this engine's tokenizer (Spark's history fitting
     # does it once; the engine then takes them as they are)

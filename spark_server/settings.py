@@ -110,6 +110,16 @@ class Settings:
     allowed_origins: str | None = _opt(None, "browser origins allowed to call the HTTP endpoints (CORS) and open the "
                                              "Spark WebSocket, comma-separated, or * (off by default: no CORS headers, "
                                              "any Origin may open the WebSocket)", repeatable=True)
+    structured_output_backend: str = _opt("auto", "the grammar library of structured output (response_format, guided_*, "
+                                                  "SGLang json_schema/regex/ebnf, TGI grammar): llguidance (vLLM calls "
+                                                  "it guidance); auto picks it", choices=["auto", "llguidance", "guidance"])
+    guided_decoding_backend: str | None = _opt(None, "vLLM's older name for --structured-output-backend",
+                                               choices=["auto", "llguidance", "guidance"])
+    tool_call_parser: str = _opt("hermes", "how tool calls are written and read back: hermes "
+                                           "(<tool_call>{json}</tool_call>, what ChatML models are trained on)",
+                                 choices=["hermes"])
+    enable_auto_tool_choice: bool = _opt(True, "vLLM's flag: tool_choice auto parses calls out of free answers "
+                                               "(--no-enable-auto-tool-choice refuses auto with a 400)")
     log_level: str = _opt("info", "debug, info, warning or error",
                           choices=["debug", "info", "warning", "error"])
     config: str | None = _opt(None, "config file with any of these settings: TOML, or YAML (.yaml / .yml) as vLLM's "

@@ -31,7 +31,7 @@ SAMPLING_OBJECTS = {
 BODY_FIELDS = {
     "openai-chat": {"messages", "logprobs", "top_logprobs", "chat_template_kwargs", "response_format", "echo",
                     "add_generation_prompt", "continue_final_message", "documents", "chat_template",
-                    "disable_chat_template"},
+                    "disable_chat_template", "tools", "tool_choice"},
     "openai-completion": {"prompt", "logprobs", "echo"},
 }
 

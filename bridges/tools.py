@@ -1,0 +1,241 @@
+"""OpenAI tool calling on any chat model: tools rendered for the template, `tool_choice` enforced with the
+structured-output machinery, and the answer parsed back into `tool_calls`.
+
+The call format is Hermes-style (what ChatML models such as Qwen and Hermes are trained on):
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+A template that knows tools gets them (and earlier calls and results) natively; one that does not
+(SmolLM2's) gets them written into the system turn, as vLLM does, with earlier calls and results as text
+in the same format."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from bridges.common import BridgeError
+from engine.request import ChatMessage
+from engine.structured import Constraint
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+PARSERS = ("hermes",)  # --tool-call-parser choices
+
+SYSTEM_TOOLS = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+@dataclass
+class ToolPlan:
+    """What a chat request's tool fields mean for the prompt, the constraint and the answer's parsing."""
+
+    messages: list[ChatMessage]
+    template_tools: list[dict] | None = None  # for templates that render tools themselves
+    constraint: Constraint | None = None  # tool_choice required / named
+    parse: bool = False  # look for calls in the answer
+    names: set[str] = field(default_factory=set)
+
+
+def _functions(tools: list[dict]) -> list[dict]:
+    functions = []
+    for i, tool in enumerate(tools):
+        if tool.get("type", "function") != "function" or "function" not in tool:
+            raise BridgeError(400, f"tools[{i}]: only function tools are supported", param=f"tools[{i}]")
+        functions.append(tool["function"])
+    return functions
+
+
+def _arguments(call: dict, where: str) -> Any:
+    args = call.get("function", {}).get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            return json.loads(args or "{}")
+        except ValueError:
+            raise BridgeError(400, f"{where}.function.arguments is not JSON", param=f"{where}.function.arguments") \
+                from None
+    return args
+
+
+def call_text(name: str, arguments: Any) -> str:
+    return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CALL_CLOSE}"
+
+
+def plan(body: dict[str, Any], messages: list[dict[str, Any]], native: bool) -> ToolPlan:
+    """``messages``: the request's own; ``native``: the chat template renders tools itself."""
+    tools = body.get("tools") or []
+    choice = body.get("tool_choice")
+    functions = _functions(tools)
+    names = {f["name"] for f in functions}
+    if choice not in (None, "none", "auto", "required"):
+        name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+        if name not in names:
+            raise BridgeError(400, f"tool_choice names {name!r}, which is not among the tools "
+                                   f"({', '.join(sorted(names)) or 'none given'})", param="tool_choice")
+    if choice in ("auto", "required") and not functions:
+        raise BridgeError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
+    offered = functions if choice != "none" else []
+    lowered = _messages(messages, native)
+    result = ToolPlan(lowered, names=names)
+    if offered and native:
+        result.template_tools = tools
+    elif offered:
+        described = "\n".join(json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in offered)
+        text = SYSTEM_TOOLS.format(tools=described)
+        if lowered and lowered[0].role == "system":
+            lowered[0] = ChatMessage("system", lowered[0].content + "\n\n" + text)
+        else:
+            lowered.insert(0, ChatMessage("system", text))
+    if choice == "required" or isinstance(choice, dict):
+        forced = [f for f in functions if not isinstance(choice, dict) or f["name"] == choice["function"]["name"]]
+        many = choice == "required" and body.get("parallel_tool_calls") is not False
+        result.constraint = _calls_grammar(forced, many)
+    result.parse = bool(offered)
+    return result
+
+
+def _messages(messages: list[dict[str, Any]], native: bool) -> list[ChatMessage]:
+    out = []
+    for i, m in enumerate(messages):
+        role = "system" if m["role"] == "developer" else m["role"]
+        content = _content(m)
+        calls = m.get("tool_calls") or []
+        if native:
+            out.append(ChatMessage(role, content, tool_calls=[
+                {"type": "function", "id": c.get("id"), "function": {
+                    "name": c["function"]["name"], "arguments": _arguments(c, f"messages[{i}].tool_calls[{j}]")}}
+                for j, c in enumerate(calls)] or None, tool_call_id=m.get("tool_call_id")))
+        elif calls:  # the template knows no calls: they are the answer's own text, as the model wrote them
+            texts = [call_text(c["function"]["name"], _arguments(c, f"messages[{i}].tool_calls[{j}]"))
+                     for j, c in enumerate(calls)]
+            out.append(ChatMessage(role, "\n".join(filter(None, [content, *texts]))))
+        elif role == "tool":
+            out.append(ChatMessage("tool", f"<tool_response>\n{content}\n</tool_response>"))
+        else:
+            out.append(ChatMessage(role, content))
+    return out
+
+
+def _content(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content)
+
+
+def _calls_grammar(functions: list[dict], many: bool) -> Constraint:
+    """Exactly the call format, each call's arguments valid against its function's parameters."""
+    schemas = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                 "arguments": f.get("parameters") or {"type": "object"}},
+                "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    repeat = "+" if many else ""
+    lark = (f"start: call{repeat}\n"
+            f'call: "{CALL_OPEN}\\n" args "\\n{CALL_CLOSE}"\n'
+            f"args: %json {json.dumps(body)}\n")
+    return Constraint("grammar", lark, field="tool_choice")
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def parse(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """(the content outside the calls, or None when only calls; the calls) of a Hermes-format answer.
+    A block that is not a JSON call of a known function stays in the content."""
+    calls: list[ToolCall] = []
+    rest: list[str] = []
+    pos = 0
+    while True:
+        start = text.find(CALL_OPEN, pos)
+        end = text.find(CALL_CLOSE, start + len(CALL_OPEN)) if start >= 0 else -1
+        if start < 0 or end < 0:
+            rest.append(text[pos:])
+            break
+        rest.append(text[pos:start])
+        call = _call(text[start + len(CALL_OPEN):end], names)
+        if call is None:
+            rest.append(text[start:end + len(CALL_CLOSE)])
+        else:
+            calls.append(call)
+        pos = end + len(CALL_CLOSE)
+    content = "".join(rest).strip()
+    return (content or None) if calls else text, calls
+
+
+def _call(block: str, names: set[str]) -> ToolCall | None:
+    try:
+        obj = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    return ToolCall(obj["name"], json.dumps(obj.get("arguments", {}), ensure_ascii=False))
+
+
+class StreamParser:
+    """Splits a streamed answer into content deltas and completed tool calls: text is passed on until a
+    `<tool_call>` may be starting; a call is emitted once its block closes."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+        self.buffer = ""
+        self.calls = 0
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        self.buffer += delta
+        content, calls = "", []
+        while True:
+            start = self.buffer.find(CALL_OPEN)
+            if start < 0:
+                keep = 0 if final else _partial_suffix(self.buffer, CALL_OPEN)
+                content += self.buffer[:len(self.buffer) - keep]
+                self.buffer = self.buffer[len(self.buffer) - keep:]
+                break
+            end = self.buffer.find(CALL_CLOSE, start)
+            if end < 0:
+                content += self.buffer[:start]
+                self.buffer = self.buffer[start:]
+                if final:  # an unfinished call: it was text after all
+                    content += self.buffer
+                    self.buffer = ""
+                break
+            content += self.buffer[:start]
+            block = self.buffer[start:end + len(CALL_CLOSE)]
+            self.buffer = self.buffer[end + len(CALL_CLOSE):]
+            call = _call(block[len(CALL_OPEN):-len(CALL_CLOSE)], self.names)
+            if call is None:
+                content += block
+            else:
+                calls.append(call)
+        return content, calls
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that is a beginning of ``marker``."""
+    for k in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
