@@ -23,7 +23,7 @@ from engine.model_loader import EMBEDDED_MODEL_NAME, gguf_source, resolve_model_
 from engine.lora import LoraAdapter, LoraManager, read_adapter
 from engine.model_runner import ModelRunner, PromptLogits
 from engine.protocol import EngineStats, ModelInfo
-from engine.models import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
+from engine.models import model_class
 from engine.models.weights import resolve_quantization
 from engine.quant import cache as quant_cache
 from engine.request import (ChatPrompt, GenerationRequest, Prompt, RequestOutput, TextPrompt, TokenLogprob,
@@ -72,9 +72,7 @@ class LLMEngine:
         started = time.monotonic()
         model_dir = resolve_model_dir(config.model)
         hf_config = AutoConfig.from_pretrained(model_dir)
-        if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model type '{hf_config.model_type}' is not supported by this engine "
-                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        model_cls = model_class(hf_config.model_type)  # refuses an unsupported family before any loading
         self.device = resolve_device(config.device)
         kernels = load_cpu_kernels() if config.native_kernels and self.device.type == "cpu" else None
         if config.dtype == "auto" and kernels is not None and kernels.linear_isa == 2:
@@ -91,7 +89,7 @@ class LLMEngine:
         load_dtype = self.dtype if self.quantization in ("none", "gguf") else "auto"
         hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=load_dtype)
         stored, cache_file = self._stored_weights(model_dir, gguf, hf_config)
-        self.model = LlamaForCausalLM(hf_model, self.dtype, self.device, config.native_kernels, self.quantization,
+        self.model = model_cls(hf_model, self.dtype, self.device, config.native_kernels, self.quantization,
                                       stored)
         if cache_file is not None and self.model.builder.made:
             quant_cache.save(cache_file, self.model.builder.made)

@@ -1,4 +1,5 @@
-"""Batched forward of the Llama family (Llama, SmolLM2, Qwen2, Mistral) over a paged KV cache.
+"""Batched forward of the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
+Qwen3 adds an RMSNorm over each head of q and k before RoPE; Qwen2 biases on q/k/v.
 
 Weights come from the transformers model (so loading, tying and RoPE variants match it exactly);
 the forward is ours: flat tokens, fused QKV and gate/up projections, paged attention.
@@ -21,7 +22,6 @@ from engine.quant.formats import QuantizedWeight
 if TYPE_CHECKING:
     from engine.lora import LoraBatch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 @dataclass(slots=True)
@@ -32,6 +32,8 @@ class _LayerWeights:
     post_norm: torch.Tensor
     gate_up: Linear | PackedLinear | ReferenceLinear  # [2 * intermediate, hidden]
     down: Linear | PackedLinear | ReferenceLinear
+    q_norm: torch.Tensor | None = None  # Qwen3: RMSNorm weights [D] over each head of q and of k
+    k_norm: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,10 +51,6 @@ class LlamaForCausalLM:
         weights read from a GGUF file or the quantization cache; ``reference`` builds the slow
         dequantize-then-fp32 linears that the packed kernels are held to."""
         cfg = hf_model.config
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model type '{cfg.model_type}' is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
         self.config = cfg
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
@@ -94,6 +92,8 @@ class LlamaForCausalLM:
                 post_norm=w(layer.post_attention_layernorm.weight),
                 gate_up=linear(prefix, ["mlp.gate_proj", "mlp.up_proj"], [mlp.gate_proj, mlp.up_proj]),
                 down=linear(prefix, ["mlp.down_proj"], [mlp.down_proj]),
+                q_norm=w(att.q_norm.weight) if hasattr(att, "q_norm") else None,
+                k_norm=w(att.k_norm.weight) if hasattr(att, "k_norm") else None,
             ))
         self.linears_summary = self.builder.tune()
         self.intermediate = self.layers[0].gate_up.out_features // 2
@@ -149,6 +149,8 @@ class LlamaForCausalLM:
         kern.add_rms_norm(x, None, self.layers[0].input_norm, h, self.eps)
         for i, lw in enumerate(self.layers):
             qkv = self._project(lora, i, "qkv", lw.qkv, h)
+            if lw.q_norm is not None:
+                self._norm_heads(qkv, lw)
             layer_kv = cache.kv[i]
             kern.rope_cache_write(qkv, positions, self.cos, self.sin_signed, layer_kv, meta.slot_mapping, H, Hkv, D)
             if nd:
@@ -169,6 +171,14 @@ class LlamaForCausalLM:
         kern.add_rms_norm(x, down, self.final_norm, h, self.eps)
         return self._logits(h)
 
+    def _norm_heads(self, qkv: torch.Tensor, lw: _LayerWeights) -> None:
+        """Qwen3: RMSNorm over each head of q and of k (before RoPE), in place in the fused qkv rows."""
+        T, H, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q = qkv[:, : H * D].view(T, H, D)
+        k = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
+        q.copy_(rms_norm(q, lw.q_norm, self.eps))
+        k.copy_(rms_norm(k, lw.k_norm, self.eps))
+
     def _attention_scratch(self, floats: int) -> torch.Tensor:
         """fp32 scores for decode attention, kept between steps (long contexts need megabytes, and a
         fresh allocation that size is page-faulted in on every step)."""
@@ -187,6 +197,8 @@ class LlamaForCausalLM:
         for i, lw in enumerate(self.layers):
             h = rms_norm(x, lw.input_norm, self.eps)
             qkv = self._project(lora, i, "qkv", lw.qkv, h)
+            if lw.q_norm is not None:
+                self._norm_heads(qkv, lw)
             qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
             qk = qk * cos + torch.roll(qk, half, dims=-1) * sin  # RoPE on q and k at once
             v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)

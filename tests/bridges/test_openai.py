@@ -87,7 +87,7 @@ def test_chat_greedy_equals_the_spark_answer(client, model, live_server):
     ({"model": "M", "messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, 400, None),
     ({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
     ({"model": "M", "messages": [{"role": "user", "content": "hi"}],
-      "response_format": {"type": "json_object"}}, 400, "response_format"),
+      "response_format": {"type": "xml"}}, 400, "response_format.type"),
 ])
 def test_errors_use_openai_shape(live_server, model, body, status, param):
     if isinstance(body, dict) and body.get("model") == "M":

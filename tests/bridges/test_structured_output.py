@@ -122,7 +122,7 @@ async def _spark(server) -> list[str]:
 
 
 def _chat(**fields) -> dict:
-    return {"messages": ASK, "temperature": 1.0, "max_tokens": 48, "n": 10, **fields}
+    return {"messages": ASK, "temperature": 1.0, "max_tokens": 40, "n": 10, **fields}
 
 
 def test_every_protocol_field_gives_valid_answers(live_server, hf_server):
@@ -185,7 +185,7 @@ def test_openai_json_object(live_server):
     cut by `length` is only checked to be the start of an object; every finished one must parse."""
     ask = [{"role": "user", "content": 'Reply with a short JSON object such as {"colour": "red"}.'}]
     r = httpx.post(live_server.http_url + "/v1/chat/completions", timeout=120, json={
-        "messages": ask, "temperature": 1.0, "max_tokens": 80, "n": 8, "seed": 1,
+        "messages": ask, "temperature": 1.0, "max_tokens": 64, "n": 6, "seed": 1,
         "response_format": {"type": "json_object"}})
     finished = 0
     for choice in r.json()["choices"]:
@@ -202,7 +202,8 @@ def test_structural_tag(live_server):
     tag = {"type": "structural_tag", "triggers": ["<person>"],
            "structures": [{"begin": "<person>", "schema": PERSON, "end": "</person>"}]}
     r = httpx.post(live_server.http_url + "/v1/chat/completions", timeout=120, json=_chat(
-        n=6, response_format=tag, messages=[{"role": "user", "content": "Write <person>{...}</person> for a friend."}]))
+        n=4, max_tokens=40, response_format=tag,
+        messages=[{"role": "user", "content": "Write <person>{...}</person> for a friend."}]))
     for text in _texts(r.json()["choices"]):  # free text, but every tagged segment holds a valid person
         for segment in re.findall(r"<person>(.*?)</person>", text, flags=re.S):
             assert valid_person(segment), text

@@ -24,7 +24,7 @@ def _save_tiny(tmp_path, llm_engine, config) -> str:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    out = tmp_path / config.model_type
+    out = tmp_path / f"{config.model_type}-{id(config)}"
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         src = f"{llm_engine.model_info.path}/{name}"
@@ -33,22 +33,28 @@ def _save_tiny(tmp_path, llm_engine, config) -> str:
 
 
 def _configs():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     return {
         "llama": LlamaConfig(**TINY),
+        # Llama 3.x: rope_scaling of type llama3 (the RoPE tables come from the model's own rotary module)
+        "llama3-rope": LlamaConfig(**TINY, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}),
         "qwen2": Qwen2Config(**TINY),  # q/k/v projections carry biases
+        "qwen3": Qwen3Config(**TINY, head_dim=32),  # q/k RMSNorm per head; head_dim != hidden / heads
         "mistral": MistralConfig(**TINY, sliding_window=None),
     }
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "llama3-rope", "qwen2", "qwen3", "mistral"])
 def test_family_matches_transformers(tmp_path, llm_engine, family):
     from transformers import AutoModelForCausalLM
 
-    path = _save_tiny(tmp_path, llm_engine, _configs()[family])
+    config = _configs()[family]
+    path = _save_tiny(tmp_path, llm_engine, config)
     engine = LLMEngine(EngineConfig(model=path, dtype="float32"))
-    assert engine.model_info.model_type == family
+    assert engine.model_info.model_type == config.model_type
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [[1, 5, 900, 3000, 42], [1] + list(range(100, 160)), [7] * 3]
     reqs = [GenerationRequest(f"{family}{i}", TokensPrompt(p), SamplingParams(max_tokens=12, temperature=0,
