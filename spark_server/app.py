@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from pathlib import Path
 from typing import AsyncIterator
@@ -18,6 +19,7 @@ from lora_store.resolver import LoraResolver, store_validator
 from lora_store.store import LoraStore, StoreLimits
 from spark_server.auth import ApiKeyMiddleware, ReplayGuard, parse_key_pairs
 from spark_server.health import health
+from spark_server.playground import playground, sign
 from spark_server.metrics import Metrics, RequestCounter, metrics_endpoint, note_in_request_context
 from spark_server.settings import Settings
 from spark_server.limits import BodySizeLimit
@@ -41,6 +43,8 @@ SPARK_PROTOCOL = Protocol("spark", (
 SERVER_PROTOCOL = Protocol("server", (
     Operation("GET", "/health", health, "ready when the model is loaded"),
     Operation("GET", "/metrics", metrics_endpoint, "Prometheus metrics"),
+    Operation("GET", "/", playground, "the browser playground (a Spark WebSocket conversation)"),
+    Operation("POST", "/playground/sign", sign, "a signed Spark WebSocket URL for the playground (--spark-auth)"),
 ))
 
 
@@ -65,7 +69,7 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
     registry = Registry([SPARK_PROTOCOL, SERVER_PROTOCOL, *discover()], settings)
     app = Starlette(routes=registry.routes(), lifespan=lifespan)
     app.state.registry = registry
-    metrics = Metrics(app.state)
+    metrics = Metrics(app.state, engine.model_info.name)
     app.state.metrics = metrics
     engine.finished_listeners.append(metrics.observe_finished)
     if note_in_request_context not in engine.finished_listeners:  # once, however many apps share the engine
@@ -116,4 +120,18 @@ def uvicorn_config(app: Starlette, settings: Settings) -> "uvicorn.Config":
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                           ws_max_size=int(settings.max_frame_mb * (1 << 20)), ssl_certfile=settings.ssl_certfile,
                           ssl_keyfile=settings.ssl_keyfile, timeout_keep_alive=settings.timeout_keep_alive,
-                          http=header_timeout_protocol(settings.header_timeout))
+                          http=header_timeout_protocol(settings.header_timeout), log_config=timestamped_log_config())
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def timestamped_log_config() -> dict:
+    """uvicorn's own logging, with a timestamp on every line: its server lines and its access lines."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["formatters"]["default"]["fmt"] = "%(asctime)s %(levelprefix)s %(message)s"
+    config["formatters"]["access"]["fmt"] = \
+        '%(asctime)s %(levelprefix)s %(client_addr)s - "%(request_line)s" %(status_code)s'
+    return config

@@ -154,7 +154,8 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"].startswith(OPEN_PATHS):
+        if scope["type"] != "http" or scope["path"].startswith(OPEN_PATHS) or \
+                (scope["path"] == "/" and scope.get("method") in ("GET", "HEAD")):  # the playground page itself
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")

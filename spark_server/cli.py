@@ -14,16 +14,16 @@ from spark_server import settings as settings_mod
 def _serve(args: argparse.Namespace) -> int:
 
     from engine.async_engine import AsyncEngine
-    from spark_server.app import SPARK_WS_PATH, build_app, uvicorn_config
+    from spark_server.app import LOG_FORMAT, SPARK_WS_PATH, build_app, uvicorn_config
     from spark_server.shutdown import DrainingServer
 
     try:
-        settings = settings_mod.resolve(vars(args))
+        settings, sources = settings_mod.resolve_with_sources(vars(args))
     except (ValueError, OSError) as exc:
         print(f"spark-server: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
+    logging.getLogger("spark_server").info("%s", settings_mod.describe(settings, sources))
     problem = port_problem(settings.host, settings.port)
     if problem:  # before minutes of model loading
         print(f"spark-server: cannot serve on {settings.host}:{settings.port}: {problem}", file=sys.stderr)

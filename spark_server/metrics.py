@@ -8,7 +8,8 @@ import time
 import uuid
 from typing import Any, Iterable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, ProcessCollector,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.requests import Request
 from starlette.responses import Response
@@ -30,34 +31,40 @@ TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1
 class _EngineCollector:
     """Gauges read from the engine at scrape time (no bookkeeping on the hot path)."""
 
-    def __init__(self, app_state: Any) -> None:
+    def __init__(self, app_state: Any, model_name: str) -> None:
         self.state = app_state
+        self.model_name = model_name
 
     def collect(self) -> Iterable:
         engine = getattr(self.state, "engine", None)
         if engine is not None:
             st = engine.stats()
-            yield GaugeMetricFamily("spark:num_requests_running", "Sequences in the running batch.",
-                                    value=st.num_requests_running)
-            yield GaugeMetricFamily("spark:num_requests_waiting", "Sequences waiting to be scheduled.",
-                                    value=st.num_requests_waiting)
-            yield GaugeMetricFamily("spark:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
-                                    value=st.kv_cache_usage)
-            yield CounterMetricFamily("spark:num_preemptions", "Sequences preempted for KV space.",
-                                      value=st.num_preemptions)
-            yield CounterMetricFamily("spark:prefix_cache_queries", "Admissions that looked up the prefix cache.",
-                                      value=st.prefix_cache_queries)
-            yield CounterMetricFamily("spark:prefix_cache_hits", "Admissions that reused cached prefix blocks.",
-                                      value=st.prefix_cache_hits)
+            yield self._one(GaugeMetricFamily, "spark:num_requests_running", "Sequences in the running batch.",
+                            st.num_requests_running)
+            yield self._one(GaugeMetricFamily, "spark:num_requests_waiting", "Sequences waiting to be scheduled.",
+                            st.num_requests_waiting)
+            yield self._one(GaugeMetricFamily, "spark:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
+                            st.kv_cache_usage)
+            yield self._one(CounterMetricFamily, "spark:num_preemptions", "Sequences preempted for KV space.",
+                            st.num_preemptions)
+            yield self._one(CounterMetricFamily, "spark:prefix_cache_queries",
+                            "Admissions that looked up the prefix cache.", st.prefix_cache_queries)
+            yield self._one(CounterMetricFamily, "spark:prefix_cache_hits", "Admissions that reused cached prefix blocks.",
+                            st.prefix_cache_hits)
             if st.max_loras:
-                yield CounterMetricFamily("spark:lora_loads", "Adapters loaded into a slot.", value=st.lora_loads)
+                yield self._one(CounterMetricFamily, "spark:lora_loads", "Adapters loaded into a slot.", st.lora_loads)
         resolver = getattr(self.state, "lora_resolver", None)
         store = getattr(resolver, "store", None)
         if store is not None:
-            yield CounterMetricFamily("spark:lora_cache_hits", "LoRA pack requests served from the cache.",
-                                      value=store.num_hits)
-            yield CounterMetricFamily("spark:lora_downloads", "LoRA packs downloaded and verified.",
-                                      value=store.num_downloads)
+            yield self._one(CounterMetricFamily, "spark:lora_cache_hits", "LoRA pack requests served from the cache.",
+                            store.num_hits)
+            yield self._one(CounterMetricFamily, "spark:lora_downloads", "LoRA packs downloaded and verified.",
+                            store.num_downloads)
+
+    def _one(self, family: type, name: str, doc: str, value: float):
+        metric = family(name, doc, labels=["model_name"])
+        metric.add_metric([self.model_name], value)
+        return metric
 
 
 def note_in_request_context(out: RequestOutput) -> None:
@@ -71,19 +78,27 @@ def note_in_request_context(out: RequestOutput) -> None:
 
 
 class Metrics:
-    def __init__(self, app_state: Any) -> None:
+    """Request metrics, each labelled with the served model's name (as vLLM's `model_name`), plus the
+    engine's gauges read at scrape time and the process's own (CPU, memory, open files)."""
+
+    def __init__(self, app_state: Any, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(app_state))
-        self.ttft = Histogram("spark:time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS,
-                              registry=self.registry)
+        self.registry.register(_EngineCollector(app_state, model_name))
+        ProcessCollector(registry=self.registry)
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.ttft = Histogram("spark:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
         self.tpot = Histogram("spark:time_per_output_token_seconds", "Time per output token after the first.",
-                              buckets=TPOT_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("spark:e2e_request_latency_seconds", "End-to-end request latency.",
-                             buckets=TTFT_BUCKETS, registry=self.registry)
+                              labels, buckets=TPOT_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram("spark:e2e_request_latency_seconds", "End-to-end request latency.", labels,
+                             buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
         self.requests = Counter("spark:requests", "Finished requests by protocol and result code.",
-                                ["protocol", "code"], registry=self.registry)
-        self.prompt_tokens = Counter("spark:prompt_tokens", "Prompt tokens processed.", registry=self.registry)
-        self.generation_tokens = Counter("spark:generation_tokens", "Tokens generated.", registry=self.registry)
+                                ["protocol", "code", "model_name"], registry=self.registry)
+        self.prompt_tokens = Counter("spark:prompt_tokens", "Prompt tokens processed.", labels,
+                                     registry=self.registry).labels(model_name)
+        self.generation_tokens = Counter("spark:generation_tokens", "Tokens generated.", labels,
+                                         registry=self.registry).labels(model_name)
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Called by the engine for every sample's final output."""
@@ -98,7 +113,7 @@ class Metrics:
         self.generation_tokens.inc(out.num_output_tokens)
 
     def count(self, protocol: str, code: int | str) -> None:
-        self.requests.labels(protocol=protocol, code=str(code)).inc()
+        self.requests.labels(protocol=protocol, code=str(code), model_name=self.model_name).inc()
 
 
 class RequestCounter:

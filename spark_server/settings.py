@@ -263,7 +263,26 @@ def read_config_file(path: str) -> dict[str, Any]:
     return data
 
 
+SECRET_SETTINGS = ("api_key", "spark_auth")  # never printed
+
+
 def resolve(cli: dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> Settings:
+    return resolve_with_sources(cli, environ)[0]
+
+
+def describe(settings: Settings, sources: dict[str, str]) -> str:
+    """One line: every setting's value and where it came from (flag, env, file, default); secrets masked."""
+    parts = []
+    for f in fields(Settings):
+        value = getattr(settings, f.name)
+        shown = "***" if f.name in SECRET_SETTINGS and value else value
+        parts.append(f"{f.name}={shown!r}({sources.get(f.name, 'default')})")
+    return "settings: " + " ".join(parts)
+
+
+def resolve_with_sources(cli: dict[str, Any] | None = None,
+                         environ: dict[str, str] | None = None) -> tuple[Settings, dict[str, str]]:
+    """The settings, and for each one set by other than its default: "flag", "env" or "file"."""
     cli = {k: (",".join(v) if isinstance(v, list) else v) for k, v in (cli or {}).items() if v is not None}
     environ = os.environ if environ is None else environ
     config_path = cli.get("config") or environ.get(f"{ENV_PREFIX}CONFIG")
@@ -276,13 +295,14 @@ def resolve(cli: dict[str, Any] | None = None, environ: dict[str, str] | None = 
         if unknown:
             raise ValueError(f"{config_path}: unknown setting(s) {', '.join(unknown)}")
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     for f in fields(Settings):
         kind = _base_type(f.type)
         env_value = environ.get(f"{ENV_PREFIX}{f.name.upper()}")
         if f.name in cli:
-            values[f.name] = _convert(f.name, kind, cli[f.name])
+            values[f.name], sources[f.name] = _convert(f.name, kind, cli[f.name]), "flag"
         elif env_value is not None and env_value != "":
-            values[f.name] = _convert(f.name, kind, env_value)
+            values[f.name], sources[f.name] = _convert(f.name, kind, env_value), "env"
         elif f.name in from_file:
-            values[f.name] = _convert(f.name, kind, from_file[f.name])
-    return Settings(**values)
+            values[f.name], sources[f.name] = _convert(f.name, kind, from_file[f.name]), "file"
+    return Settings(**values), sources

@@ -11,9 +11,14 @@ from tests.spark.client import converse, spark_request
 
 
 def _value(text: str, name: str, labels: str = "") -> float:
-    pattern = re.escape(name) + (r"\{" + labels + r"\}" if labels else "") + r" ([0-9.e+-]+)"
-    found = re.findall(pattern, text)
-    return float(found[0]) if found else 0.0
+    """The sample of ``name`` whose labels include every pair in ``labels`` (others, such as model_name,
+    may be there too)."""
+    wanted = set(re.findall(r'\w+="[^"]*"', labels))
+    for line in text.splitlines():
+        m = re.fullmatch(re.escape(name) + r'(?:\{([^}]*)\})? ([0-9.e+-]+)', line)
+        if m and wanted <= set(re.findall(r'\w+="[^"]*"', m.group(1) or "")):
+            return float(m.group(2))
+    return 0.0
 
 
 def test_metrics_follow_traffic(live_server):

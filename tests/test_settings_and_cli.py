@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import time
@@ -43,25 +44,38 @@ def test_help_documents_vllm_style_flags():
         assert flag in out
 
 
-def test_serve_answers_a_real_question():
-    """What `make serve` runs: the console script on a port, answering over the WebSocket."""
+def test_serve_answers_a_real_question_and_logs_for_operators():
+    """What `make serve` runs: the console script on a port, answering over the WebSocket; its log has
+    one settings line (where each value came from, secrets masked) and a timestamp on every line,
+    uvicorn's access lines included."""
     port = free_port()
-    env = dict(os.environ, SPARK_LOG_LEVEL="warning")
-    proc = subprocess.Popen([sys.executable, "-m", "spark_server", "serve", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    env = dict(os.environ, SPARK_MAX_WAITING="9")
+    env.pop("SPARK_LOG_LEVEL", None)
+    proc = subprocess.Popen([sys.executable, "-m", "spark_server", "serve", "--port", str(port), "--api-key", "sekret",
+                             "--max-num-seqs", "4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    lines = []
     try:
         started = time.monotonic()
-        line = ""
-        while "serving ws://" not in line:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "server exited early"
+        while not lines or "serving ws://" not in lines[-1]:
+            lines.append(proc.stdout.readline())
+            assert lines[-1] or proc.poll() is None, "server exited early:\n" + "".join(lines)
             assert time.monotonic() - started < 120
-        assert f"ws://127.0.0.1:{port}/turing/v3/gpt" in line
+        assert f"ws://127.0.0.1:{port}/turing/v3/gpt" in lines[-1]
         wait_healthy(f"http://127.0.0.1:{port}")
-        frames = asyncio.run(converse(f"ws://127.0.0.1:{port}/turing/v3/gpt",
+        frames = asyncio.run(converse(f"ws://127.0.0.1:{port}/turing/v3/gpt?api_key=sekret",
                                       spark_request("What is the capital of France?", max_tokens=12, top_k=1)))
         assert frames[-1]["header"]["status"] == 2
         assert "Paris" in answer_text(frames)
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        out, _ = proc.communicate(timeout=30)
+    lines = [line.rstrip("\n") for line in lines + out.splitlines(keepends=True) if line.strip()]
+    settings = next(line for line in lines if "settings: " in line)
+    assert "max_num_seqs=4(flag)" in settings and "max_waiting=9(env)" in settings and "block_size=16(default)" in settings
+    assert "sekret" not in "\n".join(lines) and "api_key='***'(flag)" in settings
+    stamp = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
+    access = [line for line in lines if '"GET /health' in line]
+    assert access and all(stamp.match(line) for line in access), access
+    logged = [line for line in lines if not line.startswith(("spark-server:", " ", "\t", "Traceback"))]
+    assert all(stamp.match(line) for line in logged), [line for line in logged if not stamp.match(line)]
