@@ -103,3 +103,11 @@ def live_server(async_engine: AsyncEngine) -> LiveServer:
     app = build_app(settings, async_engine, owns_engine=False)
     with ServerThread(app, settings.port):
         yield LiveServer(async_engine, settings.port)
+
+
+@pytest.fixture(scope="session")
+def hf_server(async_engine):
+    """A second server on the same engine, in the HF `text_generation` shape (--tgi-compat hf)."""
+    settings = Settings(port=free_port(), tgi_compat="hf")
+    with ServerThread(build_app(settings, async_engine, owns_engine=False), settings.port):
+        yield LiveServer(async_engine, settings.port)

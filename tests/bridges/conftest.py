@@ -8,14 +8,6 @@ from tests.conftest import LiveServer, ServerThread, free_port
 
 
 @pytest.fixture(scope="session")
-def hf_server(async_engine):
-    """A second server on the same engine, in the HF `text_generation` shape (--tgi-compat hf)."""
-    settings = Settings(port=free_port(), tgi_compat="hf")
-    with ServerThread(build_app(settings, async_engine, owns_engine=False), settings.port):
-        yield LiveServer(async_engine, settings.port)
-
-
-@pytest.fixture(scope="session")
 def variant_server(async_engine):
     """fullTextEnabled and vLLM's own cumulative stream."""
     settings = Settings(port=free_port(), full_text_enabled=True, vllm_stream="cumulative")

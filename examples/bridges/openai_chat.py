@@ -1,0 +1,29 @@
+"""The official `openai` client against this server: a chat answer, a streamed one, JSON by schema and a
+tool call.
+
+    SPARK_SERVER=http://127.0.0.1:9990 python examples/bridges/openai_chat.py
+"""
+
+import os
+
+import openai
+
+client = openai.OpenAI(base_url=os.environ.get("SPARK_SERVER", "http://127.0.0.1:9990") + "/v1", api_key="none")
+model = client.models.list().data[0].id
+question = [{"role": "user", "content": "What is the capital of France?"}]
+
+print(client.chat.completions.create(model=model, messages=question, max_tokens=32).choices[0].message.content)
+for chunk in client.chat.completions.create(model=model, messages=question, max_tokens=32, stream=True):
+    print(chunk.choices[0].delta.content or "" if chunk.choices else "", end="", flush=True)
+print()
+person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+print(client.chat.completions.create(model=model, max_tokens=48, messages=[{"role": "user", "content": "A person?"}],
+                                     response_format={"type": "json_schema", "json_schema": {"name": "person",
+                                                                                              "schema": person}})
+      .choices[0].message.content)
+weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+call = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                      tools=[weather], tool_choice="required", max_tokens=48).choices[0].message
+print(call.tool_calls[0].function.name, call.tool_calls[0].function.arguments)
