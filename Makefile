@@ -38,10 +38,16 @@ bench: $(STAMP)
 	@rc=0; for b in $(BENCHES); do $(PY) -m benchmarks.bench_$$b || rc=1; done; exit $$rc
 
 # A bounded headless locust run (default: 50 Spark WebSocket users for 60 s) against a local server;
-# CSV and HTML reports land in loadtests/reports/.
+# Variables: LOADTEST_PORT (9995), USERS (50), DURATION (60s), CLASSES (SparkWebSocketUser), e.g.
+#   make loadtest USERS=100 DURATION=2m
+# Reports land in loadtests/reports/run-<timestamp>.html / _stats.csv / -tokens.csv (each run its own).
+LOADTEST_PORT ?= 9995
+USERS ?= 50
+DURATION ?= 60s
+CLASSES ?= SparkWebSocketUser
 loadtest: $(STAMP)
 	$(PIP) install -q "locust>=2.30" "websocket-client>=1.7"
-	PY=$(PY) bash loadtests/run_local.sh
+	PY=$(PY) PORT=$(LOADTEST_PORT) USERS=$(USERS) DURATION=$(DURATION) CLASSES="$(CLASSES)" bash loadtests/run_local.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache

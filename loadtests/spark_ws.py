@@ -1,10 +1,12 @@
 """Locust user for the Spark WebSocket: one session per task, timed the way chat clients feel it.
 
-Recorded as locust request entries (request type "WS"):
+Recorded as locust request entries (request type "WS"), every column in its own unit:
 - "spark first frame": ms from connecting to the first answer frame (time to first frame)
 - "spark per frame": mean ms between answer frames of a session
-- "spark session": ms for the whole session; its "size" is the completion tokens
-- "spark tokens/s": the session's completion tokens per second, stored in the response-time column
+- "spark session": ms for the whole session; its size is the answer's UTF-8 bytes
+Token rates are not times, so they stay out of locust's ms columns: each session's completion tokens
+and tokens/s are collected here and written beside locust's report when the run stops
+(loadtests/reports/<run>-tokens.csv, and a summary line on stdout).
 Any error frame or broken socket is a failure with the frame's code in the message.
 """
 
@@ -15,7 +17,25 @@ import random
 import time
 
 import websocket
-from locust import User, between, task
+from locust import User, between, events, task
+
+SESSIONS: list[tuple[int, float]] = []  # (completion tokens, tokens/s) of each finished session
+
+
+@events.test_stop.add_listener
+def write_token_rates(environment, **_kwargs) -> None:
+    """Per-session token counts and rates, as a CSV beside locust's own report, and a summary line."""
+    import os
+
+    if not SESSIONS:
+        return
+    prefix = os.environ.get("SPARK_LOADTEST_REPORT", "loadtests/reports/run")
+    with open(f"{prefix}-tokens.csv", "w") as out:
+        out.write("completion_tokens,tokens_per_s\n")
+        out.writelines(f"{n},{rate:.2f}\n" for n, rate in SESSIONS)
+    rates = sorted(rate for _, rate in SESSIONS)
+    print(f"spark sessions: {len(SESSIONS)}, completion tokens/s per session: p50 {rates[len(rates) // 2]:.1f}, "
+          f"p10 {rates[len(rates) // 10]:.1f}, mean {sum(rates) / len(rates):.1f}")
 
 QUESTIONS = ["What is the capital of France?", "Give me three tips for sleeping well.", "你好，请介绍一下你自己。",
              "Explain what a prime number is.", "Write a haiku about the sea.", "北京有哪些名胜古迹？"]
@@ -38,7 +58,7 @@ class SparkWebSocketUser(User):
                 "payload": {"message": {"text": [{"role": "user", "content": random.choice(QUESTIONS)}]}}}
         start = time.perf_counter()
         first = last = None
-        frames = 0
+        frames = answer_bytes = 0
         try:
             ws = websocket.create_connection(url, timeout=120)
             try:
@@ -52,6 +72,7 @@ class SparkWebSocketUser(User):
                     first = first or now
                     last = now
                     frames += 1
+                    answer_bytes += len(frame["payload"]["choices"]["text"][0]["content"].encode())
                     if header["status"] == 2:
                         tokens = frame["payload"]["usage"]["text"]["completion_tokens"]
                         break
@@ -64,6 +85,6 @@ class SparkWebSocketUser(User):
         self._fire("spark first frame", (first - start) * 1000)
         if frames > 1:
             self._fire("spark per frame", (last - first) / (frames - 1) * 1000)
-        self._fire("spark session", total * 1000, length=tokens)
+        self._fire("spark session", total * 1000, length=answer_bytes)
         if last > first and tokens > 1:
-            self._fire("spark tokens/s", (tokens - 1) / (last - first))
+            SESSIONS.append((tokens, (tokens - 1) / (last - first)))
