@@ -264,7 +264,8 @@ def _stream_usage(body: dict[str, Any]) -> tuple[bool, bool]:
 
 
 async def _stream_completions(engine: EngineClient, body: dict[str, Any], reqs: list[GenerationRequest],
-                              outputs: AsyncIterator[tuple[int, RequestOutput]], answer: _Answer) -> AsyncIterator[bytes]:
+                              outputs: AsyncIterator[tuple[int, RequestOutput]],
+                              answer: _Answer) -> AsyncIterator[bytes]:
     n, rid, model, name = reqs[0].params.n, answer.rid, answer.model, answer.names
     include_usage, continuous = _stream_usage(body)
     created = now()

@@ -86,6 +86,7 @@ class AsyncEngine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
             self._thread.start()
+            threading.Thread(target=self.engine.warm_grammars, name="grammar-warmup", daemon=True).start()
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -245,6 +245,14 @@ class LLMEngine:
         Raises InvalidRequestError naming the constraint's field and the grammar library's reason."""
         return self.grammars().compile(constraint)
 
+    def warm_grammars(self) -> None:
+        """Build the grammar library's view of the tokenizer (~0.4 s) ahead of the first structured-output
+        request, which then waits only for its own grammar."""
+        try:
+            self.grammars()
+        except Exception:  # structured output then fails at its first request, with the reason
+            logger.warning("structured output is unavailable", exc_info=True)
+
     def grammars(self) -> GrammarCompiler:
         with self._grammars_lock:
             if self._grammars is None:

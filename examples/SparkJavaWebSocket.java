@@ -25,7 +25,7 @@ public class SparkJavaWebSocket {
         };
         if (!client.connectBlocking(10000, TimeUnit.MILLISECONDS)) throw new IllegalStateException("not connected");
         client.send("{\"header\":{\"traceId\":\"spark-demo-test\"},"
-                + "\"chat\":{\"max_tokens\":64,\"temperature\":0.1,\"top_k\":1},"
+                + "\"chat\":{\"max_tokens\":24,\"temperature\":0.1,\"top_k\":1},"
                 + "\"payload\":{\"message\":{\"text\":[{\"role\":\"user\",\"content\":\"What is the capital of France?\"}]}}}");
         done.await(120, TimeUnit.SECONDS);
         client.close();

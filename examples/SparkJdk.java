@@ -44,7 +44,7 @@ public class SparkJdk {
         };
         WebSocket ws = HttpClient.newHttpClient().newWebSocketBuilder().buildAsync(uri, listener).get(10, TimeUnit.SECONDS);
         String request = "{\"header\":{\"traceId\":\"spark-demo-test\"},"
-                + "\"chat\":{\"max_tokens\":64,\"temperature\":0.1,\"top_k\":1},"
+                + "\"chat\":{\"max_tokens\":24,\"temperature\":0.1,\"top_k\":1},"
                 + "\"payload\":{\"message\":{\"text\":[{\"role\":\"user\",\"content\":\"What is the capital of France?\"}]}}}";
         ws.sendText(request, true);
         int code = done.get(120, TimeUnit.SECONDS);

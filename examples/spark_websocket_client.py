@@ -11,7 +11,7 @@ import websocket  # pip install websocket-client
 URL = os.environ.get("SPARK_SERVER", "http://127.0.0.1:9990").replace("http", "ws", 1) + "/turing/v3/gpt"
 
 ws = websocket.create_connection(URL, timeout=120)
-ws.send(json.dumps({"header": {"traceId": "example"}, "parameter": {"chat": {"max_tokens": 64, "top_k": 1}},
+ws.send(json.dumps({"header": {"traceId": "example"}, "parameter": {"chat": {"max_tokens": 24, "top_k": 1}},
                     "payload": {"message": {"text": [{"role": "user", "content": "Name three colours."}]}}}))
 while True:
     frame = json.loads(ws.recv())

@@ -14,7 +14,7 @@ URL = os.environ.get("SPARK_SERVER", "http://127.0.0.1:9990").replace("http", "w
 
 
 async def ask(history: list[dict]) -> str:
-    body = {"header": {"traceId": "example"}, "parameter": {"chat": {"max_tokens": 64, "top_k": 1}},
+    body = {"header": {"traceId": "example"}, "parameter": {"chat": {"max_tokens": 24, "top_k": 1}},
             "payload": {"message": {"text": history}}}
     answer = ""
     async with websockets.connect(URL) as ws:

@@ -6,7 +6,7 @@ const url = (process.env.SPARK_SERVER || "http://127.0.0.1:9990").replace(/^http
 const ws = new WebSocket(url);
 ws.on("open", () => ws.send(JSON.stringify({
   header: {traceId: "example"},
-  parameter: {chat: {max_tokens: 64, top_k: 1}},
+  parameter: {chat: {max_tokens: 24, top_k: 1}},
   payload: {message: {text: [{role: "user", content: "What is the capital of France?"}]}},
 })));
 ws.on("message", (data) => {

@@ -49,8 +49,8 @@ class _EngineCollector:
                             st.num_preemptions)
             yield self._one(CounterMetricFamily, "spark:prefix_cache_queries",
                             "Admissions that looked up the prefix cache.", st.prefix_cache_queries)
-            yield self._one(CounterMetricFamily, "spark:prefix_cache_hits", "Admissions that reused cached prefix blocks.",
-                            st.prefix_cache_hits)
+            yield self._one(CounterMetricFamily, "spark:prefix_cache_hits",
+                            "Admissions that reused cached prefix blocks.", st.prefix_cache_hits)
             if st.max_loras:
                 yield self._one(CounterMetricFamily, "spark:lora_loads", "Adapters loaded into a slot.", st.lora_loads)
         resolver = getattr(self.state, "lora_resolver", None)

@@ -50,8 +50,8 @@ class Settings:
     num_kv_blocks: int | None = _opt(None, "KV cache blocks (overrides --kv-cache-space)")
     block_size: int = _opt(16, "tokens per KV cache block")
     enable_prefix_caching: bool = _opt(True, "reuse the KV cache of previously seen prompt prefixes")
-    spark_http_markers: bool = _opt(True, "Spark HTTP answers as the document's example writes them: newlines as <ret>, "
-                                          "the answer ending with <end> (--no-spark-http-markers: plain text)")
+    spark_http_markers: bool = _opt(True, "Spark HTTP answers as the document's example writes them: newlines as "
+                                          "<ret>, the answer ending with <end> (--no-spark-http-markers: plain text)")
     max_history_tokens: int = _opt(8192, "Spark limit on the tokens of all dialogue contents (error 10003)")
     tgi_compat: str = _opt("spec", "TGI response shape: spec (token id as a list, special null) or hf (the HF "
                                    "text_generation client's shape, plus its root POST /)", choices=["spec", "hf"])
@@ -110,9 +110,10 @@ class Settings:
     allowed_origins: str | None = _opt(None, "browser origins allowed to call the HTTP endpoints (CORS) and open the "
                                              "Spark WebSocket, comma-separated, or * (off by default: no CORS headers, "
                                              "any Origin may open the WebSocket)", repeatable=True)
-    structured_output_backend: str = _opt("auto", "the grammar library of structured output (response_format, guided_*, "
-                                                  "SGLang json_schema/regex/ebnf, TGI grammar): llguidance (vLLM calls "
-                                                  "it guidance); auto picks it", choices=["auto", "llguidance", "guidance"])
+    structured_output_backend: str = _opt("auto", "the grammar library of structured output (response_format, "
+                                                  "guided_*, SGLang json_schema/regex/ebnf, TGI grammar): llguidance "
+                                                  "(vLLM calls it guidance); auto picks it",
+                                          choices=["auto", "llguidance", "guidance"])
     guided_decoding_backend: str | None = _opt(None, "vLLM's older name for --structured-output-backend",
                                                choices=["auto", "llguidance", "guidance"])
     tool_call_parser: str = _opt("hermes", "how tool calls are written and read back: hermes "

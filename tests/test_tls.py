@@ -7,13 +7,15 @@ import json
 import shutil
 import ssl
 import subprocess
-import sys
 
 import httpx
 import pytest
 import websockets
 
-from tests.conftest import free_port, wait_healthy
+from spark_server.app import build_app, uvicorn_config
+from spark_server.settings import Settings
+from tests.conftest import ServerThread, free_port, wait_healthy
+from tests.fake_engine import FakeEngine
 from tests.spark.client import spark_request
 
 
@@ -23,16 +25,12 @@ def test_wss_and_https(tmp_path):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
                     str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "spark_server", "serve", "--port", str(port), "--log-level",
-                             "warning", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        line = proc.stdout.readline()
-        while "serving" not in line:
-            assert line or proc.poll() is None, "server exited"
-            line = proc.stdout.readline()
-        assert f"wss://127.0.0.1:{port}/turing/v3/gpt" in line
+    # the app as the CLI configures it (uvicorn_config), in-process on the scripted engine: TLS is the
+    # server's business, not the model's
+    settings = Settings(port=free_port(), ssl_certfile=str(cert), ssl_keyfile=str(key), log_level="warning")
+    app = build_app(settings, FakeEngine())
+    port = settings.port
+    with ServerThread(app, port, uvicorn_config(app, settings)):
         context = ssl.create_default_context(cafile=str(cert))
         wait_healthy(f"https://127.0.0.1:{port}", verify=context)
 
@@ -43,8 +41,6 @@ def test_wss_and_https(tmp_path):
 
         frames = asyncio.run(talk())
         assert frames[-1]["header"]["code"] == 0 and frames[-1]["header"]["status"] == 2
+        assert httpx.get(f"https://127.0.0.1:{port}/health", verify=context).status_code == 200
         with pytest.raises(httpx.TransportError):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)  # plain HTTP is not served
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)

@@ -13,8 +13,9 @@ import pytest
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
            "required": ["city", "unit"], "additionalProperties": False}
-ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
-       "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -999, "maximum": 999},
+                                       "b": {"type": "integer", "minimum": -999, "maximum": 999}},
+       "required": ["a", "b"], "additionalProperties": False}  # bounded: every call ends within max_tokens
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": ADD}}]
@@ -33,8 +34,8 @@ def model(live_server):
 
 
 def test_required_gives_calls_whose_arguments_validate(client, model):
-    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required", n=8,
-                                       temperature=1.0, max_tokens=100)
+    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required", n=4,
+                                       temperature=1.0, max_tokens=64)
     for choice in r.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
         for call in choice.message.tool_calls:
@@ -43,7 +44,7 @@ def test_required_gives_calls_whose_arguments_validate(client, model):
 
 
 def test_a_named_function_is_always_that_function(client, model):
-    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, n=8, temperature=1.0, max_tokens=60,
+    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, n=4, temperature=1.0, max_tokens=48,
                                        tool_choice={"type": "function", "function": {"name": "add"}})
     for choice in r.choices:
         (call,) = choice.message.tool_calls
@@ -52,8 +53,8 @@ def test_a_named_function_is_always_that_function(client, model):
 
 
 def test_parallel_tool_calls_false_makes_one_call(client, model):
-    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required", n=4,
-                                       temperature=1.0, max_tokens=60, parallel_tool_calls=False)
+    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required", n=3,
+                                       temperature=1.0, max_tokens=48, parallel_tool_calls=False)
     assert all(len(c.message.tool_calls) == 1 for c in r.choices)
 
 
@@ -69,7 +70,8 @@ def test_streamed_deltas_reassemble_into_the_same_call(client, model):
             call["name"] += (delta.function.name or "") if delta.function else ""
             call["arguments"] += (delta.function.arguments or "") if delta.function else ""
         finish = chunk.choices[0].finish_reason or finish
-    expected = [{"name": c.function.name, "arguments": c.function.arguments} for c in whole.choices[0].message.tool_calls]
+    expected = [{"name": c.function.name, "arguments": c.function.arguments}
+                for c in whole.choices[0].message.tool_calls]
     assert [calls[i] for i in sorted(calls)] == expected and finish == "tool_calls"
 
 
