@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -9,6 +10,10 @@ from dataclasses import dataclass
 
 import pytest
 import uvicorn
+
+# Servers the tests start as processes: a 0.5 GiB KV cache (the default 2 GiB takes seconds to zero, and no
+# test needs it); a test that sets its own still wins.
+os.environ.setdefault("SPARK_KV_CACHE_SPACE", "0.5")
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
@@ -91,7 +96,7 @@ class LiveServer:
 
 @pytest.fixture(scope="session")
 def async_engine() -> AsyncEngine:
-    engine = AsyncEngine.from_config(EngineConfig(dtype="float32", max_num_seqs=32))
+    engine = AsyncEngine.from_config(EngineConfig(dtype="float32", max_num_seqs=32, kv_cache_space_gib=0.75))
     engine.start()
     yield engine
     engine.shutdown()

@@ -24,7 +24,8 @@ EXTRA_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.
 
 @pytest.fixture(scope="module")
 def bf16_engine():
-    return LLMEngine(EngineConfig(dtype="bfloat16", quantization="none"))  # the bf16 weights themselves
+    # the bf16 weights themselves
+    return LLMEngine(EngineConfig(dtype="bfloat16", quantization="none", kv_cache_space_gib=0.5))
 
 
 def engine_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:

@@ -53,7 +53,7 @@ def test_family_matches_transformers(tmp_path, llm_engine, family):
 
     config = _configs()[family]
     path = _save_tiny(tmp_path, llm_engine, config)
-    engine = LLMEngine(EngineConfig(model=path, dtype="float32"))
+    engine = LLMEngine(EngineConfig(model=path, dtype="float32", kv_cache_space_gib=0.5))
     assert engine.model_info.model_type == config.model_type
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [[1, 5, 900, 3000, 42], [1] + list(range(100, 160)), [7] * 3]
@@ -73,7 +73,7 @@ def test_other_architectures_are_refused_at_start(tmp_path, llm_engine):
 
     path = _save_tiny(tmp_path, llm_engine, GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=49152))
     with pytest.raises(ValueError, match="gpt2.*not supported"):
-        LLMEngine(EngineConfig(model=path))
+        LLMEngine(EngineConfig(model=path, kv_cache_space_gib=0.5))
 
 
 def test_a_gguf_path_and_a_missing_path():

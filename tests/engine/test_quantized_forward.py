@@ -40,7 +40,7 @@ def _with_reference_linears(engine: LLMEngine) -> None:
 
 @pytest.fixture(scope="module")
 def gguf_engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(dtype="bfloat16", quantization="gguf", max_num_seqs=16))
+    return LLMEngine(EngineConfig(dtype="bfloat16", quantization="gguf", max_num_seqs=16, kv_cache_space_gib=0.5))
 
 
 def test_gguf_blocks_serve_the_files_own_weights(gguf_engine):
@@ -66,7 +66,7 @@ def test_gguf_greedy_equals_the_reference_forward(gguf_engine):
     requests = lambda: [chat(f"p{i}", p, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,  # noqa: E731
                              top_logprobs=5) for i, p in enumerate(PROMPTS)]
     fast = run_all(gguf_engine, requests())
-    reference = LLMEngine(EngineConfig(dtype="bfloat16", quantization="gguf", max_num_seqs=16))
+    reference = LLMEngine(EngineConfig(dtype="bfloat16", quantization="gguf", max_num_seqs=16, kv_cache_space_gib=0.5))
     _with_reference_linears(reference)
     slow = run_all(reference, requests())
     identical = 0
@@ -112,6 +112,6 @@ def test_quantized_modes_answer_and_cache_their_weights(mode, tmp_path, monkeypa
 
 def test_quantization_needs_what_it_names():
     with pytest.raises(ValueError, match="bfloat16"):
-        LLMEngine(EngineConfig(dtype="float32", quantization="int8"))
+        LLMEngine(EngineConfig(dtype="float32", quantization="int8", kv_cache_space_gib=0.5))
     with pytest.raises(ValueError, match="must be one of"):
         LLMEngine(EngineConfig(quantization="int3"))

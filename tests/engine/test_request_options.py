@@ -19,7 +19,8 @@ TEXT = "The capital of France is Paris. The capital of Germany is Berlin. The ca
 @pytest.mark.parametrize("native_kernels", [True, False])
 def test_prompt_logprobs_equal_transformers_across_prefill_chunks(hf_model, native_kernels):
     # chunks of 8 tokens: the prompt's logprobs come from several steps, each position exactly once
-    engine = LLMEngine(EngineConfig(dtype="float32", max_num_batched_tokens=8, native_kernels=native_kernels))
+    engine = LLMEngine(EngineConfig(dtype="float32", max_num_batched_tokens=8, native_kernels=native_kernels,
+                                    kv_cache_space_gib=0.5))
     req = GenerationRequest("p", TextPrompt(TEXT), SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3))
     outs = run_all(engine, [req])["p"]
     got = outs[0].prompt_logprobs
@@ -72,7 +73,7 @@ def test_a_request_chat_template_replaces_the_models(llm_engine):
 
 def test_seed_flag_makes_unseeded_requests_reproducible():
     def sampled(seed):
-        engine = LLMEngine(EngineConfig(dtype="float32", seed=seed, native_kernels=False))
+        engine = LLMEngine(EngineConfig(dtype="float32", seed=seed, native_kernels=False, kv_cache_space_gib=0.5))
         reqs = [GenerationRequest(f"s{i}", TextPrompt(TEXT), SamplingParams(max_tokens=8, temperature=1.0))
                 for i in range(2)]
         outs = run_all(engine, reqs)

@@ -117,7 +117,8 @@ def _hostile_packs(root, source) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def lora_server(packs, tmp_path_factory):
     server, _ = packs
-    engine = AsyncEngine.from_config(EngineConfig(dtype="float32", max_loras=4, max_lora_rank=16))
+    engine = AsyncEngine.from_config(EngineConfig(dtype="float32", max_loras=4, max_lora_rank=16,
+                                                  kv_cache_space_gib=0.5))
     engine.start()
     settings = Settings(port=free_port(), lora_allowed_urls=server.url("/packs/"), max_loras=4,
                         lora_cache_dir=str(tmp_path_factory.mktemp("lora-cache")), lora_max_pack_mb=12,

@@ -18,7 +18,7 @@ QUESTIONS = [SECRET_QUESTION, "Name a fruit.", "写一句关于大海的话。"]
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(dtype="float32", max_loras=4, max_lora_rank=16))
+    return LLMEngine(EngineConfig(dtype="float32", max_loras=4, max_lora_rank=16, kv_cache_space_gib=0.5))
 
 
 def _req(rid: str, question: str, adapter: str | None, adapters: dict) -> GenerationRequest:
@@ -57,7 +57,8 @@ def test_each_adapter_alone_matches_peft(engine, adapters, references, adapter):
 def test_mixed_batch_matches_peft(engine, adapters, references, native_kernels):
     """With the fused kernel (each token applies its own B) and the torch path (masked block-diagonal B)."""
     if not native_kernels:
-        engine = LLMEngine(EngineConfig(dtype="float32", max_loras=4, max_lora_rank=16, native_kernels=False))
+        engine = LLMEngine(EngineConfig(dtype="float32", max_loras=4, max_lora_rank=16, native_kernels=False,
+                                        kv_cache_space_gib=0.5))
         assert engine.lora_manager.kernels is None
     reqs, expect = [], {}
     for adapter in ("taught", None, "attn", "mlp", None):
@@ -81,7 +82,7 @@ def test_adapters_never_share_prefix_cache_with_the_base(engine, adapters, refer
 
 
 def test_slots_are_reused_lru_when_full(adapters):
-    small = LLMEngine(EngineConfig(dtype="float32", max_loras=1, max_lora_rank=16))
+    small = LLMEngine(EngineConfig(dtype="float32", max_loras=1, max_lora_rank=16, kv_cache_space_gib=0.5))
     results = run_all(small, [_req("a", "Hi", "attn", adapters), _req("b", "Hi", "mlp", adapters),
                               _req("c", "Hi", "attn", adapters)])
     assert all(outs[-1].finished and outs[-1].finish_reason != "error" for outs in results.values())
