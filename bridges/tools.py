@@ -145,6 +145,7 @@ def _calls_grammar(functions: list[dict], many: bool) -> Constraint:
                                                  "arguments": f.get("parameters") or {"type": "object"}},
                 "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    body = {**body, "x-guidance": {"whitespace_flexible": False}}  # compact JSON, as the call format shows it
     repeat = "+" if many else ""
     lark = (f"start: call{repeat}\n"
             f'call: "{CALL_OPEN}\\n" args "\\n{CALL_CLOSE}"\n'

@@ -37,7 +37,9 @@ def test_required_gives_calls_whose_arguments_validate(client, model):
     r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required", n=4,
                                        temperature=1.0, max_tokens=64)
     for choice in r.choices:
-        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        # `required` allows several calls: a sample that keeps calling may be cut by max_tokens after
+        # complete ones (finish "length"); every complete call must still be there and validate
+        assert choice.finish_reason in ("tool_calls", "length") and choice.message.tool_calls, choice
         for call in choice.message.tool_calls:
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
             assert call.id.startswith("call_") and call.type == "function"
