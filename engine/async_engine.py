@@ -129,12 +129,12 @@ class AsyncEngine:
                 raise LoraUnavailableError(f"adapter {ref.name or ref.url!r} was not resolved to a local adapter",
                                            code="unresolved")
             adapter = await asyncio.to_thread(self.engine.load_adapter, ref.name, ref.path)
+        self.engine.check_params(request.params)  # the cheap checks first
         grammar = None
         if request.params.constraint is not None:  # compiled off the engine thread, once per grammar text
             grammar = await asyncio.to_thread(self.engine.compile_constraint, request.params.constraint)
         if request.deadline is None and self.limits.default_timeout_s:
             request.deadline = request.arrival_time + self.limits.default_timeout_s
-        self.engine.check_params(request.params)
         ids = await asyncio.to_thread(self.engine.encode_prompt, request.prompt, request.params.truncate_prompt_tokens)
         if self.engine.is_full():  # a cheap early refusal; the engine thread checks again on add
             raise EngineOverloadedError("the wait queue is full; retry later")

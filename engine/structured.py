@@ -73,7 +73,11 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return hit
         grammar = self._grammar(constraint)
-        matcher = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0)
+        try:
+            matcher = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0)
+        except Exception as exc:  # the library raises plain exceptions for grammars it cannot build
+            raise InvalidRequestError(f"'{constraint.field}' cannot be used: {_first_line(str(exc))}",
+                                      parameter=constraint.field) from None
         if matcher.is_error():
             raise InvalidRequestError(f"'{constraint.field}' cannot be used: {_first_line(matcher.get_error())}",
                                       parameter=constraint.field)
@@ -87,6 +91,8 @@ class GrammarCompiler:
 
     def _grammar(self, c: Constraint) -> str:
         M = self._ll.LLMatcher
+        if c.kind in ("regex", "grammar") and not c.value.strip():
+            raise InvalidRequestError(f"'{c.field}' is empty", parameter=c.field)
         try:
             if c.kind in ("json", "json_object"):
                 schema = json.loads(c.value) if c.kind == "json" else {"type": "object"}

@@ -62,11 +62,11 @@ def test_parallel_tool_calls_false_makes_one_call(client, model):
 
 def test_streamed_deltas_reassemble_into_the_same_call(client, model):
     whole = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
-                                           temperature=0, max_tokens=80)
+                                           temperature=0, max_tokens=48)
     calls: dict[int, dict] = {}
     finish = None
     for chunk in client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
-                                                temperature=0, max_tokens=80, stream=True):
+                                                temperature=0, max_tokens=48, stream=True):
         for delta in chunk.choices[0].delta.tool_calls or []:
             call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
             call["name"] += (delta.function.name or "") if delta.function else ""
@@ -79,11 +79,11 @@ def test_streamed_deltas_reassemble_into_the_same_call(client, model):
 
 def test_a_call_result_answer_conversation_runs_through_the_template(client, model, live_server):
     first = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
-                                           temperature=0, max_tokens=80)
+                                           temperature=0, max_tokens=48)
     call = first.choices[0].message.tool_calls[0]
     messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                       {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
-    final = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, temperature=0, max_tokens=30,
+    final = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, temperature=0, max_tokens=12,
                                            extra_body={"return_token_ids": True})
     assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
     prompt = live_server.engine.tokenizer.decode(final.model_extra["prompt_token_ids"])
