@@ -86,7 +86,14 @@ def openai_constraint(body: dict[str, Any]) -> Constraint | None:
         found.append(("guided_grammar", Constraint("grammar", body["guided_grammar"], field="guided_grammar")))
     if body.get("structural_tag") is not None:  # FastDeploy: the tag as JSON text (or an object)
         tag = body["structural_tag"]
-        tag = json.loads(tag) if isinstance(tag, str) else tag
+        if isinstance(tag, str):
+            try:
+                tag = json.loads(tag)
+            except ValueError as exc:
+                raise BridgeError(400, f"structural_tag: not valid JSON: {exc}", param="structural_tag") from None
+        if not isinstance(tag, dict):
+            raise BridgeError(400, "structural_tag: expected an object with structures and triggers",
+                              param="structural_tag")
         found.append(("structural_tag", response_format({"type": "structural_tag", **tag}, "structural_tag")))
     return _only_one(found)
 

@@ -12,18 +12,23 @@ client = openai.OpenAI(base_url=os.environ.get("SPARK_SERVER", "http://127.0.0.1
 model = client.models.list().data[0].id
 question = [{"role": "user", "content": "What is the capital of France?"}]
 
-print(client.chat.completions.create(model=model, messages=question, max_tokens=32).choices[0].message.content)
-for chunk in client.chat.completions.create(model=model, messages=question, max_tokens=32, stream=True):
+print(client.chat.completions.create(model=model, messages=question, max_tokens=32, temperature=0)
+      .choices[0].message.content)
+for chunk in client.chat.completions.create(model=model, messages=question, max_tokens=32, temperature=0, stream=True):
     print(chunk.choices[0].delta.content or "" if chunk.choices else "", end="", flush=True)
 print()
-person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
-          "required": ["name", "age"]}
-print(client.chat.completions.create(model=model, max_tokens=48, messages=[{"role": "user", "content": "A person?"}],
+person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+print(client.chat.completions.create(model=model, max_tokens=48, temperature=0,
+                                     messages=[{"role": "user", "content": "A person?"}],
                                      response_format={"type": "json_schema", "json_schema": {"name": "person",
                                                                                               "schema": person}})
       .choices[0].message.content)
 weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+    "additionalProperties": False}}}
 call = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather in Paris?"}],
-                                      tools=[weather], tool_choice="required", max_tokens=48).choices[0].message
+                                      tools=[weather], tool_choice="required", max_tokens=48, temperature=0,
+                                      parallel_tool_calls=False).choices[0].message
 print(call.tool_calls[0].function.name, call.tool_calls[0].function.arguments)

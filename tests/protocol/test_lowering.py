@@ -287,3 +287,9 @@ def test_structured_output_whitespace_and_backend(fake):
     assert r.json()["error"]["param"] == "guided_decoding_backend"
     r, _ = chat(fake, 400, guided_regex="a", guided_choice=["a"])
     assert "only one" in r.json()["error"]["message"]
+
+
+def test_structural_tag_text_that_is_not_json_is_a_400(fake):
+    """Found by the schemathesis run: FastDeploy's structural_tag as text that is not JSON was a 500."""
+    r, _ = chat(fake, 400, structural_tag="W&not json")
+    assert r.json()["error"]["param"] == "structural_tag"
