@@ -17,8 +17,8 @@ import time
 from typing import AsyncIterator, Callable
 
 from engine.config import EngineConfig
-from engine.errors import (EngineOverloadedError, EngineShutdownError, InferenceError, LoraUnavailableError,
-                           RequestTimeoutError)
+from engine.errors import (EngineOverloadedError, EngineShutdownError, InferenceError, InvalidRequestError,
+                           LoraUnavailableError, RequestTimeoutError)
 from engine.llm_engine import LLMEngine
 from engine.protocol import EngineLimits, EngineStats
 from engine.request import GenerationRequest, Prompt, RequestOutput
@@ -152,6 +152,10 @@ class AsyncEngine:
                     out.request_id = request.request_id
                     if out.finish_reason == "error" and out.error_kind == "timeout":
                         raise RequestTimeoutError(out.error or "request timed out")
+                    if out.finish_reason == "error" and out.error_kind == "invalid":
+                        constraint = request.params.constraint
+                        raise InvalidRequestError(out.error or "invalid request",
+                                                  parameter=constraint.field if constraint else None)
                     if out.finish_reason == "error":
                         raise InferenceError(out.error or "inference failed")
                     unfinished -= out.finished

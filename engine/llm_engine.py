@@ -382,9 +382,13 @@ class LLMEngine:
     def _process_token(self, seq: Sequence, token: int) -> RequestOutput:
         p = seq.params
         seq.append_token(token)
-        if seq.matcher is not None and not seq.matcher.consume_token(token):  # cannot happen: it was masked
-            return self._finish(seq, "error", new_tokens=[token], error="structured output: the grammar refused "
-                                f"token {token}: {seq.matcher.get_error()}", error_kind="inference")
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            # The token was masked, so the grammar had no real way on: it needs bytes this vocabulary
+            # cannot spell (a regex naming a character with no byte token), and llguidance's mask fell
+            # back to token 0. The request is what cannot be served, not the engine.
+            return self._finish(seq, "error", error_kind="invalid", error=f"{p.constraint.field}: the constraint "
+                                "needs text this model's vocabulary cannot produce (no token fits the grammar "
+                                f"after {seq.num_output_tokens - 1} output tokens)")
         stops = seq.stop_matcher
         can_stop = seq.num_output_tokens >= p.min_tokens
         if can_stop and not p.ignore_eos and token in self.eos_token_ids:

@@ -103,7 +103,9 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the matched stop string or stop token id
     error: str | None = None
-    error_kind: Literal["timeout", "inference"] | None = None  # why finish_reason is "error"
+    # why finish_reason is "error": the deadline, a failed step, or a request the model cannot serve
+    # (a constraint needing text its vocabulary cannot spell)
+    error_kind: Literal["timeout", "inference", "invalid"] | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
     # the text each of new_token_ids released (they add up to text_delta, less text released with no
     # token); outputs merged for a slow consumer keep each token's own text

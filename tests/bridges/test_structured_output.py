@@ -234,6 +234,14 @@ def test_an_invalid_constraint_is_a_400_naming_the_field(live_server, path, body
     assert field in r.text
 
 
+def test_a_constraint_the_vocabulary_cannot_spell_is_a_400(live_server):
+    """Found by the schemathesis run: a regex naming U+50000 (whose UTF-8 lead byte has no token in
+    SmolLM2's vocabulary) left the grammar allowing nothing; that was a 500 after sampling noise."""
+    r = httpx.post(live_server.http_url + "/v1/chat/completions", json={
+        "messages": ASK, "max_tokens": 8, "guided_regex": "ab\U00050000"}, timeout=60)
+    assert r.status_code == 400 and "guided_regex" in r.text and "cannot produce" in r.text, r.text
+
+
 def test_invalid_constraints_in_tgi_and_spark(live_server):
     r = httpx.post(live_server.http_url + "/generate", json={"inputs": "x", "parameters": {
         "grammar": {"type": "regex", "value": "(("}}}, timeout=60)

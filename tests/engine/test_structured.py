@@ -92,3 +92,16 @@ def test_every_sample_of_n_follows_the_grammar(llm_engine):
     outs = run_all(llm_engine, [req])["n"]
     texts = ["".join(o.text_delta for o in outs if o.index == i) for i in range(6)]
     assert all(t in ("alpha", "beta", "gamma") for t in texts), texts
+
+
+def test_a_grammar_the_vocabulary_cannot_spell_ends_as_an_invalid_request(llm_engine):
+    """SmolLM2's byte-level vocabulary has no token for byte 0xF1 (the lead byte of U+40000..U+7FFFF), so
+    a regex naming such a character allows nothing after its first part: the request ends as invalid
+    instead of sampling from an empty mask."""
+    req = GenerationRequest("x", ChatPrompt([ChatMessage("user", "Say it.")]),
+                            SamplingParams(max_tokens=8, temperature=0,
+                                           constraint=Constraint("regex", "ab\U00050000")))
+    outs = run_all(llm_engine, [req])["x"]
+    assert outs[-1].finish_reason == "error" and outs[-1].error_kind == "invalid", outs[-1]
+    assert "cannot produce" in outs[-1].error
+    assert text_of(outs) == "ab"
