@@ -19,6 +19,7 @@ import time
 import websockets
 
 from benchmarks.common import percentile, print_table, save, verdict
+from benchmarks.plots import plot_file
 
 QUESTIONS = ["Write a long story about a lighthouse keeper.", "Explain how airplanes fly, in detail.",
              "Describe the history of the printing press.", "Write a detailed recipe for bread.",
@@ -112,7 +113,9 @@ def main() -> int:
     print_table("Online: Spark WebSocket sessions (max_tokens 128, temperature 0.8, top_k 6)",
                 ["concurrency", "output tok/s", "tokens", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
                  "TPOT p99 ms"], rows)
-    save("online", {"results": results})
+    path = save("online", {"results": results})
+    for picture in plot_file(path, "Spark WebSocket sessions, max_tokens 128"):
+        print(f"wrote {picture}")
     return verdict({"online throughput grows with concurrency": results[32]["tok_s"] > results[1]["tok_s"] * 4})
 
 
