@@ -17,8 +17,8 @@ from starlette.responses import JSONResponse, Response
 
 import schemas
 from schemas.json_body import JsonBodyError, JsonSyntaxError, parse_json
-from engine.errors import (EngineError, EngineOverloadedError, EngineShutdownError, InvalidRequestError,
-                           LoraUnavailableError, PromptTooLongError, RequestTimeoutError)
+from engine.errors import (EngineError, EngineOverloadedError, EngineShutdownError, EngineUnavailableError,
+                           InvalidRequestError, LoraUnavailableError, PromptTooLongError, RequestTimeoutError)
 from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, RequestOutput, TokenLogprob
 from lora_store.resolver import resolve_lora
@@ -86,6 +86,8 @@ def bridge_error_from(exc: BaseException) -> BridgeError:
         return BridgeError(504, str(exc), kind="timeout_error", code="timeout")
     if isinstance(exc, EngineShutdownError):
         return BridgeError(503, str(exc), kind="service_unavailable", code="shutting_down")
+    if isinstance(exc, EngineUnavailableError):
+        return BridgeError(503, str(exc), kind="service_unavailable", code="engine_unavailable")
     if isinstance(exc, EngineError):
         return BridgeError(500, str(exc), kind="internal_server_error", code="inference_error")
     return BridgeError(500, f"unexpected error: {type(exc).__name__}", kind="internal_server_error")

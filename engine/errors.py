@@ -7,6 +7,7 @@
     ├── LoraUnavailableError       (adapter cannot be fetched or applied)
     ├── RequestTimeoutError        (deadline passed before the request finished)
     ├── EngineShutdownError        (engine stopping; request ended early)
+    ├── EngineUnavailableError     (a remote engine: no backend can take the request now)
     └── InferenceError             (model step failed; the engine keeps serving)
 """
 
@@ -45,6 +46,10 @@ class RequestTimeoutError(EngineError):
 
 
 class EngineShutdownError(EngineError):
+    pass
+
+
+class EngineUnavailableError(EngineError):
     pass
 
 

@@ -8,7 +8,6 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,12 +21,12 @@ from engine.kernels import load_cpu_kernels
 from engine.model_loader import EMBEDDED_MODEL_NAME, gguf_source, resolve_model_dir
 from engine.lora import LoraAdapter, LoraManager, read_adapter
 from engine.model_runner import ModelRunner, PromptLogits
+from engine.prompts import PromptEncoder, read_chat_template
 from engine.protocol import EngineStats, ModelInfo
 from engine.models import model_class
 from engine.models.weights import resolve_quantization
 from engine.quant import cache as quant_cache
-from engine.request import (ChatPrompt, GenerationRequest, Prompt, RequestOutput, TextPrompt, TokenLogprob,
-                            TokensPrompt)
+from engine.request import ChatPrompt, GenerationRequest, Prompt, RequestOutput, TokenLogprob
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -50,16 +49,6 @@ def record_prompt_logprobs(chunk: PromptLogits) -> None:
             continue
         top = list(zip(tops.indices[i].tolist(), tops.values[i].tolist())) if tops is not None else []
         seq.prompt_logprobs.append(TokenLogprob(tid, lp, top))
-
-
-def read_chat_template(value: str) -> str:
-    """--chat-template: a file holding a Jinja template, or the template itself (as vLLM takes it)."""
-    path = Path(value).expanduser()
-    if len(value) < 4096 and "{" not in value and path.is_file():
-        return path.read_text(encoding="utf-8")
-    if "{" not in value:
-        raise ValueError(f"--chat-template {value!r}: neither a file nor a Jinja template")
-    return value
 
 
 class LLMEngine:
@@ -118,7 +107,6 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None  # structured output, made at its first use
         self._masks: MaskApplier | None = None
         self._grammars_lock = threading.Lock()
-        self.max_bytes_per_token = self._max_bytes_per_token()
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences still running
         self._adapters: OrderedDict[str, LoraAdapter] = OrderedDict()  # read and checked, by name
         self._adapters_lock = threading.Lock()
@@ -128,6 +116,7 @@ class LLMEngine:
                                     max_model_len=self.max_model_len, vocab_size=self.model.embed.shape[0],
                                     dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
                                     chat_template_tools="tools" in (self.tokenizer.chat_template or ""))
+        self.prompts = PromptEncoder(self.tokenizer, self.max_model_len, self.model_info.vocab_size)
         self.num_aborted = 0
         self.fault_hook: Any = None  # test hook: called before every model step
         logger.info("engine ready in %.1fs: %s on %s/%s, %d KV blocks of %d tokens, fused CPU kernels %s",
@@ -167,78 +156,16 @@ class LLMEngine:
 
     # ---- preprocessing -------------------------------------------------------------------------
 
-    def _max_bytes_per_token(self) -> int:
-        """Most input bytes one token can stand for: twice the longest token's UTF-8 text, a margin for
-        tokenizers whose normalisation drops characters. ``len(text bytes) // this`` is then a floor on
-        the token count, known without tokenizing (a 4 MB prompt is refused in microseconds)."""
-        ids = [[i] for i in range(len(self.tokenizer))]
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)  # fast tokenizers: one Rust batch call
-        texts = (backend.decode_batch(ids, skip_special_tokens=False) if backend is not None
-                 else [self.tokenizer.decode(i) for i in ids])
-        return 2 * max(max(len(t.encode()) for t in texts), 1)
-
     def min_num_tokens(self, texts: list[str]) -> int:
         """A floor on the tokens ``texts`` need, from their sizes alone."""
-        return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) // self.max_bytes_per_token
+        return self.prompts.min_num_tokens(texts)
 
     def encode_prompt(self, prompt: Prompt, truncate: int | None = None) -> list[int]:
         """Template and tokenize; ``truncate``: keep only the prompt's last so many tokens."""
-        texts = ([m.content for m in prompt.messages] if isinstance(prompt, ChatPrompt)
-                 else [prompt.text] if isinstance(prompt, TextPrompt) else [])
-        floor = self.min_num_tokens(texts)
-        if floor >= self.max_model_len and not truncate:
-            raise PromptTooLongError(
-                f"the prompt has at least {floor} tokens (from its size); this model's context is "
-                f"{self.max_model_len} tokens", floor, self.max_model_len - 1)
-        if isinstance(prompt, ChatPrompt) and prompt.token_ids is not None:
-            ids = list(prompt.token_ids)
-        elif isinstance(prompt, ChatPrompt):
-            ids = self.tokenizer.encode(self.render_chat(prompt), add_special_tokens=prompt.add_special_tokens)
-        elif isinstance(prompt, TextPrompt):
-            ids = self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
-        elif isinstance(prompt, TokensPrompt):
-            ids = list(prompt.token_ids)
-            self._check_in_vocab(ids, "prompt_token_ids")
-        else:
-            raise InvalidRequestError("unknown prompt type", parameter="prompt")
-        if truncate and len(ids) > truncate:
-            ids = ids[-truncate:]
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", parameter="prompt")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens "
-                "and at least one must be left for the answer", len(ids), self.max_model_len - 1)
-        return ids
+        return self.prompts.encode(prompt, truncate)
 
     def render_chat(self, prompt: ChatPrompt) -> str:
-        """The chat template's text for a conversation (the request's own template, if it brings one)."""
-        if prompt.add_generation_prompt and prompt.continue_final_message:
-            raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true",
-                                      parameter="continue_final_message")
-        if prompt.continue_final_message and (not prompt.messages or prompt.messages[-1].role != "assistant"):
-            raise InvalidRequestError("continue_final_message needs an assistant message last",
-                                      parameter="continue_final_message")
-        messages = []
-        for m in prompt.messages:
-            message: dict = {"role": m.role, "content": m.content}
-            if m.tool_calls:
-                message["tool_calls"] = m.tool_calls
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            messages.append(message)
-        extra = {"tools": prompt.tools} if prompt.tools else {}
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=prompt.add_generation_prompt,
-                continue_final_message=prompt.continue_final_message, chat_template=prompt.chat_template,
-                **extra, **prompt.chat_template_kwargs)
-        except InvalidRequestError:
-            raise
-        except Exception as exc:  # a template that does not render these messages (jinja errors, raise_exception)
-            parameter = "chat_template" if prompt.chat_template else "messages"
-            raise InvalidRequestError(f"the chat template cannot render this conversation: {exc}",
-                                      parameter=parameter) from None
+        return self.prompts.render_chat(prompt)
 
     def compile_constraint(self, constraint: Constraint) -> CompiledGrammar:
         """Compile (or find cached) a request's constraint; thread-safe, meant to run off the engine thread.
@@ -264,20 +191,13 @@ class LLMEngine:
         """What a request names must fit this engine: token ids in the vocabulary (one bad id must fail its
         own request at the door, not a model step shared with others), logprobs within --max-logprobs."""
         for name in ("stop_token_ids", "banned_token_ids", "allowed_token_ids"):
-            self._check_in_vocab(getattr(params, name), name)
+            self.prompts.check_in_vocab(getattr(params, name), name)
         limit = self.config.max_logprobs
         for name in ("top_logprobs", "prompt_logprobs"):
             value = getattr(params, name) or 0
             if value > limit:
                 raise InvalidRequestError(f"'{name}' is {value}; this server returns at most {limit} "
                                           "(--max-logprobs)", parameter=name)
-
-    def _check_in_vocab(self, ids: list[int], parameter: str) -> None:
-        vocab = self.model_info.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"'{parameter}': token id {bad} is outside the vocabulary [0, {vocab})",
-                                      parameter=parameter)
 
     # ---- the core loop -------------------------------------------------------------------------
 

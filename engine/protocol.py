@@ -37,6 +37,8 @@ class EngineStats:
     lora_loads: int = 0
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # a remote engine (--engine-url): each backend's URL, whether its last probe passed, and why not
+    backends: tuple[tuple[str, bool, str], ...] = ()
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ from lora_store.pack import UnpackLimits
 from lora_store.resolver import LoraResolver, store_validator
 from lora_store.store import LoraStore, StoreLimits
 from spark_server.auth import ApiKeyMiddleware, ReplayGuard, parse_key_pairs
+from spark_server.fleet import load_lora_adapter, model_info, server_info, unload_lora_adapter, version_endpoint
 from spark_server.health import health
 from spark_server.playground import playground, sign
 from spark_server.metrics import Metrics, RequestCounter, metrics_endpoint, note_in_request_context
@@ -45,6 +46,12 @@ SERVER_PROTOCOL = Protocol("server", (
     Operation("GET", "/metrics", metrics_endpoint, "Prometheus metrics"),
     Operation("GET", "/", playground, "the browser playground (a Spark WebSocket conversation)"),
     Operation("POST", "/playground/sign", sign, "a signed Spark WebSocket URL for the playground (--spark-auth)"),
+    Operation("GET", "/version", version_endpoint, "the server's version (vLLM's; routers identify the engine by it)"),
+    Operation("GET", "/server_info", server_info, "the replica's settings in SGLang's shape (routers read it)"),
+    Operation("GET", "/model_info", model_info, "the served model in SGLang's shape (routers read it)"),
+    Operation("POST", "/v1/load_lora_adapter", load_lora_adapter, "vLLM's: register an adapter under a name "
+              "(a directory under --lora-shared-dir, or a pack url + md5)"),
+    Operation("POST", "/v1/unload_lora_adapter", unload_lora_adapter, "vLLM's: forget a registered adapter"),
 ))
 
 
@@ -104,7 +111,9 @@ def attach_lora(settings: Settings, engine: EngineClient) -> LoraResolver | None
     max_pack, budget = settings.lora_max_pack_mb << 20, int(settings.lora_disk_budget_gb * (1 << 30))
     limits = StoreLimits(max_pack_bytes=max_pack, total_timeout_s=settings.lora_download_timeout,
                          disk_budget_bytes=budget, unpack=UnpackLimits.for_pack_limit(max_pack, budget))
-    cache = Path(settings.lora_cache_dir) if settings.lora_cache_dir else default_cache_dir() / "lora"
+    # a front end unpacks packs where its backends can read them
+    chosen = settings.lora_cache_dir or settings.lora_shared_dir
+    cache = Path(chosen) if chosen else default_cache_dir() / "lora"
     store = LoraStore(cache, (settings.lora_allowed_urls or "").split(","), limits,
                       validator=store_validator(engine.check_adapter),
                       refuse_private=settings.lora_refuse_private_addresses)

@@ -30,7 +30,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     started = time.monotonic()
     try:
-        engine = AsyncEngine.from_config(settings.engine_config())
+        engine = settings.remote_engine() if settings.engine_url else AsyncEngine.from_config(settings.engine_config())
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"spark-server: cannot load the model: {exc}", file=sys.stderr)
         return 2

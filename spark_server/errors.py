@@ -9,8 +9,9 @@ from __future__ import annotations
 from enum import IntEnum
 
 from bridges.common import BridgeError
-from engine.errors import (EngineError, EngineOverloadedError, EngineShutdownError, InferenceError,
-                           InvalidRequestError, LoraUnavailableError, PromptTooLongError, RequestTimeoutError)
+from engine.errors import (EngineError, EngineOverloadedError, EngineShutdownError, EngineUnavailableError,
+                           InferenceError, InvalidRequestError, LoraUnavailableError, PromptTooLongError,
+                           RequestTimeoutError)
 
 
 class SparkCode(IntEnum):
@@ -33,6 +34,7 @@ class SparkCode(IntEnum):
     LORA_INCOMPATIBLE = 12007  # ranks, target modules or shapes do not fit the served model
     REQUEST_TIMEOUT = 12100  # this server: the request's deadline passed
     SERVER_SHUTTING_DOWN = 12101  # this server: shutdown ended the session
+    ENGINE_UNAVAILABLE = 12102  # this server as a front end: no backend of the fleet can take the session
 
 
 DESCRIPTIONS: dict[SparkCode, str] = {
@@ -55,6 +57,7 @@ DESCRIPTIONS: dict[SparkCode, str] = {
     SparkCode.LORA_INCOMPATIBLE: "the LoRA adapter does not fit the served model",
     SparkCode.REQUEST_TIMEOUT: "the request's deadline passed before the answer finished",
     SparkCode.SERVER_SHUTTING_DOWN: "the server is shutting down",
+    SparkCode.ENGINE_UNAVAILABLE: "no engine backend can take the session now (--engine-url fleet down); retry later",
 }
 
 
@@ -92,6 +95,8 @@ def spark_error_from(exc: BaseException) -> SparkError:
         return SparkError(SparkCode.REQUEST_TIMEOUT, str(exc))
     if isinstance(exc, EngineShutdownError):
         return SparkError(SparkCode.SERVER_SHUTTING_DOWN, str(exc))
+    if isinstance(exc, EngineUnavailableError):
+        return SparkError(SparkCode.ENGINE_UNAVAILABLE, str(exc))
     if isinstance(exc, (InferenceError, EngineError)):
         return SparkError(SparkCode.INFERENCE_ERROR, str(exc))
     return SparkError(SparkCode.UNKNOWN, f"unexpected error: {type(exc).__name__}")
@@ -105,7 +110,7 @@ def http_status_for(code: SparkCode) -> int:
         return 401
     if code == SparkCode.SERVER_BUSY:
         return 429
-    if code in (SparkCode.SERVER_SHUTTING_DOWN,):
+    if code in (SparkCode.SERVER_SHUTTING_DOWN, SparkCode.ENGINE_UNAVAILABLE):
         return 503
     if code == SparkCode.REQUEST_TIMEOUT:
         return 504

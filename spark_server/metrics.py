@@ -1,4 +1,5 @@
-"""GET /metrics in Prometheus format, named like vLLM's (`vllm:` -> `spark:`) so dashboards translate."""
+"""GET /metrics in Prometheus format, named like vLLM's (`vllm:` -> `spark:`) so dashboards translate;
+the few gauges fleet routers read also under vLLM's own `vllm:` names."""
 
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ class _EngineCollector:
                             "Admissions that reused cached prefix blocks.", st.prefix_cache_hits)
             if st.max_loras:
                 yield self._one(CounterMetricFamily, "spark:lora_loads", "Adapters loaded into a slot.", st.lora_loads)
+            yield from self._vllm_named(st)
         resolver = getattr(self.state, "lora_resolver", None)
         store = getattr(resolver, "store", None)
         if store is not None:
@@ -60,6 +62,26 @@ class _EngineCollector:
                             store.num_hits)
             yield self._one(CounterMetricFamily, "spark:lora_downloads", "LoRA packs downloaded and verified.",
                             store.num_downloads)
+
+    def _vllm_named(self, st: Any) -> Iterable:
+        """The gauges a fleet's routers read under vLLM's own names: smg's load monitor and the Gateway
+        API Inference Extension's model-server protocol (queue, KV usage, LoRA adapters)."""
+        yield self._one(GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch.",
+                        st.num_requests_running)
+        yield self._one(GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+                        st.num_requests_waiting)
+        yield self._one(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV cache usage (1 = full).",
+                        st.kv_cache_usage)
+        hit_rate = st.prefix_cache_hits / st.prefix_cache_queries if st.prefix_cache_queries else 0.0
+        yield self._one(GaugeMetricFamily, "vllm:gpu_prefix_cache_hit_rate",
+                        "Share of admissions that reused cached prefix blocks (vLLM's name).", hit_rate)
+        if st.max_loras:
+            # vLLM's shape: one sample, the adapters in labels, the value a timestamp
+            info = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters.",
+                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([str(st.max_loras), ",".join(st.running_lora_adapters),
+                             ",".join(st.waiting_lora_adapters)], time.time())
+            yield info
 
     def _one(self, family: type, name: str, doc: str, value: float):
         metric = family(name, doc, labels=["model_name"])

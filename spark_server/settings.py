@@ -31,6 +31,14 @@ class Settings:
     model: str | None = _opt(None, "local HF model directory or .gguf file (default: the embedded "
                                    "SmolLM2-135M-Instruct)")
     served_model_name: str | None = _opt(None, "model name shown to clients (default: the model's name)")
+    engine_url: str | None = _opt(None, "serve with no local model, over a fleet: a router's URL (smg), or several "
+                                        "OpenAI-compatible backends comma-separated (this server, vLLM, SGLang), "
+                                        "tried in turn; --model / --tokenizer then name only the tokenizer")
+    engine_api_key: str | None = _opt(None, "bearer key the --engine-url backends require")
+    tokenizer: str | None = _opt(None, "tokenizer directory or .gguf for --engine-url (default: --model's)")
+    lora_shared_dir: str | None = _opt(None, "a directory every engine of the fleet can read: packs are unpacked "
+                                             "there for the backends (a front end), and /v1/load_lora_adapter takes "
+                                             "paths under it (a replica)")
     device: str = _opt("auto", "auto, cpu, cuda or npu (npu needs torch_npu)",
                        choices=["auto", "cpu", "cuda", "npu"])
     dtype: str = _opt("auto", "auto, float32 (float), bfloat16 or float16 (half); the names in brackets are "
@@ -128,7 +136,20 @@ class Settings:
 
     @property
     def lora_enabled(self) -> bool:
-        return bool(self.lora_allowed_urls or self.lora or self.lora_modules)
+        return bool(self.lora_allowed_urls or self.lora or self.lora_modules or self.lora_shared_dir)
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [u.strip() for u in (self.engine_url or "").split(",") if u.strip()]
+
+    def remote_engine(self):  # -> engine.remote.RemoteEngine
+        """The engine of a front end with no model (--engine-url)."""
+        from engine.remote import RemoteEngine
+
+        return RemoteEngine(self.engine_urls, tokenizer_source=self.tokenizer or self.model,
+                            served_model_name=self.served_model_name, api_key=self.engine_api_key,
+                            max_model_len=self.max_model_len, chat_template=self.chat_template,
+                            lora_shared_dir=self.lora_shared_dir)
 
     def lora_sources(self) -> dict[str, str]:
         return {**parse_pairs(self.lora, "=", "--lora", "NAME=DIR or NAME=URL#md5"),
@@ -264,7 +285,7 @@ def read_config_file(path: str) -> dict[str, Any]:
     return data
 
 
-SECRET_SETTINGS = ("api_key", "spark_auth")  # never printed
+SECRET_SETTINGS = ("api_key", "spark_auth", "engine_api_key")  # never printed
 
 
 def resolve(cli: dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> Settings:

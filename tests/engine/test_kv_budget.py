@@ -9,9 +9,9 @@ from engine.request import GenerationRequest, TokensPrompt
 from engine.sampling_params import SamplingParams
 from tests.engine.helpers import run_all, tokens_of
 
-NUM_REQUESTS = 8
-PROMPT_LEN = 112
-OUTPUT_LEN = 16
+NUM_REQUESTS = 6
+PROMPT_LEN = 60
+OUTPUT_LEN = 12
 
 
 def _requests() -> list[GenerationRequest]:

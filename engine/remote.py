@@ -1,0 +1,442 @@
+"""An engine that is somewhere else: the same ``EngineClient`` face, over a fleet's OpenAI API.
+
+``spark-server serve --engine-url URL[,URL...]`` runs the Spark WebSocket, Spark HTTP and every bridge
+with no local model. Prompts are templated and tokenized here (so Spark's token limits, history fitting
+and usage stay exact) and go to the backends' ``/v1/completions``, streamed: as the exact text of those
+ids when it tokenizes back to them (what a router routes on), as the ids otherwise; vLLM, SGLang and
+this server take both. One URL is usually a router (``smg``) that picks the replica; several are tried
+in turn when one fails before its first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+import httpx
+
+from engine.errors import (EngineOverloadedError, EngineShutdownError, EngineUnavailableError, InferenceError,
+                           InvalidRequestError, LoraUnavailableError, RequestTimeoutError)
+from engine.prompts import PromptEncoder, read_chat_template
+from engine.protocol import EngineLimits, EngineStats, ModelInfo
+from engine.request import (GenerationRequest, LoraRef, Prompt, RequestOutput, RequestTimings, TokenLogprob,
+                            TokensPrompt)
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+HEALTH_INTERVAL_S = 2.0
+RETRYABLE_STATUS = (408, 429, 500, 502, 503, 504)
+
+
+class BackendUnavailable(Exception):
+    """A backend failed before its first token: the request may go to the next one."""
+
+    def __init__(self, url: str, reason: str, overloaded: bool = False) -> None:
+        super().__init__(f"{url}: {reason}")
+        self.overloaded = overloaded
+
+
+@dataclass
+class Backend:
+    url: str
+    healthy: bool = True
+    last_error: str = ""
+    loaded_adapters: set[str] = field(default_factory=set)
+
+
+def adapter_name(ref: LoraRef) -> str:
+    """The name a pack is loaded under on every backend: ``lora-<md5>`` (a registered adapter keeps its name)."""
+    return f"lora-{ref.md5.lower()}" if ref.md5 else str(ref.name)
+
+
+def completion_body(model: str, prompt: str | list[int], p: SamplingParams) -> dict[str, Any]:
+    """SamplingParams as vLLM-style /v1/completions fields (the OpenAI ones plus vLLM's extras, which
+    SGLang and this server also read). A text prompt is the exact text of the local token ids."""
+    body: dict[str, Any] = {
+        "model": model, "prompt": prompt, "max_tokens": p.max_tokens, "temperature": p.temperature,
+        "top_p": p.top_p, "n": p.n, "stream": True, "return_token_ids": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "skip_special_tokens": p.skip_special_tokens,
+        "spaces_between_special_tokens": p.spaces_between_special_tokens,
+    }
+    if isinstance(prompt, str):
+        body["add_special_tokens"] = False  # the text already holds them, as the template wrote them
+    optional = {"top_k": (p.top_k, 0), "min_p": (p.min_p, 0.0), "min_tokens": (p.min_tokens, 0),
+                "repetition_penalty": (p.repetition_penalty, 1.0), "presence_penalty": (p.presence_penalty, 0.0),
+                "frequency_penalty": (p.frequency_penalty, 0.0), "seed": (p.seed, None), "stop": (p.stop, []),
+                "stop_token_ids": (p.stop_token_ids, []), "ignore_eos": (p.ignore_eos, False),
+                "include_stop_str_in_output": (p.include_stop_str_in_output, False),
+                "allowed_token_ids": (p.allowed_token_ids, []), "prompt_logprobs": (p.prompt_logprobs, None)}
+    body.update({k: v for k, (v, default) in optional.items() if v != default})
+    if p.banned_token_ids:  # the OpenAI way every backend reads
+        body["logit_bias"] = {str(t): -100 for t in p.banned_token_ids}
+    if p.logprobs:
+        body["logprobs"] = p.top_logprobs
+        body["return_tokens_as_token_ids"] = True
+    c = p.constraint
+    if c is not None:
+        field_name = {"json": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar",
+                      "choice": "guided_choice", "structural_tag": "structural_tag"}.get(c.kind)
+        if c.kind == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        elif field_name == "guided_choice":
+            body[field_name] = json.loads(c.value)
+        elif field_name == "guided_json":
+            body[field_name] = json.loads(c.value)
+        elif field_name:
+            body[field_name] = c.value
+        if c.whitespace_pattern is not None:
+            body["guided_whitespace_pattern"] = c.whitespace_pattern
+    return body
+
+
+def _token_id(name: str) -> int:
+    return int(name.removeprefix("token_id:"))
+
+
+def _logprobs(chunk: dict[str, Any], ids: list[int]) -> list[TokenLogprob] | None:
+    lp = chunk.get("logprobs")
+    if not lp or lp.get("token_logprobs") is None:
+        return None
+    out = []
+    tops = lp.get("top_logprobs") or [None] * len(lp["token_logprobs"])
+    for i, value in enumerate(lp["token_logprobs"]):
+        tid = ids[i] if i < len(ids) else _token_id(lp["tokens"][i])
+        top = [(_token_id(k), v) for k, v in (tops[i] or {}).items()]
+        out.append(TokenLogprob(tid, float(value if value is not None else 0.0), top))
+    return out
+
+
+def error_from_status(status: int, text: str, url: str) -> Exception:
+    """A backend's refusal as the engine's exception (the bridges map those to each protocol)."""
+    try:
+        err = json.loads(text)
+        err = err.get("error", err) if isinstance(err, dict) else {}
+        message = err.get("message") if isinstance(err, dict) else None
+        param = err.get("param") if isinstance(err, dict) else None
+    except ValueError:
+        message, param = None, None
+    message = message or text[:300] or f"HTTP {status}"
+    if status in (400, 422):
+        return InvalidRequestError(message, parameter=param)
+    if status == 404:
+        return LoraUnavailableError(message, code="unknown_adapter")
+    if status in RETRYABLE_STATUS:
+        return BackendUnavailable(url, f"HTTP {status}: {message}", overloaded=status in (429, 503))
+    return InferenceError(f"backend {url}: HTTP {status}: {message}")
+
+
+class RemoteEngine:
+    """``EngineClient`` over OpenAI-compatible backends (a router, or replicas tried in turn)."""
+
+    def __init__(self, urls: list[str], tokenizer_source: str | None = None, served_model_name: str | None = None,
+                 api_key: str | None = None, max_model_len: int | None = None, chat_template: str | None = None,
+                 connect_timeout_s: float = 5.0, lora_shared_dir: str | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        from engine.model_loader import EMBEDDED_MODEL_NAME, resolve_model_dir
+
+        if not urls:
+            raise ValueError("--engine-url names no backend")
+        self.backends = [Backend(u.rstrip("/")) for u in urls]
+        self._next = itertools.count()
+        self.tokenizer_dir = resolve_model_dir(tokenizer_source)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+        if chat_template:
+            self.tokenizer.chat_template = read_chat_template(chat_template)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.connect_timeout_s = connect_timeout_s
+        self.lora_shared_dir = lora_shared_dir
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        backend_name, backend_len = self._probe_model()
+        name = served_model_name or backend_name or (EMBEDDED_MODEL_NAME if tokenizer_source in (None, "", "embedded")
+                                                     else self.tokenizer_dir.name)
+        self.backend_model = backend_name or name  # what the backends call the base model
+        max_len = max_model_len or backend_len or getattr(self.tokenizer, "model_max_length", 8192)
+        max_len = min(int(max_len), 1 << 20)
+        self.model_info = ModelInfo(name=name, path=f"remote:{','.join(b.url for b in self.backends)}",
+                                    model_type="remote", max_model_len=max_len, vocab_size=len(self.tokenizer),
+                                    dtype="remote", device="remote",
+                                    chat_template_tools="tools" in (self.tokenizer.chat_template or ""))
+        self.prompts = PromptEncoder(self.tokenizer, max_len, len(self.tokenizer))
+        self.limits = EngineLimits()
+        self.finished_listeners: list[Callable[[RequestOutput], None]] = []
+        self._active: dict[str, str] = {}  # internal id -> caller's request id
+        self._ids = itertools.count()
+        self._stopping = False
+        self._health_task: asyncio.Task | None = None
+        self.num_retries = 0
+        self.num_finished = 0
+
+    # ---- start-up ------------------------------------------------------------------------------
+
+    def _probe_model(self) -> tuple[str | None, int | None]:
+        """The backends' model name and context length from /v1/models (the first that answers)."""
+        for b in self.backends:
+            try:
+                r = httpx.get(f"{b.url}/v1/models", headers=self.headers, timeout=self.connect_timeout_s)
+                r.raise_for_status()
+                models = r.json().get("data") or []
+            except (httpx.HTTPError, ValueError) as exc:
+                b.healthy, b.last_error = False, str(exc)
+                continue
+            base = next((m for m in models if not m.get("parent")), models[0] if models else None)
+            if base:
+                return base.get("id"), base.get("max_model_len")
+        logger.warning("no backend answered /v1/models at start; the model name and context come from the "
+                       "tokenizer until one does")
+        return None, None
+
+    def start(self) -> None:
+        if logging.getLogger("httpx").level == logging.NOTSET:  # one line per health probe otherwise
+            logging.getLogger("httpx").setLevel(logging.WARNING)
+        if self._client is None:
+            self._client = httpx.AsyncClient(headers=self.headers, transport=self._transport,
+                                             timeout=httpx.Timeout(None, connect=self.connect_timeout_s),
+                                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._health_task is None:
+            self._health_task = loop.create_task(self._watch_health())
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        if self._health_task is not None:
+            self._health_task.cancel()
+            self._health_task = None
+
+    async def _watch_health(self) -> None:
+        while True:
+            await self.check_backends()
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    async def check_backends(self) -> None:
+        """Probe every backend's /health (a router's own /health answers for its fleet)."""
+        assert self._client is not None
+
+        async def probe(b: Backend) -> None:
+            try:
+                r = await self._client.get(f"{b.url}/health", timeout=self.connect_timeout_s)
+                b.healthy, b.last_error = r.status_code == 200, "" if r.status_code == 200 else f"HTTP {r.status_code}"
+            except httpx.HTTPError as exc:
+                b.healthy, b.last_error = False, f"{type(exc).__name__}: {exc}"
+
+        await asyncio.gather(*(probe(b) for b in self.backends))
+
+    # ---- EngineClient --------------------------------------------------------------------------
+
+    def is_healthy(self) -> bool:
+        return not self._stopping and any(b.healthy for b in self.backends)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_requests_running=len(self._active),
+                           backends=tuple((b.url, b.healthy, b.last_error) for b in self.backends))
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._active)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return True  # the backends say whether they take adapters; a refusal is a LoraUnavailableError
+
+    def check_adapter(self, path: str, name: str) -> None:
+        """A pack is checked against the tokenizer's model config when it is a local HF directory;
+        the backend checks it again when it loads it."""
+        from transformers import AutoConfig
+
+        from engine.lora import read_adapter
+
+        try:
+            config = AutoConfig.from_pretrained(self.tokenizer_dir)
+        except (OSError, ValueError):
+            return
+        read_adapter(path, name, config, max_rank=1 << 16)
+
+    def encode_prompt_sync(self, prompt: Prompt) -> list[int]:
+        return self.prompts.encode(prompt)
+
+    async def encode_prompt(self, prompt: Prompt) -> list[int]:
+        return await asyncio.to_thread(self.prompts.encode, prompt)
+
+    def min_num_tokens(self, texts: list[str]) -> int:
+        return self.prompts.min_num_tokens(texts)
+
+    async def abort(self, request_id: str) -> None:
+        """Requests end when their caller leaves the stream (the backend sees the connection close)."""
+
+    def fail_all(self, exc: BaseException) -> None:
+        self._stopping = True
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        if self._stopping:
+            raise EngineShutdownError("the server is shutting down")
+        if self._client is None:
+            self.start()
+        if request.deadline is None and self.limits.default_timeout_s:
+            request.deadline = request.arrival_time + self.limits.default_timeout_s
+        ids, wire = await asyncio.to_thread(self._encode, request.prompt, request.params.truncate_prompt_tokens)
+        model = self.backend_model
+        if request.lora is not None:
+            model = adapter_name(request.lora)
+        body = completion_body(model, wire, request.params)
+        internal = f"remote-{next(self._ids)}"
+        self._active[internal] = request.request_id
+        try:
+            async for out in self._stream_with_retry(request, body, len(ids)):
+                yield out
+        finally:
+            self._active.pop(internal, None)
+
+    def _encode(self, prompt: Prompt, truncate: int | None) -> tuple[list[int], str | list[int]]:
+        """(the prompt's token ids, what goes on the wire). Text whenever it tokenizes back to exactly
+        these ids: routers route on text (smg's cache-aware tree is built from it, and smg refuses
+        token-id prompts on /v1/completions); the ids themselves otherwise (a client's own ids)."""
+        ids = self.prompts.encode(prompt, truncate)
+        if isinstance(prompt, TokensPrompt):
+            return ids, ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if self.tokenizer.encode(text, add_special_tokens=False) == ids:
+            return ids, text
+        return ids, ids
+
+    # ---- streaming -----------------------------------------------------------------------------
+
+    def _order(self) -> list[Backend]:
+        """Healthy backends first, starting from the next in turn."""
+        start = next(self._next) % len(self.backends)
+        turn = self.backends[start:] + self.backends[:start]
+        return [b for b in turn if b.healthy] + [b for b in turn if not b.healthy]
+
+    async def _stream_with_retry(self, request: GenerationRequest, body: dict[str, Any],
+                                 num_prompt: int) -> AsyncIterator[RequestOutput]:
+        """Before the first token a failing backend is retried once on the next (with one URL: the same
+        router, which picks another replica); after it, the failure ends the request."""
+        order = self._order()
+        attempts = order[:2] if len(order) > 1 else order * 2
+        last: BackendUnavailable | None = None
+        for attempt, backend in enumerate(attempts):
+            started = False
+            try:
+                if request.lora is not None:
+                    await self._ensure_adapter(backend, request.lora)
+                async for out in self._stream(backend, request, body, num_prompt):
+                    started = True
+                    yield out
+                return
+            except BackendUnavailable as exc:
+                if started:
+                    raise InferenceError(str(exc)) from None
+                backend.healthy, backend.last_error = False, str(exc)
+                last = exc
+                if attempt + 1 < len(attempts):
+                    self.num_retries += 1
+                    logger.warning("backend failed before the first token, retrying: %s", exc)
+        assert last is not None
+        if last.overloaded:
+            raise EngineOverloadedError(f"every backend is busy: {last}")
+        raise EngineUnavailableError(f"no backend could take the request: {last}")
+
+    async def _ensure_adapter(self, backend: Backend, ref: LoraRef) -> None:
+        """vLLM's POST /v1/load_lora_adapter, once per backend and adapter."""
+        name = adapter_name(ref)
+        if name in backend.loaded_adapters:
+            return
+        assert self._client is not None and ref.path
+        try:
+            r = await self._client.post(f"{backend.url}/v1/load_lora_adapter",
+                                        json={"lora_name": name, "lora_path": ref.path})
+        except httpx.HTTPError as exc:
+            raise BackendUnavailable(backend.url, f"loading adapter {name}: {exc}") from None
+        if r.status_code == 200 or "already" in r.text:
+            backend.loaded_adapters.add(name)
+            return
+        raise LoraUnavailableError(f"backend {backend.url} refused adapter {name}: HTTP {r.status_code} "
+                                   f"{r.text[:300]}", code="incompatible" if r.status_code == 400 else "load_failed")
+
+    async def _stream(self, backend: Backend, request: GenerationRequest, body: dict[str, Any],
+                      num_prompt: int) -> AsyncIterator[RequestOutput]:
+        assert self._client is not None
+        t0 = time.monotonic()
+        remaining = None if request.deadline is None else max(request.deadline - time.monotonic(), 0.001)
+        timings = RequestTimings(arrival=request.arrival_time)
+        outputs: dict[int, int] = {}  # sample index -> its tokens so far
+        finished = 0
+        try:
+            async with asyncio.timeout(remaining):
+                async with self._client.stream("POST", f"{backend.url}/v1/completions", json=body) as resp:
+                    if resp.status_code != 200:
+                        raise error_from_status(resp.status_code, (await resp.aread()).decode(errors="replace"),
+                                                backend.url)
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            break
+                        chunk = json.loads(data)
+                        if "error" in chunk:  # an error event after the stream began
+                            err = chunk["error"]
+                            message = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+                            if outputs:
+                                raise InferenceError(f"backend {backend.url}: {message}")
+                            raise BackendUnavailable(backend.url, message)
+                        usage = chunk.get("usage") or {}
+                        for choice in chunk.get("choices") or []:
+                            out = self._output(request, choice, usage, num_prompt, outputs, timings, t0)
+                            if out is None:
+                                continue
+                            finished += out.finished
+                            if out.finished:
+                                self.num_finished += 1
+                                for listener in self.finished_listeners:
+                                    listener(out)
+                            yield out
+        except TimeoutError:
+            raise RequestTimeoutError("request timed out (deadline passed)") from None
+        except httpx.HTTPError as exc:
+            if outputs:
+                raise InferenceError(f"backend {backend.url} failed mid-answer: {type(exc).__name__}: {exc}") from None
+            raise BackendUnavailable(backend.url, f"{type(exc).__name__}: {exc}") from None
+        if finished < request.params.n:
+            if not outputs:
+                raise BackendUnavailable(backend.url, "the stream ended before any token")
+            raise InferenceError(f"backend {backend.url} ended the stream before the answer finished")
+
+    def _output(self, request: GenerationRequest, choice: dict[str, Any], usage: dict[str, Any], num_prompt: int,
+                outputs: dict[int, int], timings: RequestTimings, t0: float) -> RequestOutput | None:
+        index = int(choice.get("index", 0))
+        text = choice.get("text") or ""
+        ids = [int(t) for t in choice.get("token_ids") or []]
+        reason = choice.get("finish_reason")
+        if not ids and not text and reason is None:
+            return None
+        if not ids and text and "token_ids" not in choice:  # a backend without return_token_ids: count locally
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        now = time.monotonic()
+        first = index not in outputs
+        outputs[index] = outputs.get(index, 0) + len(ids)
+        if first and ids:
+            timings.first_token_s = now - request.arrival_time
+            timings.prefill_s = now - t0
+        timings.decode_s = now - t0 - timings.prefill_s
+        finish = {"stop": "stop", "length": "length", "abort": "abort"}.get(reason) if reason else None
+        if reason and finish is None:
+            finish = "stop"
+        return RequestOutput(
+            request_id=request.request_id, index=index, new_token_ids=ids, text_delta=text,
+            num_prompt_tokens=int(usage.get("prompt_tokens") or num_prompt),
+            num_output_tokens=outputs[index], num_cached_tokens=int(
+                ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0),
+            logprobs=_logprobs(choice, ids), finished=finish is not None, finish_reason=finish,  # type: ignore[arg-type]
+            stop_reason=choice.get("stop_reason"), timings=timings)

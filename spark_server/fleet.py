@@ -1,0 +1,128 @@
+"""What a fleet's router and its operators ask an engine replica: who it is, and which adapters it serves.
+
+- ``GET /version`` (vLLM's): with it, smg recognises the replica as vLLM-compatible and reads its load
+  from the ``vllm:`` gauges in ``/metrics``;
+- ``GET /server_info`` and ``GET /model_info`` in SGLang's shapes (the fields smg reads);
+- ``POST /v1/load_lora_adapter`` / ``POST /v1/unload_lora_adapter`` (vLLM's), behind ``--api-key``:
+  an adapter directory under ``--lora-shared-dir``, or a pack ``{url, md5}`` under ``--lora-allowed-urls``,
+  registered under ``lora_name`` so every bridge can name it as its model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from engine.errors import LoraUnavailableError
+
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+
+
+def _version() -> str:
+    from spark_server.cli import version
+
+    return version()
+
+
+async def version_endpoint(request: Request) -> JSONResponse:
+    return JSONResponse({"version": _version(), "server": "spark-server"})
+
+
+async def server_info(request: Request) -> JSONResponse:
+    engine = request.app.state.engine
+    settings = request.app.state.settings
+    info = engine.model_info
+    return JSONResponse({
+        "model_path": info.path, "served_model_name": info.name, "tokenizer_path": info.path,
+        "context_length": info.max_model_len, "max_running_requests": settings.max_num_seqs,
+        "tp_size": 1, "dp_size": 1, "pp_size": 1, "is_embedding": False, "version": _version(),
+        "disaggregation_mode": "null", "device": info.device, "dtype": info.dtype,
+        "max_loras": settings.max_loras if engine.lora_enabled else 0,
+    })
+
+
+async def model_info(request: Request) -> JSONResponse:
+    info = request.app.state.engine.model_info
+    return JSONResponse({"model_path": info.path, "tokenizer_path": info.path, "is_generation": True,
+                         "has_image_understanding": False, "has_audio_understanding": False,
+                         "model_type": info.model_type, "architectures": None, "served_model_name": info.name})
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
+                                   "server_error", "param": param, "code": status}}, status_code=status)
+
+
+async def _body(request: Request) -> dict[str, Any] | JSONResponse:
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError:
+        return _error(400, "the body is not JSON")
+    if not isinstance(body, dict):
+        return _error(400, "the body must be a JSON object")
+    name = body.get("lora_name")
+    if not isinstance(name, str) or not name or len(name) > 128 or not set(name) <= _NAME_CHARS:
+        return _error(400, "'lora_name' must be 1-128 characters of letters, digits, - _ . :", "lora_name")
+    return body
+
+
+def _under(path: str, root: str) -> Path | None:
+    """``path`` resolved, when it lies inside ``root`` (links resolved first: no way out through them)."""
+    real, base = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    return real if real == base or base in real.parents else None
+
+
+async def load_lora_adapter(request: Request) -> Response:
+    body = await _body(request)
+    if isinstance(body, Response):
+        return body
+    resolver = request.app.state.lora_resolver
+    settings = request.app.state.settings
+    if resolver is None:
+        return _error(400, "LoRA adapters are not enabled on this server (--lora-shared-dir or "
+                           "--lora-allowed-urls)")
+    name = body["lora_name"]
+    if name in resolver.registered:  # vLLM's answer, word for word in its meaning
+        return _error(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+    try:
+        if body.get("lora_path") is not None:
+            path = body["lora_path"]
+            if not isinstance(path, str) or not settings.lora_shared_dir:
+                return _error(400, "'lora_path' is taken only under --lora-shared-dir, which is not set",
+                              "lora_path")
+            inside = _under(path, settings.lora_shared_dir)
+            if inside is None or not inside.is_dir():
+                return _error(400, f"'lora_path' must be an adapter directory under --lora-shared-dir "
+                                   f"({settings.lora_shared_dir})", "lora_path")
+            await resolver.register(name, str(inside))
+        elif body.get("url") is not None:
+            url, md5 = body.get("url"), body.get("md5")
+            if not isinstance(url, str) or not isinstance(md5, str) or resolver.store is None:
+                return _error(400, "a pack needs 'url' and 'md5' and --lora-allowed-urls", "url")
+            _, path = await resolver.store.fetch(url, md5)  # the allow-list, size and md5 checks apply
+            resolver.registered[name] = str(path)
+        else:
+            return _error(400, "name the adapter: 'lora_path' (under --lora-shared-dir) or 'url' and 'md5'",
+                          "lora_path")
+    except LoraUnavailableError as exc:
+        return _error(400, str(exc), "lora_path")
+    except ValueError as exc:
+        return _error(400, str(exc), "lora_path")
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: Request) -> Response:
+    body = await _body(request)
+    if isinstance(body, Response):
+        return body
+    resolver = request.app.state.lora_resolver
+    name = body["lora_name"]
+    if resolver is None or name not in resolver.registered:
+        return _error(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
+    del resolver.registered[name]  # running requests keep the adapter they were admitted with
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

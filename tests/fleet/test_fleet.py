@@ -1,0 +1,196 @@
+"""A fleet on one machine: two `spark-server serve` replicas, a real `smg` router (cache_aware) in front of
+them, and a model-less `spark-server serve --engine-url` front end in front of that.
+
+Everything goes through the front end: Spark WebSocket and HTTP, OpenAI (the openai client), TGI and
+SGLang. Greedy answers must equal a single server's; a multi-turn conversation must keep landing on the
+replica that holds its history; a stopped router means refusals with a code, and recovery after."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port, wait_healthy
+from tests.spark.client import answer_text, converse, spark_request
+
+MODEL = "SmolLM2-135M-Instruct"
+SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
+
+pytestmark = pytest.mark.skipif(SMG is None, reason="the smg router is not installed (pip install smg)")
+
+
+class Proc:
+    def __init__(self, args: list[str], log: Path, env: dict | None = None) -> None:
+        self.args, self.log = args, log
+        self.proc = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, "SPARK_KV_CACHE_SPACE": "0.25", **(env or {})},
+                                     start_new_session=True)
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.signal(sig)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def _serve(port: int, log: Path, *extra: str) -> Proc:
+    return Proc([sys.executable, "-m", "spark_server", "serve", "--port", str(port), "--log-level", "warning",
+                 *extra], log)
+
+
+def _router(port: int, workers: list[str], log: Path) -> Proc:
+    return Proc([SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+                 "--worker-urls", *workers, "--health-check-interval-secs", "1", "--log-level", "warn",
+                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())], log)
+
+
+def _wait_router(url: str, workers: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            listed = httpx.get(url + "/workers", timeout=2).json().get("workers", [])
+            if len(listed) == workers and all(w.get("is_healthy", w.get("healthy", True)) for w in listed):
+                return
+        except (httpx.TransportError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"router at {url} did not list {workers} healthy workers")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("fleet-logs")
+    ports = {"a": free_port(), "b": free_port(), "router": free_port(), "front": free_port()}
+    url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+    procs = {"a": _serve(ports["a"], logs / "a.log"), "b": _serve(ports["b"], logs / "b.log")}
+    try:
+        wait_healthy(url["a"])
+        wait_healthy(url["b"])
+        procs["router"] = _router(ports["router"], [url["a"], url["b"]], logs / "router.log")
+        _wait_router(url["router"], 2)
+        procs["front"] = _serve(ports["front"], logs / "front.log", "--engine-url", url["router"])
+        wait_healthy(url["front"])
+        yield {"url": url, "procs": procs, "ports": ports, "logs": logs}
+    finally:
+        for p in procs.values():  # all at once: each drains on its own
+            p.signal()
+        for p in procs.values():
+            p.stop()
+
+
+def ws_url(base: str) -> str:
+    return base.replace("http://", "ws://") + "/turing/v3/gpt"
+
+
+def spark_answer(base: str, question, **chat) -> tuple[str, list[dict]]:
+    frames = asyncio.run(converse(ws_url(base), spark_request(question, top_k=1, **chat)))
+    return answer_text(frames), frames
+
+
+def prefix_hits(base: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=5).text
+    line = next(ln for ln in text.splitlines() if ln.startswith("spark:prefix_cache_hits_total"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_every_protocol_through_the_front_end_equals_a_single_server(fleet):
+    from openai import OpenAI
+
+    front, single = fleet["url"]["front"], fleet["url"]["a"]
+    question = "What is the capital of France?"
+    got, frames = spark_answer(front, question, max_tokens=24)
+    want, want_frames = spark_answer(single, question, max_tokens=24)
+    assert got == want and "Paris" in got
+    assert frames[-1]["payload"]["usage"]["text"] == want_frames[-1]["payload"]["usage"]["text"]
+
+    r = httpx.post(front + "/turing/v3/func/gpt", json=spark_request(question, top_k=1, max_tokens=24), timeout=60)
+    assert r.status_code == 200 and r.json()["header"]["code"] == 0
+
+    def chat(base: str) -> str:
+        client = OpenAI(base_url=base + "/v1", api_key="none")
+        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a color."}],
+                                             max_tokens=16, temperature=0)
+        return out.choices[0].message.content
+
+    def stream(base: str) -> str:
+        client = OpenAI(base_url=base + "/v1", api_key="none")
+        parts = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=12, temperature=0,
+                                          stream=True)
+        return "".join(p.choices[0].text for p in parts if p.choices)
+
+    assert chat(front) == chat(single)
+    assert stream(front) == stream(single)
+    tgi = {"inputs": "The sea is", "parameters": {"max_new_tokens": 12, "details": True}}
+    ours, theirs = (httpx.post(b + "/generate", json=tgi, timeout=60).json() for b in (front, single))
+    assert ours["generated_text"] == theirs["generated_text"]
+    assert ours["details"]["generated_tokens"] == theirs["details"]["generated_tokens"]
+    sgl = {"text": "One, two,", "sampling_params": {"max_new_tokens": 10, "temperature": 0}}
+    ours, theirs = (httpx.post(b + "/generate", json=sgl, timeout=60).json() for b in (front, single))
+    assert ours["text"] == theirs["text"] and ours["meta_info"]["completion_tokens"] == 10
+
+
+def test_a_conversation_keeps_landing_on_the_replica_with_its_history(fleet):
+    url = fleet["url"]
+    before = {k: prefix_hits(url[k]) for k in ("a", "b")}
+    history = [{"role": "system", "content": "You are a helpful travel guide who answers briefly."}]
+    for turn, question in enumerate(["Name a city in Italy.", "What is it famous for?", "Name a dish from there.",
+                                     "How is it cooked?", "What wine goes with it?", "Thanks, and goodbye."]):
+        history.append({"role": "user", "content": question})
+        answer, frames = spark_answer(url["front"], history, max_tokens=24)
+        assert frames[-1]["header"]["code"] == 0, frames[-1]
+        history.append({"role": "assistant", "content": answer})
+    gained = {k: prefix_hits(url[k]) - before[k] for k in ("a", "b")}
+    # turns 2-6 reuse the cached history, all on one replica
+    assert max(gained.values()) >= 5 and min(gained.values()) == 0, gained
+
+
+def test_the_replicas_speak_what_the_router_reads(fleet):
+    a = fleet["url"]["a"]
+    assert httpx.get(a + "/version").json()["version"]
+    info = httpx.get(a + "/server_info").json()
+    assert info["served_model_name"] == MODEL and info["context_length"] == 8192
+    assert httpx.get(a + "/model_info").json()["is_generation"] is True
+    metrics = httpx.get(a + "/metrics").text
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        assert f"\n{name}{{" in metrics, name
+    router_log = (fleet["logs"] / "router.log").read_text()
+    assert "Could not identify backend" not in router_log and "returned 404" not in router_log, router_log[-2000:]
+
+
+def test_a_stopped_router_means_a_coded_refusal_then_recovery(fleet):
+    url, procs = fleet["url"], fleet["procs"]
+    procs["router"].stop()
+    try:
+        started = time.monotonic()
+        text, frames = spark_answer(url["front"], "Hello?", max_tokens=4)
+        assert frames[-1]["header"]["code"] == 12102, frames[-1]
+        assert time.monotonic() - started < 15  # refused, not hung
+        r = httpx.post(url["front"] + "/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+        deadline = time.monotonic() + 10
+        while httpx.get(url["front"] + "/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert httpx.get(url["front"] + "/health").status_code == 503
+    finally:
+        procs["router"] = _router(fleet["ports"]["router"], [url["a"], url["b"]], fleet["logs"] / "router2.log")
+        _wait_router(url["router"], 2)
+    wait_healthy(url["front"], timeout=15)
+    text, frames = spark_answer(url["front"], "What is the capital of France?", max_tokens=12)
+    assert frames[-1]["header"]["code"] == 0 and "Paris" in text
