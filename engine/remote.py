@@ -48,6 +48,8 @@ class Backend:
     healthy: bool = True
     last_error: str = ""
     loaded_adapters: set[str] = field(default_factory=set)
+    # when the URL is a router (smg's GET /workers answers): its replicas, URL -> healthy
+    workers: dict[str, bool] = field(default_factory=dict)
 
 
 def adapter_name(ref: LoraRef) -> str:
@@ -228,10 +230,24 @@ class RemoteEngine:
             try:
                 r = await self._client.get(f"{b.url}/health", timeout=self.connect_timeout_s)
                 b.healthy, b.last_error = r.status_code == 200, "" if r.status_code == 200 else f"HTTP {r.status_code}"
+                b.workers = await self._router_workers(b) if b.healthy else {}
             except httpx.HTTPError as exc:
-                b.healthy, b.last_error = False, f"{type(exc).__name__}: {exc}"
+                b.healthy, b.last_error, b.workers = False, f"{type(exc).__name__}: {exc}", {}
 
         await asyncio.gather(*(probe(b) for b in self.backends))
+
+    async def _router_workers(self, b: Backend) -> dict[str, bool]:
+        """A router's replicas and their health (smg's GET /workers); {} for a plain backend."""
+        assert self._client is not None
+        try:
+            r = await self._client.get(f"{b.url}/workers", timeout=self.connect_timeout_s)
+            listed = r.json().get("workers") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return {}
+        if not isinstance(listed, list):
+            return {}
+        return {str(w.get("url")): bool(w.get("is_healthy", w.get("healthy", True)))
+                for w in listed if isinstance(w, dict) and w.get("url")}
 
     # ---- EngineClient --------------------------------------------------------------------------
 
@@ -239,8 +255,11 @@ class RemoteEngine:
         return not self._stopping and any(b.healthy for b in self.backends)
 
     def stats(self) -> EngineStats:
-        return EngineStats(num_requests_running=len(self._active),
-                           backends=tuple((b.url, b.healthy, b.last_error) for b in self.backends))
+        backends: list[tuple[str, bool, str]] = []
+        for b in self.backends:
+            backends.append((b.url, b.healthy, b.last_error))
+            backends += [(url, ok, f"behind {b.url}") for url, ok in sorted(b.workers.items())]
+        return EngineStats(num_requests_running=len(self._active), backends=tuple(backends))
 
     @property
     def num_active_requests(self) -> int:

@@ -16,7 +16,7 @@ async def health(request: Request) -> JSONResponse:
     body.update(num_requests_running=stats.num_requests_running, num_requests_waiting=stats.num_requests_waiting,
                 kv_cache_usage=round(stats.kv_cache_usage, 6), kv_cache_blocks_used=stats.kv_cache_blocks_used)
     if stats.backends:  # a front end over a fleet: ready while one backend is; "degraded" names the rest
-        body["backends"] = [{"url": url, "healthy": ok, **({"error": why} if why else {})}
+        body["backends"] = [{"url": url, "healthy": ok, **({"note": why} if why else {})}
                             for url, ok, why in stats.backends]
         if healthy and not all(ok for _, ok, _ in stats.backends):
             body["status"] = "degraded"

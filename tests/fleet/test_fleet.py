@@ -35,13 +35,13 @@ class Proc:
                                      env={**os.environ, "SPARK_KV_CACHE_SPACE": "0.25", **(env or {})},
                                      start_new_session=True)
 
-    def signal(self, sig: int = signal.SIGTERM) -> None:
+    def send(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:
-            self.signal(sig)
+            self.send(sig)
             try:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
@@ -89,7 +89,7 @@ def fleet(tmp_path_factory):
         yield {"url": url, "procs": procs, "ports": ports, "logs": logs}
     finally:
         for p in procs.values():  # all at once: each drains on its own
-            p.signal()
+            p.send()
         for p in procs.values():
             p.stop()
 
@@ -194,3 +194,41 @@ def test_a_stopped_router_means_a_coded_refusal_then_recovery(fleet):
     wait_healthy(url["front"], timeout=15)
     text, frames = spark_answer(url["front"], "What is the capital of France?", max_tokens=12)
     assert frames[-1]["header"]["code"] == 0 and "Paris" in text
+
+
+def test_a_replica_killed_mid_stream(fleet):
+    """Last in this module: it leaves replica a dead. Sessions streaming on it end with an error frame
+    (or finish); none hangs; sessions started afterwards are answered by replica b; the front end's
+    /health names the dead replica."""
+    url, procs = fleet["url"], fleet["procs"]
+    questions = [f"Write a long story about a {thing}." for thing in
+                 ("lighthouse", "dragon", "river", "robot", "garden", "storm", "violin", "mountain", "train",
+                  "island")]
+
+    async def session(i: int) -> list[dict]:
+        body = spark_request(questions[i % len(questions)] + f" ({i})", max_tokens=160, temperature=0.8, top_k=6)
+        return await converse(ws_url(url["front"]), body)
+
+    async def scenario() -> list[list[dict]]:
+        tasks = [asyncio.create_task(session(i)) for i in range(20)]
+        await asyncio.sleep(2.0)  # everyone is streaming
+        procs["a"].send(signal.SIGKILL)
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+
+    results = asyncio.run(scenario())
+    codes = [frames[-1]["header"]["code"] for frames in results]
+    assert all(frames[-1]["header"]["status"] == 2 for frames in results)  # every session was ended properly
+    assert set(codes) <= {0, 11000} and 11000 in codes, codes  # some were on the killed replica
+    # new sessions go to the surviving replica
+    for i in range(4):
+        text, frames = spark_answer(url["front"], f"What is {i} plus {i}?", max_tokens=8)
+        assert frames[-1]["header"]["code"] == 0, frames[-1]
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        health = httpx.get(url["front"] + "/health").json()
+        if health["status"] == "degraded":
+            break
+        time.sleep(0.3)
+    assert health["status"] == "degraded", health
+    dead = [b for b in health["backends"] if b["url"] == url["a"]]
+    assert dead and dead[0]["healthy"] is False, health
