@@ -33,7 +33,7 @@ test-slow: $(STAMP)
 
 # Speed against a baseline in the same run; each prints a table, writes benchmarks/results/*.json and
 # exits non-zero when it misses its bar. Minutes each on 2 cores.
-BENCHES := offline multiturn interactivity memory startup online lora abuse kernels structured
+BENCHES := offline multiturn interactivity memory startup online lora abuse kernels structured gateway
 bench: $(STAMP)
 	@rc=0; for b in $(BENCHES); do $(PY) -m benchmarks.bench_$$b || rc=1; done; exit $$rc
 

@@ -40,7 +40,11 @@ def _error_event(err: BridgeError) -> bytes:
 
 
 def check_model(request: Request, body: dict[str, Any]) -> tuple[str, LoraRef | None]:
-    """(the model name to answer with, the adapter it selects or None for the served model)."""
+    """(the model name to answer with, the adapter it selects or None for the served model). SGLang's
+    ``lora_path`` names the adapter beside the base model (routers that route by model name pass it on)."""
+    if body.get("lora_path"):
+        lora = served_model_or_adapter(request, body["lora_path"])
+        return body.get("model") or engine_of(request).model_info.name, lora
     lora = served_model_or_adapter(request, body.get("model"))
     return (lora.name if lora else engine_of(request).model_info.name), lora
 

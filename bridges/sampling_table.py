@@ -84,7 +84,7 @@ TABLE: tuple[Knob, ...] = (
 # Fields of each protocol's sampling object that are not engine knobs, each handled by its bridge
 # (named here so the schema check can tell a forgotten knob from a field with another job).
 OTHER_FIELDS: dict[str, frozenset[str]] = {
-    "openai": frozenset({"model", "stream", "stream_options", "user", "bad_words", "return_token_ids", "priority",
+    "openai": frozenset({"model", "lora_path", "stream", "stream_options", "user", "bad_words", "return_token_ids", "priority",
                          "parallel_tool_calls", "best_of", "length_penalty", "use_beam_search",
                          "return_tokens_as_token_ids", "request_id", "metadata", "add_special_tokens",
                          "prompt_token_ids", "response_format", "guided_json", "guided_regex", "guided_choice",

@@ -47,7 +47,6 @@ class Backend:
     url: str
     healthy: bool = True
     last_error: str = ""
-    loaded_adapters: set[str] = field(default_factory=set)
     # when the URL is a router (smg's GET /workers answers): its replicas, URL -> healthy
     workers: dict[str, bool] = field(default_factory=dict)
 
@@ -177,6 +176,8 @@ class RemoteEngine:
         self._health_task: asyncio.Task | None = None
         self.num_retries = 0
         self.num_finished = 0
+        self._loaded: dict[str, set[str]] = {}  # replica URL -> adapters loaded there by this front end
+        self.num_adapter_loads = 0
 
     # ---- start-up ------------------------------------------------------------------------------
 
@@ -305,10 +306,9 @@ class RemoteEngine:
         if request.deadline is None and self.limits.default_timeout_s:
             request.deadline = request.arrival_time + self.limits.default_timeout_s
         ids, wire = await asyncio.to_thread(self._encode, request.prompt, request.params.truncate_prompt_tokens)
-        model = self.backend_model
+        body = completion_body(self.backend_model, wire, request.params)
         if request.lora is not None:
-            model = adapter_name(request.lora)
-        body = completion_body(model, wire, request.params)
+            self._name_adapter(body, adapter_name(request.lora))
         internal = f"remote-{next(self._ids)}"
         self._active[internal] = request.request_id
         try:
@@ -316,6 +316,14 @@ class RemoteEngine:
                 yield out
         finally:
             self._active.pop(internal, None)
+
+    def _name_adapter(self, body: dict[str, Any], name: str) -> None:
+        """vLLM names an adapter as the model; a router that routes by model name (smg) knows only the base
+        model, so behind one the adapter goes in SGLang's ``lora_path`` (SGLang and this server read it)."""
+        if any(b.workers for b in self.backends):
+            body["lora_path"] = name
+        else:
+            body["model"] = name
 
     def _encode(self, prompt: Prompt, truncate: int | None) -> tuple[list[int], str | list[int]]:
         """(the prompt's token ids, what goes on the wire). Text whenever it tokenizes back to exactly
@@ -367,21 +375,31 @@ class RemoteEngine:
         raise EngineUnavailableError(f"no backend could take the request: {last}")
 
     async def _ensure_adapter(self, backend: Backend, ref: LoraRef) -> None:
-        """vLLM's POST /v1/load_lora_adapter, once per backend and adapter."""
+        """vLLM's POST /v1/load_lora_adapter on every replica that may serve the request (a router's
+        replicas, as its GET /workers lists them; else the backend itself), once per replica."""
         name = adapter_name(ref)
-        if name in backend.loaded_adapters:
+        targets = sorted(backend.workers) or [backend.url]
+        missing = [t for t in targets if name not in self._loaded.setdefault(t, set())]
+        if not missing:
             return
         assert self._client is not None and ref.path
-        try:
-            r = await self._client.post(f"{backend.url}/v1/load_lora_adapter",
-                                        json={"lora_name": name, "lora_path": ref.path})
-        except httpx.HTTPError as exc:
-            raise BackendUnavailable(backend.url, f"loading adapter {name}: {exc}") from None
-        if r.status_code == 200 or "already" in r.text:
-            backend.loaded_adapters.add(name)
-            return
-        raise LoraUnavailableError(f"backend {backend.url} refused adapter {name}: HTTP {r.status_code} "
-                                   f"{r.text[:300]}", code="incompatible" if r.status_code == 400 else "load_failed")
+
+        async def load(target: str) -> None:
+            try:
+                r = await self._client.post(f"{target}/v1/load_lora_adapter",
+                                            json={"lora_name": name, "lora_path": ref.path})
+            except httpx.HTTPError as exc:
+                if target == backend.url:
+                    raise BackendUnavailable(backend.url, f"loading adapter {name}: {exc}") from None
+                return  # a replica that is down gets it when it is back
+            if r.status_code == 200 or "already been loaded" in r.text:
+                self._loaded[target].add(name)
+                self.num_adapter_loads += r.status_code == 200
+                return
+            raise LoraUnavailableError(f"{target} refused adapter {name}: HTTP {r.status_code} {r.text[:300]}",
+                                       code="incompatible" if r.status_code == 400 else "load_failed")
+
+        await asyncio.gather(*(load(t) for t in missing))
 
     async def _stream(self, backend: Backend, request: GenerationRequest, body: dict[str, Any],
                       num_prompt: int) -> AsyncIterator[RequestOutput]:

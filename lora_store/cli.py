@@ -1,4 +1,5 @@
-"""`spark-server lora pack DIR -o FILE` and `spark-server lora check FILE [--model M]`."""
+"""`spark-server lora pack DIR -o FILE`, `spark-server lora check FILE [--model M]` and
+`spark-server lora push FILE --server URL` (publish to a server's pack shelf)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     check.add_argument("--model", default=None, help="local HF directory or .gguf (default: the embedded model)")
     check.add_argument("--max-lora-rank", type=int, default=16)
     check.set_defaults(func=_check)
+    push = cmds.add_parser("push", help="publish a pack to a server's shelf (POST /v1/lora/packs); prints the "
+                                        "{url, md5} sessions name it by")
+    push.add_argument("file", type=Path)
+    push.add_argument("--server", required=True, help="the server's base URL, e.g. http://127.0.0.1:9990")
+    push.add_argument("--api-key", default=None, help="the server's --api-key (default: $SPARK_API_KEY)")
+    push.add_argument("--quiet", action="store_true", help="no progress bar")
+    push.set_defaults(func=_push)
 
 
 def _pack(args: argparse.Namespace) -> int:
@@ -56,4 +64,46 @@ def _check(args: argparse.Namespace) -> int:
     layers = len({layer for layer, _ in parsed.weights})
     print(f"{args.file}: OK  md5 {md5_of(args.file)}  rank {parsed.rank}  scaling {parsed.scaling:g}  "
           f"modules {', '.join(modules)}  layers {layers}")
+    return 0
+
+
+def _push(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    import httpx
+
+    size = args.file.stat().st_size
+    key = args.api_key or os.environ.get("SPARK_API_KEY")
+
+    def chunks():
+        sent = 0
+        with open(args.file, "rb") as fh:
+            while chunk := fh.read(1 << 16):
+                sent += len(chunk)
+                if not args.quiet:
+                    done = int(30 * sent / max(size, 1))
+                    print(f"\r{args.file.name} [{'#' * done}{'.' * (30 - done)}] {sent >> 10}/{size >> 10} KiB",
+                          end="", file=sys.stderr, flush=True)
+                yield chunk
+        if not args.quiet:
+            print(file=sys.stderr)
+
+    headers = {"Content-Type": "application/octet-stream", "Content-Length": str(size)}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    try:
+        r = httpx.post(args.server.rstrip("/") + "/v1/lora/packs", content=chunks(), headers=headers,
+                       timeout=httpx.Timeout(600.0, connect=10.0))
+    except httpx.HTTPError as exc:
+        print(f"spark-server lora push: {args.server}: {exc}", file=sys.stderr)
+        return 1
+    if r.status_code != 201:
+        try:
+            why = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            why = r.text[:300]
+        print(f"spark-server lora push: refused ({r.status_code}): {why}", file=sys.stderr)
+        return 1
+    print(json.dumps({"url": r.json()["url"], "md5": r.json()["md5"]}))
     return 0

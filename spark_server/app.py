@@ -18,7 +18,8 @@ from lora_store.pack import UnpackLimits
 from lora_store.resolver import LoraResolver, store_validator
 from lora_store.store import LoraStore, StoreLimits
 from spark_server.auth import ApiKeyMiddleware, ReplayGuard, parse_key_pairs
-from spark_server.fleet import load_lora_adapter, model_info, server_info, unload_lora_adapter, version_endpoint
+from spark_server.fleet import (get_pack, load_lora_adapter, model_info, publish_pack, server_info, unload_lora_adapter,
+                                version_endpoint)
 from spark_server.health import health
 from spark_server.playground import playground, sign
 from spark_server.metrics import Metrics, RequestCounter, metrics_endpoint, note_in_request_context
@@ -52,6 +53,9 @@ SERVER_PROTOCOL = Protocol("server", (
     Operation("POST", "/v1/load_lora_adapter", load_lora_adapter, "vLLM's: register an adapter under a name "
               "(a directory under --lora-shared-dir, or a pack url + md5)"),
     Operation("POST", "/v1/unload_lora_adapter", unload_lora_adapter, "vLLM's: forget a registered adapter"),
+    Operation("POST", "/v1/lora/packs", publish_pack, "publish a LoRA pack (the file as the body; --api-key): "
+              "checked against the served model, kept by md5, answered with {url, md5}"),
+    Operation("GET", "/lora/packs/{name}", get_pack, "a published LoRA pack, <md5>.<ext>"),
 ))
 
 
@@ -93,7 +97,8 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
         app.add_middleware(CORSMiddleware, allow_origins=settings.origins, allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["*"], expose_headers=["X-Request-Id", "X-Ignored-Parameters"])
     app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_body_mb * (1 << 20)), timeout_s=settings.body_timeout,
-                       min_rate=settings.body_min_rate_kb * 1024)
+                       min_rate=settings.body_min_rate_kb * 1024,
+                       large_bodies={"/v1/lora/packs": settings.lora_max_pack_mb << 20})
     engine.limits.default_timeout_s = settings.request_timeout
     engine.limits.stuck_after_s = settings.stuck_step_timeout
     app.state.settings = settings

@@ -29,7 +29,8 @@ from spark_server.errors import SparkCode
 from spark_server.settings import parse_pairs
 
 DATE_WINDOW_S = 300
-OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/v2/health/", "/version", "/server_info", "/model_info")
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/v2/health/", "/version", "/server_info", "/model_info",
+              "/lora/packs/")
 
 
 class AuthError(Exception):

@@ -5,7 +5,9 @@
 - ``GET /server_info`` and ``GET /model_info`` in SGLang's shapes (the fields smg reads);
 - ``POST /v1/load_lora_adapter`` / ``POST /v1/unload_lora_adapter`` (vLLM's), behind ``--api-key``:
   an adapter directory under ``--lora-shared-dir``, or a pack ``{url, md5}`` under ``--lora-allowed-urls``,
-  registered under ``lora_name`` so every bridge can name it as its model.
+  registered under ``lora_name`` so every bridge can name it as its model;
+- the pack shelf: ``POST /v1/lora/packs`` (a pack's bytes, behind ``--api-key``) checks and keeps a pack
+  and answers ``{url, md5}``; ``GET /lora/packs/<md5>.<ext>`` serves it to sessions and replicas.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 
 from engine.errors import LoraUnavailableError
 
@@ -126,3 +128,46 @@ async def unload_lora_adapter(request: Request) -> Response:
         return _error(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
     del resolver.registered[name]  # running requests keep the adapter they were admitted with
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _shelf(request: Request):
+    from lora_store.pack import UnpackLimits
+    from lora_store.shelf import PackShelf
+
+    state = request.app.state
+    if getattr(state, "pack_shelf", None) is None:
+        settings = state.settings
+        from engine.model_loader import default_cache_dir
+
+        root = Path(settings.lora_pack_dir) if settings.lora_pack_dir else default_cache_dir() / "lora-packs"
+        max_bytes = settings.lora_max_pack_mb << 20
+        state.pack_shelf = PackShelf(root, max_bytes, UnpackLimits.for_pack_limit(
+            max_bytes, int(settings.lora_disk_budget_gb * (1 << 30))))
+    return state.pack_shelf
+
+
+async def publish_pack(request: Request) -> Response:
+    """POST /v1/lora/packs: the body is the pack file itself (tar.gz, tar or zip)."""
+    import asyncio
+
+    settings = request.app.state.settings
+    if not settings.api_key:  # the middleware checked the key when one is set; without one, nobody publishes
+        return _error(403, "publishing packs needs the server to run with --api-key")
+    data = await request.body()
+    if not data:
+        return _error(400, "the body must be the pack file (tar.gz, tar or zip)")
+    engine = request.app.state.engine
+    try:
+        md5, name = await asyncio.to_thread(_shelf(request).publish, data, engine.check_adapter)
+    except LoraUnavailableError as exc:
+        return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error", "param": "pack",
+                                       "code": f"lora_{exc.code}"}}, status_code=400)
+    url = str(request.base_url).rstrip("/") + f"/lora/packs/{name}"
+    return JSONResponse({"url": url, "md5": md5, "bytes": len(data)}, status_code=201)
+
+
+async def get_pack(request: Request) -> Response:
+    path = _shelf(request).path_of(request.path_params["name"])
+    if path is None:
+        return _error(404, "no such pack")
+    return FileResponse(path, media_type="application/octet-stream")

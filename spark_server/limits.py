@@ -20,10 +20,12 @@ class BodySizeLimit:
     and bodies not received within ``timeout_s`` with 408."""
 
     def __init__(self, app, max_bytes: int, timeout_s: float | None = None, min_rate: float = 0.0,
-                 rate_grace_s: float = 2.0) -> None:
+                 rate_grace_s: float = 2.0, large_bodies: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        # paths that take files (LoRA packs): their own size limit, and only the minimum rate as a clock
+        self.large_bodies = large_bodies or {}
         self.min_rate = min_rate  # bytes/s a body must average once ``rate_grace_s`` have passed
         self.rate_grace_s = rate_grace_s
 
@@ -32,8 +34,8 @@ class BodySizeLimit:
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": 408}},
                             status_code=408, headers={"Connection": "close"})
 
-    def _too_large(self) -> JSONResponse:
-        message = f"request body is over the {self.max_bytes} byte limit (--max-body-mb)"
+    def _too_large(self, limit: int) -> JSONResponse:
+        message = f"request body is over the {limit} byte limit (--max-body-mb)"
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": 413}},
                             status_code=413)
 
@@ -41,9 +43,11 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self.large_bodies.get(scope["path"], self.max_bytes)
+        timeout_s = None if scope["path"] in self.large_bodies else self.timeout_s
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large()(scope, receive, send)
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            await self._too_large(max_bytes)(scope, receive, send)
             return
         # Read the whole body here (bounded), so an over-long chunked body is answered 413 before any
         # handler runs; the handler then gets it in one message, and later receives (disconnect
@@ -52,7 +56,7 @@ class BodySizeLimit:
         received = 0
         started = time.monotonic()
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(timeout_s):
                 while True:
                     elapsed = time.monotonic() - started
                     if self.min_rate and elapsed > self.rate_grace_s and received / elapsed < self.min_rate:
@@ -66,8 +70,8 @@ class BodySizeLimit:
                         return
                     chunk = message.get("body", b"")
                     received += len(chunk)
-                    if received > self.max_bytes:
-                        await self._too_large()(scope, receive, send)
+                    if received > max_bytes:
+                        await self._too_large(max_bytes)(scope, receive, send)
                         return
                     chunks.append(chunk)
                     if not message.get("more_body", False):

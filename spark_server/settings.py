@@ -81,6 +81,8 @@ class Settings:
     max_lora_rank: int = _opt(16, "largest LoRA rank accepted")
     lora_cache_dir: str | None = _opt(None, "where downloaded packs are cached (default: <cache>/lora)")
     lora_max_pack_mb: int = _opt(512, "largest LoRA pack accepted, in MiB")
+    lora_pack_dir: str | None = _opt(None, "where packs published with POST /v1/lora/packs are kept (default: "
+                                           "<cache>/lora-packs)")
     lora_disk_budget_gb: float = _opt(4.0, "disk budget of the LoRA pack cache (least recently used evicted)")
     lora_download_timeout: float = _opt(300.0, "seconds a LoRA pack download may take in all")
     api_key: str | None = _opt(None, "require `Authorization: Bearer <key>` on the HTTP endpoints (off by default)")

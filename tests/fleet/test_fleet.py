@@ -8,6 +8,7 @@ replica that holds its history; a stopped router means refusals with a code, and
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -23,6 +24,8 @@ from tests.conftest import free_port, wait_healthy
 from tests.spark.client import answer_text, converse, spark_request
 
 MODEL = "SmolLM2-135M-Instruct"
+KEY = "fleet-key"  # the front end runs with --api-key (its pack shelf needs one); replicas accept it unasked
+AUTH = {"Authorization": f"Bearer {KEY}"}
 SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
 
 pytestmark = pytest.mark.skipif(SMG is None, reason="the smg router is not installed (pip install smg)")
@@ -76,17 +79,20 @@ def _wait_router(url: str, workers: int, timeout: float = 60.0) -> None:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     logs = tmp_path_factory.mktemp("fleet-logs")
+    shared = tmp_path_factory.mktemp("lora-shared")  # the adapter directory every engine reads
     ports = {"a": free_port(), "b": free_port(), "router": free_port(), "front": free_port()}
     url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
-    procs = {"a": _serve(ports["a"], logs / "a.log"), "b": _serve(ports["b"], logs / "b.log")}
+    procs = {k: _serve(ports[k], logs / f"{k}.log", "--lora-shared-dir", str(shared)) for k in ("a", "b")}
     try:
         wait_healthy(url["a"])
         wait_healthy(url["b"])
         procs["router"] = _router(ports["router"], [url["a"], url["b"]], logs / "router.log")
         _wait_router(url["router"], 2)
-        procs["front"] = _serve(ports["front"], logs / "front.log", "--engine-url", url["router"])
+        procs["front"] = _serve(ports["front"], logs / "front.log", "--engine-url", url["router"], "--api-key", KEY,
+                                "--lora-shared-dir", str(shared), "--lora-allowed-urls", url["front"] + "/lora/packs/",
+                                "--lora-pack-dir", str(tmp_path_factory.mktemp("shelf")))
         wait_healthy(url["front"])
-        yield {"url": url, "procs": procs, "ports": ports, "logs": logs}
+        yield {"url": url, "procs": procs, "ports": ports, "logs": logs, "shared": shared}
     finally:
         for p in procs.values():  # all at once: each drains on its own
             p.send()
@@ -95,12 +101,20 @@ def fleet(tmp_path_factory):
 
 
 def ws_url(base: str) -> str:
-    return base.replace("http://", "ws://") + "/turing/v3/gpt"
+    return base.replace("http://", "ws://") + f"/turing/v3/gpt?api_key={KEY}"
 
 
-def spark_answer(base: str, question, **chat) -> tuple[str, list[dict]]:
-    frames = asyncio.run(converse(ws_url(base), spark_request(question, top_k=1, **chat)))
+def spark_answer(base: str, question, lora: dict | None = None, **chat) -> tuple[str, list[dict]]:
+    body = spark_request(question, top_k=1, **chat)
+    if lora:
+        body["payload"]["lora"] = lora
+    frames = asyncio.run(converse(ws_url(base), body))
     return answer_text(frames), frames
+
+
+def counter(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=5).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name + "{"))
 
 
 def prefix_hits(base: str) -> float:
@@ -119,17 +133,18 @@ def test_every_protocol_through_the_front_end_equals_a_single_server(fleet):
     assert got == want and "Paris" in got
     assert frames[-1]["payload"]["usage"]["text"] == want_frames[-1]["payload"]["usage"]["text"]
 
-    r = httpx.post(front + "/turing/v3/func/gpt", json=spark_request(question, top_k=1, max_tokens=24), timeout=60)
+    r = httpx.post(front + "/turing/v3/func/gpt", json=spark_request(question, top_k=1, max_tokens=24), timeout=60,
+                   headers=AUTH)
     assert r.status_code == 200 and r.json()["header"]["code"] == 0
 
     def chat(base: str) -> str:
-        client = OpenAI(base_url=base + "/v1", api_key="none")
+        client = OpenAI(base_url=base + "/v1", api_key=KEY)
         out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a color."}],
                                              max_tokens=16, temperature=0)
         return out.choices[0].message.content
 
     def stream(base: str) -> str:
-        client = OpenAI(base_url=base + "/v1", api_key="none")
+        client = OpenAI(base_url=base + "/v1", api_key=KEY)
         parts = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=12, temperature=0,
                                           stream=True)
         return "".join(p.choices[0].text for p in parts if p.choices)
@@ -137,11 +152,11 @@ def test_every_protocol_through_the_front_end_equals_a_single_server(fleet):
     assert chat(front) == chat(single)
     assert stream(front) == stream(single)
     tgi = {"inputs": "The sea is", "parameters": {"max_new_tokens": 12, "details": True}}
-    ours, theirs = (httpx.post(b + "/generate", json=tgi, timeout=60).json() for b in (front, single))
+    ours, theirs = (httpx.post(b + "/generate", json=tgi, timeout=60, headers=AUTH).json() for b in (front, single))
     assert ours["generated_text"] == theirs["generated_text"]
     assert ours["details"]["generated_tokens"] == theirs["details"]["generated_tokens"]
     sgl = {"text": "One, two,", "sampling_params": {"max_new_tokens": 10, "temperature": 0}}
-    ours, theirs = (httpx.post(b + "/generate", json=sgl, timeout=60).json() for b in (front, single))
+    ours, theirs = (httpx.post(b + "/generate", json=sgl, timeout=60, headers=AUTH).json() for b in (front, single))
     assert ours["text"] == theirs["text"] and ours["meta_info"]["completion_tokens"] == 10
 
 
@@ -182,7 +197,8 @@ def test_a_stopped_router_means_a_coded_refusal_then_recovery(fleet):
         assert frames[-1]["header"]["code"] == 12102, frames[-1]
         assert time.monotonic() - started < 15  # refused, not hung
         r = httpx.post(url["front"] + "/v1/chat/completions", json={
-            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=30)
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=30,
+            headers=AUTH)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
         deadline = time.monotonic() + 10
         while httpx.get(url["front"] + "/health").status_code == 200 and time.monotonic() < deadline:
@@ -194,6 +210,58 @@ def test_a_stopped_router_means_a_coded_refusal_then_recovery(fleet):
     wait_healthy(url["front"], timeout=15)
     text, frames = spark_answer(url["front"], "What is the capital of France?", max_tokens=12)
     assert frames[-1]["header"]["code"] == 0 and "Paris" in text
+
+
+def test_a_pushed_pack_serves_sessions_across_the_fleet(fleet, tmp_path):
+    from engine.model_loader import resolve_model_dir
+    from lora_store.pack import build_pack
+    from tests.lora.adapters import make_random_adapter
+
+    url = fleet["url"]
+    adapter = make_random_adapter(str(resolve_model_dir(None)), tmp_path / "adapter",
+                                  ["q_proj", "v_proj", "o_proj", "down_proj"], rank=16, seed=3)
+    pack = tmp_path / "adapter.tar.gz"
+    build_pack(adapter, pack)
+    pushed = subprocess.run([sys.executable, "-m", "spark_server", "lora", "push", str(pack), "--server", url["front"],
+                             "--api-key", KEY], capture_output=True, text=True, timeout=60)
+    assert pushed.returncode == 0, pushed.stderr
+    ref = json.loads(pushed.stdout)
+    assert ref["url"] == f"{url['front']}/lora/packs/{ref['md5']}.tar.gz" and "KiB" in pushed.stderr  # progress bar
+    assert httpx.get(ref["url"]).content == pack.read_bytes()
+
+    # a wrong md5 is refused by the front end before any replica sees the session
+    served_before = {k: counter(url[k], "spark:prompt_tokens_total") for k in ("a", "b")}
+    _, frames = spark_answer(url["front"], "Hi", lora={"url": ref["url"], "md5": "0" * 32}, max_tokens=4)
+    assert frames[-1]["header"]["code"] == 12005, frames[-1]
+    assert {k: counter(url[k], "spark:prompt_tokens_total") for k in ("a", "b")} == served_before
+
+    question = "Describe the sea in one sentence."
+
+    async def eight():
+        body = spark_request(question, top_k=1, max_tokens=16)
+        body["payload"]["lora"] = ref
+        return await asyncio.gather(*(converse(ws_url(url["front"]), body) for _ in range(8)))
+
+    results = asyncio.run(eight())
+    assert all(r[-1]["header"]["code"] == 0 for r in results), [r[-1]["header"] for r in results]
+    answers = {answer_text(r) for r in results}
+    assert len(answers) == 1
+    assert counter(url["front"], "spark:lora_downloads_total") == 1  # one download for all eight
+    name = f"lora-{ref['md5']}"
+    # loaded on each replica under lora-<md5>: the same answer as asking a replica for that model directly
+    def ask(model: str) -> dict:
+        return httpx.post(url["a"] + "/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 16, "temperature": 0,
+            "logprobs": True}, timeout=60).json()["choices"][0]
+
+    direct, base = ask(name), ask(MODEL)
+    assert direct["message"]["content"] == answers.pop()
+    # the adapter is applied (a small random one need not flip a greedy token, but it moves every logprob)
+    assert abs(direct["logprobs"]["content"][0]["logprob"] - base["logprobs"]["content"][0]["logprob"]) > 1e-4
+    for k in ("a", "b"):
+        again = httpx.post(url[k] + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": "/x"})
+        assert again.status_code == 400 and "already been loaded" in again.text  # loaded once, by the front end
+    assert max(counter(url[k], "spark:lora_loads_total") for k in ("a", "b")) <= 1
 
 
 def test_a_replica_killed_mid_stream(fleet):

@@ -1,0 +1,67 @@
+"""Where LoRA authors publish packs: content-addressed files a fleet downloads from.
+
+``publish`` takes a pack's bytes, checks it exactly as a session's pack is checked (safe unpacking,
+then the served model's own adapter check), and keeps it as ``<md5>.<ext>``; the server answers
+``{url, md5}`` and serves the file at ``GET /lora/packs/<md5>.<ext>``. Same bytes, same name: publishing
+twice is harmless."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from lora_store.pack import UnpackLimits, invalid, unpack
+
+PACK_NAME = re.compile(r"^[0-9a-f]{32}\.(tar\.gz|tar|zip)$")
+
+
+def pack_extension(head: bytes) -> str:
+    """tar.gz, tar or zip, from the file's first bytes (what `unpack` accepts)."""
+    if head.startswith(b"PK\x03\x04"):
+        return "zip"
+    if head.startswith(b"\x1f\x8b"):
+        return "tar.gz"
+    if len(head) >= 262 and head[257:262] == b"ustar":
+        return "tar"
+    raise invalid("not a tar, tar.gz or zip file")
+
+
+class PackShelf:
+    def __init__(self, root: Path, max_pack_bytes: int, unpack_limits: UnpackLimits | None = None) -> None:
+        self.root = Path(root)
+        self.max_pack_bytes = max_pack_bytes
+        self.unpack_limits = unpack_limits or UnpackLimits()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def publish(self, data: bytes, check: Callable[[str, str], None]) -> tuple[str, str]:
+        """(md5, file name) of a checked pack; ``check(adapter_dir, name)`` raises LoraUnavailableError."""
+        if len(data) > self.max_pack_bytes:
+            raise invalid(f"the pack is over the {self.max_pack_bytes >> 20} MiB limit (--lora-max-pack-mb)")
+        ext = pack_extension(data[:512])
+        md5 = hashlib.md5(data).hexdigest()
+        name = f"{md5}.{ext}"
+        final = self.root / name
+        if final.is_file():
+            return md5, name
+        work = Path(tempfile.mkdtemp(prefix=".publish-", dir=self.root))
+        try:
+            staged = work / name
+            staged.write_bytes(data)
+            adapter = unpack(staged, work / "adapter", self.unpack_limits)
+            check(str(adapter), f"lora-{md5}")
+            os.replace(staged, final)  # atomic: a reader sees the whole pack or none
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return md5, name
+
+    def path_of(self, name: str) -> Path | None:
+        """The stored pack called ``name`` (``<md5>.<ext>`` only: no other path is ever served)."""
+        if not PACK_NAME.match(name):
+            return None
+        path = self.root / name
+        return path if path.is_file() else None
