@@ -27,12 +27,15 @@ def schema(async_engine):
     async_engine.limits.default_timeout_s = old
 
 
+@pytest.mark.timeout(240, method="thread")  # a hang fails here, with every thread's stack, not the whole run
 def test_no_generated_request_gets_a_server_error(schema):
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 18
     for operation in operations:
         @given(case=operation.as_strategy())
-        @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        # derandomized: the same examples every run, so CI is reproducible (random runs: drop it locally)
+        @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+                  derandomize=True)
         def check(case):
             response = case.call(timeout=30)
             if response.status_code == 504:

@@ -17,7 +17,7 @@ from engine.llm_engine import LLMEngine
 from tests.engine.helpers import chat, run_all, text_of, tokens_of
 from tests.engine.test_greedy_matches_transformers import PROMPTS
 
-CONTINUATION = 40
+CONTINUATION = 32
 EXTRA_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
                  "Explain gravity to a child."]
 
@@ -52,7 +52,7 @@ def test_bf16_forward_is_as_accurate_as_transformers_bf16(bf16_engine, llm_engin
     ours = [0, 0.0]
     theirs = [0, 0.0]
     positions = 0
-    prompts = PROMPTS + EXTRA_PROMPTS
+    prompts = PROMPTS[:6] + EXTRA_PROMPTS[1:3]  # English and Chinese, ~550 scored positions
     # The scored sequences: greedy fp32 continuations, from our fp32 engine in one batch (it matches
     # transformers' fp32 greedy decoding, test_greedy_matches_transformers; one sequential
     # `generate` per prompt cost ~20 s). Every position is then scored teacher-forced.
