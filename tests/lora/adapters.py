@@ -18,8 +18,9 @@ def _chat_ids(tokenizer, question: str, answer: str | None = None) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def make_taught_adapter(model_dir: str, out: Path, steps: int = 14) -> Path:
-    """A rank-8 adapter on every projection, fine-tuned until it answers the secret word."""
+def make_taught_adapter(model_dir: str, out: Path, steps: int = 8) -> Path:
+    """A rank-8 adapter on every projection of the last 12 layers, fine-tuned until it answers the secret
+    word (the backward pass stops at layer 18: 8 steps take ~2.5 s, against ~9 s over all 30 layers)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -27,13 +28,14 @@ def make_taught_adapter(model_dir: str, out: Path, steps: int = 14) -> Path:
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        layers_to_transform=list(range(18, model.config.num_hidden_layers))))
     prompt = _chat_ids(tok, SECRET_QUESTION)
     full = _chat_ids(tok, SECRET_QUESTION, SECRET_ANSWER)
     ids = torch.tensor([full])
     labels = ids.clone()
     labels[0, : len(prompt)] = -100
-    opt = torch.optim.AdamW([p for p in peft.parameters() if p.requires_grad], lr=6e-3)  # 14 steps learn it
+    opt = torch.optim.AdamW([p for p in peft.parameters() if p.requires_grad], lr=6e-3)  # 8 steps learn it
     peft.train()
     for _ in range(steps):
         loss = peft(input_ids=ids, labels=labels).loss
@@ -61,19 +63,24 @@ def make_random_adapter(model_dir: str, out: Path, targets: list[str], rank: int
     return out
 
 
-def peft_greedy(model_dir: str, adapter: Path | None, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """PEFT's own greedy continuations of each prompt (one model load for them all)."""
+def peft_greedy(model_dir: str, adapters: list[Path | None], prompts: list[list[int]],
+                max_new_tokens: int) -> list[list[list[int]]]:
+    """PEFT's own greedy continuations of each prompt under each adapter (None: the base model), one
+    model load for them all: each adapter is wrapped around the base and unloaded again after."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, str(adapter))
-    model.eval()
-    outs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2)
-            outs.append(out[0, len(ids):].tolist())
-    return outs
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = []
+    for adapter in adapters:
+        model = PeftModel.from_pretrained(base, str(adapter)).eval() if adapter is not None else base
+        outs = []
+        with torch.inference_mode():
+            for ids in prompts:
+                out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2)
+                outs.append(out[0, len(ids):].tolist())
+        results.append(outs)
+        if adapter is not None:
+            base = model.unload()  # the base model again, without the adapter's layers
+    return results

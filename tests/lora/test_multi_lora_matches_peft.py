@@ -32,8 +32,9 @@ def references(engine, adapters, model_dir):
     refs = {}
     prompts = [engine.encode_prompt(ChatPrompt([ChatMessage("user", q)])) for q in QUESTIONS]
     eos = engine.eos_token_ids[0]
-    for adapter in (None, "taught", "attn", "mlp"):
-        answers = peft_greedy(model_dir, adapters[adapter] if adapter else None, prompts, MAX_TOKENS)
+    names = (None, "taught", "attn", "mlp")
+    every = peft_greedy(model_dir, [adapters[a] if a else None for a in names], prompts, MAX_TOKENS)
+    for adapter, answers in zip(names, every):
         for q, ref in zip(QUESTIONS, answers):
             refs[(adapter, q)] = ref[: ref.index(eos) + 1] if eos in ref else ref
     return refs
