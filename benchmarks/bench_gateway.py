@@ -59,7 +59,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def one(client: httpx.AsyncClient, base: str, i: int, max_tokens: int) -> tuple[float, int]:
-    body = {"model": "x", "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + f" ({i})"}],
+    body = {"messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + f" ({i})"}],
             "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.7, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
