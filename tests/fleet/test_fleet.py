@@ -265,6 +265,28 @@ def test_a_pushed_pack_serves_sessions_across_the_fleet(fleet, tmp_path):
     assert max(counter(url[k], "spark:lora_loads_total") for k in ("a", "b")) <= 1
 
 
+def test_a_client_leaving_ends_the_request_on_the_replica(fleet):
+    import websockets
+
+    url = fleet["url"]
+
+    async def leave_after_three_frames():
+        async with websockets.connect(ws_url(url["front"])) as ws:
+            await ws.send(json.dumps(spark_request("Write a very long story about the sea.", max_tokens=2000,
+                                                   temperature=0.8, top_k=6)))
+            for _ in range(3):
+                await ws.recv()
+
+    asyncio.run(leave_after_three_frames())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if sum(counter(url[k], "vllm:num_requests_running") for k in ("a", "b")) == 0:
+            break
+        time.sleep(0.1)
+    # the 2,000-token answer would run on for half a minute if the backend stream had stayed open
+    assert sum(counter(url[k], "vllm:num_requests_running") for k in ("a", "b")) == 0
+
+
 def test_a_replica_killed_mid_stream(fleet):
     """Last in this module: it leaves replica a dead. Sessions streaming on it end with an error frame
     (or finish); none hangs; sessions started afterwards are answered by replica b; the front end's
