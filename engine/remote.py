@@ -138,8 +138,7 @@ class RemoteEngine:
 
     def __init__(self, urls: list[str], tokenizer_source: str | None = None, served_model_name: str | None = None,
                  api_key: str | None = None, max_model_len: int | None = None, chat_template: str | None = None,
-                 connect_timeout_s: float = 5.0, lora_shared_dir: str | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 connect_timeout_s: float = 5.0) -> None:
         from transformers import AutoTokenizer
 
         from engine.model_loader import EMBEDDED_MODEL_NAME, resolve_model_dir
@@ -154,8 +153,6 @@ class RemoteEngine:
             self.tokenizer.chat_template = read_chat_template(chat_template)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.connect_timeout_s = connect_timeout_s
-        self.lora_shared_dir = lora_shared_dir
-        self._transport = transport
         self._client: httpx.AsyncClient | None = None
         backend_name, backend_len = self._probe_model()
         name = served_model_name or backend_name or (EMBEDDED_MODEL_NAME if tokenizer_source in (None, "", "embedded")
@@ -170,14 +167,10 @@ class RemoteEngine:
         self.prompts = PromptEncoder(self.tokenizer, max_len, len(self.tokenizer))
         self.limits = EngineLimits()
         self.finished_listeners: list[Callable[[RequestOutput], None]] = []
-        self._active: dict[str, str] = {}  # internal id -> caller's request id
-        self._ids = itertools.count()
+        self._active = 0  # requests whose caller is still reading
         self._stopping = False
         self._health_task: asyncio.Task | None = None
-        self.num_retries = 0
-        self.num_finished = 0
         self._loaded: dict[str, set[str]] = {}  # replica URL -> adapters loaded there by this front end
-        self.num_adapter_loads = 0
 
     # ---- start-up ------------------------------------------------------------------------------
 
@@ -202,7 +195,7 @@ class RemoteEngine:
         if logging.getLogger("httpx").level == logging.NOTSET:  # one line per health probe otherwise
             logging.getLogger("httpx").setLevel(logging.WARNING)
         if self._client is None:
-            self._client = httpx.AsyncClient(headers=self.headers, transport=self._transport,
+            self._client = httpx.AsyncClient(headers=self.headers,
                                              timeout=httpx.Timeout(None, connect=self.connect_timeout_s),
                                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         try:
@@ -260,11 +253,11 @@ class RemoteEngine:
         for b in self.backends:
             backends.append((b.url, b.healthy, b.last_error))
             backends += [(url, ok, f"behind {b.url}") for url, ok in sorted(b.workers.items())]
-        return EngineStats(num_requests_running=len(self._active), backends=tuple(backends))
+        return EngineStats(num_requests_running=self._active, backends=tuple(backends))
 
     @property
     def num_active_requests(self) -> int:
-        return len(self._active)
+        return self._active
 
     @property
     def lora_enabled(self) -> bool:
@@ -309,13 +302,12 @@ class RemoteEngine:
         body = completion_body(self.backend_model, wire, request.params)
         if request.lora is not None:
             self._name_adapter(body, adapter_name(request.lora))
-        internal = f"remote-{next(self._ids)}"
-        self._active[internal] = request.request_id
+        self._active += 1
         try:
             async for out in self._stream_with_retry(request, body, len(ids)):
                 yield out
         finally:
-            self._active.pop(internal, None)
+            self._active -= 1
 
     def _name_adapter(self, body: dict[str, Any], name: str) -> None:
         """vLLM names an adapter as the model; a router that routes by model name (smg) knows only the base
@@ -367,7 +359,6 @@ class RemoteEngine:
                 backend.healthy, backend.last_error = False, str(exc)
                 last = exc
                 if attempt + 1 < len(attempts):
-                    self.num_retries += 1
                     logger.warning("backend failed before the first token, retrying: %s", exc)
         assert last is not None
         if last.overloaded:
@@ -394,7 +385,6 @@ class RemoteEngine:
                 return  # a replica that is down gets it when it is back
             if r.status_code == 200 or "already been loaded" in r.text:
                 self._loaded[target].add(name)
-                self.num_adapter_loads += r.status_code == 200
                 return
             raise LoraUnavailableError(f"{target} refused adapter {name}: HTTP {r.status_code} {r.text[:300]}",
                                        code="incompatible" if r.status_code == 400 else "load_failed")
@@ -435,7 +425,6 @@ class RemoteEngine:
                                 continue
                             finished += out.finished
                             if out.finished:
-                                self.num_finished += 1
                                 for listener in self.finished_listeners:
                                     listener(out)
                             yield out

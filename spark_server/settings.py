@@ -150,8 +150,7 @@ class Settings:
 
         return RemoteEngine(self.engine_urls, tokenizer_source=self.tokenizer or self.model,
                             served_model_name=self.served_model_name, api_key=self.engine_api_key,
-                            max_model_len=self.max_model_len, chat_template=self.chat_template,
-                            lora_shared_dir=self.lora_shared_dir)
+                            max_model_len=self.max_model_len, chat_template=self.chat_template)
 
     def lora_sources(self) -> dict[str, str]:
         return {**parse_pairs(self.lora, "=", "--lora", "NAME=DIR or NAME=URL#md5"),

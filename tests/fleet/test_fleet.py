@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,13 +77,24 @@ def _wait_router(url: str, workers: int, timeout: float = 60.0) -> None:
     raise AssertionError(f"router at {url} did not list {workers} healthy workers")
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("fleet-logs")
-    shared = tmp_path_factory.mktemp("lora-shared")  # the adapter directory every engine reads
-    ports = {"a": free_port(), "b": free_port(), "router": free_port(), "front": free_port()}
-    url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+def start_replicas() -> dict:
+    """Two replicas reading one shared adapter directory, starting (not yet ready)."""
+    logs = Path(tempfile.mkdtemp(prefix="fleet-logs-"))
+    shared = Path(tempfile.mkdtemp(prefix="lora-shared-"))  # the adapter directory every engine reads
+    ports = {k: free_port() for k in ("a", "b")}
     procs = {k: _serve(ports[k], logs / f"{k}.log", "--lora-shared-dir", str(shared)) for k in ("a", "b")}
+    return {"logs": logs, "shared": shared, "ports": ports, "procs": procs}
+
+
+@pytest.fixture(scope="module")
+def fleet(request, tmp_path_factory):
+    from tests.fleet.conftest import EARLY_REPLICAS
+
+    started = request.config.stash.get(EARLY_REPLICAS, None) or start_replicas()  # early, from collection
+    logs, shared = started["logs"], started["shared"]
+    ports = {**started["ports"], "router": free_port(), "front": free_port()}
+    url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+    procs = started["procs"]
     try:
         wait_healthy(url["a"])
         wait_healthy(url["b"])
@@ -94,7 +106,8 @@ def fleet(tmp_path_factory):
         wait_healthy(url["front"])
         yield {"url": url, "procs": procs, "ports": ports, "logs": logs, "shared": shared}
     finally:
-        procs["router"].stop(signal.SIGKILL)  # its keep-alive connections would hold the replicas' drain
+        if "router" in procs:
+            procs["router"].stop(signal.SIGKILL)  # its keep-alive connections would hold the replicas' drain
         for p in procs.values():  # all at once: each drains on its own
             p.send()
         for p in procs.values():
