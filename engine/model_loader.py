@@ -48,7 +48,9 @@ def resolve_model_dir(model: str | None, cache_dir: Path | None = None) -> Path:
         return _converted_dir(embedded_gguf_path(), cache_dir, EMBEDDED_MODEL_NAME)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _converted_dir(path, cache_dir, path.stem)
+        # The embedded file named by its path is still the embedded model: one converted copy, not two.
+        name = EMBEDDED_MODEL_NAME if _is_embedded(path) else path.stem
+        return _converted_dir(path, cache_dir, name)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"--model {model}: directory has no config.json")
@@ -56,6 +58,13 @@ def resolve_model_dir(model: str | None, cache_dir: Path | None = None) -> Path:
     raise FileNotFoundError(
         f"--model {model}: not a local HF directory or .gguf file (no model hub is used)"
     )
+
+
+def _is_embedded(path: Path) -> bool:
+    try:
+        return path.resolve() == embedded_gguf_path().resolve()
+    except FileNotFoundError:
+        return False
 
 
 def gguf_source(model: str | None) -> Path | None:

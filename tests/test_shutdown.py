@@ -48,7 +48,7 @@ WELL_FORMED_END = {
 def test_sigterm_drains_then_exits_zero():
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "spark_server", "serve", "--port", str(port),
-                             "--shutdown-grace", "3", "--log-level", "warning"],
+                             "--shutdown-grace", "2", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_healthy(f"http://127.0.0.1:{port}")
@@ -73,7 +73,7 @@ def test_sigterm_drains_then_exits_zero():
             tasks = [asyncio.create_task(session(long=i % 2 == 0)) for i in range(10)]
             async with httpx.AsyncClient() as client:
                 streams = {name: asyncio.create_task(stream(client, path, body)) for name, (path, body) in LONG_STREAMS.items()}
-                await asyncio.sleep(1.5)  # everyone is running
+                await asyncio.sleep(1.0)  # everyone is running
                 proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.3)
                 # new work is refused while draining
