@@ -44,6 +44,15 @@ def test_help_documents_vllm_style_flags():
         assert flag in out
 
 
+def _voluntary_switches(pid: int) -> int:
+    """Voluntary context switches of every thread of a process so far (Linux /proc)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/status") as status:
+            total += sum(int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt_switches"))
+    return total
+
+
 def test_serve_answers_a_real_question_and_logs_for_operators():
     """What `make serve` runs: the console script on a port, answering over the WebSocket; its log has
     one settings line (where each value came from, secrets masked) and a timestamp on every line,
@@ -67,6 +76,15 @@ def test_serve_answers_a_real_question_and_logs_for_operators():
                                       spark_request("What is the capital of France?", max_tokens=12, top_k=1)))
         assert frames[-1]["header"]["status"] == 2
         assert "Paris" in answer_text(frames)
+        # The engine's OpenMP team spins between kernels instead of sleeping at each one: libgomp sleeps
+        # when it counts more of its threads than cores, which a second team (the thread that built the
+        # model) used to cause: ~300 context switches a token and twice the decode time on 2 cores.
+        before = _voluntary_switches(proc.pid)
+        frames = asyncio.run(converse(f"ws://127.0.0.1:{port}/turing/v3/gpt?api_key=sekret",
+                                      spark_request("Write a long story about the sea.", max_tokens=64, top_k=1)))
+        tokens = frames[-1]["payload"]["usage"]["text"]["completion_tokens"]
+        per_token = (_voluntary_switches(proc.pid) - before) / tokens
+        assert tokens >= 32 and per_token < 40, per_token
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
