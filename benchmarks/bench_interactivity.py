@@ -22,7 +22,12 @@ async def run() -> dict:
         await timed_request(engine, token_requests("warm", 1, 64, 4)[0])
         streams = token_requests("stream", STREAMS, 200, 160)
         tasks = [asyncio.create_task(timed_request(engine, r)) for r in streams]
-        await asyncio.sleep(2.0)  # the streams are decoding
+        scheduler = engine.engine.scheduler
+        for _ in range(300):  # until every stream decodes (the arrival burst is prefilled first)
+            await asyncio.sleep(0.1)
+            if len(scheduler.running) == STREAMS and all(s.num_uncomputed_tokens == 1 for s in scheduler.running):
+                break
+        await asyncio.sleep(0.2)
         long_req = token_requests("long", 1, LONG_PROMPT, 16, first=500)[0]  # shares no prefix
         long_sent = time.perf_counter()
         long_timing = await timed_request(engine, long_req)

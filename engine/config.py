@@ -14,7 +14,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    long_prefill_token_threshold: int = 32  # prefill tokens per step while others decode (0: no cap)
+    long_prefill_token_threshold: int = 16  # floor of the long-prompt prefill cap while others decode (0: no cap)
     block_size: int = 16
     kv_cache_space_gib: float = 2.0
     num_kv_blocks: int | None = None  # overrides kv_cache_space_gib

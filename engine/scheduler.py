@@ -43,9 +43,10 @@ class Scheduler:
         self.lora_manager = lora_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # While sequences decode, a step prefills long prompts at most max(threshold, 2 * num_decoding)
-        # tokens in all (0: no cap): such a step costs at most about twice a decode-only one, so a
-        # long prompt arriving barely widens the running streams' token gaps. A short prompt (at most
+        # While sequences decode, a step prefills long prompts at most max(threshold, num_decoding x
+        # the long prompts pending) tokens in all (0: no cap): with one pending, such a step costs at
+        # most about twice a decode-only one (its extra rows, and its attention over the prompt so
+        # far), so a long prompt arriving barely widens the running streams' token gaps. A short prompt (at most
         # half the step budget) is prefilled whole in one step, as vLLM does: one bounded bump for
         # the running streams, and arrivals ramp up without being trickled through the cap.
         self.long_prefill_token_threshold = long_prefill_token_threshold
@@ -101,7 +102,12 @@ class Scheduler:
         num_decoding = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
         prefill_budget = budget
         if self.long_prefill_token_threshold and num_decoding:
-            prefill_budget = max(self.long_prefill_token_threshold, 2 * num_decoding)
+            # The cap scales with the long prompts pending: one arrival among running streams barely
+            # widens their token gaps, while a queue of them is not trickled through one prompt's share
+            # (each waiting prompt's TTFT weighs like a running stream's TPOT).
+            pending = sum(1 for s in self.running if s.num_uncomputed_tokens > 1 and self._is_long(s))
+            pending += sum(1 for s in self.waiting if self._is_long(s))
+            prefill_budget = max(self.long_prefill_token_threshold, num_decoding * max(1, pending))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -162,9 +168,12 @@ class Scheduler:
     def _prefill_limit(self, seq: Sequence, budget: int, prefill_budget: int) -> int:
         """Prompt tokens ``seq`` may prefill this step: short prompts are bounded by the step's budget
         only, long ones by the prefill cap too (recomputed sequences count their outputs)."""
-        if len(seq.token_ids) <= self.short_prompt_tokens:
+        if not self._is_long(seq):
             return budget
         return min(budget, prefill_budget)
+
+    def _is_long(self, seq: Sequence) -> bool:
+        return len(seq.token_ids) > self.short_prompt_tokens
 
     @staticmethod
     def _add(batch: ScheduledBatch, seq: Sequence, n: int) -> None:

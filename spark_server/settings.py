@@ -50,9 +50,10 @@ class Settings:
     max_model_len: int | None = _opt(None, "context length in tokens (default: the model's)")
     max_num_seqs: int = _opt(64, "most sequences decoded together in one step")
     max_num_batched_tokens: int = _opt(512, "token budget of one engine step (prefill is chunked to fit)")
-    long_prefill_token_threshold: int = _opt(32, "while other sequences decode, long prompts (over half of "
-                                                 "--max-num-batched-tokens) prefill at most max(this, 2 x "
-                                                 "decoding) tokens per step, keeping token gaps even (0: no cap)")
+    long_prefill_token_threshold: int = _opt(16, "while other sequences decode, long prompts (over half of "
+                                                 "--max-num-batched-tokens) prefill at most max(this, decoding x "
+                                                 "long prompts pending) tokens per step, keeping token gaps even "
+                                                 "(0: no cap)")
     max_waiting: int = _opt(1024, "most requests waiting for a running slot before new ones are refused")
     kv_cache_space: float = _opt(2.0, "KV cache budget in GiB")
     num_kv_blocks: int | None = _opt(None, "KV cache blocks (overrides --kv-cache-space)")

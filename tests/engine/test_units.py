@@ -9,6 +9,7 @@ from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.errors import InvalidRequestError
 from engine.request import GenerationRequest, TokensPrompt
 from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
 
@@ -81,3 +82,27 @@ def test_block_manager_prefix_reuse_and_release():
     assert c.num_cached_tokens == 8
     bm.free(c)
     assert bm.num_free_blocks == 8
+
+
+def _decoding(scheduler: Scheduler, n: int) -> None:
+    """``n`` running sequences whose prompts are computed: each decodes one token a step."""
+    for i in range(n):
+        seq = _seq(list(range(i * 10, i * 10 + 8)))
+        scheduler.block_manager.append_slots(seq, 8)
+        seq.num_computed_tokens = 8
+        seq.append_token(1)
+        scheduler.running.append(seq)
+
+
+def test_the_long_prompt_cap_scales_with_the_long_prompts_waiting():
+    """Among 8 decoding streams one long prompt is trickled (cap 8 tokens a step, the running streams'
+    gaps stay even); six of them waiting share six times that, so a queue is not starved."""
+    for waiting, expected in ((1, 8), (6, 48)):
+        scheduler = Scheduler(BlockManager(num_blocks=512, block_size=16), max_num_seqs=64,
+                              max_num_batched_tokens=256, long_prefill_token_threshold=4)
+        _decoding(scheduler, 8)
+        for i in range(waiting):
+            scheduler.add(_seq(list(range(1000 + 300 * i, 1000 + 300 * i + 200))))  # long: over 256 / 2
+        batch = scheduler.schedule()
+        assert len(batch.decodes) == 8
+        assert sum(n for _, n in batch.prefills) == expected
