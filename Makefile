@@ -25,8 +25,11 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/spark-server serve --host $(HOST) --port $(PORT)
 
+# Two workers, one OpenMP thread each: half the suite waits on sockets and subprocesses, so two files at a
+# time fill both cores (two workers of two threads each would oversubscribe them and spin). Tests that
+# need a server's real thread count (the serve test) or an uneven kernel split set their own.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

@@ -58,7 +58,8 @@ def test_serve_answers_a_real_question_and_logs_for_operators():
     one settings line (where each value came from, secrets masked) and a timestamp on every line,
     uvicorn's access lines included."""
     port = free_port()
-    env = dict(os.environ, SPARK_MAX_WAITING="9")
+    # one OpenMP thread per core, as a server runs (`make test` gives its workers one thread each)
+    env = dict(os.environ, SPARK_MAX_WAITING="9", OMP_NUM_THREADS=str(os.cpu_count() or 2))
     env.pop("SPARK_LOG_LEVEL", None)
     proc = subprocess.Popen([sys.executable, "-m", "spark_server", "serve", "--port", str(port), "--api-key", "sekret",
                              "--max-num-seqs", "4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

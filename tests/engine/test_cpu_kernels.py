@@ -22,6 +22,7 @@ from engine.llm_engine import LLMEngine
 from engine.models.llama import rms_norm
 from engine.request import GenerationRequest, TokensPrompt
 from engine.sampling_params import SamplingParams
+from tests.engine.threads import kernel_threads
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the fused kernels are not built")
@@ -32,10 +33,13 @@ DTYPES = [torch.bfloat16, torch.float32]
 def kern(request, tmp_path_factory):
     """The build the engine uses, and one for a CPU without AVX-512 (the plain-C loops)."""
     if request.param == "native":
-        return kernels
-    if platform.machine() != "x86_64":
+        lib = kernels
+    elif platform.machine() != "x86_64":
         pytest.skip("the portable build is an x86-64 baseline")
-    return open_library(build_library(find_compiler(), "-march=x86-64-v2", tmp_path_factory.mktemp("portable")))
+    else:
+        lib = open_library(build_library(find_compiler(), "-march=x86-64-v2", tmp_path_factory.mktemp("portable")))
+    with kernel_threads(lib):
+        yield lib
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -133,8 +137,13 @@ def test_decode_attention_matches_softmax_attention_over_paged_context(dtype, ke
 def test_fused_forward_equals_torch_forward_on_mixed_batches():
     """Decodes, a prompt continuing from cached blocks and a chunked fresh prompt share fp32 steps;
     every step runs both paths from the same cache and their logits must agree."""
-    engine = LLMEngine(EngineConfig(dtype="float32", max_num_batched_tokens=64, long_prefill_token_threshold=0,
-                                    num_kv_blocks=64))
+    with kernel_threads(kernels):  # the model sets the shared library's count from torch's when built
+        engine = LLMEngine(EngineConfig(dtype="float32", max_num_batched_tokens=64, long_prefill_token_threshold=0,
+                                        num_kv_blocks=64))
+        _fused_equals_torch_on_mixed_batches(engine)
+
+
+def _fused_equals_torch_on_mixed_batches(engine: LLMEngine) -> None:
     model, fused_kernels = engine.model, engine.model.kernels
     assert fused_kernels is not None
     run = engine.runner.run

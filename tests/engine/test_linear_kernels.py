@@ -13,9 +13,16 @@ import torch
 from engine.kernels import load_cpu_kernels
 from engine.quant.formats import QuantizedWeight, concat, quantize_int4, quantize_int8
 from engine.quant.packing import pack_bf16, pack_quantized
+from tests.engine.threads import kernel_threads
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the fused CPU kernels are not built")
+
+
+@pytest.fixture(autouse=True)
+def split_over_threads():
+    with kernel_threads(kernels):
+        yield
 
 SHAPES = [(1, 64, 32), (5, 96, 70), (13, 576, 960), (64, 192, 17), (71, 128, 33), (8, 1536, 48), (3, 64, 1)]
 

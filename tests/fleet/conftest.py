@@ -10,6 +10,9 @@ EARLY_REPLICAS = pytest.StashKey[dict]()
 
 @pytest.hookimpl(trylast=True)  # after -m / -k deselection
 def pytest_collection_modifyitems(session, config, items) -> None:
+    import os
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # every xdist worker collects every test: the fixture starts them where they run
     if any(item.nodeid.startswith("tests/fleet/test_fleet.py::") for item in items):
         from tests.fleet.test_fleet import SMG, start_replicas
 
