@@ -65,7 +65,9 @@ def test_a_stuck_model_step_turns_health_red(live_server):
             task_done.set()
 
         threading.Thread(target=run_session, daemon=True).start()
-        time.sleep(1.5)
+        deadline = time.monotonic() + 15  # the step starts, then is stuck for 0.5 s (longer on a loaded machine)
+        while httpx.get(live_server.http_url + "/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert httpx.get(live_server.http_url + "/health").status_code == 503
         assert httpx.get(live_server.http_url + "/v2/health/ready").status_code == 503
     finally:

@@ -54,7 +54,7 @@ def test_sigterm_drains_then_exits_zero():
         wait_healthy(f"http://127.0.0.1:{port}")
         url = f"ws://127.0.0.1:{port}/turing/v3/gpt"
 
-        async def session(long: bool):
+        async def session(long: bool, first: asyncio.Event):
             body = spark_request("Write a very long story about the sea." if long else "Say hi.",
                                  max_tokens=2000 if long else 6, temperature=1.0, top_k=6)
             frames = []
@@ -62,18 +62,27 @@ def test_sigterm_drains_then_exits_zero():
                 await ws.send(json.dumps(body))
                 async for message in ws:
                     frames.append(json.loads(message))
+                    first.set()
             return frames
 
-        async def stream(client: httpx.AsyncClient, path: str, body: dict) -> str:
+        async def stream(client: httpx.AsyncClient, path: str, body: dict, first: asyncio.Event) -> str:
+            chunks = []
             async with client.stream("POST", f"http://127.0.0.1:{port}{path}", json=body, timeout=60) as resp:
                 assert resp.status_code == 200
-                return "".join([chunk async for chunk in resp.aiter_text()])
+                async for chunk in resp.aiter_text():
+                    chunks.append(chunk)
+                    first.set()
+            return "".join(chunks)
 
         async def scenario():
-            tasks = [asyncio.create_task(session(long=i % 2 == 0)) for i in range(10)]
+            started = [asyncio.Event() for _ in range(10 + len(LONG_STREAMS))]  # at a first frame or chunk
+            tasks = [asyncio.create_task(session(i % 2 == 0, started[i])) for i in range(10)]
             async with httpx.AsyncClient() as client:
-                streams = {name: asyncio.create_task(stream(client, path, body)) for name, (path, body) in LONG_STREAMS.items()}
-                await asyncio.sleep(1.0)  # everyone is running
+                streams = {name: asyncio.create_task(stream(client, path, body, started[10 + j]))
+                           for j, (name, (path, body)) in enumerate(LONG_STREAMS.items())}
+                # everyone is running (on a loaded machine that takes longer than any fixed wait), and a
+                # short session has at most 6 tokens to go: well within the 2 s grace
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=60)
                 proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.3)
                 # new work is refused while draining

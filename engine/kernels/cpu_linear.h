@@ -256,6 +256,76 @@ static inline __attribute__((always_inline)) void tile_rows_avx512(
     for (int r = 0; r < RB; r++) store_acc(acc[r], bias, n0, N, y, ldy, r0 + r, y_f32);
 }
 
+/* u4 only, for many rows: RB rows against two adjacent tiles in one pass. Each broadcast input pair
+ * feeds both tiles and there are 2 x RB independent accumulator chains, so the dot products' latency
+ * is hidden without splitting a row's sum. A group's partial sums are folded into the running sums
+ * (kept in memory: they are touched once per group) with the group's scale and min. */
+static inline __attribute__((always_inline)) void tile_pair_rows_u4(
+    const int RB, const uint16_t *x, int64_t r0, int64_t K, int64_t ldx, const uint8_t *tile0, const uint8_t *tile1,
+    int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32) {
+    const int64_t groups = K / G, gbytes = tile_group_bytes(WFMT_U4, G);
+    const uint16_t *xr[ROWS_PER_PASS];
+    __m512 part[ROWS_PER_PASS][2];
+    float acc[ROWS_PER_PASS][2][TILE_N] __attribute__((aligned(64)));
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; r++) {
+        xr[r] = x + (r0 + r) * ldx;
+        _mm512_store_ps(acc[r][0], _mm512_setzero_ps());
+        _mm512_store_ps(acc[r][1], _mm512_setzero_ps());
+    }
+    const __m512i nibble_bf16 = _mm512_set_epi16(
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040,
+        0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0,
+        0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *blk0 = tile0 + g * gbytes, *blk1 = tile1 + g * gbytes;
+        const int64_t k0 = g * G;
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; r++) part[r][0] = part[r][1] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < G / 32; b++) {
+            const int64_t kb = k0 + b * 32;
+#pragma GCC unroll 2
+            for (int c = 0; c < 8; c++) {
+                const __m512i v0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk0 + b * 256 + c * 32)));
+                const __m512i v1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk1 + b * 256 + c * 32)));
+                const __m512bh lo0 = (__m512bh)_mm512_permutexvar_epi16(v0, nibble_bf16);
+                const __m512bh lo1 = (__m512bh)_mm512_permutexvar_epi16(v1, nibble_bf16);
+#pragma GCC unroll 8
+                for (int r = 0; r < RB; r++) {
+                    const __m512bh xb = pair_bcast(xr[r], kb + 2 * c);
+                    part[r][0] = _mm512_dpbf16_ps(part[r][0], xb, lo0);
+                    part[r][1] = _mm512_dpbf16_ps(part[r][1], xb, lo1);
+                }
+                const __m512bh hi0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v0, 4), nibble_bf16);
+                const __m512bh hi1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v1, 4), nibble_bf16);
+#pragma GCC unroll 8
+                for (int r = 0; r < RB; r++) {
+                    const __m512bh xb = pair_bcast(xr[r], kb + 2 * (c + 8));
+                    part[r][0] = _mm512_dpbf16_ps(part[r][0], xb, hi0);
+                    part[r][1] = _mm512_dpbf16_ps(part[r][1], xb, hi1);
+                }
+            }
+        }
+        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk0 + G * TILE_N / 2)));
+        const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk0 + G * TILE_N / 2 + 32)));
+        const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk1 + G * TILE_N / 2)));
+        const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk1 + G * TILE_N / 2 + 32)));
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; r++) {
+            const __m512 s = _mm512_set1_ps(sums[(r0 + r) * groups + g]);
+            __m512 a0 = _mm512_fmadd_ps(part[r][0], d0, _mm512_load_ps(acc[r][0]));
+            __m512 a1 = _mm512_fmadd_ps(part[r][1], d1, _mm512_load_ps(acc[r][1]));
+            _mm512_store_ps(acc[r][0], _mm512_fmadd_ps(m0, s, a0));
+            _mm512_store_ps(acc[r][1], _mm512_fmadd_ps(m1, s, a1));
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; r++) {
+        store_acc(_mm512_load_ps(acc[r][0]), bias, n0, N, y, ldy, r0 + r, y_f32);
+        store_acc(_mm512_load_ps(acc[r][1]), bias, n0 + TILE_N, N, y, ldy, r0 + r, y_f32);
+    }
+}
+
 static void tile_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_t K, int64_t ldx,
                       const uint8_t *tile, int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N,
                       void *y, int64_t ldy, int y_f32) {
@@ -272,9 +342,27 @@ static void tile_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_
     default: break;
     }
 }
+
+#ifndef PAIR_ROWS
+#define PAIR_ROWS 6
+#endif
+/* Two u4 tiles, rows [r0, r1): PAIR_ROWS at a time, the rest one tile at a time. */
+static void tile_pair_fast_u4(const uint16_t *x, int64_t r0, int64_t r1, int64_t K, int64_t ldx, const uint8_t *tile0,
+                              const uint8_t *tile1, int64_t G, const float *sums, const float *bias, int64_t n0,
+                              int64_t N, void *y, int64_t ldy, int y_f32) {
+    int64_t r = r0;
+    for (; r + PAIR_ROWS <= r1; r += PAIR_ROWS)
+        tile_pair_rows_u4(PAIR_ROWS, x, r, K, ldx, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32);
+    if (r < r1) {
+        tile_fast(WFMT_U4, x, r, r1, K, ldx, tile0, G, sums, bias, n0, N, y, ldy, y_f32);
+        tile_fast(WFMT_U4, x, r, r1, K, ldx, tile1, G, sums, bias, n0 + TILE_N, N, y, ldy, y_f32);
+    }
+}
 #else
 #define LINEAR_ISA 0
 #endif
+
+static int64_t pair_min_rows = 16;
 
 /* y = x @ W^T (+ bias) for one packed weight. x: bf16 [M, K] with row stride ldx; y: [M, N] bf16
  * (or fp32 when y_f32) with row stride ldy. K must be a multiple of G, and G of 32 (u4) or 2. */
@@ -293,6 +381,21 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
 #pragma omp parallel num_threads(threads)
     for (int64_t c0 = 0; c0 < M; c0 += ROW_CHUNK) {
         const int64_t c1 = c0 + ROW_CHUNK < M ? c0 + ROW_CHUNK : M;
+#if LINEAR_ISA == 2
+        if (fmt == WFMT_U4 && !portable && c1 - c0 >= pair_min_rows && tiles >= 2) {
+            const int64_t pairs = tiles / 2;
+#pragma omp for schedule(static)
+            for (int64_t t2 = 0; t2 < pairs + tiles % 2; t2++) {
+                const int64_t t = 2 * t2;
+                if (t + 1 < tiles)
+                    tile_pair_fast_u4(x, c0, c1, K, ldx, w + t * tile_bytes, w + (t + 1) * tile_bytes, G, sums, bias,
+                                      t * TILE_N, N, y, ldy, y_f32);
+                else
+                    tile_fast(fmt, x, c0, c1, K, ldx, w + t * tile_bytes, G, sums, bias, t * TILE_N, N, y, ldy, y_f32);
+            }
+            continue;
+        }
+#endif
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const uint8_t *tile = w + t * tile_bytes;
