@@ -1,5 +1,6 @@
 """Linear kernels: GB/s per format and batch shape against a plain read of the same bytes, and what
-each weight format costs in accuracy (perplexity on the held-out texts in tests/data).
+each weight format costs in accuracy (perplexity on the held-out texts in tests/data, and the mean KL
+divergence and top-1 agreement of each mode's next-token distributions against the first mode's).
 
     python -m benchmarks.bench_kernels [--skip-perplexity]
 
@@ -29,7 +30,9 @@ from engine.quant.packing import pack_bf16, pack_quantized
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 ROWS = (1, 8, 32)
 TEXTS = Path(__file__).resolve().parent.parent / "tests" / "data"
-PERPLEXITY_MODES = ("none", "int8", "int4", "gguf")
+# (--quantization, --linear-activations); the first is the baseline the others are compared with
+PERPLEXITY_MODES = (("none", "bf16"), ("int8", "bf16"), ("int4", "bf16"), ("gguf", "bf16"), ("int4", "int8"),
+                    ("gguf", "int8"))
 
 
 def cpu_model() -> str:
@@ -55,12 +58,13 @@ def bandwidth_table(kern) -> tuple[list[dict], bool]:
     weights = [torch.randn(n, k, generator=gen) * 0.05 for n, k in SHAPES]
     rows_out = []
     ok = True
-    formats = {
-        "bf16": lambda w: pack_bf16(w.to(torch.bfloat16)),
-        "int8": lambda w: pack_quantized(quantize_int8(w)),
-        "int4 (u4, groups of 32)": lambda w: pack_quantized(quantize_int4(w)),
+    formats = {  # name: (packing, int8 activations)
+        "bf16": (lambda w: pack_bf16(w.to(torch.bfloat16)), False),
+        "int8": (lambda w: pack_quantized(quantize_int8(w)), False),
+        "int4 (u4, groups of 32)": (lambda w: pack_quantized(quantize_int4(w)), False),
+        "int4 + int8 activations": (lambda w: pack_quantized(quantize_int4(w)), True),
     }
-    for name, pack in formats.items():
+    for name, (pack, int8_act) in formats.items():
         packed = [pack(w) for w in weights]
         nbytes = sum(p.data.numel() for p in packed)
         buffer = torch.ones(nbytes // 8, dtype=torch.int64)
@@ -70,7 +74,8 @@ def bandwidth_table(kern) -> tuple[list[dict], bool]:
             # interleaved, best of several: the two timings see the same machine state
             kernel_t = read_t = math.inf
             for _ in range(5):
-                kernel_t = min(kernel_t, best_of(lambda: [kern.linear(xs[p.in_features], p, None, o)
+                kernel_t = min(kernel_t, best_of(lambda: [kern.linear(xs[p.in_features], p, None, o,
+                                                                      int8_activations=int8_act)
                                                           for p, o in zip(packed, outs)], 2))
                 read_t = min(read_t, best_of(lambda: kern.read_sum(buffer), 2))
             row = {"format": name, "rows": m, "mb": nbytes / 1e6, "ms": kernel_t * 1e3,
@@ -90,24 +95,30 @@ def bandwidth_table(kern) -> tuple[list[dict], bool]:
     return rows_out, ok
 
 
-def perplexity(engine, text: str, window: int = 512) -> float:
-    """Teacher-forced perplexity over the text in non-overlapping windows (each prefilled at once)."""
+def next_token_logprobs(engine, text: str, window: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced log-probabilities at every position of the text, in non-overlapping windows (each
+    prefilled at once), and the tokens that follow."""
     from engine.attention import AttentionMetadata, PrefillSpan
 
     ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
-    nll, count = 0.0, 0
+    logprobs, targets = [], []
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start:start + window + 1]
         if len(chunk) < 2:
             break
-        inputs, targets = torch.tensor(chunk[:-1]), torch.tensor(chunk[1:])
+        inputs = torch.tensor(chunk[:-1])
         t = len(inputs)
         meta = AttentionMetadata(slot_mapping=torch.arange(t), num_decodes=0, decode_gather=None, decode_mask=None,
                                  decode_max_len=0, prefills=[PrefillSpan(0, t, t, None, None)])
         logits = engine.model.forward(inputs, torch.arange(t), meta, engine.runner.cache, torch.arange(t))
-        nll += float(torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum"))
-        count += t
-    return math.exp(nll / count)
+        logprobs.append(logits.float().log_softmax(-1))
+        targets.append(torch.tensor(chunk[1:]))
+    return torch.cat(logprobs), torch.cat(targets)
+
+
+def perplexity(engine, text: str, window: int = 512) -> float:
+    logprobs, targets = next_token_logprobs(engine, text, window)
+    return math.exp(float(-logprobs.gather(1, targets[:, None]).mean()))
 
 
 def perplexity_table() -> tuple[list[dict], bool]:
@@ -116,14 +127,25 @@ def perplexity_table() -> tuple[list[dict], bool]:
 
     texts = {lang: (TEXTS / f"heldout_{lang}.txt").read_text() for lang in ("en", "zh")}
     rows = []
-    for mode in PERPLEXITY_MODES:
-        engine = LLMEngine(EngineConfig(dtype="bfloat16", quantization=mode, num_kv_blocks=80))
-        row = {"weights": mode, "linears": engine.model.linears_summary}
+    baseline: torch.Tensor | None = None
+    for mode, activations in PERPLEXITY_MODES:
+        engine = LLMEngine(EngineConfig(dtype="bfloat16", quantization=mode, linear_activations=activations,
+                                        num_kv_blocks=80))
+        row = {"weights": mode, "activations": activations, "linears": engine.model.linears_summary}
+        every = []
         for lang, text in texts.items():
-            row[lang] = perplexity(engine, text)
-            row[f"{lang}_tokens"] = len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+            logprobs, targets = next_token_logprobs(engine, text)
+            row[lang] = math.exp(float(-logprobs.gather(1, targets[:, None]).mean()))
+            row[f"{lang}_tokens"] = len(targets)
+            every.append(logprobs)
+        joined = torch.cat(every)
+        if baseline is None:
+            baseline = joined
+        # KL(baseline || this mode) per position, as llama.cpp's perplexity --kl-divergence reports it
+        row["kld"] = float((baseline.exp() * (baseline - joined)).sum(-1).mean())
+        row["same_top1"] = float((baseline.argmax(-1) == joined.argmax(-1)).float().mean())
         rows.append(row)
-        del engine
+        del engine, every, joined
     base = rows[0]
     int8 = next(r for r in rows if r["weights"] == "int8")
     ok = all(int8[lang] <= base[lang] * 1.01 for lang in texts)
@@ -150,9 +172,11 @@ def main() -> int:
     ppl = []
     if not args.skip_perplexity:
         ppl, ppl_ok = perplexity_table()
-        print(f"\n{'weights':8} {'ppl en':>8} {'ppl zh':>8}  (tokens: en {ppl[0]['en_tokens']}, zh {ppl[0]['zh_tokens']})")
+        print(f"\n{'weights':8} {'acts':>4} {'ppl en':>8} {'ppl zh':>8} {'KLD':>7} {'top-1':>6}  "
+              f"(tokens: en {ppl[0]['en_tokens']}, zh {ppl[0]['zh_tokens']}; KLD and top-1 against the first row)")
         for r in ppl:
-            print(f"{r['weights']:8} {r['en']:>8.3f} {r['zh']:>8.3f}  {r['linears']}")
+            print(f"{r['weights']:8} {r['activations']:>4} {r['en']:>8.3f} {r['zh']:>8.3f} {r['kld']:>7.4f} "
+                  f"{r['same_top1']:>6.1%}  {r['linears']}")
         checks["int8 perplexity within 1% of bf16 (en and zh)"] = ppl_ok
     save("kernels", {"cpu": model, "isa": isa, "bandwidth": table, "perplexity": ppl})
     return verdict(checks)

@@ -24,7 +24,7 @@ from engine.model_runner import ModelRunner, PromptLogits
 from engine.prompts import PromptEncoder, read_chat_template
 from engine.protocol import EngineStats, ModelInfo
 from engine.models import model_class
-from engine.models.weights import resolve_quantization
+from engine.models.weights import resolve_activations, resolve_quantization
 from engine.quant import cache as quant_cache
 from engine.request import ChatPrompt, GenerationRequest, Prompt, RequestOutput, TokenLogprob
 from engine.sampler import sample
@@ -70,6 +70,7 @@ class LLMEngine:
             self.dtype = resolve_dtype(config.dtype, self.device)
         gguf = gguf_source(config.model)
         self.quantization = resolve_quantization(config.quantization, gguf is not None, kernels, self.dtype)
+        resolve_activations(config.linear_activations, self.quantization)  # refuses a bad pair before loading
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if config.chat_template:
             self.tokenizer.chat_template = read_chat_template(config.chat_template)
@@ -79,7 +80,7 @@ class LLMEngine:
         hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=load_dtype)
         stored, cache_file = self._stored_weights(model_dir, gguf, hf_config)
         self.model = model_cls(hf_model, self.dtype, self.device, config.native_kernels, self.quantization,
-                                      stored)
+                               stored, linear_activations=config.linear_activations)
         if cache_file is not None and self.model.builder.made:
             quant_cache.save(cache_file, self.model.builder.made)
         del hf_model

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_impl.h"), SOURCE.with_name("cpu_linear.h"))  # the .c includes the .h files
-ABI_VERSION = 3
+ABI_VERSION = 4
 CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11"]
 NATIVE = "-march=native"  # this CPU's full instruction set (AVX-512 where it has it)
 DISABLE_ENV = "SPARK_NATIVE_KERNELS"
@@ -119,13 +119,15 @@ class CpuKernels:
                 fn.restype = None
                 self._fns[(name, dtype)] = fn
         self._linear = lib.spark_linear
-        self._linear.argtypes = [_INT, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _INT, _INT, _INT]
+        self._linear.argtypes = [_INT, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _INT, _INT, _INT, _INT]
         self._linear.restype = None
         self._read_sum = lib.spark_read_sum
         self._read_sum.argtypes = [_P, _I64, _INT]
         self._read_sum.restype = ctypes.c_uint64
         # 2: AVX512-BF16 dot products; 0: the portable C path only (correct everywhere, slower)
         self.linear_isa = lib.spark_linear_isa()
+        # int8 activations against 4-bit weights have a VNNI path here (else they run on portable C)
+        self.int8_activations_fast = bool(lib.spark_linear_int8_act_fast())
         self._count_top_ties = lib.count_top_ties
         self._count_top_ties.argtypes = [_P, _I64, _I64, _P]
         self._count_top_ties.restype = None
@@ -164,9 +166,12 @@ class CpuKernels:
             out_sizes.shape[0], out_sizes.data_ptr(), num_slots, rank, self.num_threads)
 
     def linear(self, x: torch.Tensor, weight: "PackedWeight", bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, portable: bool = False) -> torch.Tensor:
+               out: torch.Tensor | None = None, portable: bool = False,
+               int8_activations: bool = False) -> torch.Tensor:
         """y = x @ W^T (+ bias) over a packed weight (engine/quant/packing.py); x bf16 [M, K] with unit
-        column stride; y bf16 (or fp32 when ``out`` is fp32). ``portable`` forces the plain-C path."""
+        column stride; y bf16 (or fp32 when ``out`` is fp32). ``portable`` forces the plain-C path.
+        ``int8_activations`` (4-bit weights only; ignored for others): x's code term is taken in int8 per
+        block of 32 inputs, as llama.cpp computes these formats (engine/quant/activations.py)."""
         m, k = x.shape
         if x.dtype != torch.bfloat16 or x.stride(1) != 1 or k != weight.in_features:
             raise ValueError("linear kernel takes bf16 rows of in_features with unit stride")
@@ -176,7 +181,7 @@ class CpuKernels:
             raise ValueError("linear kernel bias must be fp32")
         self._linear(weight.fmt_code, x.data_ptr(), m, k, x.stride(0), weight.data.data_ptr(), weight.out_features,
                      weight.group, bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0),
-                     int(out.dtype == torch.float32), int(portable), self.num_threads)
+                     int(out.dtype == torch.float32), int(int8_activations), int(portable), self.num_threads)
         return out
 
     def read_sum(self, buffer: torch.Tensor) -> int:

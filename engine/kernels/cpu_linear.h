@@ -68,17 +68,15 @@ static inline float half_to_f32(uint16_t h) {
     return f;
 }
 
-/* sums[r * groups + g] = sum of row r's inputs in group g (the u4 min term needs it). */
-static void group_sums(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, int64_t G, float *sums) {
-    const int64_t groups = K / G;
-    for (int64_t r = 0; r < M; r++)
-        for (int64_t g = 0; g < groups; g++) {
-            float s = 0.f;
-            const uint16_t *xg = x + r * ldx + g * G;
+/* sums[g] = sum of row xr's inputs in group g (the u4 min term needs it). */
+static void group_sums_row(const uint16_t *xr, int64_t K, int64_t G, float *sums) {
+    for (int64_t g = 0; g < K / G; g++) {
+        float s = 0.f;
+        const uint16_t *xg = xr + g * G;
 #pragma omp simd reduction(+ : s)
-            for (int64_t k = 0; k < G; k++) s += bf16_to_f32(xg[k]);
-            sums[r * groups + g] = s;
-        }
+        for (int64_t k = 0; k < G; k++) s += bf16_to_f32(xg[k]);
+        sums[g] = s;
+    }
 }
 
 static inline void store_row(float *acc, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy,
@@ -136,6 +134,73 @@ static void tile_generic(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int
                 const float *d = (const float *)(blk + G * TILE_N);
                 for (int i = 0; i < TILE_N; i++) acc[i] += d[i] * part[i];
             }
+        }
+        store_row(acc, bias, n0, N, y, ldy, r, y_f32);
+    }
+}
+
+/* ---- int8 activations (--linear-activations int8), for u4 weights only ----
+ * Each row of x is quantized per block of 32 inputs: s = max|x| / 127, q = round(x / s) (to nearest
+ * even) in [-127, 127], as llama.cpp does for its 4-bit formats. The code term is then an integer dot
+ * product, exact in int32, scaled once per block; the min term keeps the exact fp32 sum of x:
+ *   y = sum_blocks d * s_b * sum_k q_w q_x  +  m * sum_k x.
+ * On CPUs with AVX512-VNNI one instruction does 64 of those products (AVX512-BF16 does 32). */
+#define QBLOCK 32
+
+/* Row r of x quantized: xq [K] int8, xs [K / QBLOCK] scales. */
+static void quantize_row_q8(const uint16_t *xr, int64_t K, int8_t *xq, float *xs) {
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        const uint16_t *xb = xr + b * QBLOCK;
+        int8_t *qb = xq + b * QBLOCK;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        const __m512 v0 = load16_bf16(xb), v1 = load16_bf16(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+#else
+        float amax = 0.f;
+        for (int k = 0; k < QBLOCK; k++) {
+            const float a = fabsf(bf16_to_f32(xb[k]));
+            amax = a > amax ? a : amax;
+        }
+#endif
+        const float inv = amax > 0.f && amax < INFINITY ? 127.f / amax : 0.f;
+        xs[b] = amax / 127.f;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        const __m512 s = _mm512_set1_ps(inv), lim = _mm512_set1_ps(127.f), neg = _mm512_set1_ps(-127.f);
+        /* cvtps rounds to nearest even (the default MXCSR mode), as rintf does */
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v0, s), neg), lim));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v1, s), neg), lim));
+        _mm_storeu_si128((__m128i *)qb, _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(qb + 16), _mm512_cvtsepi32_epi8(q1));
+#else
+        for (int k = 0; k < QBLOCK; k++) qb[k] = (int8_t)rintf(fminf(fmaxf(bf16_to_f32(xb[k]) * inv, -127.f), 127.f));
+#endif
+    }
+}
+
+static void tile_generic_q8(const int8_t *xq, const float *xs, int64_t r0, int64_t r1, int64_t K, const uint8_t *tile,
+                            int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy,
+                            int y_f32) {
+    const int64_t groups = K / G, gbytes = tile_group_bytes(WFMT_U4, G), blocks = K / QBLOCK;
+    for (int64_t r = r0; r < r1; r++) {
+        float acc[TILE_N] = {0};
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *blk = tile + g * gbytes;
+            const uint16_t *d = (const uint16_t *)(blk + G * TILE_N / 2), *m = d + TILE_N;
+            float part[TILE_N] = {0};
+            for (int64_t b = 0; b < G / QBLOCK; b++) {
+                const int8_t *xb = xq + r * K + g * G + b * QBLOCK;
+                int32_t dot[TILE_N] = {0};
+                for (int64_t pr = 0; pr < 16; pr++) { /* pair-row pr: inputs 2 pr, 2 pr + 1 of the block */
+                    const uint8_t *chunk = blk + b * 256 + (pr % 8) * 32;
+                    const int shift = pr < 8 ? 0 : 4;
+                    for (int i = 0; i < TILE_N; i++)
+                        dot[i] += ((chunk[2 * i] >> shift) & 15) * xb[2 * pr] + ((chunk[2 * i + 1] >> shift) & 15) * xb[2 * pr + 1];
+                }
+                const float s = xs[r * blocks + g * (G / QBLOCK) + b];
+                for (int i = 0; i < TILE_N; i++) part[i] += (float)dot[i] * s;
+            }
+            const float sx = sums[r * groups + g];
+            for (int i = 0; i < TILE_N; i++) acc[i] += half_to_f32(d[i]) * part[i] + half_to_f32(m[i]) * sx;
         }
         store_row(acc, bias, n0, N, y, ldy, r, y_f32);
     }
@@ -418,27 +483,177 @@ static void tile_pair_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, i
         tile_fast(fmt, x, r, r1, K, ldx, tile1, G, sums, bias, n0 + TILE_N, N, y, ldy, y_f32);
     }
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define LINEAR_Q8_FAST 1
+/* vpermb indices turning two 32-byte u4 chunks (pair-rows c and c + 1) into one quad-row: byte 4i + j
+ * of the result is output i's input j of the four (the layout vpdpbusd sums over). */
+static inline __m512i quad_index(void) {
+    uint8_t idx[64];
+    for (int i = 0; i < 16; i++)
+        for (int j = 0; j < 4; j++) idx[4 * i + j] = (uint8_t)(j < 2 ? 2 * i + j : 32 + 2 * i + j - 2);
+    return _mm512_loadu_si512(idx);
+}
+
+static inline __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+/* RB rows of quantized x against NT (1 or 2) adjacent tiles. Per 32-input block: 8 vpdpbusd per row and
+ * tile into an int32 sum, then one scale by d * s_b; the min term once per group. */
+static inline __attribute__((always_inline)) void tile_rows_q8_avx512(
+    const int RB, const int NT, const int8_t *xq, const float *xs, int64_t r0, int64_t K, const uint8_t *tile0,
+    int64_t tile_bytes, int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy,
+    int y_f32) {
+    const int64_t groups = K / G, gbytes = tile_group_bytes(WFMT_U4, G), blocks = K / QBLOCK;
+    const __m512i perm = quad_index(), low4 = _mm512_set1_epi8(0x0f);
+    __m512 acc[4][2];
+    const int8_t *xr[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; r++) {
+        xr[r] = xq + (r0 + r) * K;
+        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 d[2], m[2];
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; t++) {
+            const uint8_t *blk = tile0 + t * tile_bytes + g * gbytes;
+            d[t] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + G * TILE_N / 2)));
+            m[t] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + G * TILE_N / 2 + 32)));
+        }
+        for (int64_t b = 0; b < G / QBLOCK; b++) {
+            const int64_t kb = g * G + b * QBLOCK;
+            __m512i dot[4][2];
+#pragma GCC unroll 4
+            for (int r = 0; r < RB; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int h = 0; h < 4; h++) {
+                __m512i lo[2], hi[2];
+#pragma GCC unroll 2
+                for (int t = 0; t < NT; t++) {
+                    const uint8_t *codes = tile0 + t * tile_bytes + g * gbytes + b * 256 + h * 64;
+                    const __m512i raw = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(codes));
+                    lo[t] = _mm512_and_si512(raw, low4);
+                    hi[t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                }
+#pragma GCC unroll 4
+                for (int r = 0; r < RB; r++) {
+                    const __m512i xl = bcast4(xr[r] + kb + 4 * h), xh = bcast4(xr[r] + kb + 16 + 4 * h);
+#pragma GCC unroll 2
+                    for (int t = 0; t < NT; t++) {
+                        dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], lo[t], xl);
+                        dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], hi[t], xh);
+                    }
+                }
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < RB; r++) {
+                const __m512 s = _mm512_set1_ps(xs[(r0 + r) * blocks + kb / QBLOCK]);
+#pragma GCC unroll 2
+                for (int t = 0; t < NT; t++)
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][t]), _mm512_mul_ps(d[t], s), acc[r][t]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < RB; r++) {
+            const __m512 sx = _mm512_set1_ps(sums[(r0 + r) * groups + g]);
+#pragma GCC unroll 2
+            for (int t = 0; t < NT; t++) acc[r][t] = _mm512_fmadd_ps(m[t], sx, acc[r][t]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; r++)
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; t++) store_acc(acc[r][t], bias, n0 + t * TILE_N, N, y, ldy, r0 + r, y_f32);
+}
+
+/* NT tiles, rows [r0, r1), four at a time. */
+static void tiles_q8_fast(int NT, const int8_t *xq, const float *xs, int64_t r0, int64_t r1, int64_t K,
+                          const uint8_t *tile0, int64_t tile_bytes, int64_t G, const float *sums, const float *bias,
+                          int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32) {
+#define Q8_CALL(RB, NT_) tile_rows_q8_avx512(RB, NT_, xq, xs, r, K, tile0, tile_bytes, G, sums, bias, n0, N, y, ldy, y_f32)
+    int64_t r = r0;
+    if (NT == 2) {
+        for (; r + 4 <= r1; r += 4) Q8_CALL(4, 2);
+        switch (r1 - r) {
+        case 3: Q8_CALL(3, 2); break;
+        case 2: Q8_CALL(2, 2); break;
+        case 1: Q8_CALL(1, 2); break;
+        default: break;
+        }
+    } else {
+        for (; r + 4 <= r1; r += 4) Q8_CALL(4, 1);
+        switch (r1 - r) {
+        case 3: Q8_CALL(3, 1); break;
+        case 2: Q8_CALL(2, 1); break;
+        case 1: Q8_CALL(1, 1); break;
+        default: break;
+        }
+    }
+#undef Q8_CALL
+}
+#endif
 #else
 #define LINEAR_ISA 0
 #endif
 
 /* y = x @ W^T (+ bias) for one packed weight. x: bf16 [M, K] with row stride ldx; y: [M, N] bf16
- * (or fp32 when y_f32) with row stride ldy. K must be a multiple of G, and G of 32 (u4) or 2. */
+ * (or fp32 when y_f32) with row stride ldy. K must be a multiple of G, and G of 32 (u4) or 2.
+ * act_int8 (u4 weights only): x is quantized to int8 per block of 32 first (see quantize_rows_q8). */
 void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
-                  int64_t G, const float *bias, void *y, int64_t ldy, int y_f32, int portable, int num_threads) {
+                  int64_t G, const float *bias, void *y, int64_t ldy, int y_f32, int act_int8, int portable,
+                  int num_threads) {
     const int64_t tiles = (N + TILE_N - 1) / TILE_N;
     const int64_t tile_bytes = (K / G) * tile_group_bytes(fmt, G);
-    float *sums = NULL;
+    float *sums = NULL, *xs = NULL;
+    int8_t *xq = NULL;
+    act_int8 = act_int8 && fmt == WFMT_U4;
     if (fmt == WFMT_U4) {
         sums = (float *)malloc((size_t)(M * (K / G)) * sizeof(float));
         if (!sums) return;
-        group_sums(x, M, K, ldx, G, sums);
+    }
+    if (act_int8) {
+        xq = (int8_t *)malloc((size_t)(M * K));
+        xs = (float *)malloc((size_t)(M * (K / QBLOCK)) * sizeof(float));
+        if (!xq || !xs) {
+            free(xq), free(xs), free(sums);
+            return;
+        }
     }
     /* Few tiles (small N) are not worth a second thread's wake-up. */
     const int threads = tiles * M < 8 ? 1 : num_threads;
 #pragma omp parallel num_threads(threads)
+    {
+    if (sums) { /* the rows' group sums (and int8 codes) first, split between the threads */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; r++) {
+            group_sums_row(x + r * ldx, K, G, sums + r * (K / G));
+            if (act_int8) quantize_row_q8(x + r * ldx, K, xq + r * K, xs + r * (K / QBLOCK));
+        }
+    }
     for (int64_t c0 = 0; c0 < M; c0 += ROW_CHUNK) {
         const int64_t c1 = c0 + ROW_CHUNK < M ? c0 + ROW_CHUNK : M;
+        if (act_int8) {
+#if defined(LINEAR_Q8_FAST)
+            if (!portable) {
+                const int64_t pairs = tiles / 2;
+#pragma omp for schedule(static)
+                for (int64_t t2 = 0; t2 < pairs + tiles % 2; t2++) {
+                    const int64_t t = 2 * t2;
+                    tiles_q8_fast(t + 1 < tiles ? 2 : 1, xq, xs, c0, c1, K, w + t * tile_bytes, tile_bytes, G, sums,
+                                  bias, t * TILE_N, N, y, ldy, y_f32);
+                }
+                continue;
+            }
+#endif
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tiles; t++)
+                tile_generic_q8(xq, xs, c0, c1, K, w + t * tile_bytes, G, sums, bias, t * TILE_N, N, y, ldy, y_f32);
+            continue;
+        }
 #if LINEAR_ISA == 2
         if (!portable && fmt != WFMT_I8 && c1 - c0 >= PAIR_ROWS && tiles >= 2) {
             const int64_t pairs = tiles / 2;
@@ -466,7 +681,19 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
             tile_generic(fmt, x, c0, c1, K, ldx, tile, G, sums, bias, t * TILE_N, N, y, ldy, y_f32);
         }
     }
+    }
     free(sums);
+    free(xq);
+    free(xs);
+}
+
+/* Whether int8 activations have their VNNI path in this build (else they run on portable C). */
+int spark_linear_int8_act_fast(void) {
+#if defined(LINEAR_Q8_FAST)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* Which fast path this build has: 2 = AVX512-BF16, 0 = portable C only. */

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import CpuKernels
+from engine.quant.activations import linear_int8_activations
 from engine.quant.formats import QuantizedWeight
 from engine.quant.packing import PackedWeight
 
@@ -70,6 +71,8 @@ class PackedLinear:
         self.quantized = quantized  # None: packed from bf16 weights (then ``fallback`` holds them)
         self.fallback = fallback
         self.max_kernel_rows = max_kernel_rows
+        # --linear-activations int8: 4-bit weights take x in int8 blocks (engine/quant/activations.py)
+        self.int8_activations = False
         self.out_features = packed.out_features
         self.in_features = packed.in_features
 
@@ -85,7 +88,11 @@ class PackedLinear:
         if x.stride(-1) != 1:
             x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32) if fp32_out else None
-        return self.kernels.linear(x, self.packed, self._bias32, out)
+        return self.kernels.linear(x, self.packed, self._bias32, out, int8_activations=self.int8_activations)
+
+    @property
+    def takes_int8_activations(self) -> bool:
+        return self.packed.fmt == "u4"
 
     @property
     def weight(self) -> torch.Tensor:
@@ -107,19 +114,27 @@ class PackedLinear:
 
 
 class ReferenceLinear:
-    """x @ dequantize(W)^T in fp32, rounded to x's dtype once: what every packed kernel must equal."""
+    """x @ dequantize(W)^T in fp32, rounded to x's dtype once: what every packed kernel must equal.
+    ``int8_activations`` (u4 weights): the code term takes x in int8 blocks, as the kernels' mode does."""
 
-    def __init__(self, quantized: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, quantized: QuantizedWeight, bias: torch.Tensor | None = None,
+                 int8_activations: bool = False) -> None:
         self.quantized = quantized
         self.w32 = quantized.dequantize()
         self.bias = bias
+        self.int8_activations = int8_activations and quantized.kind == "u4"
         self.out_features, self.in_features = quantized.shape
 
     def takes(self, rows: int) -> bool:
         return True
 
     def __call__(self, x: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
-        y = F.linear(x.float(), self.w32, self.bias.float() if self.bias is not None else None)
+        if self.int8_activations:
+            y = linear_int8_activations(x, self.quantized)
+            if self.bias is not None:
+                y = y + self.bias.float()
+        else:
+            y = F.linear(x.float(), self.w32, self.bias.float() if self.bias is not None else None)
         return y if fp32_out else y.to(x.dtype)
 
     @property

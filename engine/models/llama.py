@@ -46,7 +46,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LlamaForCausalLM:
     def __init__(self, hf_model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                  native_kernels: bool = True, quantization: str = "none",
-                 stored: dict[str, QuantizedWeight] | None = None, reference: bool = False) -> None:
+                 stored: dict[str, QuantizedWeight] | None = None, reference: bool = False,
+                 linear_activations: str = "bf16") -> None:
         """``quantization`` is a resolved ``--quantization`` mode (engine/models/weights.py); ``stored`` its
         weights read from a GGUF file or the quantization cache; ``reference`` builds the slow
         dequantize-then-fp32 linears that the packed kernels are held to."""
@@ -65,7 +66,7 @@ class LlamaForCausalLM:
             if kernels is not None and kernels.supports(dtype, self.head_dim, self.num_heads // self.num_kv_heads):
                 kernels.num_threads = torch.get_num_threads()  # the engine has set its thread count by now
                 self.kernels = kernels
-        self.builder = LinearBuilder(quantization, dtype, device, self.kernels, stored, reference)
+        self.builder = LinearBuilder(quantization, dtype, device, self.kernels, stored, reference, linear_activations)
 
         def w(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(device=device, dtype=dtype).contiguous()

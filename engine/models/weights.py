@@ -6,6 +6,14 @@
   int4:  4-bit groups of 32 with fp16 scale and min, quantized once at load and cached on disk.
   gguf:  a GGUF model's own Q4_0 / Q4_1 / Q8_0 blocks, as the file holds them (other types dequantized).
   auto:  gguf for a GGUF model where the kernels have their AVX512-BF16 path; none otherwise.
+
+And what 4-bit weights (int4, GGUF Q4_0 / Q4_1) multiply (``--linear-activations``):
+  bf16:  the activations as they are; products exact in fp32 (AVX512-BF16). The default: it computes
+         what the weights mean.
+  int8:  the activations in int8 per block of 32 inputs, as llama.cpp runs these formats
+         (engine/quant/activations.py): integer dot products, twice the rate with AVX512-VNNI, ~1.5x
+         faster prefill and large batches, at a measured cost in accuracy (the README's table), which is
+         why it is a choice and not the default. The start-up log gives both modes' time at 64 rows.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from engine.quant.packing import pack_bf16, pack_quantized, packable
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "gguf")
+ACTIVATION_CHOICES = ("bf16", "int8")
+_INT8_PROBE_ROWS = 64  # a prefill-sized batch: where compute, not the weight stream, bounds a linear
 _QUANTIZERS: dict[str, Callable[[torch.Tensor], QuantizedWeight]] = {"int8": quantize_int8, "int4": quantize_int4}
 _ROW_PROBES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -50,13 +60,24 @@ def resolve_quantization(mode: str, is_gguf: bool, kernels: CpuKernels | None, d
     return mode
 
 
+def resolve_activations(mode: str, quantization: str) -> str:
+    if mode not in ACTIVATION_CHOICES:
+        raise ValueError(f"--linear-activations must be one of {', '.join(ACTIVATION_CHOICES)}, not {mode!r}")
+    if mode == "int8" and quantization not in ("int4", "gguf"):
+        raise ValueError("--linear-activations int8 applies to 4-bit weights: use --quantization int4 or gguf "
+                         f"(resolved --quantization: {quantization})")
+    return mode
+
+
 class LinearBuilder:
     """Builds every projection for one ``--quantization`` mode. ``reference=True`` builds the slow
     dequantize-then-fp32-matmul linears instead (tests compare the two paths)."""
 
     def __init__(self, mode: str, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
-                 stored: dict[str, QuantizedWeight] | None = None, reference: bool = False) -> None:
+                 stored: dict[str, QuantizedWeight] | None = None, reference: bool = False,
+                 activations: str = "bf16") -> None:
         self.mode = mode
+        self.activations = resolve_activations(activations, mode)
         self.dtype = dtype
         self.device = device
         self.kernels = kernels
@@ -72,7 +93,7 @@ class LinearBuilder:
         quantized = self._quantized(names, weights)
         if quantized is not None:
             if self.reference:
-                linear: AnyLinear = ReferenceLinear(quantized, bias)
+                linear: AnyLinear = ReferenceLinear(quantized, bias, int8_activations=self.activations == "int8")
             else:
                 assert self.kernels is not None
                 linear = PackedLinear(pack_quantized(quantized), bias, self.kernels, quantized=quantized)
@@ -120,12 +141,27 @@ class LinearBuilder:
             rows = _kernel_row_limit(probe)
             for lin in with_fallback:
                 lin.max_kernel_rows = rows
+        activations = self._choose_activations(packed)
         gbps, read_gbps = _stream_rate(packed)
         total = sum(lin.packed.data.numel() for lin in packed)
         sources = sorted({lin.quantized.source if lin.quantized is not None else "bf16" for lin in packed})
         limit = f", up to {with_fallback[0].max_kernel_rows} rows (oneDNN above)" if with_fallback else ""
-        return (f"linears: {len(packed)} packed ({', '.join(sources)}; {total / 1e6:.0f} MB){limit}; "
+        return (f"linears: {len(packed)} packed ({', '.join(sources)}; {total / 1e6:.0f} MB){limit}; {activations}; "
                 f"one-row pass {gbps:.1f} GB/s = {100 * gbps / read_gbps:.0f}% of a plain read ({read_gbps:.1f} GB/s)")
+
+    def _choose_activations(self, packed: list[PackedLinear]) -> str:
+        """Sets the 4-bit linears' activation mode (int8 or bf16); returns a phrase for the log."""
+        four_bit = [lin for lin in packed if lin.takes_int8_activations]
+        if not four_bit:
+            return "activations bf16"
+        use_int8 = self.activations == "int8"
+        for lin in four_bit:
+            lin.int8_activations = use_int8
+        probe = max(four_bit, key=lambda lin: lin.out_features * lin.in_features)
+        bf16_s, int8_s = _activation_times(probe)
+        path = "AVX512-VNNI" if probe.kernels.int8_activations_fast else "portable C"
+        return (f"4-bit weights take {self.activations} activations (--linear-activations; {_INT8_PROBE_ROWS} rows of "
+                f"the largest: {bf16_s * 1e3:.2f} ms bf16, {int8_s * 1e3:.2f} ms int8 on {path})")
 
 
 def _best_time(fn: Callable[[], object], reps: int = 5) -> float:
@@ -151,6 +187,13 @@ def _kernel_row_limit(lin: PackedLinear) -> int:
             break
         limit = rows
     return limit
+
+
+def _activation_times(lin: PackedLinear) -> tuple[float, float]:
+    """Seconds for a prefill-sized batch through one 4-bit linear, with bf16 and with int8 activations."""
+    x = torch.randn(_INT8_PROBE_ROWS, lin.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    times = [_best_time(lambda: lin.kernels.linear(x, lin.packed, int8_activations=int8)) for int8 in (False, True)]
+    return times[0], times[1]
 
 
 def _stream_rate(packed: list[PackedLinear]) -> tuple[float, float]:

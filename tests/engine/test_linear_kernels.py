@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.kernels import load_cpu_kernels
+from engine.quant.activations import linear_int8_activations, quantize_blocks
 from engine.quant.formats import QuantizedWeight, concat, quantize_int4, quantize_int8
 from engine.quant.packing import pack_bf16, pack_quantized
 from tests.engine.threads import kernel_threads
@@ -62,6 +63,41 @@ def test_kernel_equals_dequantize_then_matmul(kind: str, portable: bool) -> None
             assert got16.dtype == torch.bfloat16
             # bf16 output: the fp32 result rounded once (within one bf16 ulp of the reference)
             assert torch.allclose(got16.float(), want, rtol=2 ** -8, atol=1e-5), (kind, m, k, n)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+@pytest.mark.parametrize("group", [32, 64])
+def test_int8_activations_equal_their_reference(group: int, portable: bool) -> None:
+    """--linear-activations int8: x in int8 blocks of 32 against u4 weights (VNNI where the CPU has it)."""
+    gen = torch.Generator().manual_seed(17)
+    for m, k, n in SHAPES:
+        if k % group:
+            continue
+        q = quantize_int4(torch.randn(n, k, generator=gen) * 0.05, group=group)
+        packed = pack_quantized(q)
+        x = (torch.randn(m, k, generator=gen) * 2).to(torch.bfloat16)
+        bias = torch.randn(n, generator=gen)
+        want = linear_int8_activations(x, q) + bias
+        got = kernels.linear(x, packed, bias, torch.empty(m, n), portable=portable, int8_activations=True)
+        assert ((got - want).abs() <= _tolerance(x, q.dequantize())).all(), (m, k, n)
+        # the mode is not ignored: bf16 activations give measurably different sums
+        plain = kernels.linear(x, packed, bias, torch.empty(m, n), portable=portable)
+        assert (plain - want).abs().max() > 10 * _tolerance(x, q.dequantize()).max(), (m, k, n)
+
+
+def test_int8_activation_codes_round_like_the_kernels() -> None:
+    x = torch.tensor([[0.5, -1.0, 0.25] + [0.0] * 29, [0.0] * 32], dtype=torch.bfloat16)
+    codes, scales = quantize_blocks(x)
+    assert codes[0, :3].tolist() == [64.0, -127.0, 32.0]  # 63.5 rounds to even; the largest is +-127
+    assert scales[0, 0] == pytest.approx(1 / 127) and scales[1, 0] == 0 and not codes[1].any()
+
+
+def test_int8_activations_leave_other_formats_alone() -> None:
+    gen = torch.Generator().manual_seed(19)
+    x = torch.randn(6, 128, generator=gen).to(torch.bfloat16)
+    for packed, _ in (_weights("i8", 40, 128, gen), _weights("bf16", 40, 128, gen)):
+        assert torch.equal(kernels.linear(x, packed, None, torch.empty(6, 40), int8_activations=True),
+                           kernels.linear(x, packed, None, torch.empty(6, 40)))
 
 
 def test_gguf_style_groups_of_32_in_i8_and_strided_rows() -> None:
