@@ -121,6 +121,9 @@ class CpuKernels:
         self._linear = lib.spark_linear
         self._linear.argtypes = [_INT, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _INT, _INT, _INT, _INT]
         self._linear.restype = None
+        self._linear_many = lib.spark_linear_many
+        self._linear_many.argtypes = [_I64, _P, _INT]
+        self._linear_many.restype = None
         self._read_sum = lib.spark_read_sum
         self._read_sum.argtypes = [_P, _I64, _INT]
         self._read_sum.restype = ctypes.c_uint64
@@ -183,6 +186,29 @@ class CpuKernels:
                      weight.group, bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0),
                      int(out.dtype == torch.float32), int(int8_activations), int(portable), self.num_threads)
         return out
+
+    def linear_into(self, x: torch.Tensor, weight: "PackedWeight", bias_ptr: int | None, out: torch.Tensor,
+                    int8_activations: bool) -> None:
+        """``linear`` for callers that have checked x (bf16, unit column stride, in_features wide) and made
+        ``out``: the engine's per-projection path, where each check costs a measurable share of a decode step."""
+        self._linear(weight.fmt_code, x.data_ptr(), x.shape[0], weight.in_features, x.stride(0), weight.data.data_ptr(),
+                     weight.out_features, weight.group, bias_ptr, out.data_ptr(), out.stride(0),
+                     int(out.dtype == torch.float32), int(int8_activations), 0, self.num_threads)
+
+    def linear_calls(self, calls: list[tuple[torch.Tensor, "PackedWeight", torch.Tensor]],
+                     int8_activations: bool = False) -> torch.Tensor:
+        """Describes linears (x, weight, out: bf16, no bias) for ``run_linear_calls``: one C call runs them all."""
+        rows = []
+        for x, weight, out in calls:
+            assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and x.shape[1] == weight.in_features
+            assert out.dtype == torch.bfloat16 and out.shape == (x.shape[0], weight.out_features)
+            rows.append([weight.fmt_code, x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data.data_ptr(),
+                         weight.out_features, weight.group, 0, out.data_ptr(), out.stride(0), 0, int(int8_activations)])
+        return torch.tensor(rows, dtype=torch.int64)
+
+    def run_linear_calls(self, described: torch.Tensor) -> None:
+        """Runs what ``linear_calls`` described, back to back (the tensors it names must still be alive)."""
+        self._linear_many(described.shape[0], described.data_ptr(), self.num_threads)
 
     def read_sum(self, buffer: torch.Tensor) -> int:
         """Read every byte of a buffer (a multiple of 8 bytes) once: the plain-read bandwidth reference."""

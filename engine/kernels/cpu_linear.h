@@ -526,9 +526,12 @@ static inline __attribute__((always_inline)) void tile_rows_q8_avx512(
         }
         for (int64_t b = 0; b < G / QBLOCK; b++) {
             const int64_t kb = g * G + b * QBLOCK;
-            __m512i dot[4][2];
+            /* with one or two rows, low and high nibbles sum in separate chains: a single chain of 8
+             * dependent vpdpbusd per block would make latency, not the weight stream, the limit */
+            const int split = RB <= 2;
+            __m512i dot[4][2], dot_hi[4][2];
 #pragma GCC unroll 4
-            for (int r = 0; r < RB; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+            for (int r = 0; r < RB; r++) dot[r][0] = dot[r][1] = dot_hi[r][0] = dot_hi[r][1] = _mm512_setzero_si512();
 #pragma GCC unroll 4
             for (int h = 0; h < 4; h++) {
                 __m512i lo[2], hi[2];
@@ -545,7 +548,10 @@ static inline __attribute__((always_inline)) void tile_rows_q8_avx512(
 #pragma GCC unroll 2
                     for (int t = 0; t < NT; t++) {
                         dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], lo[t], xl);
-                        dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], hi[t], xh);
+                        if (split)
+                            dot_hi[r][t] = _mm512_dpbusd_epi32(dot_hi[r][t], hi[t], xh);
+                        else
+                            dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], hi[t], xh);
                     }
                 }
             }
@@ -553,8 +559,10 @@ static inline __attribute__((always_inline)) void tile_rows_q8_avx512(
             for (int r = 0; r < RB; r++) {
                 const __m512 s = _mm512_set1_ps(xs[(r0 + r) * blocks + kb / QBLOCK]);
 #pragma GCC unroll 2
-                for (int t = 0; t < NT; t++)
-                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][t]), _mm512_mul_ps(d[t], s), acc[r][t]);
+                for (int t = 0; t < NT; t++) {
+                    const __m512i sum = split ? _mm512_add_epi32(dot[r][t], dot_hi[r][t]) : dot[r][t];
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d[t], s), acc[r][t]);
+                }
             }
         }
 #pragma GCC unroll 4
@@ -623,11 +631,18 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
             return;
         }
     }
+    /* A few rows' group sums (and int8 codes) here; many rows' split between the threads below (a
+     * barrier's worth of time is more than a few rows take, and decode steps call this ~120 times). */
+    const int prep_here = M <= 4;
+    for (int64_t r = 0; sums && prep_here && r < M; r++) {
+        group_sums_row(x + r * ldx, K, G, sums + r * (K / G));
+        if (act_int8) quantize_row_q8(x + r * ldx, K, xq + r * K, xs + r * (K / QBLOCK));
+    }
     /* Few tiles (small N) are not worth a second thread's wake-up. */
     const int threads = tiles * M < 8 ? 1 : num_threads;
 #pragma omp parallel num_threads(threads)
     {
-    if (sums) { /* the rows' group sums (and int8 codes) first, split between the threads */
+    if (sums && !prep_here) {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++) {
             group_sums_row(x + r * ldx, K, G, sums + r * (K / G));
@@ -685,6 +700,18 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
     free(sums);
     free(xq);
     free(xs);
+}
+
+/* Several linears back to back in one call: `count` descriptors of 13 int64 each, spark_linear's
+ * arguments in order (pointers as integers) less portable and num_threads. bench_kernels.py times a
+ * whole pass of the model's projections this way, without an interpreter call between them. */
+void spark_linear_many(int64_t count, const int64_t *desc, int num_threads) {
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t *d = desc + 13 * i;
+        spark_linear((int)d[0], (const uint16_t *)(intptr_t)d[1], d[2], d[3], d[4], (const uint8_t *)(intptr_t)d[5],
+                     d[6], d[7], (const float *)(intptr_t)d[8], (void *)(intptr_t)d[9], d[10], (int)d[11], (int)d[12], 0,
+                     num_threads);
+    }
 }
 
 /* Whether int8 activations have their VNNI path in this build (else they run on portable C). */

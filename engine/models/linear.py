@@ -67,6 +67,7 @@ class PackedLinear:
         self.packed = packed
         self.bias = bias
         self._bias32 = bias.float().contiguous() if bias is not None else None
+        self._bias_ptr = self._bias32.data_ptr() if self._bias32 is not None else None
         self.kernels = kernels
         self.quantized = quantized  # None: packed from bf16 weights (then ``fallback`` holds them)
         self.fallback = fallback
@@ -87,8 +88,11 @@ class PackedLinear:
             return self.fallback(x)
         if x.stride(-1) != 1:
             x = x.contiguous()
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32) if fp32_out else None
-        return self.kernels.linear(x, self.packed, self._bias32, out, int8_activations=self.int8_activations)
+        if x.dtype != torch.bfloat16 or x.shape[-1] != self.in_features:
+            raise ValueError("packed linear takes bf16 rows of in_features")
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32 if fp32_out else torch.bfloat16)
+        self.kernels.linear_into(x, self.packed, self._bias_ptr, out, self.int8_activations)
+        return out
 
     @property
     def takes_int8_activations(self) -> bool:

@@ -100,6 +100,18 @@ def test_int8_activations_leave_other_formats_alone() -> None:
                            kernels.linear(x, packed, None, torch.empty(6, 40)))
 
 
+def test_a_described_pass_equals_its_calls_one_by_one() -> None:
+    """bench_kernels times a pass of projections in one C call: it must compute what the calls do."""
+    gen = torch.Generator().manual_seed(23)
+    packed = [_weights(kind, n, k, gen)[0] for kind, n, k in (("u4", 48, 64), ("i8", 17, 96), ("bf16", 33, 64))]
+    x = {k: torch.randn(5, k, generator=gen).to(torch.bfloat16) for k in (64, 96)}
+    for int8 in (False, True):
+        outs = [torch.empty(5, p.out_features, dtype=torch.bfloat16) for p in packed]
+        kernels.run_linear_calls(kernels.linear_calls([(x[p.in_features], p, o) for p, o in zip(packed, outs)], int8))
+        for p, o in zip(packed, outs):
+            assert torch.equal(o, kernels.linear(x[p.in_features], p, int8_activations=int8))
+
+
 def test_gguf_style_groups_of_32_in_i8_and_strided_rows() -> None:
     """Q8_0-shaped int8 (a scale per 32 inputs), and x rows taken from a wider buffer."""
     gen = torch.Generator().manual_seed(3)
