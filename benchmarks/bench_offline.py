@@ -17,7 +17,7 @@ import argparse
 import asyncio
 import sys
 
-from benchmarks.common import (HFBaseline, print_table, run_load, save, start_engine, summarize, synthetic_prompt,
+from benchmarks.common import (HFBaselineProcess, print_table, run_load, save, start_engine, summarize, synthetic_prompt,
                                token_requests, verdict)
 
 PROMPT_LEN = 200
@@ -29,7 +29,7 @@ async def engine_runs(args) -> tuple[dict[str, float], dict[int, dict[str, float
     try:
         # warm-up: first-call kernel selection should not count against concurrency 1
         await run_load(engine, token_requests("warm", 2, PROMPT_LEN, 8), 2)
-        baseline = HFBaseline(engine.model_info.path)
+        baseline = HFBaselineProcess(engine.model_info.path)  # its own process: one OpenMP team here
         baseline.warm_up(PROMPT_LEN)
         results: dict[int, dict[str, float]] = {}
         single: list = []
@@ -43,7 +43,9 @@ async def engine_runs(args) -> tuple[dict[str, float], dict[int, dict[str, float
         for c in (8, 32):
             wall, timings = await run_load(engine, token_requests(f"c{c}", args.num_requests, PROMPT_LEN, OUTPUT_LEN, first=c * 1000), c)
             results[c] = summarize(wall, timings)
-        return baseline.summary(), results, engine.model_info.dtype
+        summary = baseline.summary()
+        baseline.close()
+        return summary, results, engine.model_info.dtype
     finally:
         engine.shutdown()
 

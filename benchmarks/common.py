@@ -151,6 +151,47 @@ class HFBaseline:
                 "requests": len(self.tpots)}
 
 
+def _baseline_worker(model_path: str, conn) -> None:
+    baseline = HFBaseline(model_path)
+    while True:
+        command, args = conn.recv()
+        if command == "close":
+            return
+        conn.send(getattr(baseline, command)(*args))
+
+
+class HFBaselineProcess:
+    """HFBaseline in a child process, for runs beside an engine in this one. libgomp keeps one thread
+    team per thread that enters a parallel region; with a second torch-using thread here it counts more
+    threads than cores and turns every barrier's spin into a futex sleep, which slowed the engine *and*
+    the baseline about 2x (the engine keeps its OpenMP work on its own thread for this reason)."""
+
+    def __init__(self, model_path: str) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_baseline_worker, args=(model_path, child), daemon=True)
+        self._proc.start()
+
+    def _call(self, command: str, *args: Any) -> Any:
+        self._conn.send((command, args))
+        return self._conn.recv()
+
+    def run(self, ids: list[int], max_new_tokens: int) -> None:
+        self._call("run", ids, max_new_tokens)
+
+    def warm_up(self, prompt_len: int) -> None:
+        self._call("warm_up", prompt_len)
+
+    def summary(self) -> dict[str, float]:
+        return self._call("summary")
+
+    def close(self) -> None:
+        self._conn.send(("close", ()))
+        self._proc.join(timeout=30)
+
+
 def hf_sequential_baseline(model_path: str, prompts: list[list[int]], max_new_tokens: int) -> dict[str, float]:
     baseline = HFBaseline(model_path)
     for ids in prompts:

@@ -5,7 +5,8 @@ xgrammar is not a dependency (its wheel pulls in triton on Linux x86-64); to run
     pip install --no-deps --target /tmp/xg xgrammar apache-tvm-ffi
     PYTHONPATH=/tmp/xg python -m benchmarks.grammar_backends
 """
-import json, time, sys, torch
+import json
+import time
 from transformers import AutoTokenizer
 from engine.model_loader import resolve_model_dir
 tok = AutoTokenizer.from_pretrained(resolve_model_dir(None))

@@ -197,11 +197,15 @@ def _activation_times(lin: PackedLinear) -> tuple[float, float]:
 
 
 def _stream_rate(packed: list[PackedLinear]) -> tuple[float, float]:
-    """GB/s of one-row passes over every packed weight, and of a plain read of as many bytes."""
+    """GB/s of one-row passes over every packed weight (one C call for the pass, as bench_kernels times
+    it), and of a plain read of as many bytes."""
     kern = packed[0].kernels
     inputs = {lin.in_features: torch.ones(1, lin.in_features, dtype=torch.bfloat16) for lin in packed}
+    outs = [torch.empty(1, lin.out_features, dtype=torch.bfloat16) for lin in packed]
     total = sum(lin.packed.data.numel() for lin in packed)
-    elapsed = _best_time(lambda: [kern.linear(inputs[lin.in_features], lin.packed) for lin in packed], reps=3)
+    calls = kern.linear_calls([(inputs[lin.in_features], lin.packed, out) for lin, out in zip(packed, outs)],
+                              packed[0].int8_activations)
+    elapsed = _best_time(lambda: kern.run_linear_calls(calls), reps=3)
     buffer = torch.ones(total // 8 + 1, dtype=torch.int64)
     read = _best_time(lambda: kern.read_sum(buffer), reps=3)
     return total / elapsed / 1e9, buffer.numel() * 8 / read / 1e9
