@@ -488,12 +488,9 @@ static void tile_pair_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, i
 #define LINEAR_Q8_FAST 1
 /* vpermb indices turning two 32-byte u4 chunks (pair-rows c and c + 1) into one quad-row: byte 4i + j
  * of the result is output i's input j of the four (the layout vpdpbusd sums over). */
-static inline __m512i quad_index(void) {
-    uint8_t idx[64];
-    for (int i = 0; i < 16; i++)
-        for (int j = 0; j < 4; j++) idx[4 * i + j] = (uint8_t)(j < 2 ? 2 * i + j : 32 + 2 * i + j - 2);
-    return _mm512_loadu_si512(idx);
-}
+static const uint8_t QUAD_INDEX[64] __attribute__((aligned(64))) = {0, 1, 32, 33, 2, 3, 34, 35, 4, 5, 36, 37, 6, 7, 38, 39, 8, 9, 40, 41, 10, 11, 42, 43, 12, 13, 44, 45, 14, 15, 46, 47, 16, 17, 48, 49, 18, 19, 50, 51, 20, 21, 52, 53, 22, 23, 54, 55, 24, 25, 56, 57, 26, 27, 58, 59, 28, 29, 60, 61, 30, 31, 62, 63};
+
+static inline __m512i quad_index(void) { return _mm512_load_si512(QUAD_INDEX); }
 
 static inline __m512i bcast4(const int8_t *p) {
     int32_t v;
