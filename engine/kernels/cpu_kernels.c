@@ -93,6 +93,68 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define QK_BF16_DOT 1
+/* r[i] = sum of t[i]'s 16 lanes, for 16 vectors at once: a transpose-and-add tree (45 operations where
+ * 16 separate horizontal sums take ~130). */
+static inline __m512 sum16(const float t[16][16]) {
+    __m512 x[8], y[4], z[2];
+    for (int i = 0; i < 8; i++) {
+        const __m512 a = _mm512_load_ps(t[2 * i]), b = _mm512_load_ps(t[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); /* per 128 bits: a, b, a, b */
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+        y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    } /* y[i]: each 128-bit lane holds that lane's partial sums of vectors 4i .. 4i+3 */
+    for (int i = 0; i < 2; i++)
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+
+/* Attention scores of G query heads over a paged bf16 context, for D a multiple of 32: each q.k is
+ * AVX512-BF16 dot products of the raw bf16 rows (every product exact in fp32), times scale after the
+ * sum. K rows are read as stored (no widening to fp32), and 16 keys' sums are reduced together. */
+static inline __attribute__((always_inline)) void qk_scores_bf16(
+    const uint16_t *q_raw, int64_t G, const int64_t D, float scale, const uint16_t *k_head, const int64_t *table,
+    int64_t ctx, int64_t block_size, float *scores, int64_t stride) {
+    const int64_t nb = D / 32;
+    __m512bh qb[MAX_GROUP][MAX_HEAD_DIM / 32];
+    float t[MAX_GROUP][16][16] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < nb; c++) qb[g][c] = (__m512bh)_mm512_loadu_si512(q_raw + g * D + c * 32);
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t start = 0; start < ctx; start += block_size) {
+        const int64_t n = ctx - start < block_size ? ctx - start : block_size;
+        const uint16_t *kb = k_head + table[start / block_size] * block_size * D;
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) {
+            for (int64_t jj = 0; jj < 16; jj++) {
+                __m512bh kv[MAX_HEAD_DIM / 32];
+                for (int64_t c = 0; c < nb; c++) kv[c] = (__m512bh)_mm512_loadu_si512(kb + (j + jj) * D + c * 32);
+                for (int64_t g = 0; g < G; g++) {
+                    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kv[0]);
+                    for (int64_t c = 1; c < nb; c++) acc = _mm512_dpbf16_ps(acc, qb[g][c], kv[c]);
+                    _mm512_store_ps(t[g][jj], acc);
+                }
+            }
+            for (int64_t g = 0; g < G; g++)
+                _mm512_storeu_ps(scores + g * stride + start + j, _mm512_mul_ps(sum16(t[g]), sc));
+        }
+        for (; j < n; j++) { /* a partial block: one key at a time */
+            __m512bh kv[MAX_HEAD_DIM / 32];
+            for (int64_t c = 0; c < nb; c++) kv[c] = (__m512bh)_mm512_loadu_si512(kb + j * D + c * 32);
+            for (int64_t g = 0; g < G; g++) {
+                __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kv[0]);
+                for (int64_t c = 1; c < nb; c++) acc = _mm512_dpbf16_ps(acc, qb[g][c], kv[c]);
+                scores[g * stride + start + j] = _mm512_reduce_add_ps(acc) * scale;
+            }
+        }
+    }
+}
+#endif
+
 /* The kernels, once per storage dtype (cpu_kernels_impl.h is written against T, LOAD, STORE, ROUND). */
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
@@ -104,7 +166,9 @@ static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 #define STORE f32_to_bf16
 #define ROUND bf16_round
 #define LOAD16 load16_bf16
+#define QK_RAW_BF16 1 /* this instantiation's q rows are bf16: the scores may use qk_scores_bf16 */
 #include "cpu_kernels_impl.h"
+#undef QK_RAW_BF16
 #undef LOAD16
 #undef SFX
 #undef T

@@ -127,13 +127,22 @@ static inline __attribute__((always_inline)) void FN(attend)(
 /* FN(attend) with AVX-512 registers, for D a multiple of 16 (at most 256) and G <= MAX_GROUP: q and
  * the output accumulators stay in registers (where G * D/16 fits), one horizontal sum per score. */
 static inline __attribute__((always_inline)) void FN(attend_avx512)(
-    const float *q, int64_t G, const int64_t D, const T *k_head, const T *v_head, const int64_t *table,
-    int64_t ctx, int64_t block_size, float *scores, int64_t stride, T *out) {
+    const float *q, const T *q_raw, float scale, int64_t G, const int64_t D, const T *k_head, const T *v_head,
+    const int64_t *table, int64_t ctx, int64_t block_size, float *scores, int64_t stride, T *out) {
     const int64_t nv = D / 16;
     __m512 qv[MAX_GROUP][MAX_HEAD_DIM / 16];
-    for (int64_t g = 0; g < G; g++)
+    int scored = 0;
+#if defined(QK_RAW_BF16) && defined(QK_BF16_DOT)
+    if (D % 32 == 0) {
+        qk_scores_bf16(q_raw, G, D, scale, k_head, table, ctx, block_size, scores, stride);
+        scored = 1;
+    }
+#else
+    (void)q_raw, (void)scale;
+#endif
+    for (int64_t g = 0; g < G && !scored; g++)
         for (int64_t c = 0; c < nv; c++) qv[g][c] = _mm512_loadu_ps(q + g * D + c * 16);
-    for (int64_t start = 0; start < ctx; start += block_size) {
+    for (int64_t start = 0; start < ctx && !scored; start += block_size) {
         const int64_t n = ctx - start < block_size ? ctx - start : block_size;
         const T *kb = k_head + table[start / block_size] * block_size * D;
         for (int64_t j = 0; j < n; j++) {
@@ -226,13 +235,13 @@ void FN(decode_attention)(const T *qkv, int64_t qkv_stride, const T *cache, cons
         const int64_t n = heads_per_task;
 #if defined(__AVX512F__)
         if (D == 64 && n == 3) /* SmolLM2's shape, fully unrolled */
-            FN(attend_avx512)(q, 3, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
+            FN(attend_avx512)(q, qr, scale, 3, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
         else if (D == 64 && n == 1)
-            FN(attend_avx512)(q, 1, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
+            FN(attend_avx512)(q, qr, scale, 1, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
         else if (D == 64)
-            FN(attend_avx512)(q, n, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
+            FN(attend_avx512)(q, qr, scale, n, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
         else if (D == 128)
-            FN(attend_avx512)(q, n, 128, k_head, v_head, table, ctx, block_size, scores, max_context, o);
+            FN(attend_avx512)(q, qr, scale, n, 128, k_head, v_head, table, ctx, block_size, scores, max_context, o);
         else
 #endif
         if (D == 64)

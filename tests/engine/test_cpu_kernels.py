@@ -105,8 +105,8 @@ def test_rope_and_cache_write_match_the_torch_path(dtype, kern):
 @pytest.mark.parametrize("H, Hkv, D", [(9, 3, 64), (8, 2, 128), (4, 4, 32)])  # SmolLM2, Llama-like, no GQA
 # ragged (one mid-block, one exactly 4 blocks; a task per KV head), and one long sequence (a task per query head)
 @pytest.mark.parametrize("context_lens", [[1, 17, 130, 64, 45], [300]])
-def test_decode_attention_matches_softmax_attention_over_paged_context(dtype, kern, H, Hkv, D, context_lens):
-    block = 16
+@pytest.mark.parametrize("block", [16, 32])  # the bf16 scores take 16 keys at a time: one and two groups a block
+def test_decode_attention_matches_softmax_attention_over_paged_context(dtype, kern, H, Hkv, D, context_lens, block):
     g = torch.Generator().manual_seed(3)
     num_blocks = 40
     cache = torch.randn(2 * Hkv, num_blocks * block, D, generator=g).to(dtype)
