@@ -134,7 +134,7 @@ static inline __attribute__((always_inline)) void FN(attend_avx512)(
     int scored = 0;
 #if defined(QK_RAW_BF16) && defined(QK_BF16_DOT)
     if (D % 32 == 0) {
-        qk_scores_bf16(q_raw, G, D, scale, k_head, table, ctx, block_size, scores, stride);
+        qk_scores_bf16(q_raw, G, D, scale, k_head, v_head, table, ctx, block_size, scores, stride);
         scored = 1;
     }
 #else
@@ -183,6 +183,10 @@ static inline __attribute__((always_inline)) void FN(attend_avx512)(
     for (int64_t start = 0; start < ctx; start += block_size) {
         const int64_t n = ctx - start < block_size ? ctx - start : block_size;
         const T *vb = v_head + table[start / block_size] * block_size * D;
+        if (start + block_size < ctx) {
+            const int64_t next = ctx - start - block_size < block_size ? ctx - start - block_size : block_size;
+            prefetch_block(v_head + table[start / block_size + 1] * block_size * D, next * D * (int64_t)sizeof(T));
+        }
         for (int64_t j = 0; j < n; j++) {
             __m512 vv[MAX_HEAD_DIM / 16];
             for (int64_t c = 0; c < nv; c++) vv[c] = LOAD16(vb + j * D + c * 16);
