@@ -86,10 +86,36 @@ def test_int8_activations_equal_their_reference(group: int, portable: bool) -> N
 
 
 def test_int8_activation_codes_round_like_the_kernels() -> None:
-    x = torch.tensor([[0.5, -1.0, 0.25] + [0.0] * 29, [0.0] * 32], dtype=torch.bfloat16)
-    codes, scales = quantize_blocks(x)
-    assert codes[0, :3].tolist() == [64.0, -127.0, 32.0]  # 63.5 rounds to even; the largest is +-127
+    x = torch.tensor([[0.5, -1.0, 0.25, 0.75] + [0.0] * 28, [0.0] * 32, [0.5, 3000.0, -1.0] + [0.0] * 29],
+                     dtype=torch.bfloat16)
+    codes, scales, outliers = quantize_blocks(x)
+    assert codes[0, :4].tolist() == [64.0, -127.0, 32.0, 95.0]  # 63.5 rounds to even; the largest is +-127
     assert scales[0, 0] == pytest.approx(1 / 127) and scales[1, 0] == 0 and not codes[1].any()
+    assert not outliers[:2].any()  # -1.0 is not over twice 0.75
+    # a massive value is kept exact and the rest of its block is coded at its own scale
+    assert outliers[2].tolist() == [0.0, float(x[2, 1])] + [0.0] * 30  # 3000 in bf16 (3008)
+    assert codes[2, :3].tolist() == [64.0, 0.0, -127.0] and scales[2, 0] == pytest.approx(1 / 127)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+def test_int8_activations_keep_a_massive_value_exact(portable: bool) -> None:
+    """A value of thousands among values of about one: its block's others must still count."""
+    gen = torch.Generator().manual_seed(29)
+    q = quantize_int4(torch.randn(40, 96, generator=gen) * 0.05)
+    x = torch.randn(6, 96, generator=gen)
+    x[:, 37] = 3000.0  # block 1's input 5, every row
+    x[2, 70] = -2500.0  # block 2, one row
+    x = x.to(torch.bfloat16)
+    got = kernels.linear(x, pack_quantized(q), None, torch.empty(6, 40), portable=portable, int8_activations=True)
+    want = linear_int8_activations(x, q)
+    # the kernels sum the code term and the min term apart (d q and m, each larger than w = d q + m),
+    # so their fp32 rounding is a few ulps of x against |d q| + |m|
+    per_input = lambda t: t.float().repeat_interleave(q.group, dim=1)  # noqa: E731
+    parts = (q.codes.float() * per_input(q.scales)).abs() + per_input(q.mins).abs()
+    assert ((got - want).abs() <= (x.float().abs() @ parts.T) * 2e-6 + 1e-6).all()
+    exact = x.float() @ q.dequantize().T
+    # close to the exact product: without the outlier, block 1's other 31 inputs would quantize to 0
+    assert ((got - exact).abs() <= 0.02 * exact.abs().amax(1, keepdim=True)).all()
 
 
 def test_int8_activations_leave_other_formats_alone() -> None:
