@@ -49,7 +49,7 @@ class Settings:
                              choices=["auto", "none", "int8", "int4", "gguf"])
     linear_activations: str = _opt("bf16", "what 4-bit weights (int4, gguf Q4_0/Q4_1) multiply: bf16 activations "
                                            "(exact products), or int8 per block of 32 as llama.cpp does: integer dot "
-                                           "products, ~1.5x faster prefill with AVX512-VNNI, less accurate (README)",
+                                           "products, ~1.2-1.4x faster prefill with AVX512-VNNI, less accurate (README)",
                                    choices=["bf16", "int8"])
     max_model_len: int | None = _opt(None, "context length in tokens (default: the model's)")
     max_num_seqs: int = _opt(64, "most sequences decoded together in one step")

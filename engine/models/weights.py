@@ -11,9 +11,10 @@ And what 4-bit weights (int4, GGUF Q4_0 / Q4_1) multiply (``--linear-activations
   bf16:  the activations as they are; products exact in fp32 (AVX512-BF16). The default: it computes
          what the weights mean.
   int8:  the activations in int8 per block of 32 inputs, as llama.cpp runs these formats
-         (engine/quant/activations.py): integer dot products, twice the rate with AVX512-VNNI, ~1.5x
-         faster prefill and large batches, at a measured cost in accuracy (the README's table), which is
-         why it is a choice and not the default. The start-up log gives both modes' time at 64 rows.
+         (engine/quant/activations.py; each block's outlier kept exact): integer dot products, twice
+         the rate with AVX512-VNNI, ~1.2-1.4x faster prefill and large batches, at a measured cost in
+         accuracy (the README's table, level with int8 weights), which is why it is a choice and not
+         the default. The start-up log gives both modes' time at 64 rows.
 """
 
 from __future__ import annotations
