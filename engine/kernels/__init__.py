@@ -182,18 +182,16 @@ class CpuKernels:
             out = torch.empty(m, weight.out_features, dtype=torch.bfloat16)
         if bias is not None and bias.dtype != torch.float32:
             raise ValueError("linear kernel bias must be fp32")
-        self._linear(weight.fmt_code, x.data_ptr(), m, k, x.stride(0), weight.data.data_ptr(), weight.out_features,
-                     weight.group, bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0),
-                     int(out.dtype == torch.float32), int(int8_activations), int(portable), self.num_threads)
+        self.linear_into(x, weight, bias.data_ptr() if bias is not None else None, out, int8_activations, portable)
         return out
 
     def linear_into(self, x: torch.Tensor, weight: "PackedWeight", bias_ptr: int | None, out: torch.Tensor,
-                    int8_activations: bool) -> None:
+                    int8_activations: bool, portable: bool = False) -> None:
         """``linear`` for callers that have checked x (bf16, unit column stride, in_features wide) and made
         ``out``: the engine's per-projection path, where each check costs a measurable share of a decode step."""
         self._linear(weight.fmt_code, x.data_ptr(), x.shape[0], weight.in_features, x.stride(0), weight.data.data_ptr(),
                      weight.out_features, weight.group, bias_ptr, out.data_ptr(), out.stride(0),
-                     int(out.dtype == torch.float32), int(int8_activations), 0, self.num_threads)
+                     int(out.dtype == torch.float32), int(int8_activations), int(portable), self.num_threads)
 
     def linear_calls(self, calls: list[tuple[torch.Tensor, "PackedWeight", torch.Tensor]],
                      int8_activations: bool = False) -> torch.Tensor:

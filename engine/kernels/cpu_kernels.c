@@ -120,6 +120,13 @@ static inline __m512 sum16(const float t[16][16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
 }
 
+/* q.k over one K row: nb pairs of bf16 vectors, the products exact, their sum per lane in fp32. */
+static inline __m512 qk_row(const __m512bh *q, const uint16_t *k_row, int64_t nb) {
+    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(k_row));
+    for (int64_t c = 1; c < nb; c++) acc = _mm512_dpbf16_ps(acc, q[c], (__m512bh)_mm512_loadu_si512(k_row + c * 32));
+    return acc;
+}
+
 /* Attention scores of G query heads over a paged bf16 context, for D a multiple of 32: each q.k is
  * AVX512-BF16 dot products of the raw bf16 rows (every product exact in fp32), times scale after the
  * sum. K rows are read as stored (no widening to fp32), and 16 keys' sums are reduced together. */
@@ -143,27 +150,14 @@ static inline __attribute__((always_inline)) void qk_scores_bf16(
         prefetch_block(v_head + table[bi] * block_size * D, block_size * D * 2);
         int64_t j = 0;
         for (; j + 16 <= n; j += 16) {
-            for (int64_t jj = 0; jj < 16; jj++) {
-                __m512bh kv[MAX_HEAD_DIM / 32];
-                for (int64_t c = 0; c < nb; c++) kv[c] = (__m512bh)_mm512_loadu_si512(kb + (j + jj) * D + c * 32);
-                for (int64_t g = 0; g < G; g++) {
-                    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kv[0]);
-                    for (int64_t c = 1; c < nb; c++) acc = _mm512_dpbf16_ps(acc, qb[g][c], kv[c]);
-                    _mm512_store_ps(t[g][jj], acc);
-                }
-            }
+            for (int64_t jj = 0; jj < 16; jj++)
+                for (int64_t g = 0; g < G; g++) _mm512_store_ps(t[g][jj], qk_row(qb[g], kb + (j + jj) * D, nb));
             for (int64_t g = 0; g < G; g++)
                 _mm512_storeu_ps(scores + g * stride + start + j, _mm512_mul_ps(sum16(t[g]), sc));
         }
-        for (; j < n; j++) { /* a partial block: one key at a time */
-            __m512bh kv[MAX_HEAD_DIM / 32];
-            for (int64_t c = 0; c < nb; c++) kv[c] = (__m512bh)_mm512_loadu_si512(kb + j * D + c * 32);
-            for (int64_t g = 0; g < G; g++) {
-                __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kv[0]);
-                for (int64_t c = 1; c < nb; c++) acc = _mm512_dpbf16_ps(acc, qb[g][c], kv[c]);
-                scores[g * stride + start + j] = _mm512_reduce_add_ps(acc) * scale;
-            }
-        }
+        for (; j < n; j++) /* a partial block: one key at a time */
+            for (int64_t g = 0; g < G; g++)
+                scores[g * stride + start + j] = _mm512_reduce_add_ps(qk_row(qb[g], kb + j * D, nb)) * scale;
     }
 }
 #endif

@@ -183,7 +183,7 @@ static inline __attribute__((always_inline)) void FN(attend_avx512)(
     for (int64_t start = 0; start < ctx; start += block_size) {
         const int64_t n = ctx - start < block_size ? ctx - start : block_size;
         const T *vb = v_head + table[start / block_size] * block_size * D;
-        if (start + block_size < ctx) {
+        if (!scored && start + block_size < ctx) { /* (qk_scores_bf16 has prefetched V already) */
             const int64_t next = ctx - start - block_size < block_size ? ctx - start - block_size : block_size;
             prefetch_block(v_head + table[start / block_size + 1] * block_size * D, next * D * (int64_t)sizeof(T));
         }

@@ -91,6 +91,12 @@ static inline void store_row(float *acc, const float *bias, int64_t n0, int64_t 
     }
 }
 
+/* Code of input k (0..31) of a u4 block for output i of its tile. */
+static inline int u4_code(const uint8_t *block, int k, int i) {
+    const int pr = k / 2;
+    return (block[(pr % 8) * 32 + 2 * i + (k & 1)] >> (pr < 8 ? 0 : 4)) & 15;
+}
+
 /* ---- portable path: one tile, rows [r0, r1), plain C ---- */
 static void tile_generic(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_t K, int64_t ldx,
                          const uint8_t *tile, int64_t G, const float *sums, const float *bias, int64_t n0,
@@ -111,11 +117,9 @@ static void tile_generic(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int
                         w0[i] = bf16_to_f32(row[2 * i]);
                         w1[i] = bf16_to_f32(row[2 * i + 1]);
                     } else if (fmt == WFMT_U4) {
-                        const int64_t b = j / 16, pr = j % 16; /* 32-input block, pair-row in it */
-                        const uint8_t *chunk = blk + b * 256 + (pr % 8) * 32;
-                        const int shift = pr < 8 ? 0 : 4;
-                        w0[i] = (float)((chunk[2 * i] >> shift) & 15);
-                        w1[i] = (float)((chunk[2 * i + 1] >> shift) & 15);
+                        const uint8_t *block = blk + (j / 16) * 256; /* the 32-input block of pair j */
+                        w0[i] = (float)u4_code(block, (int)(2 * (j % 16)), i);
+                        w1[i] = (float)u4_code(block, (int)(2 * (j % 16) + 1), i);
                     } else {
                         const int8_t *row = (const int8_t *)blk + j * 2 * TILE_N;
                         w0[i] = (float)row[2 * i];
@@ -158,12 +162,6 @@ static void tile_generic(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int
 #define QFIELDS 3 /* per row and block: scale, the outlier's value (0: none), its index in the block */
 #define OUTLIER_RATIO 2.f /* a block's largest is its outlier when over this many times the next */
 
-static inline float block_scale_and_outlier(const float a1, const float a2, int *outlier) {
-    *outlier = a1 < INFINITY && a1 > OUTLIER_RATIO * a2;
-    const float amax = *outlier ? a2 : a1;
-    return amax;
-}
-
 /* Row r of x quantized: xq [K] int8, xs [K / QBLOCK][QFIELDS]. */
 static void quantize_row_q8(const uint16_t *xr, int64_t K, int8_t *xq, float *xs) {
     for (int64_t b = 0; b < K / QBLOCK; b++) {
@@ -191,8 +189,8 @@ static void quantize_row_q8(const uint16_t *xr, int64_t K, int8_t *xq, float *xs
             if (k != top && a > a2) a2 = a;
         }
 #endif
-        int outlier;
-        const float amax = block_scale_and_outlier(a1, a2, &outlier);
+        const int outlier = a1 < INFINITY && a1 > OUTLIER_RATIO * a2;
+        const float amax = outlier ? a2 : a1;
         const float inv = amax > 0.f && amax < INFINITY ? 127.f / amax : 0.f;
         info[0] = amax / 127.f;
         info[1] = outlier ? bf16_to_f32(xb[top]) : 0.f;
@@ -217,10 +215,12 @@ static void quantize_row_q8(const uint16_t *xr, int64_t K, int8_t *xq, float *xs
     }
 }
 
-/* Code of input k (0..31) of a u4 block for output i of its tile. */
-static inline int u4_code(const uint8_t *block, int k, int i) {
-    const int pr = k / 2;
-    return (block[(pr % 8) * 32 + 2 * i + (k & 1)] >> (pr < 8 ? 0 : 4)) & 15;
+/* What the u4 kernels need of row r before any tile: its group sums (the min term), and with int8
+ * activations its codes and block info. */
+static inline void prepare_row(const uint16_t *x, int64_t r, int64_t ldx, int64_t K, int64_t G, float *sums, int8_t *xq,
+                               float *xs) {
+    group_sums_row(x + r * ldx, K, G, sums + r * (K / G));
+    if (xq) quantize_row_q8(x + r * ldx, K, xq + r * K, xs + r * (K / QBLOCK) * QFIELDS);
 }
 
 static void tile_generic_q8(const int8_t *xq, const float *xs, int64_t r0, int64_t r1, int64_t K, const uint8_t *tile,
@@ -236,12 +236,8 @@ static void tile_generic_q8(const int8_t *xq, const float *xs, int64_t r0, int64
             for (int64_t b = 0; b < G / QBLOCK; b++) {
                 const int8_t *xb = xq + r * K + g * G + b * QBLOCK;
                 int32_t dot[TILE_N] = {0};
-                for (int64_t pr = 0; pr < 16; pr++) { /* pair-row pr: inputs 2 pr, 2 pr + 1 of the block */
-                    const uint8_t *chunk = blk + b * 256 + (pr % 8) * 32;
-                    const int shift = pr < 8 ? 0 : 4;
-                    for (int i = 0; i < TILE_N; i++)
-                        dot[i] += ((chunk[2 * i] >> shift) & 15) * xb[2 * pr] + ((chunk[2 * i + 1] >> shift) & 15) * xb[2 * pr + 1];
-                }
+                for (int k = 0; k < QBLOCK; k++)
+                    for (int i = 0; i < TILE_N; i++) dot[i] += u4_code(blk + b * 256, k, i) * xb[k];
                 const float *info = xs + (r * blocks + g * (G / QBLOCK) + b) * QFIELDS;
                 for (int i = 0; i < TILE_N; i++) part[i] += (float)dot[i] * info[0];
                 if (info[1] != 0.f)
@@ -256,6 +252,14 @@ static void tile_generic_q8(const int8_t *xq, const float *xs, int64_t r0, int64
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define LINEAR_ISA 2
+
+/* bf16 of 0..15 indexed by the low 5 bits of a 16-bit lane (bit 4 ignored), for vpermw. */
+static inline __m512i nibble_bf16_table(void) {
+    return _mm512_set_epi16(
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040,
+        0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0,
+        0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+}
 
 /* Input pair (2j, 2j+1) of a row, broadcast to every lane. */
 static inline __m512bh pair_bcast(const uint16_t *xr, int64_t k) {
@@ -300,11 +304,7 @@ static inline __attribute__((always_inline)) void tile_rows_avx512(
         xr[r] = x + (r0 + r) * ldx;
         acc[r] = _mm512_setzero_ps();
     }
-    /* bf16 of 0..15 indexed by the low 5 bits of a 16-bit lane (bit 4 ignored) */
-    const __m512i nibble_bf16 = _mm512_set_epi16(
-        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040,
-        0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0,
-        0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+    const __m512i nibble_bf16 = nibble_bf16_table();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = tile + g * gbytes;
         const int64_t k0 = g * G;
@@ -390,10 +390,7 @@ static inline __attribute__((always_inline)) void tile_pair_rows_u4(
         _mm512_store_ps(acc[r][0], _mm512_setzero_ps());
         _mm512_store_ps(acc[r][1], _mm512_setzero_ps());
     }
-    const __m512i nibble_bf16 = _mm512_set_epi16(
-        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040,
-        0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0,
-        0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+    const __m512i nibble_bf16 = nibble_bf16_table();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk0 = tile0 + g * gbytes, *blk1 = tile1 + g * gbytes;
         const int64_t k0 = g * G;
@@ -668,7 +665,7 @@ static void tiles_q8_fast(int NT, const int8_t *xq, const float *xs, int64_t r0,
 
 /* y = x @ W^T (+ bias) for one packed weight. x: bf16 [M, K] with row stride ldx; y: [M, N] bf16
  * (or fp32 when y_f32) with row stride ldy. K must be a multiple of G, and G of 32 (u4) or 2.
- * act_int8 (u4 weights only): x is quantized to int8 per block of 32 first (see quantize_rows_q8). */
+ * act_int8 (u4 weights only): x is quantized to int8 per block of 32 first (see quantize_row_q8). */
 void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
                   int64_t G, const float *bias, void *y, int64_t ldy, int y_f32, int act_int8, int portable,
                   int num_threads) {
@@ -692,20 +689,14 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
     /* A few rows' group sums (and int8 codes) here; many rows' split between the threads below (a
      * barrier's worth of time is more than a few rows take, and decode steps call this ~120 times). */
     const int prep_here = M <= 4;
-    for (int64_t r = 0; sums && prep_here && r < M; r++) {
-        group_sums_row(x + r * ldx, K, G, sums + r * (K / G));
-        if (act_int8) quantize_row_q8(x + r * ldx, K, xq + r * K, xs + r * (K / QBLOCK) * QFIELDS);
-    }
+    for (int64_t r = 0; sums && prep_here && r < M; r++) prepare_row(x, r, ldx, K, G, sums, xq, xs);
     /* Few tiles (small N) are not worth a second thread's wake-up. */
     const int threads = tiles * M < 8 ? 1 : num_threads;
 #pragma omp parallel num_threads(threads)
     {
     if (sums && !prep_here) {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < M; r++) {
-            group_sums_row(x + r * ldx, K, G, sums + r * (K / G));
-            if (act_int8) quantize_row_q8(x + r * ldx, K, xq + r * K, xs + r * (K / QBLOCK) * QFIELDS);
-        }
+        for (int64_t r = 0; r < M; r++) prepare_row(x, r, ldx, K, G, sums, xq, xs);
     }
     for (int64_t c0 = 0; c0 < M; c0 += ROW_CHUNK) {
         const int64_t c1 = c0 + ROW_CHUNK < M ? c0 + ROW_CHUNK : M;

@@ -158,11 +158,15 @@ class LinearBuilder:
         use_int8 = self.activations == "int8"
         for lin in four_bit:
             lin.int8_activations = use_int8
+        head = f"4-bit weights take {self.activations} activations (--linear-activations"
+        kernels = four_bit[0].kernels
+        if not (kernels.int8_activations_fast and kernels.linear_isa == 2):
+            # portable C: timing a prefill-sized batch there would cost seconds of start-up
+            return f"{head}; int8 would run on portable C here: no AVX512-VNNI path)"
         probe = max(four_bit, key=lambda lin: lin.out_features * lin.in_features)
         bf16_s, int8_s = _activation_times(probe)
-        path = "AVX512-VNNI" if probe.kernels.int8_activations_fast else "portable C"
-        return (f"4-bit weights take {self.activations} activations (--linear-activations; {_INT8_PROBE_ROWS} rows of "
-                f"the largest: {bf16_s * 1e3:.2f} ms bf16, {int8_s * 1e3:.2f} ms int8 on {path})")
+        return (f"{head}; {_INT8_PROBE_ROWS} rows of the largest: {bf16_s * 1e3:.2f} ms bf16, {int8_s * 1e3:.2f} ms "
+                f"int8 on AVX512-VNNI)")
 
 
 def _best_time(fn: Callable[[], object], reps: int = 5) -> float:
