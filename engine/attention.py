@@ -36,6 +36,8 @@ class AttentionMetadata:
     # for the fused CPU kernels, which walk block tables themselves instead of gathering
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
+    prefill_spans: torch.Tensor | None = None  # [len(prefills), 3] int64: q_start, q_len, context_len
+    prefill_block_tables: torch.Tensor | None = None  # [len(prefills), max_blocks] int64
 
 
 class PagedKVCache:

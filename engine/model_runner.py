@@ -80,6 +80,8 @@ class ModelRunner:
 
         # prefill: a chunk of consecutive tokens per sequence, causal over cache + chunk
         spans: list[PrefillSpan] = []
+        fused = self.model.kernels is not None  # the fused prefill kernel walks block tables, as decode's does
+        prefill_tables: list[list[int]] = []
         for seq, n in batch.prefills:
             start = seq.num_computed_tokens
             q_start = len(input_ids)
@@ -89,7 +91,9 @@ class ModelRunner:
             slot_mapping.extend(self._slots(seq.block_table, start, start + n))
             ctx = start + n
             gather = mask = None
-            if start > 0:
+            if fused:
+                prefill_tables.append(seq.block_table[:-(-ctx // bs)])
+            elif start > 0:
                 gather = torch.tensor(self._slots(seq.block_table, 0, ctx), dtype=torch.long, device=self.device)
                 q_pos = torch.arange(start, ctx, device=self.device)
                 mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]
@@ -106,6 +110,11 @@ class ModelRunner:
         for _, start, count, q_start in wanted:
             prompt_rows.extend(range(q_start, q_start + count))
 
+        prefill_spans = prefill_block_tables = None
+        if fused and spans:
+            width = max(len(t) for t in prefill_tables)
+            prefill_spans = torch.tensor([[sp.q_start, sp.q_len, sp.context_len] for sp in spans], dtype=torch.long)
+            prefill_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in prefill_tables], dtype=torch.long)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
             num_decodes=len(decodes),
@@ -115,6 +124,8 @@ class ModelRunner:
             prefills=spans,
             decode_block_tables=block_tables,
             decode_context_lens=context_lens,
+            prefill_spans=prefill_spans,
+            prefill_block_tables=prefill_block_tables,
         )
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),

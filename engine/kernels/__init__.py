@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_impl.h"), SOURCE.with_name("cpu_linear.h"))  # the .c includes the .h files
-ABI_VERSION = 4
+SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_impl.h"), SOURCE.with_name("cpu_linear.h"),
+           SOURCE.with_name("cpu_prefill_attention.h"))  # the .c includes the .h files
+ABI_VERSION = 5
 CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11"]
 NATIVE = "-march=native"  # this CPU's full instruction set (AVX-512 where it has it)
 DISABLE_ENV = "SPARK_NATIVE_KERNELS"
@@ -111,6 +112,7 @@ class CpuKernels:
             "lora_expand": [_P, _I64, _I64, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _INT],
             "decode_attention": [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _I64, _P, _P,
                                  _INT],
+            "prefill_attention": [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _I64, _INT],
         }
         for name, argtypes in signatures.items():
             for dtype, suffix in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
@@ -233,6 +235,17 @@ class CpuKernels:
             qkv.data_ptr(), qkv.stride(0), layer_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
             context_lens.data_ptr(), block_size, batch, num_heads, num_kv_heads, head_dim, layer_cache.shape[1],
             head_dim ** -0.5, max_context, scratch.data_ptr(), out.data_ptr(), self.num_threads)
+
+    def prefill_attention(self, qkv: torch.Tensor, layer_cache: torch.Tensor, spans: torch.Tensor,
+                          block_tables: torch.Tensor, block_size: int, num_heads: int, num_kv_heads: int,
+                          head_dim: int, out: torch.Tensor) -> None:
+        """Causal attention of prefill chunks over their paged context (the chunks' K/V already in the
+        cache). spans [S, 3] int64: (first flat row, queries, context length after the chunk);
+        block_tables [S, max_blocks] int64; out [T, H*D] gets the spans' rows."""
+        self._fns[("prefill_attention", qkv.dtype)](
+            qkv.data_ptr(), qkv.stride(0), layer_cache.data_ptr(), spans.data_ptr(), spans.shape[0],
+            block_tables.data_ptr(), block_tables.shape[1], block_size, num_heads, num_kv_heads, head_dim,
+            layer_cache.shape[1], head_dim ** -0.5, out.data_ptr(), out.stride(0), self.num_threads)
 
 
 def load_cpu_kernels() -> CpuKernels | None:

@@ -7,8 +7,10 @@
  * machine's compiler; when none is there, the engine keeps its pure-torch path.
  *
  * Rounding follows the torch path op by op (each elementwise op rounds to the model dtype, as torch
- * does), so norms, RoPE and the activation give the same bits. Attention keeps scores and
+ * does), so norms, RoPE and the activation give the same bits. Decode attention keeps scores and
  * probabilities in fp32 (torch rounds them to bf16 between the matmuls): slightly more accurate.
+ * Prefill attention keeps the scores in fp32 and, in bf16, rounds the probabilities as torch does, so
+ * that P @ V runs on bf16 dot products (cpu_prefill_attention.h).
  *
  * Built with -ffp-contract=off: a fused multiply-add would round differently from torch.
  * Every function exists twice, for bf16 (uint16_t storage) and fp32: cpu_kernels_impl.h is included
@@ -25,6 +27,7 @@
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
+#define PF_TILE_ROWS 96 /* prefill attention: ~rows (queries x G) per tiled task, over which K/V repacking is spread */
 #define LORA_CHUNK 2048 /* outputs per pass of the LoRA expand (its fp32 accumulator lives on the stack) */
 
 static inline float bf16_to_f32(uint16_t v) {
@@ -160,6 +163,8 @@ static inline __attribute__((always_inline)) void qk_scores_bf16(
                 scores[g * stride + start + j] = _mm512_reduce_add_ps(qk_row(qb[g], kb + j * D, nb)) * scale;
     }
 }
+
+#include "cpu_prefill_attention.h"
 #endif
 
 /* The kernels, once per storage dtype (cpu_kernels_impl.h is written against T, LOAD, STORE, ROUND). */
@@ -226,6 +231,6 @@ void apply_token_bitmask(float *logits, int64_t vocab, const int32_t *mask, int6
     }
 }
 
-int spark_kernels_abi_version(void) { return 4; }
+int spark_kernels_abi_version(void) { return 5; }
 int spark_kernels_max_head_dim(void) { return MAX_HEAD_DIM; }
 int spark_kernels_max_group(void) { return MAX_GROUP; }

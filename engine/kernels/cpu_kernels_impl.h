@@ -205,6 +205,31 @@ static inline __attribute__((always_inline)) void FN(attend_avx512)(
 }
 #endif
 
+/* FN(attend) or FN(attend_avx512) for n query heads of size D (constant-folded for the common shapes). */
+static inline void FN(attend_any)(const float *q, const T *q_raw, float scale, int64_t n, int64_t D, const T *k_head,
+                                  const T *v_head, const int64_t *table, int64_t ctx, int64_t block_size,
+                                  float *scores, int64_t stride, T *o) {
+#if defined(__AVX512F__)
+    if (D == 64 && n == 3) /* SmolLM2's shape, fully unrolled */
+        FN(attend_avx512)(q, q_raw, scale, 3, 64, k_head, v_head, table, ctx, block_size, scores, stride, o);
+    else if (D == 64 && n == 1)
+        FN(attend_avx512)(q, q_raw, scale, 1, 64, k_head, v_head, table, ctx, block_size, scores, stride, o);
+    else if (D == 64)
+        FN(attend_avx512)(q, q_raw, scale, n, 64, k_head, v_head, table, ctx, block_size, scores, stride, o);
+    else if (D == 128)
+        FN(attend_avx512)(q, q_raw, scale, n, 128, k_head, v_head, table, ctx, block_size, scores, stride, o);
+    else
+#else
+    (void)q_raw, (void)scale;
+#endif
+    if (D == 64)
+        FN(attend)(q, n, 64, k_head, v_head, table, ctx, block_size, scores, stride, o);
+    else if (D == 128)
+        FN(attend)(q, n, 128, k_head, v_head, table, ctx, block_size, scores, stride, o);
+    else
+        FN(attend)(q, n, D, k_head, v_head, table, ctx, block_size, scores, stride, o);
+}
+
 /* One query token per sequence over its paged context. q rows come from qkv (row stride qkv_stride,
  * already through RoPE); block_tables [B, max_blocks]; context_lens [B]; out [B, H*D]; scratch holds
  * B*H*max_context floats. GQA: a task takes the G = H/Hkv query heads of one KV head, so each K/V
@@ -235,26 +260,82 @@ void FN(decode_attention)(const T *qkv, int64_t qkv_stride, const T *cache, cons
         const int64_t *table = block_tables + b * max_blocks;
         float *scores = scratch + (b * num_heads + head) * max_context;
         T *o = out + (b * num_heads + head) * D;
-        const int64_t ctx = context_lens[b];
-        const int64_t n = heads_per_task;
-#if defined(__AVX512F__)
-        if (D == 64 && n == 3) /* SmolLM2's shape, fully unrolled */
-            FN(attend_avx512)(q, qr, scale, 3, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
-        else if (D == 64 && n == 1)
-            FN(attend_avx512)(q, qr, scale, 1, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
-        else if (D == 64)
-            FN(attend_avx512)(q, qr, scale, n, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
-        else if (D == 128)
-            FN(attend_avx512)(q, qr, scale, n, 128, k_head, v_head, table, ctx, block_size, scores, max_context, o);
-        else
-#endif
-        if (D == 64)
-            FN(attend)(q, n, 64, k_head, v_head, table, ctx, block_size, scores, max_context, o);
-        else if (D == 128)
-            FN(attend)(q, n, 128, k_head, v_head, table, ctx, block_size, scores, max_context, o);
-        else
-            FN(attend)(q, n, D, k_head, v_head, table, ctx, block_size, scores, max_context, o);
+        FN(attend_any)(q, qr, scale, heads_per_task, D, k_head, v_head, table, context_lens[b], block_size, scores,
+                       max_context, o);
     }
+}
+
+/* Prefill chunks: span s is q_len consecutive queries of one sequence (flat rows q_start ...), the last at
+ * position ctx_len - 1 (spans [S, 3]: q_start, q_len, ctx_len); the query at position p attends keys
+ * 0 .. p of its sequence, found through its block table (the chunk's own K and V already written).
+ * q rows come from qkv (after RoPE); out [T, H*D] rows as q's. A task is one KV head's G query heads
+ * over a tile of queries; tiles ending later see more keys and go first. */
+void FN(prefill_attention)(const T *qkv, int64_t qkv_stride, const T *cache, const int64_t *spans, int64_t num_spans,
+                           const int64_t *block_tables, int64_t max_blocks, int64_t block_size, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, float scale, T *out,
+                           int64_t out_stride, int num_threads) {
+    const int64_t G = num_heads / num_kv_heads, D = head_dim;
+    int tiled = 0;
+#if defined(QK_RAW_BF16) && defined(QK_BF16_DOT)
+    tiled = (D == 32 || D == 64 || D == 128) && block_size % 2 == 0;
+#endif
+    /* queries per task: a tile of ~PF_TILE_ROWS rows when tiled, one query otherwise */
+    const int64_t per_task = tiled ? (PF_TILE_ROWS / G > 1 ? PF_TILE_ROWS / G : 1) : 1;
+    int64_t *first = (int64_t *)malloc((size_t)(num_spans + 1) * sizeof(int64_t)); /* first task of each span */
+    if (!first) return;
+    int64_t max_keys = 1, work = 0;
+    first[0] = 0;
+    for (int64_t s = 0; s < num_spans; s++) {
+        first[s + 1] = first[s] + num_kv_heads * ((spans[3 * s + 1] + per_task - 1) / per_task);
+        max_keys = spans[3 * s + 2] > max_keys ? spans[3 * s + 2] : max_keys;
+        work += spans[3 * s + 1] * spans[3 * s + 2];
+    }
+    const int64_t tasks = first[num_spans];
+    const int parallel = num_threads > 1 && tasks > 1 && work * num_kv_heads >= 4096;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    {
+#if defined(QK_RAW_BF16) && defined(QK_BF16_DOT)
+        prefill_scratch w = {0};
+        const int ok = !tiled || prefill_scratch_init(&w, max_keys, D);
+#else
+        const int ok = 1;
+#endif
+        float *scores = tiled ? NULL : (float *)malloc((size_t)(G * max_keys) * sizeof(float));
+        float q[MAX_GROUP * MAX_HEAD_DIM];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            if (!ok || (!tiled && !scores)) continue;
+            int64_t s = 0;
+            while (first[s + 1] <= task) s++;
+            const int64_t q_start = spans[3 * s], q_len = spans[3 * s + 1], ctx = spans[3 * s + 2];
+            const int64_t local = task - first[s], n_tiles = (q_len + per_task - 1) / per_task;
+            const int64_t kvh = local % num_kv_heads;
+            const int64_t tile = n_tiles - 1 - local / num_kv_heads; /* the last tile first: the most keys */
+            const int64_t i0 = tile * per_task, nq = q_len - i0 < per_task ? q_len - i0 : per_task;
+            const T *k_head = cache + kvh * num_slots * D;
+            const T *v_head = cache + (num_kv_heads + kvh) * num_slots * D;
+            const int64_t *table = block_tables + s * max_blocks;
+            const int64_t pos0 = ctx - q_len + i0;
+#if defined(QK_RAW_BF16) && defined(QK_BF16_DOT)
+            if (tiled) {
+                prefill_tile_bf16(qkv, qkv_stride, k_head, v_head, table, block_size, q_start + i0, pos0, nq, kvh * G, G,
+                                  D, scale, out, out_stride, &w);
+                continue;
+            }
+#endif
+            for (int64_t i = 0; i < nq; i++) {
+                const T *qr = qkv + (q_start + i0 + i) * qkv_stride + kvh * G * D;
+                for (int64_t e = 0; e < G * D; e++) q[e] = LOAD(qr[e]) * scale;
+                FN(attend_any)(q, qr, scale, G, D, k_head, v_head, table, pos0 + i + 1, block_size, scores, max_keys,
+                               out + (q_start + i0 + i) * out_stride + kvh * G * D);
+            }
+        }
+        free(scores);
+#if defined(QK_RAW_BF16) && defined(QK_BF16_DOT)
+        if (tiled) prefill_scratch_free(&w);
+#endif
+    }
+    free(first);
 }
 
 /* Multi-LoRA "expand": out[t] = y[t, :n] + (token t's own adapter) B_s @ u, where u is that slot's

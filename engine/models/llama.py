@@ -157,7 +157,10 @@ class LlamaForCausalLM:
             if nd:
                 kern.decode_attention(qkv, layer_kv, meta.decode_block_tables, meta.decode_context_lens,
                                       cache.block_size, nd, H, Hkv, D, meta.decode_max_len, scratch, a)
-            if meta.prefills:
+            if meta.prefill_spans is not None:
+                kern.prefill_attention(qkv, layer_kv, meta.prefill_spans, meta.prefill_block_tables,
+                                       cache.block_size, H, Hkv, D, a)
+            elif meta.prefills:
                 q = qkv[:, : H * D].view(T, H, D)
                 new_kv = qkv[:, H * D:].view(T, 2 * Hkv, D).transpose(0, 1)
                 prefill_attention(q, new_kv, layer_kv, meta.prefills, a.view(T, H, D))

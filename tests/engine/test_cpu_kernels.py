@@ -1,8 +1,8 @@
 """The fused CPU kernels against the torch ops they replace.
 
 Elementwise kernels (norm, activation, RoPE, cache write) must give the torch path's bits exactly in
-bf16 (in fp32, norm and activation may differ in the last bit: sum order, exp); decode attention must
-match a plain softmax attention over the same paged context.
+bf16 (in fp32, norm and activation may differ in the last bit: sum order, exp); decode and prefill
+attention must match a plain (causal) softmax attention over the same paged context.
 """
 
 from __future__ import annotations
@@ -132,6 +132,40 @@ def test_decode_attention_matches_softmax_attention_over_paged_context(dtype, ke
         expected = F.scaled_dot_product_attention(q, k, v).view(H * D)
         tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
         torch.testing.assert_close(out[b].float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H, Hkv, D", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 64)])  # + one KV head for all
+# whole prompts; a chunk continuing a cached context (tiles of several lengths, ragged, over a block edge);
+# one long chunk (several query tiles per KV head, keys beyond one 32-key score pass)
+@pytest.mark.parametrize("spans", [[(1, 1), (7, 7)], [(40, 100), (5, 5), (33, 301)], [(130, 130)]])
+@pytest.mark.parametrize("block", [16, 32])
+def test_prefill_attention_is_causal_softmax_attention_over_paged_context(dtype, kern, H, Hkv, D, spans, block):
+    g = torch.Generator().manual_seed(5)
+    num_blocks = 64
+    cache = torch.randn(2 * Hkv, num_blocks * block, D, generator=g).to(dtype)
+    pool = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(-(-ctx // block) for _, ctx in spans)
+    tables, rows = [], []
+    for q_len, ctx in spans:
+        need = -(-ctx // block)
+        tables.append(pool[:need] + [0] * (width - need))
+        pool = pool[need:] + pool[:need]
+        rows.append([sum(r[1] for r in rows), q_len, ctx])
+    T = sum(q for q, _ in spans)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    out = torch.full((T, H * D), float("nan"), dtype=dtype)
+    kern.prefill_attention(qkv, cache, torch.tensor(rows), torch.tensor(tables), block, H, Hkv, D, out)
+    for (start, q_len, ctx), table in zip(rows, tables):
+        slots = torch.tensor([table[p // block] * block + p % block for p in range(ctx)])
+        k = cache[:Hkv, slots].float().repeat_interleave(H // Hkv, 0)  # [H, ctx, D]
+        v = cache[Hkv:, slots].float().repeat_interleave(H // Hkv, 0)
+        q = qkv[start:start + q_len, : H * D].float().view(q_len, H, D).transpose(0, 1)
+        causal = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=causal).transpose(0, 1).reshape(q_len, H * D)
+        # bf16: the probabilities are rounded to bf16 before P @ V, as torch's bf16 matmuls do
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out[start:start + q_len].float(), expected, rtol=tol, atol=tol)
 
 
 def test_fused_forward_equals_torch_forward_on_mixed_batches():

@@ -1,0 +1,202 @@
+/* Prefill attention in bf16 with AVX512-BF16 dot products: one task is a tile of consecutive queries of
+ * one sequence against one KV head, so each K and V row is read for all G query heads and every query of
+ * the tile. Included by cpu_kernels.c where QK_BF16_DOT is defined.
+ *
+ * The products run as matrix tiles rather than one dot product per score:
+ *   scores: K is repacked per 16 keys into pair-rows (lane i = key i's inputs 2j, 2j+1), so one
+ *           vdpbf16ps adds 16 keys' products for one broadcast query pair; 8 rows x 32 keys per pass.
+ *   P @ V:  V is repacked per key pair (lane d = dims d of keys 2i and 2i+1, interleaved), so one
+ *           vdpbf16ps adds two keys' weighted rows for 16 dims; the probabilities are rounded to bf16
+ *           first, as torch's bf16 path does between its two matmuls.
+ * Scores and the softmax stay in fp32 (max, exp, normalised, then rounded). Causal: a row's keys stop
+ * at its own position; tiles never compute past the last key any of their rows sees.
+ */
+
+#define PF_ROWS 8    /* query rows (query, head) per score pass: 8 x 2 accumulators */
+
+typedef struct {
+    uint32_t *kp;  /* [groups of 16 keys][D/2][16] */
+    uint16_t *vp;  /* [key pairs][D/16][32] */
+    float *s;      /* [PF_ROWS][cap] scores */
+    uint16_t *p;   /* [PF_ROWS][cap] bf16 probabilities */
+    int64_t cap;   /* keys the buffers hold (a multiple of 32) */
+} prefill_scratch;
+
+static int prefill_scratch_init(prefill_scratch *w, int64_t keys, int64_t D) {
+    w->cap = (keys + 31) / 32 * 32 + 32;
+    w->kp = (uint32_t *)aligned_alloc(64, (size_t)(w->cap / 16) * (size_t)(D / 2) * 16 * sizeof(uint32_t));
+    w->vp = (uint16_t *)aligned_alloc(64, (size_t)(w->cap / 2) * (size_t)D * 2 * sizeof(uint16_t));
+    w->s = (float *)aligned_alloc(64, (size_t)PF_ROWS * (size_t)w->cap * sizeof(float));
+    w->p = (uint16_t *)aligned_alloc(64, (size_t)PF_ROWS * (size_t)w->cap * sizeof(uint16_t));
+    return w->kp && w->vp && w->s && w->p;
+}
+
+static void prefill_scratch_free(prefill_scratch *w) {
+    free(w->kp), free(w->vp), free(w->s), free(w->p);
+}
+
+static inline const uint16_t *paged_row(const uint16_t *head, const int64_t *table, int64_t block_size, int64_t key,
+                                        int64_t D) {
+    return head + (table[key / block_size] * block_size + key % block_size) * D;
+}
+
+/* K rows [0, keys) into pair-rows per 16 keys, V rows into interleaved key pairs; keys past the end are
+ * zero, up to a whole number of 32-key score passes (their scores are never used). */
+static void prefill_pack_kv(const uint16_t *k_head, const uint16_t *v_head, const int64_t *table, int64_t block_size,
+                            int64_t keys, int64_t D, prefill_scratch *w) {
+    const int64_t pairs = D / 2, padded = (keys + 31) / 32 * 32;
+    for (int64_t g = 0; g < padded / 16; g++) {
+        uint32_t *dst = w->kp + g * pairs * 16;
+        for (int64_t i = 0; i < 16; i++) {
+            const int64_t key = g * 16 + i;
+            if (key < keys) {
+                const uint32_t *src = (const uint32_t *)paged_row(k_head, table, block_size, key, D);
+                for (int64_t j = 0; j < pairs; j++) dst[j * 16 + i] = src[j];
+            } else {
+                for (int64_t j = 0; j < pairs; j++) dst[j * 16 + i] = 0;
+            }
+        }
+    }
+    /* lane 2t of the result: key 2i's dim t; lane 2t + 1: key 2i + 1's */
+    static const uint16_t interleave[32] __attribute__((aligned(64))) = {
+        0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i idx = _mm512_load_si512(interleave);
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t i = 0; i < (keys + 1) / 2; i++) {
+        const uint16_t *v0 = paged_row(v_head, table, block_size, 2 * i, D);
+        const uint16_t *v1 = 2 * i + 1 < keys ? paged_row(v_head, table, block_size, 2 * i + 1, D) : NULL;
+        for (int64_t c = 0; c < D / 16; c++) {
+            const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v0 + c * 16)));
+            const __m512i b = v1 ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v1 + c * 16))) : zero;
+            _mm512_store_si512(w->vp + (i * (D / 16) + c) * 32, _mm512_permutex2var_epi16(a, idx, b));
+        }
+    }
+}
+
+/* Scores of PF_ROWS rows (q: each row's bf16 query) over 32 keys from key group g (two groups of 16). */
+static inline __attribute__((always_inline)) void prefill_scores32(const uint16_t *const *q, int64_t D,
+                                                                   const uint32_t *kp, int64_t g, float scale,
+                                                                   float *s, int64_t cap) {
+    const int64_t pairs = D / 2;
+    __m512 acc[PF_ROWS][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < PF_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const uint32_t *k0 = kp + g * pairs * 16, *k1 = k0 + pairs * 16;
+    for (int64_t j = 0; j < pairs; j++) {
+        const __m512bh a = (__m512bh)_mm512_load_si512(k0 + j * 16), b = (__m512bh)_mm512_load_si512(k1 + j * 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < PF_ROWS; r++) {
+            int32_t v;
+            memcpy(&v, q[r] + 2 * j, sizeof v);
+            const __m512bh x = (__m512bh)_mm512_set1_epi32(v);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, a);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b);
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+#pragma GCC unroll 8
+    for (int r = 0; r < PF_ROWS; r++) {
+        _mm512_store_ps(s + r * cap + g * 16, _mm512_mul_ps(acc[r][0], sc));
+        _mm512_store_ps(s + r * cap + g * 16 + 16, _mm512_mul_ps(acc[r][1], sc));
+    }
+}
+
+/* Softmax of one row's scores over its first n keys, into bf16 probabilities; zero from n to `upto`. */
+static inline void prefill_softmax_row(const float *s, int64_t n, int64_t upto, uint16_t *p) {
+    __m512 mxv = _mm512_set1_ps(-INFINITY);
+    int64_t l = 0;
+    for (; l + 16 <= n; l += 16) mxv = _mm512_max_ps(mxv, _mm512_load_ps(s + l));
+    if (l < n) mxv = _mm512_mask_max_ps(mxv, (__mmask16)((1u << (n - l)) - 1), mxv, _mm512_load_ps(s + l));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mxv));
+    __m512 sumv = _mm512_setzero_ps();
+    for (l = 0; l < n; l += 16) {
+        const __mmask16 live = n - l >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - l)) - 1);
+        sumv = _mm512_add_ps(sumv, _mm512_maskz_mov_ps(live, exp_clamped_v(_mm512_sub_ps(_mm512_load_ps(s + l), mx))));
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sumv));
+    for (l = 0; l < upto; l += 16) {
+        const __mmask16 live = l >= n ? 0 : n - l >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - l)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(live, exp_clamped_v(_mm512_sub_ps(_mm512_load_ps(s + l), mx)));
+        _mm256_storeu_si256((__m256i *)(p + l), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(e, inv)));
+    }
+}
+
+/* out rows = P @ V for RP rows (RP x D/16 accumulators stay in registers) over key pairs [0, pairs). */
+static inline __attribute__((always_inline)) void prefill_pv(const int RP, const int NV, const uint16_t *p,
+                                                             int64_t cap, const uint16_t *vp, int64_t pairs,
+                                                             uint16_t *const *out) {
+    __m512 acc[4][8];
+#pragma GCC unroll 4
+    for (int r = 0; r < RP; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < NV; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < pairs; i++) {
+        __m512bh x[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < RP; r++) {
+            int32_t v;
+            memcpy(&v, p + r * cap + 2 * i, sizeof v);
+            x[r] = (__m512bh)_mm512_set1_epi32(v);
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < NV; c++) {
+            const __m512bh vv = (__m512bh)_mm512_load_si512(vp + (i * NV + c) * 32);
+#pragma GCC unroll 4
+            for (int r = 0; r < RP; r++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x[r], vv);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RP; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < NV; c++)
+            _mm256_storeu_si256((__m256i *)(out[r] + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+}
+
+/* One task: queries [0, nq) of a tile (flat rows q_row0 ..., positions pos0 ...) against KV head kvh's
+ * G query heads. D is 32, 64 or 128. */
+static void prefill_tile_bf16(const uint16_t *qkv, int64_t qkv_stride, const uint16_t *k_head, const uint16_t *v_head,
+                              const int64_t *table, int64_t block_size, int64_t q_row0, int64_t pos0, int64_t nq,
+                              int64_t head0, int64_t G, int64_t D, float scale, uint16_t *out, int64_t out_stride,
+                              prefill_scratch *w) {
+    const int64_t keys = pos0 + nq;
+    prefill_pack_kv(k_head, v_head, table, block_size, keys, D, w);
+    const int64_t rows = nq * G;
+    for (int64_t r0 = 0; r0 < rows; r0 += PF_ROWS) {
+        const uint16_t *q[PF_ROWS];
+        uint16_t *o[PF_ROWS];
+        int64_t n[PF_ROWS];
+        const int64_t live = rows - r0 < PF_ROWS ? rows - r0 : PF_ROWS;
+        for (int64_t r = 0; r < PF_ROWS; r++) {
+            const int64_t row = r0 + (r < live ? r : live - 1); /* padding rows repeat the last (not stored) */
+            const int64_t qi = row / G, head = head0 + row % G;
+            q[r] = qkv + (q_row0 + qi) * qkv_stride + head * D;
+            o[r] = out + (q_row0 + qi) * out_stride + head * D;
+            n[r] = pos0 + qi + 1;
+        }
+        const int64_t tile_keys = n[PF_ROWS - 1]; /* rows go query by query: the last sees the most keys */
+        const int64_t passes = (tile_keys + 31) / 32;
+        for (int64_t b = 0; b < passes; b++) prefill_scores32(q, D, w->kp, 2 * b, scale, w->s, w->cap);
+        const int64_t upto = passes * 32;
+        for (int64_t r = 0; r < live; r++) prefill_softmax_row(w->s + r * w->cap, n[r], upto, w->p + r * w->cap);
+        const int64_t pairs = (tile_keys + 1) / 2;
+        const int NV = (int)(D / 16);
+        for (int64_t r = 0; r < live;) {
+            const int64_t left = live - r;
+            uint16_t *const *orow = o + r;
+            const uint16_t *prow = w->p + r * w->cap;
+            if (NV == 4 && left >= 4) {
+                prefill_pv(4, 4, prow, w->cap, w->vp, pairs, orow), r += 4;
+            } else if (NV == 2 && left >= 4) {
+                prefill_pv(4, 2, prow, w->cap, w->vp, pairs, orow), r += 4;
+            } else if (NV == 8 && left >= 2) {
+                prefill_pv(2, 8, prow, w->cap, w->vp, pairs, orow), r += 2;
+            } else if (NV == 2) {
+                prefill_pv(1, 2, prow, w->cap, w->vp, pairs, orow), r += 1;
+            } else if (NV == 4) {
+                prefill_pv(1, 4, prow, w->cap, w->vp, pairs, orow), r += 1;
+            } else {
+                prefill_pv(1, 8, prow, w->cap, w->vp, pairs, orow), r += 1;
+            }
+        }
+    }
+}
