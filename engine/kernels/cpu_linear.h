@@ -517,10 +517,15 @@ static void tile_pair_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, i
                            const uint8_t *tile0, const uint8_t *tile1, int64_t G, const float *sums, const float *bias,
                            int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32) {
     int64_t r = r0;
-    for (; r + PAIR_ROWS <= r1; r += PAIR_ROWS) {
-        if (fmt == WFMT_U4)
+    if (fmt == WFMT_U4) {
+        /* 8 rows where there are 8: each unpacked code vector feeds twice as many products (+2-3% at 8-256
+         * rows on AMD EPYC; 16 accumulators still fit the registers) */
+        for (; r + 2 * PAIR_ROWS <= r1; r += 2 * PAIR_ROWS)
+            tile_pair_rows_u4(2 * PAIR_ROWS, x, r, K, ldx, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32);
+        for (; r + PAIR_ROWS <= r1; r += PAIR_ROWS)
             tile_pair_rows_u4(PAIR_ROWS, x, r, K, ldx, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32);
-        else
+    } else {
+        for (; r + PAIR_ROWS <= r1; r += PAIR_ROWS)
             tile_pair_rows_dense(PAIR_ROWS, fmt, x, r, K, ldx, tile0, tile1, G, bias, n0, N, y, ldy, y_f32);
     }
     if (r < r1) {
