@@ -55,7 +55,7 @@ class Settings:
     max_num_seqs: int = _opt(64, "most sequences decoded together in one step")
     max_num_batched_tokens: int = _opt(512, "token budget of one engine step (prefill is chunked to fit)")
     long_prefill_token_threshold: int = _opt(16, "while other sequences decode, long prompts (over half of "
-                                                 "--max-num-batched-tokens) prefill at most max(this, decoding x "
+                                                 "--max-num-batched-tokens) prefill at most max(this, 2 x decoding x "
                                                  "long prompts pending) tokens per step, keeping token gaps even "
                                                  "(0: no cap)")
     max_waiting: int = _opt(1024, "most requests waiting for a running slot before new ones are refused")
