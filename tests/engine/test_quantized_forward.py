@@ -70,7 +70,9 @@ def _logprobs_of(outs) -> list:
 def test_gguf_greedy_equals_the_reference_forward(gguf_engine):
     """Token for token, except past a genuine near-tie: there both paths' bf16 activations are equally
     right, and the first divergence must be between top candidates of both, less than 0.25 nat apart
-    (bf16 activation noise; vLLM's check_logprobs_close, with a margin). Most prompts match entirely."""
+    (bf16 activation noise; vLLM's check_logprobs_close, with a margin). Most prompts match entirely;
+    which ones do not moves with any change of summation order (the fp32 reference's own matmul
+    blocking follows the thread count): 2-3 of the 8 were measured, at gaps of 0.005-0.14 nat."""
     requests = lambda: [chat(f"p{i}", p, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,  # noqa: E731
                              top_logprobs=5) for i, p in enumerate(PROMPTS)]
     assert not any(lw.down.int8_activations for lw in gguf_engine.model.layers)  # bf16 activations by default
@@ -90,7 +92,7 @@ def test_gguf_greedy_equals_the_reference_forward(gguf_engine):
         detail = (prompt, at, top_a, top_b)
         assert b[at] in top_a and a[at] in top_b, detail
         assert top_a[a[at]] - top_a[b[at]] < 0.25 and top_b[b[at]] - top_b[a[at]] < 0.25, detail
-    assert identical >= len(PROMPTS) - 2
+    assert identical > len(PROMPTS) // 2
 
 
 def test_int8_activations_compute_their_reference_in_the_model(monkeypatch):
