@@ -28,9 +28,10 @@
 #define TILE_N 16
 #define ROWS_PER_PASS 8 /* rows of x per pass over a tile's weights (register-resident accumulators) */
 #define ROW_CHUNK 64    /* rows of x kept hot in cache while every tile streams past them */
-/* u4 and bf16 with at least this many rows: two tiles per pass, PAIR_ROWS rows at a time (each broadcast input
- * feeds both tiles; 8 accumulator chains). On a 2-core AMD EPYC (Zen 5) this took the u4 kernel from
- * ~300 to ~340 GFLOP/s at 16-256 rows, and from ~260 to ~320 at 4 rows. */
+/* With at least this many rows (i8: twice as many): two tiles per pass, 2 x PAIR_ROWS rows at a time where
+ * there are that many, then PAIR_ROWS (each broadcast input feeds both tiles; 8 or 16 accumulator chains).
+ * On a 2-core AMD EPYC 4 rows took the u4 kernel from ~300 to ~340 GFLOP/s at 16-256 rows, and
+ * from ~260 to ~320 at 4 rows; 8 rows added 2-3% (u4), 19-44% (bf16), 14-22% (i8). */
 #define PAIR_ROWS 4
 
 enum { WFMT_BF16 = 0, WFMT_U4 = 1, WFMT_I8 = 2 };
@@ -457,11 +458,14 @@ static void tile_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_
     }
 }
 
-/* bf16 (and i8, which does not use it): the same two-tile pass; pair-row j of both tiles against each
- * row's input pair. The order of additions per output is the one-tile pass's (CH = 1 from 4 rows up),
- * so results match it. bf16 went from ~375 to ~450 GFLOP/s at 8-256 rows (AMD EPYC); i8 went from ~340
- * to ~260, because widening int8 codes to bf16 costs five instructions per pair-row and 4 rows per pass
- * amortise them over half as many products as the one-tile pass's 8, so i8 keeps that pass. */
+/* bf16 and i8: the same two-tile pass; pair-row j of both tiles against each row's input pair. The
+ * order of additions per output is the one-tile pass's (CH = 1 from 4 rows up), so results match it.
+ * 8 rows a pass where there are 8 (AMD EPYC, interleaved A/B against the one-tile pass or 4 rows):
+ *   bf16: +19-44% at 8-256 rows over 4 rows a pass. Two bf16 tiles of 576 inputs are 36 KB, over L1,
+ *         so each pass re-reads them from L2; 8 rows a pass halves that. 4 rows take what is left.
+ *   i8:   widening int8 codes to bf16 costs five instructions per pair-row; 4 rows a pass lost to the
+ *         one-tile pass (~340 -> ~260 GFLOP/s), 8 gain 14-22% at 8-64 rows (the Q8_0 head of the
+ *         embedded model), so i8 leaves fewer than 8 rows to the one-tile pass. */
 static inline __attribute__((always_inline)) void tile_pair_rows_dense(
     const int RB, int fmt, const uint16_t *x, int64_t r0, int64_t K, int64_t ldx, const uint8_t *tile0,
     const uint8_t *tile1, int64_t G, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32) {
@@ -525,7 +529,9 @@ static void tile_pair_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, i
         for (; r + PAIR_ROWS <= r1; r += PAIR_ROWS)
             tile_pair_rows_u4(PAIR_ROWS, x, r, K, ldx, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32);
     } else {
-        for (; r + PAIR_ROWS <= r1; r += PAIR_ROWS)
+        for (; r + 2 * PAIR_ROWS <= r1; r += 2 * PAIR_ROWS)
+            tile_pair_rows_dense(2 * PAIR_ROWS, fmt, x, r, K, ldx, tile0, tile1, G, bias, n0, N, y, ldy, y_f32);
+        for (; fmt == WFMT_BF16 && r + PAIR_ROWS <= r1; r += PAIR_ROWS)
             tile_pair_rows_dense(PAIR_ROWS, fmt, x, r, K, ldx, tile0, tile1, G, bias, n0, N, y, ldy, y_f32);
     }
     if (r < r1) {
@@ -724,7 +730,7 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
             continue;
         }
 #if LINEAR_ISA == 2
-        if (!portable && fmt != WFMT_I8 && c1 - c0 >= PAIR_ROWS && tiles >= 2) {
+        if (!portable && c1 - c0 >= (fmt == WFMT_I8 ? 2 * PAIR_ROWS : PAIR_ROWS) && tiles >= 2) {
             const int64_t pairs = tiles / 2;
 #pragma omp for schedule(static)
             for (int64_t t2 = 0; t2 < pairs + tiles % 2; t2++) {
