@@ -1,5 +1,6 @@
-"""Linear kernels: GB/s per format and batch shape against a plain read of the same bytes, and what
-each weight format costs in accuracy (perplexity on the held-out texts in tests/data, and the mean KL
+"""Linear kernels: GB/s per format and batch shape against a plain read of the same bytes; decode
+attention's KV GB/s; prefill attention against the torch path it replaced; and what each weight
+format costs in accuracy (perplexity on the held-out texts in tests/data, and the mean KL
 divergence and top-1 agreement of each mode's next-token distributions against the first mode's).
 
     python -m benchmarks.bench_kernels [--skip-perplexity]
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import save, verdict
+from engine.attention import PrefillSpan, prefill_attention
 from engine.kernels import load_cpu_kernels
 from engine.models.linear import Linear
 from engine.quant.formats import quantize_int4, quantize_int8
@@ -127,6 +129,55 @@ def attention_table(kern) -> list[dict]:
     return rows
 
 
+def prefill_attention_table(kern) -> list[dict]:
+    """Prefill attention of one engine step (30 layers), the fused kernel against the torch path it
+    replaced (engine/attention.py, still the path without the kernels), on chunks as the scheduler
+    makes them: whole short prompts, and a 512-token chunk of a prompt with context before it."""
+    H, Hkv, D, block, layers = 9, 3, 64, 16, 30
+    gen = torch.Generator().manual_seed(2)
+    rows = []
+    for label, chunks in (("2 prompts x 230", [(230, 230)] * 2), ("8 prompts x 50", [(50, 50)] * 8),
+                          ("512 of 1,000", [(512, 1000)]), ("512 of 2,000", [(512, 2000)])):
+        blocks = sum(-(-ctx // block) for _, ctx in chunks)
+        cache = torch.randn(2 * Hkv, blocks * block, D, generator=gen).to(torch.bfloat16)
+        order = torch.randperm(blocks, generator=gen).tolist()
+        width = max(-(-ctx // block) for _, ctx in chunks)
+        spans, tables, torch_spans, start = [], [], [], 0
+        for q_len, ctx in chunks:
+            need = -(-ctx // block)
+            table, order = order[:need], order[need:]
+            tables.append(table + [0] * (width - need))
+            spans.append([start, q_len, ctx])
+            slots = torch.tensor([table[p // block] * block + p % block for p in range(ctx)])
+            causal = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+            torch_spans.append(PrefillSpan(start, q_len, ctx, slots if ctx > q_len else None,
+                                           causal if ctx > q_len else None))
+            start += q_len
+        qkv = torch.randn(start, (H + 2 * Hkv) * D, generator=gen).to(torch.bfloat16)
+        new_kv = qkv[:, H * D:].view(start, 2 * Hkv, D).transpose(0, 1)
+        out = torch.empty(start, H * D, dtype=torch.bfloat16)
+        spans_t, tables_t = torch.tensor(spans), torch.tensor(tables)
+        q = qkv[:, : H * D].view(start, H, D)
+
+        def fused():
+            for _ in range(layers):
+                kern.prefill_attention(qkv, cache, spans_t, tables_t, block, H, Hkv, D, out)
+
+        def plain():
+            for _ in range(layers):
+                prefill_attention(q, new_kv, cache, torch_spans, out.view(start, H, D))
+
+        fused_t = plain_t = math.inf
+        for _ in range(3):
+            fused_t = min(fused_t, best_of(fused, 2))
+            plain_t = min(plain_t, best_of(plain, 1))
+        # the causal products: each query against the keys up to its own position, q.k and p.v
+        flops = layers * sum(H * q_len * (2 * ctx - q_len + 1) / 2 * D * 4 for q_len, ctx in chunks)
+        rows.append({"chunks": label, "fused_ms": fused_t * 1e3, "torch_ms": plain_t * 1e3,
+                     "gflops": flops / fused_t / 1e9})
+    return rows
+
+
 def next_token_logprobs(engine, text: str, window: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced log-probabilities at every position of the text, in non-overlapping windows (each
     prefilled at once), and the tokens that follow."""
@@ -142,6 +193,10 @@ def next_token_logprobs(engine, text: str, window: int = 512) -> tuple[torch.Ten
         t = len(inputs)
         meta = AttentionMetadata(slot_mapping=torch.arange(t), num_decodes=0, decode_gather=None, decode_mask=None,
                                  decode_max_len=0, prefills=[PrefillSpan(0, t, t, None, None)])
+        if engine.model.kernels is not None:  # the fused prefill attention, as the engine's steps run it
+            block = engine.runner.cache.block_size
+            meta.prefill_spans = torch.tensor([[0, t, t]])
+            meta.prefill_block_tables = torch.arange(-(-t // block))[None]
         logits = engine.model.forward(inputs, torch.arange(t), meta, engine.runner.cache, torch.arange(t))
         logprobs.append(logits.float().log_softmax(-1))
         targets.append(torch.tensor(chunk[1:]))
@@ -207,6 +262,11 @@ def main() -> int:
     for r in attention:
         print(f"  {r['batch']:>2} sequences x {r['context']} tokens: {r['mb']:.0f} MB of KV in {r['ms']:.2f} ms = "
               f"{r['gbps']:.1f} GB/s ({r['gbps'] / r['read_gbps']:.0%} of a plain read, {r['read_gbps']:.1f} GB/s)")
+    prefill = prefill_attention_table(kern)
+    print("\nprefill attention (bf16, causal, blocks scattered), a step of 30 layers, fused kernel / torch path:")
+    for r in prefill:
+        print(f"  {r['chunks']:>16}: {r['fused_ms']:7.2f} ms / {r['torch_ms']:7.2f} ms = "
+              f"{r['torch_ms'] / r['fused_ms']:4.1f}x ({r['gflops']:.0f} GFLOP/s of causal products)")
     ppl = []
     if not args.skip_perplexity:
         ppl, ppl_ok = perplexity_table()
@@ -216,7 +276,8 @@ def main() -> int:
             print(f"{r['weights']:8} {r['activations']:>4} {r['en']:>8.3f} {r['zh']:>8.3f} {r['kld']:>7.4f} "
                   f"{r['same_top1']:>6.1%}  {r['linears']}")
         checks["int8 perplexity within 1% of bf16 (en and zh)"] = ppl_ok
-    save("kernels", {"cpu": model, "isa": isa, "bandwidth": table, "attention": attention, "perplexity": ppl})
+    save("kernels", {"cpu": model, "isa": isa, "bandwidth": table, "attention": attention,
+                     "prefill_attention": prefill, "perplexity": ppl})
     return verdict(checks)
 
 

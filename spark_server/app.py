@@ -6,7 +6,7 @@ import contextlib
 import copy
 import logging
 from pathlib import Path
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
@@ -29,6 +29,9 @@ from spark_server.shutdown import DrainGuard
 from spark_server.spark_http import spark_http
 from spark_server.spark_service import SparkService
 from spark_server.spark_ws import spark_websocket
+
+if TYPE_CHECKING:
+    import uvicorn
 
 logger = logging.getLogger(__name__)
 
