@@ -5,7 +5,7 @@
  * + eps)), rounded: transformers' LlamaRMSNorm arithmetic. */
 void FN(add_rms_norm)(T *x, const T *residual, const T *weight, T *h, int64_t rows, int64_t dim, float eps,
                       int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows >= 64) schedule(static)
+#pragma omp parallel for num_threads(num_threads) if (rows >= ELEMENTWISE_PARALLEL_ROWS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         T *xr = x + r * dim;
         T *hr = h + r * dim;
@@ -26,7 +26,7 @@ void FN(add_rms_norm)(T *x, const T *residual, const T *weight, T *h, int64_t ro
 
 /* gate_up [rows, 2*inter] -> out [rows, inter] = round(round(silu(gate)) * up). */
 void FN(silu_mul)(const T *gate_up, T *out, int64_t rows, int64_t inter, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows >= 64) schedule(static)
+#pragma omp parallel for num_threads(num_threads) if (rows >= ELEMENTWISE_PARALLEL_ROWS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const T *g = gate_up + r * 2 * inter;
         const T *u = g + inter;
@@ -47,7 +47,7 @@ void FN(rope_cache_write)(T *qkv, const int64_t *positions, const T *cos, const 
                           int64_t head_dim, int64_t num_slots, int num_threads) {
     const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
     const int64_t half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) if (tokens >= 64) schedule(static)
+#pragma omp parallel for num_threads(num_threads) if (tokens >= ELEMENTWISE_PARALLEL_ROWS) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         T *qk = qkv + t * row;
         const T *c = cos + positions[t] * head_dim;
