@@ -644,30 +644,32 @@ static inline __attribute__((always_inline)) void tile_rows_q8_avx512(
         for (int t = 0; t < NT; t++) store_acc(acc[r][t], bias, n0 + t * TILE_N, N, y, ldy, r0 + r, y_f32);
 }
 
-/* NT tiles, rows [r0, r1), four at a time. */
+/* NT tiles, rows [r0, r1), four at a time. Inlined with NT constant, so every call below has compile-time
+ * RB and NT. */
+static inline __attribute__((always_inline)) void q8_rows(const int NT, const int8_t *xq, const float *xs,
+                                                          int64_t r0, int64_t r1, int64_t K, const uint8_t *tile0,
+                                                          int64_t tile_bytes, int64_t G, const float *sums,
+                                                          const float *bias, int64_t n0, int64_t N, void *y,
+                                                          int64_t ldy, int y_f32) {
+#define Q8_CALL(RB) tile_rows_q8_avx512(RB, NT, xq, xs, r, K, tile0, tile_bytes, G, sums, bias, n0, N, y, ldy, y_f32)
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) Q8_CALL(4);
+    switch (r1 - r) {
+    case 3: Q8_CALL(3); break;
+    case 2: Q8_CALL(2); break;
+    case 1: Q8_CALL(1); break;
+    default: break;
+    }
+#undef Q8_CALL
+}
+
 static void tiles_q8_fast(int NT, const int8_t *xq, const float *xs, int64_t r0, int64_t r1, int64_t K,
                           const uint8_t *tile0, int64_t tile_bytes, int64_t G, const float *sums, const float *bias,
                           int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32) {
-#define Q8_CALL(RB, NT_) tile_rows_q8_avx512(RB, NT_, xq, xs, r, K, tile0, tile_bytes, G, sums, bias, n0, N, y, ldy, y_f32)
-    int64_t r = r0;
-    if (NT == 2) {
-        for (; r + 4 <= r1; r += 4) Q8_CALL(4, 2);
-        switch (r1 - r) {
-        case 3: Q8_CALL(3, 2); break;
-        case 2: Q8_CALL(2, 2); break;
-        case 1: Q8_CALL(1, 2); break;
-        default: break;
-        }
-    } else {
-        for (; r + 4 <= r1; r += 4) Q8_CALL(4, 1);
-        switch (r1 - r) {
-        case 3: Q8_CALL(3, 1); break;
-        case 2: Q8_CALL(2, 1); break;
-        case 1: Q8_CALL(1, 1); break;
-        default: break;
-        }
-    }
-#undef Q8_CALL
+    if (NT == 2)
+        q8_rows(2, xq, xs, r0, r1, K, tile0, tile_bytes, G, sums, bias, n0, N, y, ldy, y_f32);
+    else
+        q8_rows(1, xq, xs, r0, r1, K, tile0, tile_bytes, G, sums, bias, n0, N, y, ldy, y_f32);
 }
 #endif
 #else
