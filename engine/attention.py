@@ -21,7 +21,9 @@ class PrefillSpan:
     q_start: int  # offset of the chunk's first token in the flat batch
     q_len: int
     context_len: int  # tokens of this sequence in the cache after this step
-    gather: torch.Tensor | None  # [context_len] cache slots, None when the chunk is the whole context
+    # the torch path's: None when the chunk is the whole context, and whenever the fused kernel takes the
+    # prefill (AttentionMetadata.prefill_spans set: it walks block tables instead)
+    gather: torch.Tensor | None  # [context_len] cache slots
     mask: torch.Tensor | None  # [q_len, context_len] bool, None when plain causal
 
 
