@@ -26,6 +26,7 @@ from engine.protocol import EngineStats, ModelInfo
 from engine.models import model_class
 from engine.models.weights import resolve_activations, resolve_quantization
 from engine.quant import cache as quant_cache
+from engine.quant.calibration import calibrate
 from engine.request import ChatPrompt, GenerationRequest, Prompt, RequestOutput, TokenLogprob
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
@@ -79,8 +80,15 @@ class LLMEngine:
         load_dtype = self.dtype if self.quantization in ("none", "gguf") else "auto"
         hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=load_dtype)
         stored, cache_file = self._stored_weights(model_dir, gguf, hf_config)
+        # int8 rounds against the layers' calibrated inputs (GPTQ): measured once, then the cache serves
+        hessians = calibrate(hf_model, self.tokenizer) if self.quantization == "int8" and stored is None else None
+        if hessians is not None:
+            logger.info("int8: rounding each linear against its calibrated inputs (GPTQ), once")
+        building = time.monotonic()
         self.model = model_cls(hf_model, self.dtype, self.device, config.native_kernels, self.quantization,
-                               stored, linear_activations=config.linear_activations)
+                               stored, linear_activations=config.linear_activations, hessians=hessians)
+        if hessians is not None:
+            logger.info("int8: %d weights rounded in %.1fs", len(self.model.builder.made), time.monotonic() - building)
         if cache_file is not None and self.model.builder.made:
             quant_cache.save(cache_file, self.model.builder.made)
         del hf_model

@@ -47,10 +47,11 @@ class LlamaForCausalLM:
     def __init__(self, hf_model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                  native_kernels: bool = True, quantization: str = "none",
                  stored: dict[str, QuantizedWeight] | None = None, reference: bool = False,
-                 linear_activations: str = "bf16") -> None:
+                 linear_activations: str = "bf16", hessians: dict[str, torch.Tensor] | None = None) -> None:
         """``quantization`` is a resolved ``--quantization`` mode (engine/models/weights.py); ``stored`` its
         weights read from a GGUF file or the quantization cache; ``reference`` builds the slow
-        dequantize-then-fp32 linears that the packed kernels are held to."""
+        dequantize-then-fp32 linears that the packed kernels are held to; ``hessians`` are the linears'
+        calibrated input statistics for int8's error-compensating rounding (engine/quant/gptq.py)."""
         cfg = hf_model.config
         self.config = cfg
         self.num_layers = cfg.num_hidden_layers
@@ -66,7 +67,8 @@ class LlamaForCausalLM:
             if kernels is not None and kernels.supports(dtype, self.head_dim, self.num_heads // self.num_kv_heads):
                 kernels.num_threads = torch.get_num_threads()  # the engine has set its thread count by now
                 self.kernels = kernels
-        self.builder = LinearBuilder(quantization, dtype, device, self.kernels, stored, reference, linear_activations)
+        self.builder = LinearBuilder(quantization, dtype, device, self.kernels, stored, reference, linear_activations,
+                                     hessians)
 
         def w(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(device=device, dtype=dtype).contiguous()

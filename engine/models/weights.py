@@ -29,6 +29,7 @@ import torch
 from engine.kernels import CpuKernels
 from engine.models.linear import Linear, PackedLinear, ReferenceLinear
 from engine.quant.formats import QuantizedWeight, concat, quantize_int4, quantize_int8
+from engine.quant.gptq import quantize_int8_gptq
 from engine.quant.packing import pack_bf16, pack_quantized, packable
 
 logger = logging.getLogger(__name__)
@@ -77,13 +78,14 @@ class LinearBuilder:
 
     def __init__(self, mode: str, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
                  stored: dict[str, QuantizedWeight] | None = None, reference: bool = False,
-                 activations: str = "bf16") -> None:
+                 activations: str = "bf16", hessians: dict[str, torch.Tensor] | None = None) -> None:
         self.mode = mode
         self.activations = resolve_activations(activations, mode)
         self.dtype = dtype
         self.device = device
         self.kernels = kernels
         self.stored = stored or {}  # gguf: HF name -> the file's blocks; int8/int4: cached quantized weights
+        self.hessians = hessians or {}  # int8: HF name -> E[x x^T] of its inputs (GPTQ rounding), when calibrated
         self.reference = reference
         self.made: dict[str, QuantizedWeight] = {}  # int8/int4 weights quantized now (to be cached)
         self.built: list[AnyLinear] = []
@@ -120,7 +122,7 @@ class LinearBuilder:
                 if not packable("u4" if self.mode == "int4" else "i8", weight.shape[1],
                                 32 if self.mode == "int4" else weight.shape[1]):
                     return None
-                q = self.made[name] = _QUANTIZERS[self.mode](weight)
+                q = self.made[name] = self._quantize(name, weight)
             if q is None:
                 return None  # gguf: a tensor type read dequantized
             parts.append(q)
@@ -130,6 +132,12 @@ class LinearBuilder:
         fused = concat(parts) if len(parts) > 1 else parts[0]
         kind, group = kinds.pop()
         return fused if packable(kind, fused.shape[1], group) else None
+
+    def _quantize(self, name: str, weight: torch.Tensor) -> QuantizedWeight:
+        hessian = self.hessians.get(name)
+        if self.mode == "int8" and hessian is not None:
+            return quantize_int8_gptq(weight, hessian)
+        return _QUANTIZERS[self.mode](weight)
 
     def tune(self) -> str:
         """Measure where the bf16 kernels stop beating oneDNN, and the weights' stream rate at one row.

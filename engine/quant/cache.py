@@ -21,7 +21,7 @@ from engine.quant.formats import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: int8 rounded by GPTQ against calibrated inputs (1: round-to-nearest)
 
 
 def cache_path(sources: list[Path], mode: str, cache_dir: Path | None = None) -> Path:
