@@ -43,7 +43,8 @@ class Settings:
                        choices=["auto", "cpu", "cuda", "npu"])
     dtype: str = _opt("auto", "auto, float32 (float), bfloat16 or float16 (half); the names in brackets are "
                               "vLLM's aliases", choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
-    quantization: str = _opt("auto", "weights the linears run on: none (the model's dtype), int8 (per channel), "
+    quantization: str = _opt("auto", "weights the linears run on: none (the model's dtype), int8 (per channel, "
+                                     "GPTQ-rounded on self-sampled calibration text the first time, then cached), "
                                      "int4 (groups of 32), gguf (a GGUF file's own Q4_0/Q4_1/Q8_0 blocks); auto: "
                                      "gguf for a GGUF model on a CPU with AVX512-BF16, else none",
                              choices=["auto", "none", "int8", "int4", "gguf"])

@@ -2,7 +2,8 @@
 
   none:  the model's weights in its dtype. On a CPU with AVX512-BF16, bf16 projections are also packed
          for the engine's kernels, used for batches up to a row count measured at start (oneDNN above).
-  int8:  per-channel int8, quantized once at load and cached on disk.
+  int8:  per-channel int8, rounded by GPTQ against each linear's inputs measured on text the model
+         samples itself (engine/quant/gptq.py, calibration.py); once at load, then cached on disk.
   int4:  4-bit groups of 32 with fp16 scale and min, quantized once at load and cached on disk.
   gguf:  a GGUF model's own Q4_0 / Q4_1 / Q8_0 blocks, as the file holds them (other types dequantized).
   auto:  gguf for a GGUF model where the kernels have their AVX512-BF16 path; none otherwise.
