@@ -34,16 +34,25 @@ DEFAULT_SEQUENCES = 32
 DEFAULT_LENGTH = 128
 
 
+def _chat_start(tokenizer, request: str) -> list[int] | None:
+    """A user turn asking ``request`` and the assistant's opening, by the model's chat template."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return None
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True,
+                                             tokenize=False)
+    except Exception as exc:  # a template that refuses a lone user turn: plain starts serve
+        logger.warning("int8 calibration: the chat template failed (%s); plain-text samples only", exc)
+        return None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def _starts(tokenizer, sequences: int) -> list[list[int]]:
-    chat = getattr(tokenizer, "chat_template", None) is not None
     starts = []
     for i in range(sequences):
-        if chat and i % 2:
-            request = [{"role": "user", "content": SEED_REQUESTS[(i // 2) % len(SEED_REQUESTS)]}]
-            starts.append(list(tokenizer.apply_chat_template(request, add_generation_prompt=True, tokenize=True)))
-        else:
-            text = SEED_TEXTS[(i // 2) % len(SEED_TEXTS)]
-            starts.append(tokenizer(text, add_special_tokens=False)["input_ids"][:1] or [0])
+        chat = _chat_start(tokenizer, SEED_REQUESTS[(i // 2) % len(SEED_REQUESTS)]) if i % 2 else None
+        text = SEED_TEXTS[(i // 2) % len(SEED_TEXTS)]
+        starts.append(chat or tokenizer(text, add_special_tokens=False)["input_ids"][:1] or [0])
     return starts
 
 
