@@ -127,9 +127,7 @@ def test_gguf_answers_a_factual_question(gguf_engine):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_modes_answer_and_cache_their_weights(mode, tmp_path, monkeypatch):
-    from engine.quant import cache
-
-    from engine.quant import calibration
+    from engine.quant import cache, calibration
 
     monkeypatch.setattr(cache, "default_cache_dir", lambda: tmp_path)  # a fresh quantization cache
     monkeypatch.setattr(calibration, "DEFAULT_SEQUENCES", 16)  # int8's calibration, small: the path, not the
