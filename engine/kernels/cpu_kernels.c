@@ -107,6 +107,14 @@ static inline void prefetch_block(const void *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 2);
 }
 
+/* Decode attention: the K blocks of the task a thread does next, prefetched while it works on this one's
+ * P @ V (otherwise memory sits idle through the softmax and P @ V and each task starts on cold K). */
+struct kv_lookahead {
+    const void *k_head; /* NULL: nothing to prefetch */
+    const int64_t *table;
+    int64_t blocks;
+};
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define QK_BF16_DOT 1
 /* r[i] = sum of t[i]'s 16 lanes, for 16 vectors at once: a transpose-and-add tree (45 operations where

@@ -128,7 +128,8 @@ static inline __attribute__((always_inline)) void FN(attend)(
  * the output accumulators stay in registers (where G * D/16 fits), one horizontal sum per score. */
 static inline __attribute__((always_inline)) void FN(attend_avx512)(
     const float *q, const T *q_raw, float scale, int64_t G, const int64_t D, const T *k_head, const T *v_head,
-    const int64_t *table, int64_t ctx, int64_t block_size, float *scores, int64_t stride, T *out) {
+    const int64_t *table, int64_t ctx, int64_t block_size, float *scores, int64_t stride, T *out,
+    const struct kv_lookahead *ahead) {
     const int64_t nv = D / 16;
     __m512 qv[MAX_GROUP][MAX_HEAD_DIM / 16];
     int scored = 0;
@@ -187,6 +188,9 @@ static inline __attribute__((always_inline)) void FN(attend_avx512)(
             const int64_t next = ctx - start - block_size < block_size ? ctx - start - block_size : block_size;
             prefetch_block(v_head + table[start / block_size + 1] * block_size * D, next * D * (int64_t)sizeof(T));
         }
+        if (ahead->k_head && start / block_size < ahead->blocks) /* the next task's K, a block per V block */
+            prefetch_block((const T *)ahead->k_head + ahead->table[start / block_size] * block_size * D,
+                           block_size * D * (int64_t)sizeof(T));
         for (int64_t j = 0; j < n; j++) {
             __m512 vv[MAX_HEAD_DIM / 16];
             for (int64_t c = 0; c < nv; c++) vv[c] = LOAD16(vb + j * D + c * 16);
@@ -208,19 +212,19 @@ static inline __attribute__((always_inline)) void FN(attend_avx512)(
 /* FN(attend) or FN(attend_avx512) for n query heads of size D (constant-folded for the common shapes). */
 static inline void FN(attend_any)(const float *q, const T *q_raw, float scale, int64_t n, int64_t D, const T *k_head,
                                   const T *v_head, const int64_t *table, int64_t ctx, int64_t block_size,
-                                  float *scores, int64_t stride, T *o) {
+                                  float *scores, int64_t stride, T *o, const struct kv_lookahead *ahead) {
 #if defined(__AVX512F__)
     if (D == 64 && n == 3) /* SmolLM2's shape, fully unrolled */
-        FN(attend_avx512)(q, q_raw, scale, 3, 64, k_head, v_head, table, ctx, block_size, scores, stride, o);
+        FN(attend_avx512)(q, q_raw, scale, 3, 64, k_head, v_head, table, ctx, block_size, scores, stride, o, ahead);
     else if (D == 64 && n == 1)
-        FN(attend_avx512)(q, q_raw, scale, 1, 64, k_head, v_head, table, ctx, block_size, scores, stride, o);
+        FN(attend_avx512)(q, q_raw, scale, 1, 64, k_head, v_head, table, ctx, block_size, scores, stride, o, ahead);
     else if (D == 64)
-        FN(attend_avx512)(q, q_raw, scale, n, 64, k_head, v_head, table, ctx, block_size, scores, stride, o);
+        FN(attend_avx512)(q, q_raw, scale, n, 64, k_head, v_head, table, ctx, block_size, scores, stride, o, ahead);
     else if (D == 128)
-        FN(attend_avx512)(q, q_raw, scale, n, 128, k_head, v_head, table, ctx, block_size, scores, stride, o);
+        FN(attend_avx512)(q, q_raw, scale, n, 128, k_head, v_head, table, ctx, block_size, scores, stride, o, ahead);
     else
 #else
-    (void)q_raw, (void)scale;
+    (void)q_raw, (void)scale, (void)ahead;
 #endif
     if (D == 64)
         FN(attend)(q, n, 64, k_head, v_head, table, ctx, block_size, scores, stride, o);
@@ -247,21 +251,37 @@ void FN(decode_attention)(const T *qkv, int64_t qkv_stride, const T *cache, cons
     const int parallel = work >= 512 && num_threads > 1;
     const int64_t heads_per_task = parallel && batch * num_kv_heads < 4 * num_threads ? 1 : G;
     const int64_t tasks_per_seq = num_heads / heads_per_task;
-#pragma omp parallel for num_threads(num_threads) if (parallel) schedule(dynamic, 1)
-    for (int64_t task = 0; task < batch * tasks_per_seq; task++) {
-        const int64_t b = task / tasks_per_seq;
-        const int64_t head = (task % tasks_per_seq) * heads_per_task; /* first query head of the task */
-        const int64_t kvh = head / G;
-        float q[MAX_GROUP * MAX_HEAD_DIM];
-        const T *qr = qkv + b * qkv_stride + head * D;
-        for (int64_t i = 0; i < heads_per_task * D; i++) q[i] = LOAD(qr[i]) * scale;
-        const T *k_head = cache + kvh * num_slots * D;
-        const T *v_head = cache + (num_kv_heads + kvh) * num_slots * D;
-        const int64_t *table = block_tables + b * max_blocks;
-        float *scores = scratch + (b * num_heads + head) * max_context;
-        T *o = out + (b * num_heads + head) * D;
-        FN(attend_any)(q, qr, scale, heads_per_task, D, k_head, v_head, table, context_lens[b], block_size, scores,
-                       max_context, o);
+    const int64_t tasks = batch * tasks_per_seq;
+    int64_t claimed = 0; /* tasks are claimed one ahead, so each knows whose K to prefetch during its P @ V */
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    {
+        int64_t task, next;
+#pragma omp atomic capture
+        task = claimed++;
+        for (; task < tasks; task = next) {
+#pragma omp atomic capture
+            next = claimed++;
+            const int64_t b = task / tasks_per_seq;
+            const int64_t head = (task % tasks_per_seq) * heads_per_task; /* first query head of the task */
+            const int64_t kvh = head / G;
+            float q[MAX_GROUP * MAX_HEAD_DIM];
+            const T *qr = qkv + b * qkv_stride + head * D;
+            for (int64_t i = 0; i < heads_per_task * D; i++) q[i] = LOAD(qr[i]) * scale;
+            const T *k_head = cache + kvh * num_slots * D;
+            const T *v_head = cache + (num_kv_heads + kvh) * num_slots * D;
+            const int64_t *table = block_tables + b * max_blocks;
+            float *scores = scratch + (b * num_heads + head) * max_context;
+            T *o = out + (b * num_heads + head) * D;
+            struct kv_lookahead ahead = {NULL, NULL, 0};
+            if (next < tasks) {
+                const int64_t nb = next / tasks_per_seq, nkvh = (next % tasks_per_seq) * heads_per_task / G;
+                ahead.k_head = cache + nkvh * num_slots * D;
+                ahead.table = block_tables + nb * max_blocks;
+                ahead.blocks = (context_lens[nb] + block_size - 1) / block_size;
+            }
+            FN(attend_any)(q, qr, scale, heads_per_task, D, k_head, v_head, table, context_lens[b], block_size,
+                           scores, max_context, o, &ahead);
+        }
     }
 }
 
@@ -323,11 +343,12 @@ void FN(prefill_attention)(const T *qkv, int64_t qkv_stride, const T *cache, con
                 continue;
             }
 #endif
+            const struct kv_lookahead no_lookahead = {NULL, NULL, 0};
             for (int64_t i = 0; i < nq; i++) {
                 const T *qr = qkv + (q_start + i0 + i) * qkv_stride + kvh * G * D;
                 for (int64_t e = 0; e < G * D; e++) q[e] = LOAD(qr[e]) * scale;
                 FN(attend_any)(q, qr, scale, G, D, k_head, v_head, table, pos0 + i + 1, block_size, scores, max_keys,
-                               out + (q_start + i0 + i) * out_stride + kvh * G * D);
+                               out + (q_start + i0 + i) * out_stride + kvh * G * D, &no_lookahead);
             }
         }
         free(scores);
