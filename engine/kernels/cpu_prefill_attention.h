@@ -14,39 +14,42 @@
 
 #define PF_ROWS 8    /* query rows (query, head) per score pass: 8 x 2 accumulators */
 
+#define PF_PACK_KEYS 256 /* keys per packing job (a multiple of 32) */
+
+/* Each thread's score and probability rows. */
 typedef struct {
-    uint32_t *kp;  /* [groups of 16 keys][D/2][16] */
-    uint16_t *vp;  /* [key pairs][D/16][32] */
-    float *s;      /* [PF_ROWS][cap] scores */
-    uint16_t *p;   /* [PF_ROWS][cap] bf16 probabilities */
-    int64_t cap;   /* keys the buffers hold (a multiple of 32) */
+    float *s;    /* [PF_ROWS][cap] scores */
+    uint16_t *p; /* [PF_ROWS][cap] bf16 probabilities */
+    int64_t cap; /* keys the buffers hold (a multiple of 32) */
 } prefill_scratch;
 
-static int prefill_scratch_init(prefill_scratch *w, int64_t keys, int64_t D) {
+static int prefill_scratch_init(prefill_scratch *w, int64_t keys) {
     w->cap = (keys + 31) / 32 * 32 + 32;
-    w->kp = (uint32_t *)aligned_alloc(64, (size_t)(w->cap / 16) * (size_t)(D / 2) * 16 * sizeof(uint32_t));
-    w->vp = (uint16_t *)aligned_alloc(64, (size_t)(w->cap / 2) * (size_t)D * 2 * sizeof(uint16_t));
     w->s = (float *)aligned_alloc(64, (size_t)PF_ROWS * (size_t)w->cap * sizeof(float));
     w->p = (uint16_t *)aligned_alloc(64, (size_t)PF_ROWS * (size_t)w->cap * sizeof(uint16_t));
-    return w->kp && w->vp && w->s && w->p;
+    return w->s && w->p;
 }
 
-static void prefill_scratch_free(prefill_scratch *w) {
-    free(w->kp), free(w->vp), free(w->s), free(w->p);
-}
+static void prefill_scratch_free(prefill_scratch *w) { free(w->s), free(w->p); }
+
+/* Bytes of one KV head's packed K (or V) for a context of `keys`: whole 32-key score passes. */
+static inline int64_t prefill_packed_bytes(int64_t keys, int64_t D) { return (keys + 31) / 32 * 32 * D * 2; }
 
 static inline const uint16_t *paged_row(const uint16_t *head, const int64_t *table, int64_t block_size, int64_t key,
                                         int64_t D) {
     return head + (table[key / block_size] * block_size + key % block_size) * D;
 }
 
-/* K rows [0, keys) into pair-rows per 16 keys, V rows into interleaved key pairs; keys past the end are
- * zero, up to a whole number of 32-key score passes (their scores are never used). */
+/* Keys [key0, key1) of a context of `keys` (key0 and key1 multiples of 32, key1 at most the padded
+ * length) packed once per sequence and KV head, for every query tile of the step to share:
+ *   kp [groups of 16 keys][D/2][16]: K in pair-rows (lane i = key i's inputs 2j, 2j+1);
+ *   vp [key pairs][D/16][32]: V rows of keys 2i and 2i+1 interleaved.
+ * Keys past the end are zero (their scores are never used). */
 static void prefill_pack_kv(const uint16_t *k_head, const uint16_t *v_head, const int64_t *table, int64_t block_size,
-                            int64_t keys, int64_t D, prefill_scratch *w) {
-    const int64_t pairs = D / 2, padded = (keys + 31) / 32 * 32;
-    for (int64_t g = 0; g < padded / 16; g++) {
-        uint32_t *dst = w->kp + g * pairs * 16;
+                            int64_t keys, int64_t key0, int64_t key1, int64_t D, uint32_t *kp, uint16_t *vp) {
+    const int64_t pairs = D / 2;
+    for (int64_t g = key0 / 16; g < key1 / 16; g++) {
+        uint32_t *dst = kp + g * pairs * 16;
         for (int64_t i = 0; i < 16; i++) {
             const int64_t key = g * 16 + i;
             if (key < keys) {
@@ -62,13 +65,13 @@ static void prefill_pack_kv(const uint16_t *k_head, const uint16_t *v_head, cons
         0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
     const __m512i idx = _mm512_load_si512(interleave);
     const __m512i zero = _mm512_setzero_si512();
-    for (int64_t i = 0; i < (keys + 1) / 2; i++) {
-        const uint16_t *v0 = paged_row(v_head, table, block_size, 2 * i, D);
+    for (int64_t i = key0 / 2; i < key1 / 2; i++) {
+        const uint16_t *v0 = 2 * i < keys ? paged_row(v_head, table, block_size, 2 * i, D) : NULL;
         const uint16_t *v1 = 2 * i + 1 < keys ? paged_row(v_head, table, block_size, 2 * i + 1, D) : NULL;
         for (int64_t c = 0; c < D / 16; c++) {
-            const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v0 + c * 16)));
+            const __m512i a = v0 ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v0 + c * 16))) : zero;
             const __m512i b = v1 ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v1 + c * 16))) : zero;
-            _mm512_store_si512(w->vp + (i * (D / 16) + c) * 32, _mm512_permutex2var_epi16(a, idx, b));
+            _mm512_store_si512(vp + (i * (D / 16) + c) * 32, _mm512_permutex2var_epi16(a, idx, b));
         }
     }
 }
@@ -101,8 +104,9 @@ static inline __attribute__((always_inline)) void prefill_scores32(const uint16_
     }
 }
 
-/* Softmax of one row's scores over its first n keys, into bf16 probabilities; zero from n to `upto`. */
-static inline void prefill_softmax_row(const float *s, int64_t n, int64_t upto, uint16_t *p) {
+/* Softmax of one row's scores over its first n keys, into bf16 probabilities; zero from n to `upto`.
+ * Each exponential is computed once and kept in s (in place) until it is normalised. */
+static inline void prefill_softmax_row(float *s, int64_t n, int64_t upto, uint16_t *p) {
     __m512 mxv = _mm512_set1_ps(-INFINITY);
     int64_t l = 0;
     for (; l + 16 <= n; l += 16) mxv = _mm512_max_ps(mxv, _mm512_load_ps(s + l));
@@ -111,12 +115,13 @@ static inline void prefill_softmax_row(const float *s, int64_t n, int64_t upto, 
     __m512 sumv = _mm512_setzero_ps();
     for (l = 0; l < n; l += 16) {
         const __mmask16 live = n - l >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - l)) - 1);
-        sumv = _mm512_add_ps(sumv, _mm512_maskz_mov_ps(live, exp_clamped_v(_mm512_sub_ps(_mm512_load_ps(s + l), mx))));
+        const __m512 e = _mm512_maskz_mov_ps(live, exp_clamped_v(_mm512_sub_ps(_mm512_load_ps(s + l), mx)));
+        _mm512_store_ps(s + l, e);
+        sumv = _mm512_add_ps(sumv, e);
     }
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sumv));
     for (l = 0; l < upto; l += 16) {
-        const __mmask16 live = l >= n ? 0 : n - l >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - l)) - 1);
-        const __m512 e = _mm512_maskz_mov_ps(live, exp_clamped_v(_mm512_sub_ps(_mm512_load_ps(s + l), mx)));
+        const __m512 e = l < n ? _mm512_load_ps(s + l) : _mm512_setzero_ps();
         _mm256_storeu_si256((__m256i *)(p + l), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(e, inv)));
     }
 }
@@ -152,14 +157,11 @@ static inline __attribute__((always_inline)) void prefill_pv(const int RP, const
             _mm256_storeu_si256((__m256i *)(out[r] + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
 }
 
-/* One task: queries [0, nq) of a tile (flat rows q_row0 ..., positions pos0 ...) against KV head kvh's
- * G query heads. D is 32, 64 or 128. */
-static void prefill_tile_bf16(const uint16_t *qkv, int64_t qkv_stride, const uint16_t *k_head, const uint16_t *v_head,
-                              const int64_t *table, int64_t block_size, int64_t q_row0, int64_t pos0, int64_t nq,
-                              int64_t head0, int64_t G, int64_t D, float scale, uint16_t *out, int64_t out_stride,
-                              prefill_scratch *w) {
-    const int64_t keys = pos0 + nq;
-    prefill_pack_kv(k_head, v_head, table, block_size, keys, D, w);
+/* One task: queries [0, nq) of a tile (flat rows q_row0 ..., positions pos0 ...) against the G query
+ * heads of one KV head, whose K and V are packed in kp and vp. D is 32, 64 or 128. */
+static void prefill_tile_bf16(const uint16_t *qkv, int64_t qkv_stride, const uint32_t *kp, const uint16_t *vp,
+                              int64_t q_row0, int64_t pos0, int64_t nq, int64_t head0, int64_t G, int64_t D,
+                              float scale, uint16_t *out, int64_t out_stride, prefill_scratch *w) {
     const int64_t rows = nq * G;
     for (int64_t r0 = 0; r0 < rows; r0 += PF_ROWS) {
         const uint16_t *q[PF_ROWS];
@@ -175,7 +177,7 @@ static void prefill_tile_bf16(const uint16_t *qkv, int64_t qkv_stride, const uin
         }
         const int64_t tile_keys = n[PF_ROWS - 1]; /* rows go query by query: the last sees the most keys */
         const int64_t passes = (tile_keys + 31) / 32;
-        for (int64_t b = 0; b < passes; b++) prefill_scores32(q, D, w->kp, 2 * b, scale, w->s, w->cap);
+        for (int64_t b = 0; b < passes; b++) prefill_scores32(q, D, kp, 2 * b, scale, w->s, w->cap);
         const int64_t upto = passes * 32;
         for (int64_t r = 0; r < live; r++) prefill_softmax_row(w->s + r * w->cap, n[r], upto, w->p + r * w->cap);
         const int64_t pairs = (tile_keys + 1) / 2;
@@ -185,17 +187,17 @@ static void prefill_tile_bf16(const uint16_t *qkv, int64_t qkv_stride, const uin
             uint16_t *const *orow = o + r;
             const uint16_t *prow = w->p + r * w->cap;
             if (NV == 4 && left >= 4) {
-                prefill_pv(4, 4, prow, w->cap, w->vp, pairs, orow), r += 4;
+                prefill_pv(4, 4, prow, w->cap, vp, pairs, orow), r += 4;
             } else if (NV == 2 && left >= 4) {
-                prefill_pv(4, 2, prow, w->cap, w->vp, pairs, orow), r += 4;
+                prefill_pv(4, 2, prow, w->cap, vp, pairs, orow), r += 4;
             } else if (NV == 8 && left >= 2) {
-                prefill_pv(2, 8, prow, w->cap, w->vp, pairs, orow), r += 2;
+                prefill_pv(2, 8, prow, w->cap, vp, pairs, orow), r += 2;
             } else if (NV == 2) {
-                prefill_pv(1, 2, prow, w->cap, w->vp, pairs, orow), r += 1;
+                prefill_pv(1, 2, prow, w->cap, vp, pairs, orow), r += 1;
             } else if (NV == 4) {
-                prefill_pv(1, 4, prow, w->cap, w->vp, pairs, orow), r += 1;
+                prefill_pv(1, 4, prow, w->cap, vp, pairs, orow), r += 1;
             } else {
-                prefill_pv(1, 8, prow, w->cap, w->vp, pairs, orow), r += 1;
+                prefill_pv(1, 8, prow, w->cap, vp, pairs, orow), r += 1;
             }
         }
     }
