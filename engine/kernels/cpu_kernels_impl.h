@@ -317,7 +317,11 @@ void FN(prefill_attention)(const T *qkv, int64_t qkv_stride, const T *cache, con
      * tiles that share them run (packing per tile had cost ~9% of the step at 512 queries of 1,000). */
     int64_t *packed_at = NULL, *first_job = NULL;
     uint8_t *packed = NULL;
-    if (tiled) {
+    int64_t shared_bytes = 0;
+    for (int64_t s = 0; tiled && s < num_spans; s++)
+        shared_bytes += 2 * num_kv_heads * prefill_packed_bytes(spans[3 * s + 2], D);
+    const int shared = tiled && shared_bytes <= PF_SHARED_PACK_MAX;
+    if (shared) {
         packed_at = (int64_t *)malloc((size_t)(num_spans + 1) * sizeof(int64_t));
         first_job = (int64_t *)malloc((size_t)(num_spans + 1) * sizeof(int64_t));
         if (packed_at && first_job) {
@@ -339,8 +343,8 @@ void FN(prefill_attention)(const T *qkv, int64_t qkv_stride, const T *cache, con
     {
 #if defined(QK_RAW_BF16) && defined(QK_BF16_DOT)
         prefill_scratch w = {0};
-        const int ok = !tiled || prefill_scratch_init(&w, max_keys);
-        if (tiled) {
+        const int ok = !tiled || prefill_scratch_init(&w, max_keys, D, !shared);
+        if (shared) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t job = 0; job < first_job[num_spans]; job++) {
                 int64_t s = 0;
@@ -375,11 +379,18 @@ void FN(prefill_attention)(const T *qkv, int64_t qkv_stride, const T *cache, con
             const int64_t *table = block_tables + s * max_blocks;
             const int64_t pos0 = ctx - q_len + i0;
 #if defined(QK_RAW_BF16) && defined(QK_BF16_DOT)
-            if (tiled) {
+            if (shared) {
                 const int64_t bytes = prefill_packed_bytes(ctx, D);
                 const uint8_t *at = packed + packed_at[s] + 2 * kvh * bytes;
                 prefill_tile_bf16(qkv, qkv_stride, (const uint32_t *)at, (const uint16_t *)(at + bytes), q_start + i0,
                                   pos0, nq, kvh * G, G, D, scale, out, out_stride, &w);
+                continue;
+            }
+            if (tiled) { /* the tile's own keys, 0 .. its last query's position */
+                const int64_t keys = pos0 + nq;
+                prefill_pack_kv(k_head, v_head, table, block_size, keys, 0, (keys + 31) / 32 * 32, D, w.kp, w.vp);
+                prefill_tile_bf16(qkv, qkv_stride, w.kp, w.vp, q_start + i0, pos0, nq, kvh * G, G, D, scale, out,
+                                  out_stride, &w);
                 continue;
             }
 #endif

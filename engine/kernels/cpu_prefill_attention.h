@@ -15,22 +15,30 @@
 #define PF_ROWS 8    /* query rows (query, head) per score pass: 8 x 2 accumulators */
 
 #define PF_PACK_KEYS 256 /* keys per packing job (a multiple of 32) */
+/* Most bytes of packed K/V a call shares between its tiles. Over it (many chunks over long cached
+ * contexts: each new turn of many conversations at once), every tile packs its own keys into its
+ * thread's scratch instead, as memory that large would be fresh pages on every call. */
+#define PF_SHARED_PACK_MAX ((int64_t)16 << 20)
 
-/* Each thread's score and probability rows. */
+/* Each thread's score and probability rows, and (when the call does not share packed K/V) its own. */
 typedef struct {
-    float *s;    /* [PF_ROWS][cap] scores */
-    uint16_t *p; /* [PF_ROWS][cap] bf16 probabilities */
-    int64_t cap; /* keys the buffers hold (a multiple of 32) */
+    float *s;     /* [PF_ROWS][cap] scores */
+    uint16_t *p;  /* [PF_ROWS][cap] bf16 probabilities */
+    uint32_t *kp; /* unshared packing: K and V as prefill_pack_kv lays them out, cap keys */
+    uint16_t *vp;
+    int64_t cap;  /* keys the buffers hold (a multiple of 32) */
 } prefill_scratch;
 
-static int prefill_scratch_init(prefill_scratch *w, int64_t keys) {
+static int prefill_scratch_init(prefill_scratch *w, int64_t keys, int64_t D, int own_packing) {
     w->cap = (keys + 31) / 32 * 32 + 32;
     w->s = (float *)aligned_alloc(64, (size_t)PF_ROWS * (size_t)w->cap * sizeof(float));
     w->p = (uint16_t *)aligned_alloc(64, (size_t)PF_ROWS * (size_t)w->cap * sizeof(uint16_t));
-    return w->s && w->p;
+    w->kp = own_packing ? (uint32_t *)aligned_alloc(64, (size_t)(w->cap * D * 2)) : NULL;
+    w->vp = own_packing ? (uint16_t *)aligned_alloc(64, (size_t)(w->cap * D * 2)) : NULL;
+    return w->s && w->p && (!own_packing || (w->kp && w->vp));
 }
 
-static void prefill_scratch_free(prefill_scratch *w) { free(w->s), free(w->p); }
+static void prefill_scratch_free(prefill_scratch *w) { free(w->s), free(w->p), free(w->kp), free(w->vp); }
 
 /* Bytes of one KV head's packed K (or V) for a context of `keys`: whole 32-key score passes. */
 static inline int64_t prefill_packed_bytes(int64_t keys, int64_t D) { return (keys + 31) / 32 * 32 * D * 2; }

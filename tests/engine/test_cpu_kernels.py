@@ -137,12 +137,15 @@ def test_decode_attention_matches_softmax_attention_over_paged_context(dtype, ke
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H, Hkv, D", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 64)])  # + one KV head for all
 # whole prompts; a chunk continuing a cached context (tiles of several lengths, ragged, over a block edge);
-# one long chunk (several query tiles per KV head, keys beyond one 32-key score pass)
-@pytest.mark.parametrize("spans", [[(1, 1), (7, 7)], [(40, 100), (5, 5), (33, 301)], [(130, 130)]])
+# one long chunk (several query tiles per KV head, keys beyond one 32-key score pass); many short chunks
+# over long cached contexts (a new turn of 40 conversations: more packed K/V than one call shares, so
+# each tile packs its own)
+@pytest.mark.parametrize("spans", [[(1, 1), (7, 7)], [(40, 100), (5, 5), (33, 301)], [(130, 130)],
+                                   [(2, 1100)] * 40])
 @pytest.mark.parametrize("block", [16, 32])
 def test_prefill_attention_is_causal_softmax_attention_over_paged_context(dtype, kern, H, Hkv, D, spans, block):
     g = torch.Generator().manual_seed(5)
-    num_blocks = 64
+    num_blocks = max(64, max(-(-ctx // block) for _, ctx in spans))
     cache = torch.randn(2 * Hkv, num_blocks * block, D, generator=g).to(dtype)
     pool = torch.randperm(num_blocks, generator=g).tolist()
     width = max(-(-ctx // block) for _, ctx in spans)
