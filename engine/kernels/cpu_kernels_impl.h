@@ -315,25 +315,24 @@ void FN(prefill_attention)(const T *qkv, int64_t qkv_stride, const T *cache, con
 #if defined(QK_RAW_BF16) && defined(QK_BF16_DOT)
     /* Tiled: every (span, KV head) has its K and V packed once, by jobs of PF_PACK_KEYS keys, before the
      * tiles that share them run (packing per tile had cost ~9% of the step at 512 queries of 1,000). */
-    int64_t *packed_at = NULL, *first_job = NULL;
+    int64_t *packed_at = NULL, *first_job = NULL; /* per span: its packed bytes' offset, its first job */
     uint8_t *packed = NULL;
-    int64_t shared_bytes = 0;
-    for (int64_t s = 0; tiled && s < num_spans; s++)
-        shared_bytes += 2 * num_kv_heads * prefill_packed_bytes(spans[3 * s + 2], D);
-    const int shared = tiled && shared_bytes <= PF_SHARED_PACK_MAX;
-    if (shared) {
+    int shared = 0;
+    if (tiled) {
         packed_at = (int64_t *)malloc((size_t)(num_spans + 1) * sizeof(int64_t));
         first_job = (int64_t *)malloc((size_t)(num_spans + 1) * sizeof(int64_t));
-        if (packed_at && first_job) {
-            packed_at[0] = first_job[0] = 0;
-            for (int64_t s = 0; s < num_spans; s++) {
-                const int64_t ctx = spans[3 * s + 2];
-                packed_at[s + 1] = packed_at[s] + 2 * num_kv_heads * prefill_packed_bytes(ctx, D);
-                first_job[s + 1] = first_job[s] + num_kv_heads * ((ctx + PF_PACK_KEYS - 1) / PF_PACK_KEYS);
-            }
-            packed = (uint8_t *)aligned_alloc(64, (size_t)packed_at[num_spans] + 64);
+        if (!packed_at || !first_job) {
+            free(packed_at), free(first_job), free(first);
+            return;
         }
-        if (!packed) {
+        packed_at[0] = first_job[0] = 0;
+        for (int64_t s = 0; s < num_spans; s++) {
+            const int64_t ctx = spans[3 * s + 2];
+            packed_at[s + 1] = packed_at[s] + 2 * num_kv_heads * prefill_packed_bytes(ctx, D);
+            first_job[s + 1] = first_job[s] + num_kv_heads * ((ctx + PF_PACK_KEYS - 1) / PF_PACK_KEYS);
+        }
+        shared = packed_at[num_spans] <= PF_SHARED_PACK_MAX;
+        if (shared && !(packed = (uint8_t *)aligned_alloc(64, (size_t)packed_at[num_spans] + 64))) {
             free(packed_at), free(first_job), free(first);
             return;
         }
@@ -351,8 +350,9 @@ void FN(prefill_attention)(const T *qkv, int64_t qkv_stride, const T *cache, con
                 while (first_job[s + 1] <= job) s++;
                 const int64_t ctx = spans[3 * s + 2], chunks = (ctx + PF_PACK_KEYS - 1) / PF_PACK_KEYS;
                 const int64_t kvh = (job - first_job[s]) / chunks, chunk = (job - first_job[s]) % chunks;
-                const int64_t bytes = prefill_packed_bytes(ctx, D), key0 = chunk * PF_PACK_KEYS;
-                const int64_t key1 = key0 + PF_PACK_KEYS < bytes / (2 * D) ? key0 + PF_PACK_KEYS : bytes / (2 * D);
+                const int64_t bytes = prefill_packed_bytes(ctx, D), padded = prefill_padded_keys(ctx);
+                const int64_t key0 = chunk * PF_PACK_KEYS;
+                const int64_t key1 = key0 + PF_PACK_KEYS < padded ? key0 + PF_PACK_KEYS : padded;
                 uint8_t *at = packed + packed_at[s] + 2 * kvh * bytes;
                 prefill_pack_kv(cache + kvh * num_slots * D, cache + (num_kv_heads + kvh) * num_slots * D,
                                 block_tables + s * max_blocks, block_size, ctx, key0, key1, D, (uint32_t *)at,
@@ -388,7 +388,7 @@ void FN(prefill_attention)(const T *qkv, int64_t qkv_stride, const T *cache, con
             }
             if (tiled) { /* the tile's own keys, 0 .. its last query's position */
                 const int64_t keys = pos0 + nq;
-                prefill_pack_kv(k_head, v_head, table, block_size, keys, 0, (keys + 31) / 32 * 32, D, w.kp, w.vp);
+                prefill_pack_kv(k_head, v_head, table, block_size, keys, 0, prefill_padded_keys(keys), D, w.kp, w.vp);
                 prefill_tile_bf16(qkv, qkv_stride, w.kp, w.vp, q_start + i0, pos0, nq, kvh * G, G, D, scale, out,
                                   out_stride, &w);
                 continue;

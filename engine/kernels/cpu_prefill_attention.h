@@ -20,6 +20,12 @@
  * thread's scratch instead, as memory that large would be fresh pages on every call. */
 #define PF_SHARED_PACK_MAX ((int64_t)16 << 20)
 
+/* Keys a context of `keys` is packed to: whole 32-key score passes (the rest zero). */
+static inline int64_t prefill_padded_keys(int64_t keys) { return (keys + 31) / 32 * 32; }
+
+/* Bytes of one KV head's packed K (or V) for a context of `keys`. */
+static inline int64_t prefill_packed_bytes(int64_t keys, int64_t D) { return prefill_padded_keys(keys) * D * 2; }
+
 /* Each thread's score and probability rows, and (when the call does not share packed K/V) its own. */
 typedef struct {
     float *s;     /* [PF_ROWS][cap] scores */
@@ -30,18 +36,15 @@ typedef struct {
 } prefill_scratch;
 
 static int prefill_scratch_init(prefill_scratch *w, int64_t keys, int64_t D, int own_packing) {
-    w->cap = (keys + 31) / 32 * 32 + 32;
+    w->cap = prefill_padded_keys(keys) + 32;
     w->s = (float *)aligned_alloc(64, (size_t)PF_ROWS * (size_t)w->cap * sizeof(float));
     w->p = (uint16_t *)aligned_alloc(64, (size_t)PF_ROWS * (size_t)w->cap * sizeof(uint16_t));
-    w->kp = own_packing ? (uint32_t *)aligned_alloc(64, (size_t)(w->cap * D * 2)) : NULL;
-    w->vp = own_packing ? (uint16_t *)aligned_alloc(64, (size_t)(w->cap * D * 2)) : NULL;
+    w->kp = own_packing ? (uint32_t *)aligned_alloc(64, (size_t)prefill_packed_bytes(w->cap, D)) : NULL;
+    w->vp = own_packing ? (uint16_t *)aligned_alloc(64, (size_t)prefill_packed_bytes(w->cap, D)) : NULL;
     return w->s && w->p && (!own_packing || (w->kp && w->vp));
 }
 
 static void prefill_scratch_free(prefill_scratch *w) { free(w->s), free(w->p), free(w->kp), free(w->vp); }
-
-/* Bytes of one KV head's packed K (or V) for a context of `keys`: whole 32-key score passes. */
-static inline int64_t prefill_packed_bytes(int64_t keys, int64_t D) { return (keys + 31) / 32 * 32 * D * 2; }
 
 static inline const uint16_t *paged_row(const uint16_t *head, const int64_t *table, int64_t block_size, int64_t key,
                                         int64_t D) {
