@@ -6,8 +6,11 @@ any batch size.
 
 ``PackedLinear``: weights packed for the engine's own CPU kernels (engine/kernels/cpu_linear.h), in
 bf16 or quantized (int8, int4, GGUF blocks). Decode steps are a few rows each and stream every weight
-once, which the kernels do near memory speed. Where a dense fallback is kept (bf16 weights), batches
+once, which the kernels do near memory speed. Where a dense fallback is kept (bf16 weights; quantized
+weights where the start-up probe finds oneDNN much faster at large batches, as AMX makes it), batches
 above ``max_kernel_rows`` (measured at start) go to oneDNN instead.
+
+``TwoTermBf16Linear``: a quantized weight's oneDNN fallback, exact to ~2^-17 of each weight.
 
 ``ReferenceLinear``: the slow meaning of a quantized weight (dequantize to fp32, multiply in fp32),
 for tests and for comparing paths.
@@ -60,9 +63,45 @@ class Linear:
         return True
 
 
+class TwoTermBf16Linear:
+    """x @ W^T for a quantized W as one oneDNN bf16 matmul, for large batches on CPUs where bf16
+    matmuls run far faster than the packed kernels (AMX tiles).
+
+    bf16 keeps 8 significant bits, and a 4-bit code times an fp16 scale, plus a min, needs more: the
+    weights rounded to bf16 would no longer be the file's. So W is held as two bf16 terms, hi = bf16(W)
+    and lo = bf16(W - hi) (~16 significant bits together, each weight within ~2^-17 of itself), side by
+    side over 2 x in_features inputs that take [x, x]: one matmul, every product accumulated in fp32 as
+    the packed kernels accumulate them. Twice a bf16 matmul's work, so it pays only where the start-up
+    probe measures it clearly faster (``LinearBuilder.tune``)."""
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, in_features: int) -> None:
+        self._packed = packed  # oneDNN's blocked layout of [hi | lo], [out, 2 x in]
+        self.bias = bias
+        self.out_features = out_features
+        self.in_features = in_features
+
+    @classmethod
+    def build(cls, quantized: QuantizedWeight, bias: torch.Tensor | None) -> TwoTermBf16Linear | None:
+        """None where torch has no oneDNN bf16 weight packing (the fallback would have nothing to gain)."""
+        if not _mkldnn_packing_available(torch.bfloat16, torch.device("cpu")):
+            return None
+        w = quantized.dequantize()
+        hi = w.to(torch.bfloat16)
+        lo = (w - hi.float()).to(torch.bfloat16)
+        bias = bias.to(torch.bfloat16) if bias is not None else None
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([hi, lo], dim=1).contiguous(), 32)
+        except RuntimeError:
+            return None
+        return cls(packed, bias, w.shape[0], w.shape[1])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(torch.cat([x, x], dim=1), self._packed, self.bias, "none", [], "")
+
+
 class PackedLinear:
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, kernels: CpuKernels,
-                 quantized: QuantizedWeight | None = None, fallback: Linear | None = None,
+                 quantized: QuantizedWeight | None = None, fallback: Linear | TwoTermBf16Linear | None = None,
                  max_kernel_rows: int | None = None) -> None:
         self.packed = packed
         self.bias = bias
@@ -70,7 +109,7 @@ class PackedLinear:
         self._bias_ptr = self._bias32.data_ptr() if self._bias32 is not None else None
         self.kernels = kernels
         self.quantized = quantized  # None: packed from bf16 weights (then ``fallback`` holds them)
-        self.fallback = fallback
+        self.fallback = fallback  # oneDNN, for batches over max_kernel_rows
         self.max_kernel_rows = max_kernel_rows
         # --linear-activations int8: 4-bit weights take x in int8 blocks (engine/quant/activations.py)
         self.int8_activations = False
@@ -101,15 +140,15 @@ class PackedLinear:
     @property
     def weight(self) -> torch.Tensor:
         """The whole weight in bf16 (reference paths and tests; the forward never needs it)."""
-        if self.fallback is not None:
-            return self.fallback.weight
-        assert self.quantized is not None
-        return self.quantized.dequantize().to(torch.bfloat16)
+        if self.quantized is not None:
+            return self.quantized.dequantize().to(torch.bfloat16)
+        assert isinstance(self.fallback, Linear)
+        return self.fallback.weight
 
     def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             return self.quantized.rows(index)
-        assert self.fallback is not None
+        assert isinstance(self.fallback, Linear)
         return self.fallback.weight_rows(index)
 
     @property

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from engine.kernels import CpuKernels
-from engine.models.linear import Linear, PackedLinear, ReferenceLinear
+from engine.models.linear import Linear, PackedLinear, ReferenceLinear, TwoTermBf16Linear
 from engine.quant.formats import QuantizedWeight, concat, quantize_int4, quantize_int8
 from engine.quant.gptq import quantize_int8_gptq
 from engine.quant.packing import pack_bf16, pack_quantized, packable
@@ -40,6 +40,11 @@ ACTIVATION_CHOICES = ("bf16", "int8")
 _INT8_PROBE_ROWS = 64  # a prefill-sized batch: where compute, not the weight stream, bounds a linear
 _QUANTIZERS: dict[str, Callable[[torch.Tensor], QuantizedWeight]] = {"int8": quantize_int8, "int4": quantize_int4}
 _ROW_PROBES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Quantized weights' oneDNN fallback costs twice a bf16 matmul and ~4 bytes a weight, and rounds
+# differently from the packed kernels (both within fp32 noise of the weights' meaning): taken only
+# where it is clearly faster, up to a prefill chunk's rows.
+_QUANTIZED_ROW_PROBES = (1, 4, 16, 64, 256, 512)
+_QUANTIZED_FALLBACK_MARGIN = 1.25
 
 AnyLinear = Linear | PackedLinear | ReferenceLinear
 
@@ -160,13 +165,43 @@ class LinearBuilder:
             for lin in single:
                 lin.max_kernel_rows = _kernel_row_limit(lin)
         activations = self._choose_activations(packed)
+        quantized_fallback = self._attach_quantized_fallbacks(packed)
         gbps, read_gbps = _stream_rate(packed)
         total = sum(lin.packed.data.numel() for lin in packed)
         sources = sorted({lin.quantized.source if lin.quantized is not None else "bf16" for lin in packed})
         limits = sorted({lin.max_kernel_rows for lin in with_fallback if lin.max_kernel_rows is not None})
         limit = f", up to {' / '.join(map(str, limits))} rows (oneDNN above)" if with_fallback else ""
         return (f"linears: {len(packed)} packed ({', '.join(sources)}; {total / 1e6:.0f} MB){limit}; {activations}; "
-                f"one-row pass {gbps:.1f} GB/s = {100 * gbps / read_gbps:.0f}% of a plain read ({read_gbps:.1f} GB/s)")
+                f"{quantized_fallback}one-row pass {gbps:.1f} GB/s = {100 * gbps / read_gbps:.0f}% of a plain read "
+                f"({read_gbps:.1f} GB/s)")
+
+    def _attach_quantized_fallbacks(self, packed: list[PackedLinear]) -> str:
+        """Where oneDNN's bf16 matmul (AMX tiles) beats the packed kernels at large batches by a clear
+        margin even at twice the work, the layers' quantized projections get a two-term bf16 fallback
+        (``TwoTermBf16Linear``) above the measured row count. Returns a phrase for the log (empty where
+        there was nothing to decide)."""
+        layers = [lin for lin in packed if lin.quantized is not None and lin.fallback is None]
+        shapes = Counter((lin.out_features, lin.in_features) for lin in layers)
+        layers = [lin for lin in layers if shapes[(lin.out_features, lin.in_features)] > 1]  # not the head
+        if not layers or self.reference:
+            return ""
+        if layers[0].int8_activations:
+            return "no oneDNN fallback with int8 activations; "  # it would compute with bf16 ones
+        probe = max(layers, key=lambda lin: lin.out_features * lin.in_features)
+        assert probe.quantized is not None
+        fallback = TwoTermBf16Linear.build(probe.quantized, probe.bias)
+        if fallback is None:
+            return ""
+        largest = _QUANTIZED_ROW_PROBES[-1]
+        # One quick look at the largest batch first: where the packed kernels hold there (every start on a
+        # CPU without AMX; the fallback measured 1.8x slower on AMD EPYC) nothing smaller is worth probing.
+        if _kernel_row_limit(probe, fallback, (largest,), _QUANTIZED_FALLBACK_MARGIN, rounds=1) == largest:
+            return f"no oneDNN fallback (two-term bf16 not {_QUANTIZED_FALLBACK_MARGIN}x faster at {largest} rows); "
+        rows = _kernel_row_limit(probe, fallback, _QUANTIZED_ROW_PROBES, _QUANTIZED_FALLBACK_MARGIN)
+        if rows >= largest:
+            return f"no oneDNN fallback (two-term bf16 not {_QUANTIZED_FALLBACK_MARGIN}x faster up to {rows} rows); "
+        attach_two_term_fallbacks(layers, rows, {id(probe): fallback})
+        return f"two-term bf16 oneDNN above {rows} rows; "
 
     def _choose_activations(self, packed: list[PackedLinear]) -> str:
         """Sets the 4-bit linears' activation mode (int8 or bf16); returns a phrase for the log."""
@@ -187,6 +222,22 @@ class LinearBuilder:
                 f"int8 on AVX512-VNNI)")
 
 
+def attach_two_term_fallbacks(layers: list[PackedLinear], rows: int,
+                              built: dict[int, TwoTermBf16Linear] | None = None) -> None:
+    """Batches of more than ``rows`` rows through these quantized linears go to a two-term bf16 oneDNN
+    matmul from now on (``built``: fallbacks already made, by ``id`` of their linear)."""
+    built = built or {}
+    for lin in layers:
+        assert lin.quantized is not None
+        fallback = built.get(id(lin)) or TwoTermBf16Linear.build(lin.quantized, lin.bias)
+        if fallback is None:
+            raise RuntimeError("torch here has no oneDNN bf16 weight packing: no two-term fallback")
+        lin.fallback = fallback
+        lin.max_kernel_rows = rows
+    logger.info("quantized linears: oneDNN bf16 (two terms a weight) takes batches over %d rows (%.0f MB more)",
+                rows, 4 * sum(lin.out_features * lin.in_features for lin in layers) / 1e6)
+
+
 def _best_time(fn: Callable[[], object], reps: int = 5) -> float:
     fn()
     best = float("inf")
@@ -197,22 +248,26 @@ def _best_time(fn: Callable[[], object], reps: int = 5) -> float:
     return best
 
 
-def _kernel_row_limit(lin: PackedLinear) -> int:
-    """The largest probed row count up to which the packed kernel is as fast as oneDNN (within 5%).
+def _kernel_row_limit(lin: PackedLinear, fallback: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      probes: tuple[int, ...] = _ROW_PROBES, margin: float = 1.05, rounds: int = 3) -> int:
+    """The largest probed row count up to which the packed kernel is as fast as oneDNN (``fallback``,
+    by default the linear's own), within ``margin``; 0 where it loses at the first probe.
 
     The two are timed alternately, best of three rounds each: a single timing of each stopped the probe
     at 2, 4 or 16 rows in three starts on the same machine (AMD EPYC, shared), where the packed kernel
     was 1.07-1.66x oneDNN up to 32 rows and level (0.98-1.05x) up to 256."""
-    assert lin.fallback is not None
+    other = fallback if fallback is not None else lin.fallback
+    assert other is not None
     limit = 0
     gen = torch.Generator().manual_seed(0)
-    for rows in _ROW_PROBES:
+    for rows in probes:
         x = torch.randn(rows, lin.in_features, generator=gen).to(torch.bfloat16)
         mine = theirs = float("inf")
-        for _ in range(3):
-            mine = min(mine, _best_time(lambda: lin.kernels.linear(x, lin.packed, lin._bias32), reps=3))
-            theirs = min(theirs, _best_time(lambda: lin.fallback(x), reps=3))  # type: ignore[misc]
-        if mine > 1.05 * theirs:
+        for _ in range(rounds):
+            mine = min(mine, _best_time(lambda: lin.kernels.linear(x, lin.packed, lin._bias32,
+                                                                   int8_activations=lin.int8_activations), reps=3))
+            theirs = min(theirs, _best_time(lambda: other(x), reps=3))
+        if mine > margin * theirs:
             break
         limit = rows
     return limit

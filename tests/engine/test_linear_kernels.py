@@ -11,6 +11,9 @@ import pytest
 import torch
 
 from engine.kernels import load_cpu_kernels
+from engine.models.linear import Linear, PackedLinear, TwoTermBf16Linear, _mkldnn_packing_available
+from engine.models import weights as weights_module
+from engine.models.weights import attach_two_term_fallbacks
 from engine.quant.activations import linear_int8_activations, quantize_blocks
 from engine.quant.formats import QuantizedWeight, concat, quantize_int4, quantize_int8
 from engine.quant.packing import pack_bf16, pack_quantized
@@ -180,3 +183,80 @@ def test_refuses_what_it_cannot_compute() -> None:
         kernels.linear(torch.zeros(2, 32, dtype=torch.bfloat16), packed)  # wrong width
     with pytest.raises(ValueError):
         pack_quantized(quantize_int4(torch.zeros(4, 48), group=16))  # u4 groups must be whole 32s
+
+
+@pytest.mark.parametrize("kind", ["u4", "i8"])
+def test_two_term_fallback_keeps_the_quantized_weights_exact(kind: str) -> None:
+    """The oneDNN fallback for large batches (AMX) multiplies hi + lo, not the weights rounded to bf16:
+    its bf16 outputs equal the fp32 reference's rounding nearly everywhere (elsewhere within the output's
+    rounding plus ~2^-15 of the terms' magnitudes), where one bf16 term misses ~40% of them."""
+    if not _mkldnn_packing_available(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("torch without oneDNN bf16 weight packing")
+    gen = torch.Generator().manual_seed(11)
+    for m, k, n in [(40, 576, 256), (96, 1536, 96), (7, 64, 33)]:
+        w = torch.randn(n, k, generator=gen) * 0.05
+        q = quantize_int4(w) if kind == "u4" else quantize_int8(w)
+        x = (torch.randn(m, k, generator=gen) * 2).to(torch.bfloat16)
+        bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+        want32 = x.float() @ q.dequantize().T + bias.float()
+        want = want32.to(torch.bfloat16)
+        fallback = TwoTermBf16Linear.build(q, bias)
+        assert fallback is not None
+        got = fallback(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        magnitude = x.float().abs() @ q.dequantize().abs().T + bias.float().abs()
+        assert bool(((got.float() - want32).abs() <= want32.abs() * 2**-8 + magnitude * 2**-15).all())
+        assert float((got == want).float().mean()) > 0.99
+        one_term = Linear(q.dequantize().to(torch.bfloat16), bias)(x)
+        assert float((one_term == want).float().mean()) < 0.8  # what the second term is for
+
+
+def test_packed_linear_sends_batches_over_its_limit_to_the_fallback() -> None:
+    if not _mkldnn_packing_available(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("torch without oneDNN bf16 weight packing")
+    gen = torch.Generator().manual_seed(5)
+    layers = [PackedLinear(pack_quantized(q), None, kernels, quantized=q)
+              for q in (quantize_int4(torch.randn(64, 128, generator=gen) * 0.05) for _ in range(2))]
+    attach_two_term_fallbacks(layers, rows=8)
+    calls = []
+    for lin in layers:
+        inner = lin.fallback
+        lin.fallback = lambda x, inner=inner: calls.append(x.shape[0]) or inner(x)
+    for rows in (1, 8, 9, 40):
+        x = (torch.randn(rows, 128, generator=gen)).to(torch.bfloat16)
+        for lin in layers:
+            want = (x.float() @ lin.quantized.dequantize().T).to(torch.bfloat16)
+            assert float((lin(x) == want).float().mean()) > 0.97
+    assert calls == [9, 9, 40, 40]  # up to 8 rows on the packed kernel, more on oneDNN
+    assert layers[0].weight.shape == (64, 128)  # still the quantized weights' meaning, not [hi | lo]
+
+
+@pytest.mark.parametrize("measured_limit", [64, 512])
+def test_start_up_probe_decides_the_quantized_fallback(monkeypatch, measured_limit: int) -> None:
+    """Where the probe finds oneDNN clearly faster above some batch (AMX), the layers' quantized linears
+    take it there; where the packed kernels hold up to the largest probe (this class of machine),
+    nothing is attached. The one-off matrix (the head) keeps its kernel either way."""
+    if not _mkldnn_packing_available(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("torch without oneDNN bf16 weight packing")
+    probed = []
+
+    def measured(lin, fallback, probes, margin, rounds=3):  # the largest probe where the kernel still wins
+        probed.append(probes)
+        return max((rows for rows in probes if rows <= measured_limit), default=0)
+
+    monkeypatch.setattr(weights_module, "_kernel_row_limit", measured)
+    builder = weights_module.LinearBuilder("int4", torch.bfloat16, torch.device("cpu"), kernels)
+    gen = torch.Generator().manual_seed(2)
+    layers = [builder.build([f"l{i}"], [torch.randn(64, 128, generator=gen)], None) for i in range(3)]
+    head = builder.build(["head"], [torch.randn(96, 128, generator=gen)], None)
+    summary = builder.tune()
+    assert head.fallback is None
+    if measured_limit == 64:
+        assert "two-term bf16 oneDNN above 64 rows" in summary
+        assert all(isinstance(lin.fallback, TwoTermBf16Linear) and lin.max_kernel_rows == 64 for lin in layers)
+        assert layers[0].takes(64) and not layers[0].takes(65)
+        assert len(probed) == 2  # the quick look at the largest batch, then the search
+    else:
+        assert "no oneDNN fallback" in summary
+        assert all(lin.fallback is None and lin.takes(4096) for lin in layers)
+        assert probed == [(512,)]  # the quick look sufficed

@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.kernels import load_cpu_kernels
 from engine.llm_engine import LLMEngine
 from engine.models.linear import PackedLinear, ReferenceLinear
+from engine.models.weights import attach_two_term_fallbacks
 from tests.engine.helpers import chat, run_all, text_of, tokens_of
 from tests.engine.test_greedy_matches_transformers import PROMPTS
 
@@ -67,19 +68,17 @@ def _logprobs_of(outs) -> list:
     return [lp for o in outs for lp in (o.logprobs or [])]
 
 
-def test_gguf_greedy_equals_the_reference_forward(gguf_engine):
+def _greedy_requests() -> list:
+    return [chat(f"p{i}", p, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=5)
+            for i, p in enumerate(PROMPTS)]
+
+
+def _assert_greedy_agrees(fast: dict, slow: dict) -> None:
     """Token for token, except past a genuine near-tie: there both paths' bf16 activations are equally
     right, and the first divergence must be between top candidates of both, less than 0.25 nat apart
     (bf16 activation noise; vLLM's check_logprobs_close, with a margin). Most prompts match entirely;
     which ones do not moves with any change of summation order (the fp32 reference's own matmul
     blocking follows the thread count): 2-3 of the 8 were measured, at gaps of 0.005-0.14 nat."""
-    requests = lambda: [chat(f"p{i}", p, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,  # noqa: E731
-                             top_logprobs=5) for i, p in enumerate(PROMPTS)]
-    assert not any(lw.down.int8_activations for lw in gguf_engine.model.layers)  # bf16 activations by default
-    fast = run_all(gguf_engine, requests())
-    reference = _gguf()
-    _with_reference_linears(reference)
-    slow = run_all(reference, requests())
     identical = 0
     for i, prompt in enumerate(PROMPTS):
         a, b = tokens_of(fast[f"p{i}"]), tokens_of(slow[f"p{i}"])
@@ -93,6 +92,31 @@ def test_gguf_greedy_equals_the_reference_forward(gguf_engine):
         assert b[at] in top_a and a[at] in top_b, detail
         assert top_a[a[at]] - top_a[b[at]] < 0.25 and top_b[b[at]] - top_b[a[at]] < 0.25, detail
     assert identical > len(PROMPTS) // 2
+
+
+@pytest.fixture(scope="module")
+def reference_answers() -> dict:
+    reference = _gguf()
+    _with_reference_linears(reference)
+    return run_all(reference, _greedy_requests())
+
+
+def test_gguf_greedy_equals_the_reference_forward(gguf_engine, reference_answers):
+    assert not any(lw.down.int8_activations for lw in gguf_engine.model.layers)  # bf16 activations by default
+    _assert_greedy_agrees(run_all(gguf_engine, _greedy_requests()), reference_answers)
+
+
+def test_gguf_greedy_through_the_two_term_fallback_equals_the_reference_forward(reference_answers):
+    """Where the start-up probe hands large batches to oneDNN (AMX), the file's weights still run:
+    forced here for every batch of more than one row (prefills and batched decode alike)."""
+    engine = _gguf()
+    layers = [lin for lw in engine.model.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+    attach_two_term_fallbacks(layers, rows=1)
+    batches = []
+    inner = layers[0].fallback
+    layers[0].fallback = lambda x: batches.append(x.shape[0]) or inner(x)
+    _assert_greedy_agrees(run_all(engine, _greedy_requests()), reference_answers)
+    assert batches and max(batches) > 1
 
 
 def test_int8_activations_compute_their_reference_in_the_model(monkeypatch):
