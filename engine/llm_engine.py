@@ -113,6 +113,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.model.make_kv_cache(num_blocks, config.block_size),
                                   self.lora_manager)
         self.eos_token_ids = self._eos_ids(model_dir)
+        self._argmax = self.model.kernels.argmax if self.model.kernels is not None else None  # greedy picks
         self._grammars: GrammarCompiler | None = None  # structured output, made at its first use
         self._masks: MaskApplier | None = None
         self._grammars_lock = threading.Lock()
@@ -278,7 +279,7 @@ class LLMEngine:
             masks = self._prepare_masks(batch)  # filled while the forward runs
             with torch.inference_mode():
                 logits, samplers, prompt_logits = self.runner.run(batch)
-                tokens = sample(logits, samplers, self.eos_token_ids, masks) if samplers else []
+                tokens = sample(logits, samplers, self.eos_token_ids, masks, self._argmax) if samplers else []
                 for chunk in prompt_logits:
                     record_prompt_logprobs(chunk)
             for seq in batch.decodes:

@@ -6,6 +6,8 @@ samples the same tokens whatever else shares its batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.request import TokenLogprob
@@ -32,6 +34,9 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 
 def apply_bans(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
+    # every row's banned ids in one indexed write (one small write per row cost ~10 us a row, a step)
+    ban_rows: list[int] = []
+    ban_ids: list[int] = []
     for row, seq in enumerate(seqs):
         p = seq.params
         banned = list(p.banned_token_ids)
@@ -41,8 +46,12 @@ def apply_bans(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[i
                 banned += eos_token_ids
         if p.ignore_eos:
             banned += eos_token_ids
-        if banned:
-            logits[row, banned] = _NEG_INF
+        ban_rows += [row] * len(banned)
+        ban_ids += banned
+    if ban_ids:
+        logits[torch.tensor(ban_rows), torch.tensor(ban_ids)] = _NEG_INF
+    for row, seq in enumerate(seqs):
+        p = seq.params
         if p.allowed_token_ids:  # vLLM's allowed_token_ids: every other token is out
             keep = logits[row, p.allowed_token_ids].clone()
             logits[row] = _NEG_INF
@@ -99,9 +108,11 @@ def apply_constraints(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
-           masks: PreparedMasks | None = None) -> list[int]:
+           masks: PreparedMasks | None = None,
+           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[int]:
     """logits [B, V] fp32 (modified in place); returns one token id per row. ``masks``: the constrained
-    sequences' grammar masks for this step (``MaskApplier.prepare``)."""
+    sequences' grammar masks for this step (``MaskApplier.prepare``). ``argmax``: torch.argmax(x, -1)'s
+    equal, faster (the fused kernels'; torch's own takes ~1 ms over 24 rows of a 49k vocabulary)."""
     raw_logprobs = None
     if any(s.params.logprobs for s in seqs):
         raw_logprobs = logits.log_softmax(-1)
@@ -111,7 +122,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
     random_rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
     tokens = [0] * len(seqs)
     if greedy_rows:
-        picked = logits[greedy_rows].argmax(-1).tolist()
+        rows = logits if len(greedy_rows) == len(seqs) else logits[greedy_rows]  # no copy when all are greedy
+        picked = (argmax(rows) if argmax is not None else rows.argmax(-1)).tolist()
         for row, tok in zip(greedy_rows, picked):
             tokens[row] = tok
     if random_rows:

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_impl.h"), SOURCE.with_name("cpu_linear.h"),
            SOURCE.with_name("cpu_prefill_attention.h"))  # the .c includes the .h files
-ABI_VERSION = 5
+ABI_VERSION = 6
 CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11"]
 NATIVE = "-march=native"  # this CPU's full instruction set (AVX-512 where it has it)
 DISABLE_ENV = "SPARK_NATIVE_KERNELS"
@@ -136,6 +136,9 @@ class CpuKernels:
         self._count_top_ties = lib.count_top_ties
         self._count_top_ties.argtypes = [_P, _I64, _I64, _P]
         self._count_top_ties.restype = None
+        self._argmax_rows = lib.argmax_rows
+        self._argmax_rows.argtypes = [_P, _I64, _I64, _P]
+        self._argmax_rows.restype = None
         self._apply_token_bitmask = lib.apply_token_bitmask
         self._apply_token_bitmask.argtypes = [_P, _I64, _P, _I64, _P, _I64]
         self._apply_token_bitmask.restype = None
@@ -227,6 +230,15 @@ class CpuKernels:
         counts = torch.empty(logits.shape[0], dtype=torch.int64)
         self._count_top_ties(logits.data_ptr(), logits.shape[0], logits.shape[1], counts.data_ptr())
         return counts
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(logits, -1) of fp32 logits [S, V] with unit-stride rows (first maximum; first NaN)."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[1] == 0:
+            raise ValueError("argmax takes fp32 logits [rows, vocab > 0]")
+        logits = logits.contiguous()
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
+        return out
 
     def decode_attention(self, qkv: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
                          context_lens: torch.Tensor, block_size: int, batch: int, num_heads: int, num_kv_heads: int,

@@ -269,3 +269,18 @@ def test_lora_expand_applies_each_tokens_own_adapter(dtype, kern):
     assert torch.equal(out[1], y[1, :n_in_y])
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+def test_argmax_equals_torch_first_maximum_and_nan() -> None:
+    """Greedy picks: the first of tied maxima, the first NaN where a row has one, -inf rows, ragged vocab."""
+    gen = torch.Generator().manual_seed(3)
+    for rows, vocab in [(1, 1), (3, 17), (24, 49152), (5, 1000)]:
+        x = torch.randn(rows, vocab, generator=gen)
+        if vocab > 8:
+            x[0, 5] = x[0, 7] = x[0].max() + 1  # tie: the first wins
+            x[-1] = float("-inf")
+            x[1 % rows, vocab // 2] = float("nan")
+            x[1 % rows, vocab - 1] = float("nan")
+        assert torch.equal(kernels.argmax(x), x.argmax(-1)), (rows, vocab)
+    strided = torch.randn(4, 64, generator=gen)[:, ::2]
+    assert torch.equal(kernels.argmax(strided), strided.argmax(-1))
