@@ -35,6 +35,24 @@ def test_incremental_detokenizer_never_splits_a_character(llm_engine):
     assert all("\ufffd" not in d for d in deltas)
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_detokenizer_backend_decode_equals_the_tokenizers(llm_engine, skip_special_tokens):
+    """The Rust decode the detokenizer calls directly gives what transformers' decode gives: special
+    tokens kept or skipped, partial UTF-8, leading spaces."""
+    tok = llm_engine.tokenizer
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip_special_tokens)
+    assert detok._backend_decode is not None  # the embedded model's tokenizer takes the direct path
+    chat_ids = tok.apply_chat_template([{"role": "user", "content": " héllo  wörld 你好🌏"}], tokenize=True)
+    ids = list(chat_ids["input_ids"] if isinstance(chat_ids, dict) else chat_ids)
+    for cut in range(0, len(ids), 3):
+        part = ids[cut:cut + 7]
+        assert detok._decode(part) == tok.decode(part, skip_special_tokens=skip_special_tokens,
+                                                 clean_up_tokenization_spaces=False)
+    slow = IncrementalDetokenizer(tok, [], skip_special_tokens=skip_special_tokens,
+                                  spaces_between_special_tokens=False)
+    assert slow._backend_decode is None  # an option the backend does not take: the wrapper decodes
+
+
 def test_stop_matcher_holds_back_partial_stops():
     m = StopStringMatcher(["STOP"], include_stop=False)
     assert m.feed("hello S") == ("hello ", None)
