@@ -187,6 +187,10 @@ class LinearBuilder:
             return ""
         if layers[0].int8_activations:
             return "no oneDNN fallback with int8 activations; "  # it would compute with bf16 ones
+        if not _has_matrix_unit():
+            # Without AMX tiles oneDNN's bf16 matmul runs on the same AVX512-BF16 dot products as the packed
+            # kernels: at twice the work it measured 1.8x slower at every size (AMD EPYC), so no probe.
+            return ""
         probe = max(layers, key=lambda lin: lin.out_features * lin.in_features)
         assert probe.quantized is not None
         fallback = TwoTermBf16Linear.build(probe.quantized, probe.bias)
@@ -220,6 +224,13 @@ class LinearBuilder:
         bf16_s, int8_s = _activation_times(probe)
         return (f"{head}; {_INT8_PROBE_ROWS} rows of the largest: {bf16_s * 1e3:.2f} ms bf16, {int8_s * 1e3:.2f} ms "
                 f"int8 on AVX512-VNNI)")
+
+
+def _has_matrix_unit() -> bool:
+    """Whether this CPU has AMX tiles, which oneDNN's bf16 matmul uses (the only x86 unit that makes it
+    several times faster than AVX512-BF16 dot products)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
 
 
 def attach_two_term_fallbacks(layers: list[PackedLinear], rows: int,

@@ -245,6 +245,7 @@ def test_start_up_probe_decides_the_quantized_fallback(monkeypatch, measured_lim
         return max((rows for rows in probes if rows <= measured_limit), default=0)
 
     monkeypatch.setattr(weights_module, "_kernel_row_limit", measured)
+    monkeypatch.setattr(weights_module, "_has_matrix_unit", lambda: True)  # the probe runs where AMX is
     builder = weights_module.LinearBuilder("int4", torch.bfloat16, torch.device("cpu"), kernels)
     gen = torch.Generator().manual_seed(2)
     layers = [builder.build([f"l{i}"], [torch.randn(64, 128, generator=gen)], None) for i in range(3)]
@@ -260,3 +261,14 @@ def test_start_up_probe_decides_the_quantized_fallback(monkeypatch, measured_lim
         assert "no oneDNN fallback" in summary
         assert all(lin.fallback is None and lin.takes(4096) for lin in layers)
         assert probed == [(512,)]  # the quick look sufficed
+
+
+def test_no_fallback_probe_without_a_matrix_unit(monkeypatch) -> None:
+    """Without AMX the probe is skipped (oneDNN's bf16 matmul runs on the same dot products there)."""
+    monkeypatch.setattr(weights_module, "_has_matrix_unit", lambda: False)
+    monkeypatch.setattr(weights_module, "_kernel_row_limit", lambda *a, **k: pytest.fail("probed"))
+    builder = weights_module.LinearBuilder("int4", torch.bfloat16, torch.device("cpu"), kernels)
+    gen = torch.Generator().manual_seed(2)
+    layers = [builder.build([f"l{i}"], [torch.randn(64, 128, generator=gen)], None) for i in range(2)]
+    builder.tune()
+    assert all(lin.fallback is None for lin in layers)
