@@ -33,25 +33,34 @@ def _mkldnn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def _mkldnn_pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """oneDNN's prepacked layout of a bf16 weight [out, in], tried once on a zero row; None where torch
+    cannot pack or run it."""
+    if not _mkldnn_packing_available(weight.dtype, weight.device):
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        _mkldnn_linear(torch.zeros(1, weight.shape[1], dtype=weight.dtype), packed, bias)
+    except RuntimeError:
+        return None
+    return packed
+
+
+def _mkldnn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight  # [out, in], kept for reference paths (LoRA checks, tests)
         self.bias = bias
         self.out_features = weight.shape[0]
         self.in_features = weight.shape[1]
-        self._packed = None
-        if _mkldnn_packing_available(weight.dtype, weight.device):
-            try:
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
-                probe = torch.zeros(1, weight.shape[1], dtype=weight.dtype)
-                torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
-                self._packed = packed
-            except RuntimeError:
-                self._packed = None
+        self._packed = _mkldnn_pack(weight, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+            return _mkldnn_linear(x, self._packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
@@ -89,14 +98,11 @@ class TwoTermBf16Linear:
         hi = w.to(torch.bfloat16)
         lo = (w - hi.float()).to(torch.bfloat16)
         bias = bias.to(torch.bfloat16) if bias is not None else None
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([hi, lo], dim=1).contiguous(), 32)
-        except RuntimeError:
-            return None
-        return cls(packed, bias, w.shape[0], w.shape[1])
+        packed = _mkldnn_pack(torch.cat([hi, lo], dim=1).contiguous(), bias)
+        return cls(packed, bias, w.shape[0], w.shape[1]) if packed is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(torch.cat([x, x], dim=1), self._packed, self.bias, "none", [], "")
+        return _mkldnn_linear(torch.cat([x, x], dim=1), self._packed, self.bias)
 
 
 class PackedLinear:
