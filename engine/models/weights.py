@@ -155,9 +155,7 @@ class LinearBuilder:
         if with_fallback:
             # The layers' projections share one limit, probed on the largest of them; a one-off matrix (the
             # head: 49,152 x 576, memory-bound up to more rows than a layer's) gets its own.
-            shapes = Counter((lin.out_features, lin.in_features) for lin in with_fallback)
-            repeated = [lin for lin in with_fallback if shapes[(lin.out_features, lin.in_features)] > 1]
-            single = [lin for lin in with_fallback if shapes[(lin.out_features, lin.in_features)] == 1]
+            repeated, single = _split_repeated(with_fallback)
             if repeated:
                 rows = _kernel_row_limit(max(repeated, key=lambda lin: lin.out_features * lin.in_features))
                 for lin in repeated:
@@ -180,9 +178,8 @@ class LinearBuilder:
         margin even at twice the work, the layers' quantized projections get a two-term bf16 fallback
         (``TwoTermBf16Linear``) above the measured row count. Returns a phrase for the log (empty where
         there was nothing to decide)."""
-        layers = [lin for lin in packed if lin.quantized is not None and lin.fallback is None]
-        shapes = Counter((lin.out_features, lin.in_features) for lin in layers)
-        layers = [lin for lin in layers if shapes[(lin.out_features, lin.in_features)] > 1]  # not the head
+        layers, _ = _split_repeated([lin for lin in packed if lin.quantized is not None and lin.fallback is None])
+        # (the one-off matrix, the head, keeps its kernel: logits of a few rows a step)
         if not layers or self.reference:
             return ""
         if layers[0].int8_activations:
@@ -197,8 +194,8 @@ class LinearBuilder:
         if fallback is None:
             return ""
         largest = _QUANTIZED_ROW_PROBES[-1]
-        # One quick look at the largest batch first: where the packed kernels hold there (every start on a
-        # CPU without AMX; the fallback measured 1.8x slower on AMD EPYC) nothing smaller is worth probing.
+        # One quick look at the largest batch first: where the packed kernels hold there, nothing smaller is
+        # worth probing.
         if _kernel_row_limit(probe, fallback, (largest,), _QUANTIZED_FALLBACK_MARGIN, rounds=1) == largest:
             return f"no oneDNN fallback (two-term bf16 not {_QUANTIZED_FALLBACK_MARGIN}x faster at {largest} rows); "
         rows = _kernel_row_limit(probe, fallback, _QUANTIZED_ROW_PROBES, _QUANTIZED_FALLBACK_MARGIN)
@@ -224,6 +221,14 @@ class LinearBuilder:
         bf16_s, int8_s = _activation_times(probe)
         return (f"{head}; {_INT8_PROBE_ROWS} rows of the largest: {bf16_s * 1e3:.2f} ms bf16, {int8_s * 1e3:.2f} ms "
                 f"int8 on AVX512-VNNI)")
+
+
+def _split_repeated(linears: list[PackedLinear]) -> tuple[list[PackedLinear], list[PackedLinear]]:
+    """(those whose shape occurs more than once: the layers' projections, which share one probe; the
+    one-off matrices, such as the head)."""
+    shapes = Counter((lin.out_features, lin.in_features) for lin in linears)
+    repeated = [lin for lin in linears if shapes[(lin.out_features, lin.in_features)] > 1]
+    return repeated, [lin for lin in linears if shapes[(lin.out_features, lin.in_features)] == 1]
 
 
 def _has_matrix_unit() -> bool:
