@@ -161,11 +161,16 @@ static inline __attribute__((always_inline)) void FN(attend_avx512)(
     float inv_sum[MAX_GROUP];
     for (int64_t g = 0; g < G; g++) {
         float *sg = scores + g * stride;
-        float mx = -INFINITY;
-        for (int64_t l = 0; l < ctx; l++) mx = sg[l] > mx ? sg[l] : mx;
+        /* the maximum 16 lanes at a time (a scalar loop here was ~15% of the kernel); max_ps returns its
+         * second operand where one is NaN, so a NaN score is passed over as the scalar compare does */
+        __m512 mx16 = _mm512_set1_ps(-INFINITY);
+        int64_t l = 0;
+        for (; l + 16 <= ctx; l += 16) mx16 = _mm512_max_ps(_mm512_loadu_ps(sg + l), mx16);
+        float mx = _mm512_reduce_max_ps(mx16);
+        for (; l < ctx; l++) mx = sg[l] > mx ? sg[l] : mx;
         const __m512 mxv = _mm512_set1_ps(mx);
         __m512 sumv = _mm512_setzero_ps();
-        int64_t l = 0;
+        l = 0;
         for (; l + 16 <= ctx; l += 16) {
             const __m512 e = exp_clamped_v(_mm512_sub_ps(_mm512_loadu_ps(sg + l), mxv));
             _mm512_storeu_ps(sg + l, e);

@@ -135,6 +135,29 @@ def test_decode_attention_matches_softmax_attention_over_paged_context(dtype, ke
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("top, second", [(3, 20), (20, 40), (40, 44)])  # whole 16-key groups, both, the ragged tail
+def test_decode_attention_takes_the_maximum_of_every_score(dtype, kern, top, second):
+    """Two keys far above the rest, the second 127 below the first: the softmax is the first key's alone.
+    The exponent is clamped at 88, so a maximum that missed both keys would weigh them equally."""
+    H, Hkv, D, block, n = 9, 3, 64, 16, 45
+    g = torch.Generator().manual_seed(5)
+    u = torch.randn(D, generator=g)
+    u /= u.norm()
+    cache = torch.randn(2 * Hkv, 3 * block, D, generator=g) * 0.1
+    cache[:Hkv, top] = 100 * u  # score 30 * 100 / sqrt(64) = 375
+    cache[:Hkv, second] = 66 * u  # 247.5
+    cache = cache.to(dtype)
+    qkv = torch.zeros(1, (H + 2 * Hkv) * D)
+    qkv[0, : H * D] = (30 * u).repeat(H)
+    qkv = qkv.to(dtype)
+    out = torch.empty(1, H * D, dtype=dtype)
+    kern.decode_attention(qkv, cache, torch.tensor([[0, 1, 2]]), torch.tensor([n]), block, 1, H, Hkv, D, n,
+                          torch.empty(H * n, dtype=torch.float32), out)
+    want = cache[Hkv:, top].float().repeat_interleave(H // Hkv, 0).reshape(H * D)
+    torch.testing.assert_close(out[0].float(), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H, Hkv, D", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 64)])  # + one KV head for all
 # whole prompts; a chunk continuing a cached context (tiles of several lengths, ragged, over a block edge);
 # one long chunk (several query tiles per KV head, keys beyond one 32-key score pass); many short chunks
