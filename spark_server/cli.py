@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import socket
 import sys
@@ -29,11 +30,14 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"spark-server: cannot serve on {settings.host}:{settings.port}: {problem}", file=sys.stderr)
         return 2
     started = time.monotonic()
+    gc.disable()  # loading builds ~335,000 objects that live as long as the process; no collections walk them meanwhile
     try:
         engine = settings.remote_engine() if settings.engine_url else AsyncEngine.from_config(settings.engine_config())
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"spark-server: cannot load the model: {exc}", file=sys.stderr)
         return 2
+    finally:
+        gc.enable()
     if bool(settings.ssl_certfile) != bool(settings.ssl_keyfile):
         print("spark-server: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
         return 2
@@ -42,6 +46,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:  # e.g. a malformed --spark-auth or --lora
         print(f"spark-server: {exc}", file=sys.stderr)
         return 2
+    frozen = settle_startup_heap()
+    logging.getLogger("spark_server").info("start-up heap: %d objects frozen out of the cyclic collector's walks",
+                                           frozen)
     scheme = "wss" if settings.ssl_certfile else "ws"
     url = f"{scheme}://{settings.host}:{settings.port}{SPARK_WS_PATH}"
     print(f"spark-server: {engine.model_info.name} loaded in {time.monotonic() - started:.1f}s; "
@@ -52,6 +59,16 @@ def _serve(args: argparse.Namespace) -> int:
     protect_server_logs()  # after uvicorn set up its loggers: no forged lines, no signatures in logs
     DrainingServer(config, app, settings.shutdown_grace).run()
     return 0
+
+
+def settle_startup_heap() -> int:
+    """Collect start-up's garbage once, then freeze the rest (the model, tokenizer, libraries) out of the
+    cyclic collector's sight, as vLLM does after loading: a full collection walked those ~335,000 objects
+    in ~230 ms with the engine thread stopped (the GIL), a pause mid-stream whenever one came. Later
+    collections walk only what serving creates. Returns how many objects were frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def port_problem(host: str, port: int) -> str | None:
