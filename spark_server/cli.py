@@ -30,7 +30,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"spark-server: cannot serve on {settings.host}:{settings.port}: {problem}", file=sys.stderr)
         return 2
     started = time.monotonic()
-    gc.disable()  # loading builds ~335,000 objects that live as long as the process; no collections walk them meanwhile
+    gc.disable()  # loading builds ~350,000 objects that live as long as the process; no collections walk them meanwhile
     try:
         engine = settings.remote_engine() if settings.engine_url else AsyncEngine.from_config(settings.engine_config())
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
@@ -63,7 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def settle_startup_heap() -> int:
     """Collect start-up's garbage once, then freeze the rest (the model, tokenizer, libraries) out of the
-    cyclic collector's sight, as vLLM does after loading: a full collection walked those ~335,000 objects
+    cyclic collector's sight, as vLLM does after loading: a full collection walked those ~350,000 objects
     in ~230 ms with the engine thread stopped (the GIL), a pause mid-stream whenever one came. Later
     collections walk only what serving creates. Returns how many objects were frozen."""
     gc.collect()
