@@ -31,8 +31,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_impl.h"), SOURCE.with_name("cpu_linear.h"),
-           SOURCE.with_name("cpu_prefill_attention.h"))  # the .c includes the .h files
-ABI_VERSION = 6
+           SOURCE.with_name("cpu_prefill_attention.h"), SOURCE.with_name("cpu_forward.h"))  # the .c includes them
+ABI_VERSION = 7
 CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11"]
 NATIVE = "-march=native"  # this CPU's full instruction set (AVX-512 where it has it)
 DISABLE_ENV = "SPARK_NATIVE_KERNELS"
@@ -98,6 +98,30 @@ _F = ctypes.c_float
 _INT = ctypes.c_int
 
 
+class LinearDesc(ctypes.Structure):
+    """One packed linear for ``forward_layers`` (cpu_forward.h's spark_linear_desc; pointers as integers)."""
+    _fields_ = [(name, ctypes.c_int64) for name in
+                ("fmt", "weight", "out_features", "in_features", "group", "bias", "int8_activations")]
+
+
+class LayerDesc(ctypes.Structure):
+    """One decoder layer's weights for ``forward_layers`` (spark_layer_desc)."""
+    _fields_ = [("input_norm", ctypes.c_int64), ("post_norm", ctypes.c_int64), ("qkv", LinearDesc),
+                ("o", LinearDesc), ("gate_up", LinearDesc), ("down", LinearDesc)]
+
+
+class ForwardStep(ctypes.Structure):
+    """One step's shapes and buffers for ``forward_layers`` (spark_forward_step; pointers as integers)."""
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "tokens", "num_heads", "num_kv_heads", "head_dim", "hidden", "intermediate",
+        "x", "h", "qkv", "attn", "proj", "gate_up", "act",
+        "positions", "cos", "sin_signed", "slot_mapping",
+        "kv", "kv_layer_stride", "num_slots", "block_size",
+        "decodes", "decode_block_tables", "decode_max_blocks", "decode_context_lens", "decode_max_len", "scratch",
+        "prefill_spans", "num_spans", "prefill_block_tables", "prefill_max_blocks")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
 class CpuKernels:
     """Typed entry points into the compiled library; each takes contiguous tensors."""
 
@@ -126,6 +150,9 @@ class CpuKernels:
         self._linear_many = lib.spark_linear_many
         self._linear_many.argtypes = [_I64, _P, _INT]
         self._linear_many.restype = None
+        self._forward_layers = lib.spark_forward_layers
+        self._forward_layers.argtypes = [ctypes.POINTER(LayerDesc), _I64, ctypes.POINTER(ForwardStep), _INT]
+        self._forward_layers.restype = None
         self._read_sum = lib.spark_read_sum
         self._read_sum.argtypes = [_P, _I64, _INT]
         self._read_sum.restype = ctypes.c_uint64
@@ -212,6 +239,11 @@ class CpuKernels:
     def run_linear_calls(self, described: torch.Tensor) -> None:
         """Runs what ``linear_calls`` described, back to back (the tensors it names must still be alive)."""
         self._linear_many(described.shape[0], described.data_ptr(), self.num_threads)
+
+    def forward_layers(self, layers: ctypes.Array, step: ForwardStep) -> None:
+        """Every decoder layer of a bf16 forward in one call (cpu_forward.h); the tensors that ``layers`` and
+        ``step`` point at must be alive and shaped as they say."""
+        self._forward_layers(layers, len(layers), ctypes.byref(step), self.num_threads)
 
     def read_sum(self, buffer: torch.Tensor) -> int:
         """Read every byte of a buffer (a multiple of 8 bytes) once: the plain-read bandwidth reference."""

@@ -1,10 +1,11 @@
 /*
- * Fused CPU kernels for the Llama-family forward: the parts between the linear layers.
+ * Fused CPU kernels for the Llama-family forward: the parts between the linear layers, the packed
+ * linears themselves (cpu_linear.h), and the whole layer loop in one call (cpu_forward.h).
  *
  * At batch 1 a decode step is ~1,000 tiny torch ops (norms, RoPE, cache writes, attention,
  * activation), each costing more in dispatch than in arithmetic; here each is one call per layer.
- * The linears stay in oneDNN. Plain C, compiled at first use by engine/kernels/__init__.py with the
- * machine's compiler; when none is there, the engine keeps its pure-torch path.
+ * Plain C, compiled at first use by engine/kernels/__init__.py with the machine's compiler; when none
+ * is there, the engine keeps its pure-torch path.
  *
  * Rounding follows the torch path op by op (each elementwise op rounds to the model dtype, as torch
  * does), so norms, RoPE and the activation give the same bits. Decode attention keeps scores and
@@ -209,6 +210,7 @@ static inline __attribute__((always_inline)) void qk_scores_bf16(
 #include "cpu_kernels_impl.h"
 
 #include "cpu_linear.h"
+#include "cpu_forward.h"
 
 /* counts[r] = how many entries of logits row r equal the row's maximum (1 when the top is unique). */
 void count_top_ties(const float *logits, int64_t rows, int64_t vocab, int64_t *counts) {
@@ -264,6 +266,6 @@ void apply_token_bitmask(float *logits, int64_t vocab, const int32_t *mask, int6
     }
 }
 
-int spark_kernels_abi_version(void) { return 6; }
+int spark_kernels_abi_version(void) { return 7; }
 int spark_kernels_max_head_dim(void) { return MAX_HEAD_DIM; }
 int spark_kernels_max_group(void) { return MAX_GROUP; }

@@ -122,6 +122,11 @@ class PackedLinear:
         self.out_features = packed.out_features
         self.in_features = packed.in_features
 
+    @property
+    def bias_pointer(self) -> int:
+        """Address of the fp32 bias the kernel adds, 0 when there is none."""
+        return self._bias_ptr or 0
+
     def takes(self, rows: int) -> bool:
         """Whether a batch of ``rows`` runs on the packed kernel (else on the oneDNN fallback)."""
         return self.fallback is None or self.max_kernel_rows is None or rows <= self.max_kernel_rows

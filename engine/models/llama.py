@@ -7,6 +7,8 @@ the forward is ours: flat tokens, fused QKV and gate/up projections, paged atten
 
 from __future__ import annotations
 
+import ctypes
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, PagedKVCache, paged_attention, prefill_attention
-from engine.kernels import CpuKernels, load_cpu_kernels
+from engine.kernels import CpuKernels, ForwardStep, LayerDesc, LinearDesc, load_cpu_kernels
 from engine.models.linear import Linear, PackedLinear, ReferenceLinear
 from engine.models.weights import LinearBuilder
 from engine.quant.formats import QuantizedWeight
@@ -113,6 +115,47 @@ class LlamaForCausalLM:
         self.sin_signed = sin.to(dtype)
         self.max_position = max_pos
         self._scratch = torch.empty(0, dtype=torch.float32)
+        # Every decoder layer in one C call where the layers are all the fused kernels' own work (see
+        # _layers_in_one_call); tests that watch each projection's call turn it off.
+        self.layers_in_one_call = True
+        self._layer_descs: ctypes.Array | None = None
+        self._one_call_max_rows = 0.0
+        self._described: tuple[list[object], tuple[int, ...]] = ([], ())
+
+    def _layers_as_described(self) -> ctypes.Array | None:
+        """The layers' descriptors for the one-call loop, made again whenever a layer's weights, linears,
+        fallbacks or activation mode have changed since they were made (tests swap in reference linears
+        and attach fallbacks after load; a stale descriptor would run the old weights)."""
+        objects = [obj for lw in self.layers for obj in (
+            lw.input_norm, lw.post_norm, lw.q_norm, *[part for lin in (lw.qkv, lw.o, lw.gate_up, lw.down) for part in (
+                lin, getattr(lin, "packed", None), getattr(lin, "fallback", None))])]
+        settings = tuple(value for lw in self.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)
+                         for value in (getattr(lin, "max_kernel_rows", None) or 0, getattr(lin, "int8_activations", 0)))
+        state = tuple(map(id, objects)) + settings  # ids stay unique: ``objects`` is kept alive below
+        if state != self._described[1]:
+            self._layer_descs, self._one_call_max_rows = self._describe_layers()
+            self._described = (objects, state)
+        return self._layer_descs
+
+    def _describe_layers(self) -> tuple[ctypes.Array | None, float]:
+        """The layers' weights as cpu_forward.h's descriptors, and the most rows every projection's packed
+        kernel takes (above it some go to oneDNN); None where some layer needs Python between the kernels
+        (dense or reference linears, Qwen3's head norms, fp32)."""
+        linears = [lin for lw in self.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+        if (self.kernels is None or self.dtype != torch.bfloat16 or any(lw.q_norm is not None for lw in self.layers)
+                or not all(isinstance(lin, PackedLinear) for lin in linears)):
+            return None, 0
+        limits = [lin.max_kernel_rows for lin in linears if lin.fallback is not None and lin.max_kernel_rows is not None]
+
+        def describe(lin: PackedLinear) -> LinearDesc:
+            packed = lin.packed
+            return LinearDesc(packed.fmt_code, packed.data.data_ptr(), packed.out_features, packed.in_features,
+                              packed.group, lin.bias_pointer, int(lin.int8_activations))
+
+        descs = (LayerDesc * self.num_layers)(*[
+            LayerDesc(lw.input_norm.data_ptr(), lw.post_norm.data_ptr(), describe(lw.qkv), describe(lw.o),
+                      describe(lw.gate_up), describe(lw.down)) for lw in self.layers])
+        return descs, min(limits, default=math.inf)
 
     def projections(self) -> list[dict[str, Linear | PackedLinear | ReferenceLinear]]:
         """Per layer, each LoRA-targetable projection group (qkv, o, gate_up, down)."""
@@ -149,6 +192,10 @@ class LlamaForCausalLM:
         act = torch.empty(T, self.intermediate, dtype=x.dtype, device=x.device)
         a = torch.empty(T, H * D, dtype=x.dtype, device=x.device)  # attention output, reused by every layer
         scratch = self._attention_scratch(nd * H * meta.decode_max_len) if nd else None
+        if (self.layers_in_one_call and lora is None and (meta.prefill_spans is not None or not meta.prefills)
+                and self._layers_as_described() is not None and T <= self._one_call_max_rows):
+            down = self._layers_in_one_call(x, h, positions, meta, cache, scratch)
+            return self._final_logits(x, down, logits_indices)
         kern.add_rms_norm(x, None, self.layers[0].input_norm, h, self.eps)
         for i, lw in enumerate(self.layers):
             qkv = self._project(lora, i, "qkv", lw.qkv, h)
@@ -171,11 +218,53 @@ class LlamaForCausalLM:
             down = self._project(lora, i, "down", lw.down, act)
             if i + 1 < self.num_layers:
                 kern.add_rms_norm(x, down, self.layers[i + 1].input_norm, h, self.eps)
+        return self._final_logits(x, down, logits_indices)
+
+    def _final_logits(self, x: torch.Tensor, down: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The last layer's residual add and the final norm, for the rows that need logits; then the head."""
+        assert self.kernels is not None
+        T = x.shape[0]
         if logits_indices.shape[0] != T or not torch.equal(logits_indices, torch.arange(T, device=x.device)):
             x, down = x[logits_indices], down[logits_indices]
         h = torch.empty_like(x)
-        kern.add_rms_norm(x, down, self.final_norm, h, self.eps)
+        self.kernels.add_rms_norm(x, down, self.final_norm, h, self.eps)
         return self._logits(h)
+
+    def _layers_in_one_call(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                            cache: PagedKVCache, scratch: torch.Tensor | None) -> torch.Tensor:
+        """_forward_fused's layer loop as one C call (engine/kernels/cpu_forward.h: the same kernels in the
+        same order). x is updated in place; returns the last layer's down projection."""
+        assert self.kernels is not None and self._layer_descs is not None
+        T = x.shape[0]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        first = self.layers[0]
+        qkv = torch.empty(T, first.qkv.out_features, dtype=x.dtype)
+        attn = torch.empty(T, H * D, dtype=x.dtype)
+        proj = torch.empty_like(x)
+        gate_up = torch.empty(T, 2 * self.intermediate, dtype=x.dtype)
+        act = torch.empty(T, self.intermediate, dtype=x.dtype)
+        kv = cache.kv
+        step = ForwardStep(
+            tokens=T, num_heads=H, num_kv_heads=Hkv, head_dim=D, hidden=x.shape[1], intermediate=self.intermediate,
+            x=x.data_ptr(), h=h.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(), proj=proj.data_ptr(),
+            gate_up=gate_up.data_ptr(), act=act.data_ptr(),
+            positions=positions.data_ptr(), cos=self.cos.data_ptr(), sin_signed=self.sin_signed.data_ptr(),
+            slot_mapping=meta.slot_mapping.data_ptr(),
+            kv=kv.data_ptr(), kv_layer_stride=kv.stride(0), num_slots=kv.shape[2], block_size=cache.block_size,
+            eps=self.eps, scale=D ** -0.5)
+        if meta.num_decodes:
+            tables, lens = meta.decode_block_tables, meta.decode_context_lens
+            assert tables is not None and lens is not None and scratch is not None
+            step.decodes, step.decode_max_len, step.scratch = meta.num_decodes, meta.decode_max_len, scratch.data_ptr()
+            step.decode_block_tables, step.decode_max_blocks = tables.data_ptr(), tables.shape[1]
+            step.decode_context_lens = lens.data_ptr()
+        if meta.prefill_spans is not None:
+            tables = meta.prefill_block_tables
+            assert tables is not None
+            step.prefill_spans, step.num_spans = meta.prefill_spans.data_ptr(), meta.prefill_spans.shape[0]
+            step.prefill_block_tables, step.prefill_max_blocks = tables.data_ptr(), tables.shape[1]
+        self.kernels.forward_layers(self._layer_descs, step)
+        return proj
 
     def _norm_heads(self, qkv: torch.Tensor, lw: _LayerWeights) -> None:
         """Qwen3: RMSNorm over each head of q and of k (before RoPE), in place in the fused qkv rows."""

@@ -126,6 +126,7 @@ def test_int8_activations_compute_their_reference_in_the_model(monkeypatch):
     compared: a one-ulp difference upstream flips an int8 code, and the two paths drift apart far
     more than with bf16 activations (the README's accuracy table measures what the mode costs)."""
     engine = _gguf("int8")
+    engine.model.layers_in_one_call = False  # each projection through PackedLinear.__call__, to be watched
     seen = []
     kernel_call = PackedLinear.__call__
 

@@ -1,0 +1,144 @@
+"""The decoder layers in one C call (engine/kernels/cpu_forward.h) compute what the per-kernel Python loop
+computes, bit for bit, step by step: decode-only steps, prefill chunks beside decoding streams, 4-bit,
+bf16 and biased projections; and the forward leaves the one-call loop whenever a layer stops being the
+fused kernels' own work (reference linears swapped in, a oneDNN fallback for large batches)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.kernels import load_cpu_kernels
+from engine.llm_engine import LLMEngine
+from engine.models.linear import ReferenceLinear
+from engine.models.weights import attach_two_term_fallbacks
+from engine.request import GenerationRequest, TokensPrompt
+from engine.sampling_params import SamplingParams
+from tests.engine.helpers import run_all
+from tests.engine.test_model_families import TINY, _save_tiny
+
+kernels = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the fused CPU kernels are not built")
+
+
+def _requests(prefix: str, lengths: list[int], max_tokens: int = 10) -> list[GenerationRequest]:
+    gen = torch.Generator().manual_seed(len(prefix))
+    return [GenerationRequest(f"{prefix}{i}", TokensPrompt(torch.randint(100, 40000, (n,), generator=gen).tolist()),
+                              SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+            for i, n in enumerate(lengths)]
+
+
+class _BothPaths:
+    """Wraps the model's forward: every step runs the per-kernel loop, then the one-call loop, on the same
+    inputs, and their logits must be equal. Both write the same KV slots, so the cache stays as either
+    leaves it. Records the shape of each step the one-call loop ran."""
+
+    def __init__(self, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.model = engine.model
+        self.one_call_steps: list[tuple[int, int, int]] = []  # (tokens, decodes, prefill chunks)
+        forward, one_call = self.model.forward, self.model.kernels.forward_layers
+
+        def forward_layers(layers, step):
+            self.one_call_steps.append((step.tokens, step.decodes, step.num_spans))
+            one_call(layers, step)
+
+        def both(input_ids, positions, meta, cache, logits_indices, lora=None):
+            self.model.layers_in_one_call = False
+            want = forward(input_ids, positions, meta, cache, logits_indices, lora)
+            self.model.layers_in_one_call = True
+            got = forward(input_ids, positions, meta, cache, logits_indices, lora)
+            assert torch.equal(got, want), f"step of {input_ids.shape[0]} tokens: the two loops differ"
+            return got
+
+        monkeypatch.setattr(self.model.kernels, "forward_layers", forward_layers)
+        monkeypatch.setattr(self.model, "forward", both)
+
+
+def _staggered(engine: LLMEngine, prefix: str) -> None:
+    """Two streams decode while longer prompts arrive and prefill in chunks beside them."""
+    for r in _requests(prefix + "a", [7, 30], max_tokens=24):
+        engine.add_request(r)
+    for _ in range(4):
+        engine.step()
+    for r in _requests(prefix + "b", [150, 90, 3], max_tokens=8):
+        engine.add_request(r)
+    for _ in range(1_000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished()
+
+
+@pytest.fixture(scope="module")
+def gguf_engine() -> LLMEngine:
+    # a small step budget, so prompts prefill in chunks beside the decoding streams
+    return LLMEngine(EngineConfig(dtype="bfloat16", quantization="gguf", max_num_seqs=8, max_num_batched_tokens=64,
+                                  kv_cache_space_gib=0.25))
+
+
+def test_the_one_call_loop_equals_the_per_kernel_loop_on_four_bit_blocks(gguf_engine, monkeypatch):
+    both = _BothPaths(gguf_engine, monkeypatch)
+    _staggered(gguf_engine, "q")
+    steps = both.one_call_steps
+    assert any(decodes == tokens > 1 for tokens, decodes, _ in steps)  # decode-only batches
+    assert any(decodes and spans for _, decodes, spans in steps)  # chunks beside decoding streams
+    assert any(spans > 1 for _, _, spans in steps)  # two prompts' chunks in one step
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_the_one_call_loop_equals_the_per_kernel_loop_on_other_weights(tmp_path, llm_engine, monkeypatch,
+                                                                       quantization):
+    """bf16 and int8 packed weights, and Qwen2's q/k/v biases, on a small random model."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    path = _save_tiny(tmp_path, llm_engine, Qwen2Config(**TINY))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():  # transformers starts biases at zero: make them count
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16", quantization=quantization, max_num_seqs=8,
+                                    max_num_batched_tokens=64, kv_cache_space_gib=0.1))
+    assert engine.model.layers[0].qkv.bias is not None
+    both = _BothPaths(engine, monkeypatch)
+    _staggered(engine, "w")
+    assert any(decodes and spans for _, decodes, spans in both.one_call_steps)
+
+
+def test_swapped_in_linears_and_fallbacks_take_the_forward_out_of_the_one_call_loop(gguf_engine, monkeypatch):
+    model = gguf_engine.model
+    calls = []
+    one_call = model.kernels.forward_layers
+    monkeypatch.setattr(model.kernels, "forward_layers", lambda layers, step: calls.append(step.tokens)
+                        or one_call(layers, step))
+    run_all(gguf_engine, _requests("s", [20], max_tokens=6))
+    assert calls  # the one-call loop ran
+
+    # large batches to the two-term oneDNN fallback: the one-call loop keeps the small ones only
+    layers = [lin for lw in model.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+    saved = [(lin.fallback, lin.max_kernel_rows) for lin in layers]
+    attach_two_term_fallbacks(layers, rows=4)
+    try:
+        calls.clear()
+        run_all(gguf_engine, _requests("f", [20, 5, 9], max_tokens=6))
+        assert calls and max(calls) <= 4
+    finally:
+        for lin, (fallback, rows) in zip(layers, saved):
+            lin.fallback, lin.max_kernel_rows = fallback, rows
+
+    # one projection swapped for its slow reference: every step goes through Python, which calls it
+    lw = model.layers[3]
+    packed, seen = lw.down, []
+    reference = ReferenceLinear(packed.quantized)
+    lw.down = lambda x: seen.append(x.shape[0]) or reference(x)
+    try:
+        calls.clear()
+        run_all(gguf_engine, _requests("t", [20], max_tokens=6))
+        assert not calls and seen
+    finally:
+        lw.down = packed
+    calls.clear()
+    run_all(gguf_engine, _requests("r", [12], max_tokens=2))
+    assert calls  # back in the loop once the layer is its packed self again
