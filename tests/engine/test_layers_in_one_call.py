@@ -92,6 +92,12 @@ def test_the_one_call_loop_equals_the_per_kernel_loop_on_other_weights(tmp_path,
     """bf16 and int8 packed weights, and Qwen2's q/k/v biases, on a small random model."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
+    from engine.quant import cache, calibration
+
+    monkeypatch.setattr(cache, "default_cache_dir", lambda: tmp_path)  # int8's weights cached here, not at home
+    monkeypatch.setattr(calibration, "DEFAULT_SEQUENCES", 4)  # int8's calibration, small: the loop is under
+    monkeypatch.setattr(calibration, "DEFAULT_LENGTH", 32)  # test here, not the rounding
+
     path = _save_tiny(tmp_path, llm_engine, Qwen2Config(**TINY))
     model = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():  # transformers starts biases at zero: make them count
@@ -102,6 +108,7 @@ def test_the_one_call_loop_equals_the_per_kernel_loop_on_other_weights(tmp_path,
     engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16", quantization=quantization, max_num_seqs=8,
                                     max_num_batched_tokens=64, kv_cache_space_gib=0.1))
     assert engine.model.layers[0].qkv.bias is not None
+    assert {lw.down.packed.fmt for lw in engine.model.layers} == {"i8" if quantization == "int8" else "bf16"}
     both = _BothPaths(engine, monkeypatch)
     _staggered(engine, "w")
     assert any(decodes and spans for _, decodes, spans in both.one_call_steps)
