@@ -37,6 +37,10 @@ class _LayerWeights:
     q_norm: torch.Tensor | None = None  # Qwen3: RMSNorm weights [D] over each head of q and of k
     k_norm: torch.Tensor | None = None
 
+    def linears(self) -> tuple[Linear | PackedLinear | ReferenceLinear, ...]:
+        """The layer's four projections, in forward order."""
+        return self.qkv, self.o, self.gate_up, self.down
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # transformers' LlamaRMSNorm arithmetic: normalise in fp32 (the fused kernel is bit-identical there),
@@ -126,12 +130,14 @@ class LlamaForCausalLM:
         """The layers' descriptors for the one-call loop, made again whenever a layer's weights, linears,
         fallbacks or activation mode have changed since they were made (tests swap in reference linears
         and attach fallbacks after load; a stale descriptor would run the old weights)."""
-        objects = [obj for lw in self.layers for obj in (
-            lw.input_norm, lw.post_norm, lw.q_norm, *[part for lin in (lw.qkv, lw.o, lw.gate_up, lw.down) for part in (
-                lin, getattr(lin, "packed", None), getattr(lin, "fallback", None))])]
-        settings = tuple(value for lw in self.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)
-                         for value in (getattr(lin, "max_kernel_rows", None) or 0, getattr(lin, "int8_activations", 0)))
-        state = tuple(map(id, objects)) + settings  # ids stay unique: ``objects`` is kept alive below
+        objects: list[object] = []
+        settings: list[int] = []
+        for lw in self.layers:
+            objects += (lw.input_norm, lw.post_norm, lw.q_norm)
+            for lin in lw.linears():
+                objects += (lin, getattr(lin, "packed", None), getattr(lin, "fallback", None))
+                settings += (getattr(lin, "max_kernel_rows", None) or 0, getattr(lin, "int8_activations", 0))
+        state = tuple(map(id, objects)) + tuple(settings)  # ids stay unique: ``objects`` is kept alive below
         if state != self._described[1]:
             self._layer_descs, self._one_call_max_rows = self._describe_layers()
             self._described = (objects, state)
@@ -141,7 +147,7 @@ class LlamaForCausalLM:
         """The layers' weights as cpu_forward.h's descriptors, and the most rows every projection's packed
         kernel takes (above it some go to oneDNN); None where some layer needs Python between the kernels
         (dense or reference linears, Qwen3's head norms, fp32)."""
-        linears = [lin for lw in self.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+        linears = [lin for lw in self.layers for lin in lw.linears()]
         if (self.kernels is None or self.dtype != torch.bfloat16 or any(lw.q_norm is not None for lw in self.layers)
                 or not all(isinstance(lin, PackedLinear) for lin in linears)):
             return None, 0
@@ -159,7 +165,7 @@ class LlamaForCausalLM:
 
     def projections(self) -> list[dict[str, Linear | PackedLinear | ReferenceLinear]]:
         """Per layer, each LoRA-targetable projection group (qkv, o, gate_up, down)."""
-        return [{"qkv": lw.qkv, "o": lw.o, "gate_up": lw.gate_up, "down": lw.down} for lw in self.layers]
+        return [dict(zip(("qkv", "o", "gate_up", "down"), lw.linears())) for lw in self.layers]
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         return PagedKVCache(self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim,
@@ -192,9 +198,10 @@ class LlamaForCausalLM:
         act = torch.empty(T, self.intermediate, dtype=x.dtype, device=x.device)
         a = torch.empty(T, H * D, dtype=x.dtype, device=x.device)  # attention output, reused by every layer
         scratch = self._attention_scratch(nd * H * meta.decode_max_len) if nd else None
-        if (self.layers_in_one_call and lora is None and (meta.prefill_spans is not None or not meta.prefills)
-                and self._layers_as_described() is not None and T <= self._one_call_max_rows):
-            down = self._layers_in_one_call(x, h, positions, meta, cache, scratch)
+        descs = (self._layers_as_described() if self.layers_in_one_call and lora is None
+                 and (meta.prefill_spans is not None or not meta.prefills) else None)
+        if descs is not None and T <= self._one_call_max_rows:
+            down = self._layers_in_one_call(descs, x, h, a, act, positions, meta, cache, scratch)
             return self._final_logits(x, down, logits_indices)
         kern.add_rms_norm(x, None, self.layers[0].input_norm, h, self.eps)
         for i, lw in enumerate(self.layers):
@@ -230,19 +237,18 @@ class LlamaForCausalLM:
         self.kernels.add_rms_norm(x, down, self.final_norm, h, self.eps)
         return self._logits(h)
 
-    def _layers_in_one_call(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                            cache: PagedKVCache, scratch: torch.Tensor | None) -> torch.Tensor:
+    def _layers_in_one_call(self, descs: ctypes.Array, x: torch.Tensor, h: torch.Tensor, attn: torch.Tensor,
+                            act: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache,
+                            scratch: torch.Tensor | None) -> torch.Tensor:
         """_forward_fused's layer loop as one C call (engine/kernels/cpu_forward.h: the same kernels in the
-        same order). x is updated in place; returns the last layer's down projection."""
-        assert self.kernels is not None and self._layer_descs is not None
+        same order), with its buffers: h, attn [T, H*D] and act [T, intermediate]. x is updated in place;
+        returns the last layer's down projection."""
+        assert self.kernels is not None
         T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        first = self.layers[0]
-        qkv = torch.empty(T, first.qkv.out_features, dtype=x.dtype)
-        attn = torch.empty(T, H * D, dtype=x.dtype)
+        qkv = torch.empty(T, self.layers[0].qkv.out_features, dtype=x.dtype)
         proj = torch.empty_like(x)
         gate_up = torch.empty(T, 2 * self.intermediate, dtype=x.dtype)
-        act = torch.empty(T, self.intermediate, dtype=x.dtype)
         kv = cache.kv
         step = ForwardStep(
             tokens=T, num_heads=H, num_kv_heads=Hkv, head_dim=D, hidden=x.shape[1], intermediate=self.intermediate,
@@ -263,7 +269,7 @@ class LlamaForCausalLM:
             assert tables is not None
             step.prefill_spans, step.num_spans = meta.prefill_spans.data_ptr(), meta.prefill_spans.shape[0]
             step.prefill_block_tables, step.prefill_max_blocks = tables.data_ptr(), tables.shape[1]
-        self.kernels.forward_layers(self._layer_descs, step)
+        self.kernels.forward_layers(descs, step)
         return proj
 
     def _norm_heads(self, qkv: torch.Tensor, lw: _LayerWeights) -> None:

@@ -124,7 +124,7 @@ def test_swapped_in_linears_and_fallbacks_take_the_forward_out_of_the_one_call_l
     assert calls  # the one-call loop ran
 
     # large batches to the two-term oneDNN fallback: the one-call loop keeps the small ones only
-    layers = [lin for lw in model.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+    layers = [lin for lw in model.layers for lin in lw.linears()]
     saved = [(lin.fallback, lin.max_kernel_rows) for lin in layers]
     attach_two_term_fallbacks(layers, rows=4)
     try:
