@@ -7,8 +7,9 @@ divergence and top-1 agreement of each mode's next-token distributions against t
 
 Shapes are the embedded model's projections (30 layers of qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536, and the 49152x576 head), so the bytes streamed per pass are those of one decode step.
-Bars: every format's one-row pass reaches at least 70% of the plain-read GB/s, measured in the same
-run; int8 perplexity within 1% of bf16's.
+Where the kernels have both fast paths (AVX512-BF16 dot products, fp32 FMAs), each exact format runs on
+both. Bars: every format's one-row pass, on its faster path, reaches at least 70% of the plain-read GB/s
+measured in the same run; int8 perplexity within 1% of bf16's.
 """
 
 from __future__ import annotations
@@ -59,14 +60,22 @@ def bandwidth_table(kern) -> tuple[list[dict], bool]:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) * 0.05 for n, k in SHAPES]
     rows_out = []
-    ok = True
-    formats = {  # name: (packing, int8 activations)
-        "bf16": (lambda w: pack_bf16(w.to(torch.bfloat16)), False),
-        "int8": (lambda w: pack_quantized(quantize_int8(w)), False),
-        "int4 (u4, groups of 32)": (lambda w: pack_quantized(quantize_int4(w)), False),
-        "int4 + int8 activations": (lambda w: pack_quantized(quantize_int4(w)), True),
+    packings = {
+        "bf16": lambda w: pack_bf16(w.to(torch.bfloat16)),
+        "int8": lambda w: pack_quantized(quantize_int8(w)),
+        "int4 (u4, groups of 32)": lambda w: pack_quantized(quantize_int4(w)),
     }
-    for name, (pack, int8_act) in formats.items():
+    # name: (packing, int8 activations, the linear path it runs on); bf16 activations on each fast path
+    # this build has (both are the start-up choice's candidates), int8 ones on their own VNNI path
+    paths = kern.linear_paths or (None,)
+    formats = {(f"{name} [{path}]" if len(paths) > 1 else name): (pack, False, path)
+               for name, pack in packings.items() for path in paths}
+    formats["int4 + int8 activations"] = (packings["int4 (u4, groups of 32)"], True, None)
+    one_row: dict[str, float] = {}  # format (less its path) -> best one-row share of a plain read
+    saved_path = kern.linear_path
+    for name, (pack, int8_act, path) in formats.items():
+        if path is not None:
+            kern.set_linear_path(path)
         packed = [pack(w) for w in weights]
         nbytes = sum(p.data.numel() for p in packed)
         buffer = torch.ones(nbytes // 8, dtype=torch.int64)
@@ -88,7 +97,11 @@ def bandwidth_table(kern) -> tuple[list[dict], bool]:
                    "ratio": read_t / kernel_t, "python_ms": python_t * 1e3}
             rows_out.append(row)
             if m == 1:
-                ok &= row["ratio"] >= 0.70
+                base = name.split(" [")[0]
+                one_row[base] = max(one_row.get(base, 0.0), row["ratio"])
+    if saved_path is not None:
+        kern.set_linear_path(saved_path)
+    ok = all(ratio >= 0.70 for ratio in one_row.values())  # each format, on its faster path
     # oneDNN on the same bf16 weights, for reference
     dense = [Linear(w.to(torch.bfloat16)) for w in weights]
     nbytes = sum(w.numel() * 2 for w in weights)
@@ -248,13 +261,14 @@ def main() -> int:
         print("no fused CPU kernels on this machine (no C compiler): nothing to measure")
         return 0
     model = cpu_model()
-    isa = {2: "AVX512-BF16"}.get(kern.linear_isa, "portable C")
+    isa = " and ".join({"dot": "AVX512-BF16 dot products", "fma": "fp32 FMAs"}[p] for p in kern.linear_paths)
+    isa = isa or "portable C"
     print(f"CPU: {model}; {kern.num_threads} threads; linear kernels: {isa}")
     table, bw_ok = bandwidth_table(kern)
-    print(f"{'format':26} {'rows':>4} {'MB':>6} {'ms':>7} {'GB/s':>6} {'read GB/s':>9} {'of read':>7} "
+    print(f"{'format':32} {'rows':>4} {'MB':>6} {'ms':>7} {'GB/s':>6} {'read GB/s':>9} {'of read':>7} "
           f"{'ms from Python':>14}")
     for r in table:
-        print(f"{r['format']:26} {r['rows']:>4} {r['mb']:>6.0f} {r['ms']:>7.2f} {r['gbps']:>6.1f} "
+        print(f"{r['format']:32} {r['rows']:>4} {r['mb']:>6.0f} {r['ms']:>7.2f} {r['gbps']:>6.1f} "
               f"{r['read_gbps']:>9.1f} {r['ratio']:>7.0%} {r['python_ms']:>14.2f}")
     checks = {"one-row passes reach >= 70% of the plain-read GB/s": bw_ok}
     attention = attention_table(kern)

@@ -31,11 +31,14 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_impl.h"), SOURCE.with_name("cpu_linear.h"),
-           SOURCE.with_name("cpu_prefill_attention.h"), SOURCE.with_name("cpu_forward.h"))  # the .c includes them
-ABI_VERSION = 7
+           SOURCE.with_name("cpu_prefill_attention.h"), SOURCE.with_name("cpu_forward.h"),
+           SOURCE.with_name("cpu_linear_fma.h"))  # the .c includes them
+ABI_VERSION = 8
 CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11"]
 NATIVE = "-march=native"  # this CPU's full instruction set (AVX-512 where it has it)
 DISABLE_ENV = "SPARK_NATIVE_KERNELS"
+# the linear kernels' fast paths, by their C enum value (cpu_linear.h): AVX512-BF16 dot products, fp32 FMAs
+LINEAR_PATHS = ("dot", "fma")
 
 _lock = threading.Lock()
 _loaded: CpuKernels | None = None
@@ -158,6 +161,13 @@ class CpuKernels:
         self._read_sum.restype = ctypes.c_uint64
         # 2: AVX512-BF16 dot products; 0: the portable C path only (correct everywhere, slower)
         self.linear_isa = lib.spark_linear_isa()
+        # the fast paths for bf16 activations this build has ("dot": AVX512-BF16, "fma": fp32 FMAs on AVX-512F)
+        paths = lib.spark_linear_paths()
+        self.linear_paths = tuple(name for bit, name in enumerate(LINEAR_PATHS) if paths >> bit & 1)
+        self._set_linear_path = lib.spark_linear_set_path
+        self._set_linear_path.argtypes = [_INT]
+        self._set_linear_path.restype = _INT
+        self.linear_path = LINEAR_PATHS[self._set_linear_path(-1)] if self.linear_paths else None
         # int8 activations against 4-bit weights have a VNNI path here (else they run on portable C)
         self.int8_activations_fast = bool(lib.spark_linear_int8_act_fast())
         self._count_top_ties = lib.count_top_ties
@@ -170,6 +180,13 @@ class CpuKernels:
         self._apply_token_bitmask.argtypes = [_P, _I64, _P, _I64, _P, _I64]
         self._apply_token_bitmask.restype = None
         self.num_threads = torch.get_num_threads()
+
+    def set_linear_path(self, path: str) -> None:
+        """Which fast path every later linear call runs (one of ``linear_paths``): a process-wide choice,
+        made at start by timing both (engine/models/weights.py)."""
+        if path not in self.linear_paths:
+            raise ValueError(f"linear path {path!r} is not in this build (it has: {', '.join(self.linear_paths)})")
+        self.linear_path = LINEAR_PATHS[self._set_linear_path(LINEAR_PATHS.index(path))]
 
     def supports(self, dtype: torch.dtype, head_dim: int, group: int) -> bool:
         return dtype in (torch.bfloat16, torch.float32) and head_dim <= self.max_head_dim and group <= self.max_group

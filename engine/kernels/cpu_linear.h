@@ -21,8 +21,11 @@
  * Exactness: x is bf16 and the codes are small integers, both exact in bf16, so with AVX512-BF16
  * each product x * q is exact in fp32 and the scale is applied to the group's fp32 sum:
  * sum x (d q + m) = d * sum x q + m * sum x. The result equals dequantize-to-fp32-then-matmul up
- * to the order of fp32 additions. Where the CPU has no AVX512-BF16, the same arithmetic runs in
- * plain C (vectorised by the compiler for the machine's own instruction set).
+ * to the order of fp32 additions. A second fast path (cpu_linear_fma.h) widens the stored values to
+ * fp32 and uses fp32 FMAs instead of bf16 dot products: the start-up measurement picks it where it
+ * is faster (CPUs whose vdpbf16ps issues slowly) and it is the fast path where AVX-512F has no BF16.
+ * Without AVX-512 the same arithmetic runs in plain C (vectorised by the compiler for the machine's
+ * own instruction set).
  */
 
 #define TILE_N 16
@@ -218,11 +221,7 @@ static void quantize_row_q8(const uint16_t *xr, int64_t K, int8_t *xq, float *xs
 
 /* What the u4 kernels need of row r before any tile: its group sums (the min term), and with int8
  * activations its codes and block info. */
-static inline void prepare_row(const uint16_t *x, int64_t r, int64_t ldx, int64_t K, int64_t G, float *sums, int8_t *xq,
-                               float *xs) {
-    group_sums_row(x + r * ldx, K, G, sums + r * (K / G));
-    if (xq) quantize_row_q8(x + r * ldx, K, xq + r * K, xs + r * (K / QBLOCK) * QFIELDS);
-}
+
 
 static void tile_generic_q8(const int8_t *xq, const float *xs, int64_t r0, int64_t r1, int64_t K, const uint8_t *tile,
                             int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy,
@@ -676,6 +675,30 @@ static void tiles_q8_fast(int NT, const int8_t *xq, const float *xs, int64_t r0,
 #define LINEAR_ISA 0
 #endif
 
+#include "cpu_linear_fma.h"
+
+/* Which fast path runs the linears (bf16 activations): AVX512-BF16 dot products or fp32 FMAs. One
+ * choice for the process, made at start by timing both (spark_linear_set_path). */
+/* What the kernels need of row r before any tile: u4 weights its group sums (the min term); int8
+ * activations its codes and block info; the FMA path the row in fp32. */
+static inline void prepare_row(const uint16_t *x, int64_t r, int64_t ldx, int64_t K, int64_t G, float *sums, int8_t *xq,
+                               float *xs, float *xf) {
+    if (sums) group_sums_row(x + r * ldx, K, G, sums + r * (K / G));
+    if (xq) quantize_row_q8(x + r * ldx, K, xq + r * K, xs + r * (K / QBLOCK) * QFIELDS);
+#if defined(LINEAR_FMA)
+    if (xf) widen_row(x + r * ldx, K, xf + r * K);
+#else
+    (void)xf;
+#endif
+}
+
+enum { LINEAR_PATH_DOT = 0, LINEAR_PATH_FMA = 1 };
+#if LINEAR_ISA == 2
+static int linear_path = LINEAR_PATH_DOT;
+#else
+static int linear_path = LINEAR_PATH_FMA;
+#endif
+
 /* y = x @ W^T (+ bias) for one packed weight. x: bf16 [M, K] with row stride ldx; y: [M, N] bf16
  * (or fp32 when y_f32) with row stride ldy. K must be a multiple of G, and G of 32 (u4) or 2.
  * act_int8 (u4 weights only): x is quantized to int8 per block of 32 first (see quantize_row_q8). */
@@ -684,13 +707,22 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                   int num_threads) {
     const int64_t tiles = (N + TILE_N - 1) / TILE_N;
     const int64_t tile_bytes = (K / G) * tile_group_bytes(fmt, G);
-    float *sums = NULL, *xs = NULL;
+    float *sums = NULL, *xs = NULL, *xf = NULL;
     int8_t *xq = NULL;
     act_int8 = act_int8 && fmt == WFMT_U4;
     if (fmt == WFMT_U4) {
         sums = (float *)malloc((size_t)(M * (K / G)) * sizeof(float));
         if (!sums) return;
     }
+#if defined(LINEAR_FMA)
+    if (!portable && !act_int8 && linear_path == LINEAR_PATH_FMA) {
+        xf = (float *)malloc((size_t)(M * K) * sizeof(float));
+        if (!xf) {
+            free(sums);
+            return;
+        }
+    }
+#endif
     if (act_int8) {
         xq = (int8_t *)malloc((size_t)(M * K));
         xs = (float *)malloc((size_t)(M * (K / QBLOCK) * QFIELDS) * sizeof(float));
@@ -702,14 +734,14 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
     /* A few rows' group sums (and int8 codes) here; many rows' split between the threads below (a
      * barrier's worth of time is more than a few rows take, and decode steps call this ~120 times). */
     const int prep_here = M <= 4;
-    for (int64_t r = 0; sums && prep_here && r < M; r++) prepare_row(x, r, ldx, K, G, sums, xq, xs);
+    for (int64_t r = 0; (sums || xf) && prep_here && r < M; r++) prepare_row(x, r, ldx, K, G, sums, xq, xs, xf);
     /* Few tiles (small N) are not worth a second thread's wake-up. */
     const int threads = tiles * M < 8 ? 1 : num_threads;
 #pragma omp parallel num_threads(threads)
     {
-    if (sums && !prep_here) {
+    if ((sums || xf) && !prep_here) {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < M; r++) prepare_row(x, r, ldx, K, G, sums, xq, xs);
+        for (int64_t r = 0; r < M; r++) prepare_row(x, r, ldx, K, G, sums, xq, xs, xf);
     }
     for (int64_t c0 = 0; c0 < M; c0 += ROW_CHUNK) {
         const int64_t c1 = c0 + ROW_CHUNK < M ? c0 + ROW_CHUNK : M;
@@ -731,6 +763,17 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                 tile_generic_q8(xq, xs, c0, c1, K, w + t * tile_bytes, G, sums, bias, t * TILE_N, N, y, ldy, y_f32);
             continue;
         }
+#if defined(LINEAR_FMA)
+        if (xf) {
+#pragma omp for schedule(static)
+            for (int64_t t2 = 0; t2 < (tiles + 1) / 2; t2++) {
+                const int64_t t = 2 * t2;
+                tiles_fma(fmt, xf, c0, c1, K, w + t * tile_bytes, t + 1 < tiles ? w + (t + 1) * tile_bytes : NULL, G,
+                          sums, bias, t * TILE_N, N, y, ldy, y_f32);
+            }
+            continue;
+        }
+#endif
 #if LINEAR_ISA == 2
         if (!portable && c1 - c0 >= (fmt == WFMT_I8 ? 2 * PAIR_ROWS : PAIR_ROWS) && tiles >= 2) {
             const int64_t pairs = tiles / 2;
@@ -762,6 +805,7 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
     free(sums);
     free(xq);
     free(xs);
+    free(xf);
 }
 
 /* Several linears back to back in one call: `count` descriptors of 13 int64 each, spark_linear's
@@ -787,6 +831,24 @@ int spark_linear_int8_act_fast(void) {
 
 /* Which fast path this build has: 2 = AVX512-BF16, 0 = portable C only. */
 int spark_linear_isa(void) { return LINEAR_ISA; }
+
+/* The fast paths this build has, as bits: 1 << LINEAR_PATH_DOT (AVX512-BF16), 1 << LINEAR_PATH_FMA (AVX-512F). */
+int spark_linear_paths(void) {
+    int paths = 0;
+#if LINEAR_ISA == 2
+    paths |= 1 << LINEAR_PATH_DOT;
+#endif
+#if defined(LINEAR_FMA)
+    paths |= 1 << LINEAR_PATH_FMA;
+#endif
+    return paths;
+}
+
+/* Chooses the path for every later call (one the build has; else nothing changes). Returns the path now. */
+int spark_linear_set_path(int path) {
+    if (path >= 0 && path <= LINEAR_PATH_FMA && (spark_linear_paths() >> path & 1)) linear_path = path;
+    return linear_path;
+}
 
 /* Sum of every 64-bit word of a buffer, split between the threads: the plain-read bandwidth that
  * bench_kernels.py compares the linear kernels against. */

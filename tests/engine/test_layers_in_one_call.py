@@ -77,9 +77,18 @@ def gguf_engine() -> LLMEngine:
                                   kv_cache_space_gib=0.25))
 
 
-def test_the_one_call_loop_equals_the_per_kernel_loop_on_four_bit_blocks(gguf_engine, monkeypatch):
+@pytest.mark.parametrize("path", ["dot", "fma"])
+def test_the_one_call_loop_equals_the_per_kernel_loop_on_four_bit_blocks(gguf_engine, monkeypatch, path):
+    """On each of the linear kernels' fast paths (AVX512-BF16 dot products, fp32 FMAs)."""
+    if path not in kernels.linear_paths:
+        pytest.skip(f"this build has no {path!r} path")
+    saved = kernels.linear_path
+    kernels.set_linear_path(path)
     both = _BothPaths(gguf_engine, monkeypatch)
-    _staggered(gguf_engine, "q")
+    try:
+        _staggered(gguf_engine, "q" + path)
+    finally:
+        kernels.set_linear_path(saved)
     steps = both.one_call_steps
     assert any(decodes == tokens > 1 for tokens, decodes, _ in steps)  # decode-only batches
     assert any(decodes and spans for _, decodes, spans in steps)  # chunks beside decoding streams

@@ -7,6 +7,9 @@ machine's fast path and on the portable C path, which CPUs without AVX512-BF16 u
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+
 import pytest
 import torch
 
@@ -51,9 +54,29 @@ def _weights(kind: str, n: int, k: int, gen: torch.Generator) -> tuple[object, t
     return pack_quantized(q), q.dequantize()
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+@contextmanager
+def linear_path(path: str) -> Iterator[None]:
+    """Runs the block on one of the kernels' fast paths (a process-wide choice), then restores the one before."""
+    if path not in kernels.linear_paths:
+        pytest.skip(f"this build has no {path!r} path (it has: {kernels.linear_paths})")
+    saved = kernels.linear_path
+    kernels.set_linear_path(path)
+    try:
+        yield
+    finally:
+        kernels.set_linear_path(saved)
+
+
+@pytest.mark.parametrize("path", ["dot", "fma", "portable"])
 @pytest.mark.parametrize("kind", ["bf16", "i8", "u4"])
-def test_kernel_equals_dequantize_then_matmul(kind: str, portable: bool) -> None:
+def test_kernel_equals_dequantize_then_matmul(kind: str, path: str) -> None:
+    """Each fast path (AVX512-BF16 dot products, fp32 FMAs) and the portable C one."""
+    portable = path == "portable"
+    with nullcontext() if portable else linear_path(path):
+        _check_kernel_against_reference(kind, portable)
+
+
+def _check_kernel_against_reference(kind: str, portable: bool) -> None:
     gen = torch.Generator().manual_seed(7)
     for m, k, n in SHAPES:
         packed, w = _weights(kind, n, k, gen)
@@ -272,3 +295,45 @@ def test_no_fallback_probe_without_a_matrix_unit(monkeypatch) -> None:
     layers = [builder.build([f"l{i}"], [torch.randn(64, 128, generator=gen)], None) for i in range(2)]
     builder.tune()
     assert all(lin.fallback is None for lin in layers)
+
+
+def test_the_linear_path_is_not_ignored() -> None:
+    """Setting the path changes which kernel runs: the two sum in different orders, so a wide product
+    differs in its last bits somewhere (and each stays within the reference's tolerance above)."""
+    if len(kernels.linear_paths) < 2:
+        pytest.skip("one fast path in this build")
+    gen = torch.Generator().manual_seed(3)
+    packed, _ = _weights("bf16", 960, 576, gen)
+    x = (torch.randn(13, 576, generator=gen) * 2).to(torch.bfloat16)
+    outs = {}
+    for path in ("dot", "fma"):
+        with linear_path(path):
+            outs[path] = kernels.linear(x, packed, None, torch.empty(13, 960))
+            assert kernels.linear_path == path
+    assert not torch.equal(outs["dot"], outs["fma"])
+    with pytest.raises(ValueError, match="not in this build"):
+        kernels.set_linear_path("amx")
+
+
+@pytest.mark.parametrize("faster", ["dot", "fma"])
+def test_start_up_keeps_the_faster_linear_path(monkeypatch, faster: str) -> None:
+    """The start-up choice follows the timings (here made up: the path named ``faster`` takes half the
+    time), and the fp32 FMA path must win by the margin to replace the default."""
+    if len(kernels.linear_paths) < 2:
+        pytest.skip("one fast path in this build")
+    gen = torch.Generator().manual_seed(5)
+    layers = [PackedLinear(_weights("u4", 96, 64, gen)[0], None, kernels) for _ in range(2)]
+    monkeypatch.setattr(weights_module, "_best_time",
+                        lambda fn, reps=5: 1.0 if kernels.linear_path == faster else 2.0)
+    saved = kernels.linear_path
+    try:
+        phrase = weights_module.choose_linear_path(layers)
+        assert kernels.linear_path == faster
+        assert ("fp32 FMAs (" if faster == "fma" else "AVX512-BF16 dot products (") in phrase
+        # within the margin the default stays
+        monkeypatch.setattr(weights_module, "_best_time",
+                            lambda fn, reps=5: 1.0 if kernels.linear_path == "fma" else 1.02)
+        weights_module.choose_linear_path(layers)
+        assert kernels.linear_path == "dot"
+    finally:
+        kernels.set_linear_path(saved)

@@ -1,0 +1,184 @@
+/* The packed linears on fp32 FMAs (AVX-512F): the AVX512-BF16 path's arithmetic with each stored value
+ * widened to fp32 in registers and multiplied by fp32 FMAs instead of bf16 pair dot products.
+ *
+ * Why a second path: the dot product's rate differs by CPU. Measured per core, 16 independent chains:
+ *   AMD EPYC (Zen 4):                vdpbf16ps twice the fp32 FMA rate (64 products an instruction) -> dot
+ *   Intel Xeon (family 6 model 207): vdpbf16ps 78 GFLOP/s, vfmadd231ps 158, vpdpbusd 409 GOP/s    -> fma
+ * so on that Xeon a 32-row pass of the bf16 kernel ran at ~65 GFLOP/s a core. Which path runs is chosen
+ * at start by timing both (spark_linear_set_path, engine/models/weights.py); CPUs with AVX-512F but no
+ * AVX512-BF16 get this path instead of portable C.
+ *
+ * Exactness is the dot path's: x is bf16 and each stored value (bf16, a 4-bit code, an int8 code) is
+ * exact in fp32, so every product x * w is exact and only the order of fp32 additions differs from
+ * dequantize-to-fp32-then-matmul. x is widened to fp32 once per call (xf), so each FMA takes its input
+ * as an embedded broadcast from memory: a load, not an ALU slot.
+ *
+ * Stored values to fp32, per 16 outputs of one input (the packed layouts of cpu_linear.h):
+ *   bf16: a pair-row's 32-bit lane holds inputs (2j, 2j+1): << 16 and & 0xffff0000.
+ *   u4:   a chunk of 32 bytes, zero-extended per 16-bit pair to 32-bit lanes, holds four inputs as the
+ *         nibbles at bits 0, 8, 4, 12; vpermps with a 16-entry table of 0..15 reads only an index's low
+ *         four bits, so each is one shift and one permute.
+ *   i8:   a pair-row's 32 codes sign-extended to 16 bits, then split per 32-bit lane and converted.
+ */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define LINEAR_FMA 1
+
+/* Independent accumulators per (row, tile) so that a pass keeps >= 8 chains in flight (FMA latency 4,
+ * two a cycle) and at most 16 accumulators in registers. */
+#define FMA_CHAINS(RB, NT) ((RB) * (NT) >= 8 ? 1 : (RB) * (NT) >= 4 ? 2 : 4)
+
+/* RB rows (1..8) of xf against NT adjacent tiles (1 or 2), over all of K. A group's partial sums stay
+ * in registers; the running sums are folded once per group, with the group's scale (and min). */
+static inline __attribute__((always_inline)) void fma_block(
+    const int RB, const int NT, int fmt, const float *xf, int64_t r0, int64_t K, const uint8_t *tile0,
+    const uint8_t *tile1, int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy,
+    int y_f32) {
+    const int CH = FMA_CHAINS(RB, NT);
+    const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
+    const uint8_t *tiles[2] = {tile0, tile1};
+    const float *xr[ROWS_PER_PASS];
+    __m512 part[ROWS_PER_PASS][2][4];
+    float acc[ROWS_PER_PASS][2][TILE_N] __attribute__((aligned(64)));
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; r++) {
+        xr[r] = xf + (r0 + r) * K;
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; t++) _mm512_store_ps(acc[r][t], _mm512_setzero_ps());
+    }
+    const __m512 code_f32 = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
+    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t k0 = g * G;
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; r++)
+#pragma GCC unroll 2
+            for (int t = 0; t < NT; t++)
+#pragma GCC unroll 4
+                for (int c = 0; c < CH; c++) part[r][t][c] = _mm512_setzero_ps();
+        if (fmt == WFMT_U4) {
+            for (int64_t b = 0; b < G / 32; b++) {
+                const int64_t kb = k0 + b * 32;
+#pragma GCC unroll 2
+                for (int c = 0; c < 8; c++) {
+                    __m512i v[2];
+#pragma GCC unroll 2
+                    for (int t = 0; t < NT; t++)
+                        v[t] = _mm512_cvtepu16_epi32(
+                            _mm256_loadu_si256((const __m256i *)(tiles[t] + g * gbytes + b * 256 + c * 32)));
+                    /* the four inputs in this chunk, one at a time (two weight vectors live, not eight) */
+                    const int64_t kk[4] = {kb + 2 * c, kb + 2 * c + 1, kb + 16 + 2 * c, kb + 17 + 2 * c};
+                    const int shift[4] = {0, 8, 4, 12};
+#pragma GCC unroll 4
+                    for (int q = 0; q < 4; q++) {
+                        __m512 w[2];
+#pragma GCC unroll 2
+                        for (int t = 0; t < NT; t++)
+                            w[t] = _mm512_permutexvar_ps(q ? _mm512_srli_epi32(v[t], shift[q]) : v[t], code_f32);
+#pragma GCC unroll 8
+                        for (int r = 0; r < RB; r++) {
+                            const __m512 xv = _mm512_set1_ps(xr[r][kk[q]]);
+#pragma GCC unroll 2
+                            for (int t = 0; t < NT; t++)
+                                part[r][t][q % CH] = _mm512_fmadd_ps(w[t], xv, part[r][t][q % CH]);
+                        }
+                    }
+                }
+            }
+        } else {
+            for (int64_t j = 0; j < G / 2; j++) {
+                __m512 w[2][2];
+#pragma GCC unroll 2
+                for (int t = 0; t < NT; t++) {
+                    const uint8_t *blk = tiles[t] + g * gbytes;
+                    if (fmt == WFMT_BF16) {
+                        const __m512i v = _mm512_loadu_si512(blk + j * 64);
+                        w[t][0] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                        w[t][1] = _mm512_castsi512_ps(_mm512_and_si512(v, high_half));
+                    } else {
+                        const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + j * 32)));
+                        w[t][0] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 16));
+                        w[t][1] = _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 16));
+                    }
+                }
+                const int c0 = (int)((2 * j) % CH), c1 = (int)((2 * j + 1) % CH);
+#pragma GCC unroll 8
+                for (int r = 0; r < RB; r++) {
+                    const __m512 x0 = _mm512_set1_ps(xr[r][k0 + 2 * j]), x1 = _mm512_set1_ps(xr[r][k0 + 2 * j + 1]);
+#pragma GCC unroll 2
+                    for (int t = 0; t < NT; t++) {
+                        part[r][t][c0] = _mm512_fmadd_ps(w[t][0], x0, part[r][t][c0]);
+                        part[r][t][c1] = _mm512_fmadd_ps(w[t][1], x1, part[r][t][c1]);
+                    }
+                }
+            }
+        }
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; t++) {
+            const uint8_t *blk = tiles[t] + g * gbytes;
+            __m512 d = _mm512_setzero_ps(), m = _mm512_setzero_ps();
+            if (fmt == WFMT_U4) {
+                d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + G * TILE_N / 2)));
+                m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + G * TILE_N / 2 + 32)));
+            } else if (fmt == WFMT_I8) {
+                d = _mm512_loadu_ps((const float *)(blk + G * TILE_N));
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < RB; r++) {
+                __m512 s = part[r][t][0];
+#pragma GCC unroll 4
+                for (int c = 1; c < CH; c++) s = _mm512_add_ps(s, part[r][t][c]);
+                __m512 a = _mm512_load_ps(acc[r][t]);
+                if (fmt == WFMT_BF16) {
+                    a = _mm512_add_ps(a, s);
+                } else {
+                    a = _mm512_fmadd_ps(s, d, a);
+                    if (fmt == WFMT_U4) a = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[(r0 + r) * groups + g]), a);
+                }
+                _mm512_store_ps(acc[r][t], a);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; r++)
+#pragma GCC unroll 2
+        for (int t = 0; t < NT; t++)
+            store_acc(_mm512_load_ps(acc[r][t]), bias, n0 + t * TILE_N, N, y, ldy, r0 + r, y_f32);
+}
+
+#define FMA_BLOCK_CASES(NT)                                                                                        \
+    switch (r1 - r) {                                                                                            \
+    case 7: fma_block(7, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32); break;           \
+    case 6: fma_block(6, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32); break;           \
+    case 5: fma_block(5, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32); break;           \
+    case 4: fma_block(4, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32); break;           \
+    case 3: fma_block(3, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32); break;           \
+    case 2: fma_block(2, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32); break;           \
+    case 1: fma_block(1, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32); break;           \
+    default: break;                                                                                              \
+    }
+
+/* Rows [r0, r1) against one tile (tile1 NULL) or two adjacent ones: 8 rows a pass, then the rest. */
+static void tiles_fma(int fmt, const float *xf, int64_t r0, int64_t r1, int64_t K, const uint8_t *tile0,
+                      const uint8_t *tile1, int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N,
+                      void *y, int64_t ldy, int y_f32) {
+    int64_t r = r0;
+    if (tile1) {
+        for (; r + ROWS_PER_PASS <= r1; r += ROWS_PER_PASS)
+            fma_block(ROWS_PER_PASS, 2, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32);
+        FMA_BLOCK_CASES(2)
+    } else {
+        for (; r + ROWS_PER_PASS <= r1; r += ROWS_PER_PASS)
+            fma_block(ROWS_PER_PASS, 1, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32);
+        FMA_BLOCK_CASES(1)
+    }
+}
+#undef FMA_BLOCK_CASES
+
+/* Row r of x widened to fp32. */
+static inline void widen_row(const uint16_t *xr, int64_t K, float *out) {
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) _mm512_storeu_ps(out + k, load16_bf16(xr + k));
+    for (; k < K; k++) out[k] = bf16_to_f32(xr[k]);
+}
+#endif
