@@ -17,6 +17,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,6 +41,7 @@ NATIVE = "-march=native"  # this CPU's full instruction set (AVX-512 where it ha
 DISABLE_ENV = "SPARK_NATIVE_KERNELS"
 # the linear kernels' fast paths, by their C enum value (cpu_linear.h): AVX512-BF16 dot products, fp32 FMAs
 LINEAR_PATHS = ("dot", "fma")
+LINEAR_PATH_NAMES = {"dot": "AVX512-BF16 dot products", "fma": "fp32 FMAs"}  # for logs and tables
 
 _lock = threading.Lock()
 _loaded: CpuKernels | None = None
@@ -187,6 +190,16 @@ class CpuKernels:
         if path not in self.linear_paths:
             raise ValueError(f"linear path {path!r} is not in this build (it has: {', '.join(self.linear_paths)})")
         self.linear_path = LINEAR_PATHS[self._set_linear_path(LINEAR_PATHS.index(path))]
+
+    @contextmanager
+    def on_linear_path(self, path: str) -> Iterator[None]:
+        """Runs the block on one fast path, then restores the path chosen before (benchmarks, tests)."""
+        saved = self.linear_path
+        self.set_linear_path(path)
+        try:
+            yield
+        finally:
+            self.set_linear_path(saved)
 
     def supports(self, dtype: torch.dtype, head_dim: int, group: int) -> bool:
         return dtype in (torch.bfloat16, torch.float32) and head_dim <= self.max_head_dim and group <= self.max_group

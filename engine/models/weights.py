@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kernels import CpuKernels
+from engine.kernels import LINEAR_PATH_NAMES, CpuKernels
 from engine.models.linear import Linear, PackedLinear, ReferenceLinear, TwoTermBf16Linear
 from engine.quant.formats import QuantizedWeight, concat, quantize_int4, quantize_int8
 from engine.quant.gptq import quantize_int8_gptq
@@ -47,7 +47,6 @@ _QUANTIZED_ROW_PROBES = (1, 4, 16, 64, 256, 512)
 _QUANTIZED_FALLBACK_MARGIN = 1.25
 _PATH_PROBE_ROWS = (1, 8, 32)
 _PATH_MARGIN = 1.05
-_PATH_NAMES = {"dot": "AVX512-BF16 dot products", "fma": "fp32 FMAs"}
 
 AnyLinear = Linear | PackedLinear | ReferenceLinear
 
@@ -241,26 +240,21 @@ def choose_linear_path(packed: list[PackedLinear], margin: float = _PATH_MARGIN)
     if not paths:
         return "linear kernels: portable C"
     if len(paths) == 1:
-        return f"linear kernels: {_PATH_NAMES[kern.linear_path]}"
+        return f"linear kernels: {LINEAR_PATH_NAMES[kern.linear_path]}"
     layers, _ = _split_repeated(packed)
     probe = max(layers or packed, key=lambda lin: lin.out_features * lin.in_features)
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(rows, probe.in_features, generator=gen).to(torch.bfloat16) for rows in _PATH_PROBE_ROWS]
     best = {path: [float("inf")] * len(inputs) for path in ("dot", "fma")}
-    try:
-        for _ in range(5):
-            for path in ("dot", "fma"):
-                kern.set_linear_path(path)
+    for _ in range(5):
+        for path in ("dot", "fma"):
+            with kern.on_linear_path(path):
                 for i, x in enumerate(inputs):
                     best[path][i] = min(best[path][i], _best_time(lambda: kern.linear(x, probe.packed), reps=3))
-    finally:
-        kern.set_linear_path("dot")
-    dot, fma = sum(best["dot"]), sum(best["fma"])
-    if fma * margin < dot:
-        kern.set_linear_path("fma")
+    kern.set_linear_path("fma" if sum(best["fma"]) * margin < sum(best["dot"]) else "dot")
     times = ", ".join(f"{rows} rows {d * 1e3:.2f} / {f * 1e3:.2f} ms"
                       for rows, d, f in zip(_PATH_PROBE_ROWS, best["dot"], best["fma"]))
-    return (f"linear kernels: {_PATH_NAMES[kern.linear_path]} (largest projection, AVX512-BF16 dot / fp32 FMA: "
+    return (f"linear kernels: {LINEAR_PATH_NAMES[kern.linear_path]} (largest projection, AVX512-BF16 dot / fp32 FMA: "
             f"{times})")
 
 

@@ -82,13 +82,9 @@ def test_the_one_call_loop_equals_the_per_kernel_loop_on_four_bit_blocks(gguf_en
     """On each of the linear kernels' fast paths (AVX512-BF16 dot products, fp32 FMAs)."""
     if path not in kernels.linear_paths:
         pytest.skip(f"this build has no {path!r} path")
-    saved = kernels.linear_path
-    kernels.set_linear_path(path)
     both = _BothPaths(gguf_engine, monkeypatch)
-    try:
+    with kernels.on_linear_path(path):
         _staggered(gguf_engine, "q" + path)
-    finally:
-        kernels.set_linear_path(saved)
     steps = both.one_call_steps
     assert any(decodes == tokens > 1 for tokens, decodes, _ in steps)  # decode-only batches
     assert any(decodes and spans for _, decodes, spans in steps)  # chunks beside decoding streams

@@ -59,12 +59,8 @@ def linear_path(path: str) -> Iterator[None]:
     """Runs the block on one of the kernels' fast paths (a process-wide choice), then restores the one before."""
     if path not in kernels.linear_paths:
         pytest.skip(f"this build has no {path!r} path (it has: {kernels.linear_paths})")
-    saved = kernels.linear_path
-    kernels.set_linear_path(path)
-    try:
+    with kernels.on_linear_path(path):
         yield
-    finally:
-        kernels.set_linear_path(saved)
 
 
 @pytest.mark.parametrize("path", ["dot", "fma", "portable"])
@@ -325,8 +321,7 @@ def test_start_up_keeps_the_faster_linear_path(monkeypatch, faster: str) -> None
     layers = [PackedLinear(_weights("u4", 96, 64, gen)[0], None, kernels) for _ in range(2)]
     monkeypatch.setattr(weights_module, "_best_time",
                         lambda fn, reps=5: 1.0 if kernels.linear_path == faster else 2.0)
-    saved = kernels.linear_path
-    try:
+    with kernels.on_linear_path(kernels.linear_path):  # whatever it chooses is undone after
         phrase = weights_module.choose_linear_path(layers)
         assert kernels.linear_path == faster
         assert ("fp32 FMAs (" if faster == "fma" else "AVX512-BF16 dot products (") in phrase
@@ -335,5 +330,3 @@ def test_start_up_keeps_the_faster_linear_path(monkeypatch, faster: str) -> None
                             lambda fn, reps=5: 1.0 if kernels.linear_path == "fma" else 1.02)
         weights_module.choose_linear_path(layers)
         assert kernels.linear_path == "dot"
-    finally:
-        kernels.set_linear_path(saved)

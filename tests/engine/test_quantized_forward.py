@@ -107,12 +107,8 @@ def test_gguf_greedy_equals_the_reference_forward(gguf_engine, reference_answers
     assert not any(lw.down.int8_activations for lw in gguf_engine.model.layers)  # bf16 activations by default
     if path not in kernels.linear_paths:
         pytest.skip(f"this build has no {path!r} path")
-    saved = kernels.linear_path
-    kernels.set_linear_path(path)
-    try:
+    with kernels.on_linear_path(path):
         _assert_greedy_agrees(run_all(gguf_engine, _greedy_requests()), reference_answers)
-    finally:
-        kernels.set_linear_path(saved)
 
 
 def test_gguf_greedy_through_the_two_term_fallback_equals_the_reference_forward(reference_answers):
