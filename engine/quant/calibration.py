@@ -69,7 +69,7 @@ def sample_tokens(model: torch.nn.Module, tokenizer, sequences: int = DEFAULT_SE
     gen = torch.Generator().manual_seed(seed)
     rows = [ids]
     with torch.inference_mode():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         for step in range(length):
             probs = torch.softmax(out.logits[:, -1].float(), dim=-1)
             ids = torch.multinomial(probs, 1, generator=gen)
@@ -90,11 +90,14 @@ def input_second_moments(model: torch.nn.Module, tokens: torch.Tensor,
     mask = torch.ones_like(tokens) if mask is None else mask
     keep = mask.reshape(-1).bool()
     sums: dict[str, torch.Tensor] = {}
+    last: list = [None, None]  # the input last measured and its x^T x: q/k/v and gate/up read one tensor
 
     def record(name: str):
         def hook(module, inputs, output) -> None:
-            x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])[keep]
-            sums[name] = sums[name] + x.T @ x if name in sums else x.T @ x
+            if inputs[0] is not last[0]:
+                x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])[keep]
+                last[:] = [inputs[0], x.T @ x]
+            sums[name] = sums[name] + last[1] if name in sums else last[1].clone()
         return hook
 
     handles = [module.register_forward_hook(record(f"{name}.weight"))
@@ -103,6 +106,7 @@ def input_second_moments(model: torch.nn.Module, tokens: torch.Tensor,
         with torch.inference_mode():
             model(input_ids=tokens, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_(min=0))
     finally:
+        last[:] = [None, None]
         for handle in handles:
             handle.remove()
     count = int(keep.sum())

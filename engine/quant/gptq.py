@@ -47,16 +47,18 @@ def quantize_int8_gptq(weight: torch.Tensor, hessian: torch.Tensor, damp: float 
     for start in range(0, cols, _BLOCK):
         end = min(start + _BLOCK, cols)
         block = w_t[start:end].clone()
-        errors = torch.empty_like(block)
+        codes = codes_t[start:end]
+        errors = torch.empty_like(block)  # unscaled (w - q * step); divided by the pivots once per block
         local = spread[start:end, start:end]
-        pivots = torch.diag(local).tolist()
+        inverse_pivots = (1.0 / torch.diag(local)).tolist()
+        # Five tensor ops a column: this loop runs once per input of every linear, so its op count is
+        # int8's start-up time.
         for i in range(end - start):
-            column = block[i]
-            q = torch.round(column / step).clamp_(-127, 127)
-            codes_t[start + i] = q
-            err = errors[i]
-            torch.sub(column, q.mul_(step), out=err).div_(pivots[i])
-            block[i:].addr_(local[i, i:], err, alpha=-1.0)
+            q = torch.div(block[i], step, out=codes[i]).round_().clamp_(-127, 127)
+            err = torch.addcmul(block[i], q, step, value=-1.0, out=errors[i])
+            block[i + 1:].addr_(local[i, i + 1:], err, alpha=-inverse_pivots[i])
+        errors.mul_(torch.diag(local).reciprocal().unsqueeze(1))
         w_t[end:].addmm_(spread[start:end, end:].t(), errors, alpha=-1.0)
     codes = codes_t.t()[:, torch.argsort(order)]  # back to the inputs' own order
     return QuantizedWeight("i8", codes.to(torch.int8), scale, None, cols, "int8 gptq")
+

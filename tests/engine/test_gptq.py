@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.models import weights
 from engine.quant.calibration import input_second_moments, sample_tokens
 from engine.quant.formats import quantize_int8
 from engine.quant.gptq import quantize_int8_gptq
@@ -46,6 +47,32 @@ def test_gptq_is_round_to_nearest_when_inputs_are_uncorrelated():
     hessian = torch.diag(torch.rand(160, generator=gen) + 0.1)
     hessian[5, 5] = 0.0  # an input never seen in calibration
     assert torch.equal(quantize_int8_gptq(w, hessian).codes, quantize_int8(w).codes)
+
+
+def test_parts_reading_one_input_are_rounded_as_one_matrix_with_each_parts_own_codes(monkeypatch):
+    """q/k/v (and gate/up) share their inputs' statistic: the builder rounds them stacked, in one pass,
+    and each part's codes and scales are exactly what rounding it alone gives. A part reading another
+    input (o) is rounded on its own."""
+    gen = torch.Generator().manual_seed(11)
+    cols = 64
+    inputs = _correlated_inputs(cols, gen)
+    x, other = inputs(400), inputs(400)
+    shared, own = x.T @ x / 400, other.T @ other / 400
+    names = ["q.weight", "k.weight", "v.weight"]
+    parts = [torch.randn(rows, cols, generator=gen) * 0.05 for rows in (64, 16, 16)]
+    hessians = {name: shared.clone() for name in names} | {"o.weight": own}
+    rounded = []
+    monkeypatch.setattr(weights, "quantize_int8_gptq", lambda w, h: rounded.append(w.shape) or quantize_int8_gptq(w, h))
+    builder = weights.LinearBuilder("int8", torch.bfloat16, torch.device("cpu"), None, hessians=hessians,
+                                    reference=True)
+    builder.build(names, parts, None)
+    builder.build(["o.weight"], [parts[0]], None)
+    assert rounded == [(96, cols), (64, cols)]
+    for name, weight in zip(names, parts):
+        alone = quantize_int8_gptq(weight, shared)
+        assert torch.equal(builder.made[name].codes, alone.codes), name
+        assert torch.equal(builder.made[name].scales, alone.scales), name
+    assert torch.equal(builder.made["o.weight"].codes, quantize_int8_gptq(parts[0], own).codes)
 
 
 def test_gptq_refuses_a_hessian_of_the_wrong_size():
