@@ -680,16 +680,11 @@ static void tiles_q8_fast(int NT, const int8_t *xq, const float *xs, int64_t r0,
 /* Which fast path runs the linears (bf16 activations): AVX512-BF16 dot products or fp32 FMAs. One
  * choice for the process, made at start by timing both (spark_linear_set_path). */
 /* What the kernels need of row r before any tile: u4 weights its group sums (the min term); int8
- * activations its codes and block info; the FMA path the row in fp32. */
+ * activations its codes and block info. (The FMA path's fp32 copy is made per panel of rows.) */
 static inline void prepare_row(const uint16_t *x, int64_t r, int64_t ldx, int64_t K, int64_t G, float *sums, int8_t *xq,
-                               float *xs, float *xf) {
+                               float *xs) {
     if (sums) group_sums_row(x + r * ldx, K, G, sums + r * (K / G));
     if (xq) quantize_row_q8(x + r * ldx, K, xq + r * K, xs + r * (K / QBLOCK) * QFIELDS);
-#if defined(LINEAR_FMA)
-    if (xf) widen_row(x + r * ldx, K, xf + r * K);
-#else
-    (void)xf;
-#endif
 }
 
 enum { LINEAR_PATH_DOT = 0, LINEAR_PATH_FMA = 1 };
@@ -716,7 +711,8 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
     }
 #if defined(LINEAR_FMA)
     if (!portable && !act_int8 && linear_path == LINEAR_PATH_FMA) {
-        xf = (float *)malloc((size_t)(M * K) * sizeof(float));
+        /* 64-byte aligned: the panels are written with aligned stores */
+        xf = (float *)aligned_alloc(64, (size_t)(((M + FMA_PANEL - 1) / FMA_PANEL * FMA_PANEL * K * 4 + 63) / 64 * 64));
         if (!xf) {
             free(sums);
             return;
@@ -734,14 +730,27 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
     /* A few rows' group sums (and int8 codes) here; many rows' split between the threads below (a
      * barrier's worth of time is more than a few rows take, and decode steps call this ~120 times). */
     const int prep_here = M <= 4;
-    for (int64_t r = 0; (sums || xf) && prep_here && r < M; r++) prepare_row(x, r, ldx, K, G, sums, xq, xs, xf);
+    for (int64_t r = 0; (sums || xq) && prep_here && r < M; r++) prepare_row(x, r, ldx, K, G, sums, xq, xs);
+#if defined(LINEAR_FMA)
+    const int64_t panels = xf ? (M + FMA_PANEL - 1) / FMA_PANEL : 0;
+    for (int64_t p = 0; prep_here && p < panels; p++) widen_panel(x, p, M, ldx, K, xf);
+#endif
     /* Few tiles (small N) are not worth a second thread's wake-up. */
     const int threads = tiles * M < 8 ? 1 : num_threads;
 #pragma omp parallel num_threads(threads)
     {
-    if ((sums || xf) && !prep_here) {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < M; r++) prepare_row(x, r, ldx, K, G, sums, xq, xs, xf);
+    if ((sums || xq) && !prep_here) {
+#pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < M; r++) prepare_row(x, r, ldx, K, G, sums, xq, xs);
+    }
+#if defined(LINEAR_FMA)
+    if (panels && !prep_here) {
+#pragma omp for schedule(static) nowait
+        for (int64_t p = 0; p < panels; p++) widen_panel(x, p, M, ldx, K, xf);
+    }
+#endif
+    if (!prep_here && (sums || xq || xf)) {
+#pragma omp barrier
     }
     for (int64_t c0 = 0; c0 < M; c0 += ROW_CHUNK) {
         const int64_t c1 = c0 + ROW_CHUNK < M ? c0 + ROW_CHUNK : M;

@@ -27,6 +27,11 @@
 /* Independent accumulators per (row, tile) so that a pass keeps >= 8 chains in flight (FMA latency 4,
  * two a cycle) and at most 16 accumulators in registers. */
 #define FMA_CHAINS(RB, NT) ((RB) * (NT) >= 8 ? 1 : (RB) * (NT) >= 4 ? 2 : 4)
+/* xf is kept as panels of FMA_PANEL rows, interleaved per input (element (r, k) at
+ * ((r / FMA_PANEL) * K + k) * FMA_PANEL + r % FMA_PANEL): a pass's broadcasts for input k are then at
+ * fixed offsets from one pointer instead of one pointer per row. */
+#define FMA_PANEL 16
+#define FMA_MAX_ROWS 16
 
 /* RB rows (1..8) of xf against NT adjacent tiles (1 or 2), over all of K. A group's partial sums stay
  * in registers; the running sums are folded once per group, with the group's scale (and min). */
@@ -37,12 +42,11 @@ static inline __attribute__((always_inline)) void fma_block(
     const int CH = FMA_CHAINS(RB, NT);
     const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
     const uint8_t *tiles[2] = {tile0, tile1};
-    const float *xr[ROWS_PER_PASS];
-    __m512 part[ROWS_PER_PASS][2][4];
-    float acc[ROWS_PER_PASS][2][TILE_N] __attribute__((aligned(64)));
-#pragma GCC unroll 8
+    const float *px = xf + (r0 / FMA_PANEL) * FMA_PANEL * K + r0 % FMA_PANEL;
+    __m512 part[FMA_MAX_ROWS][2][4];
+    float acc[FMA_MAX_ROWS][2][TILE_N] __attribute__((aligned(64)));
+#pragma GCC unroll 16
     for (int r = 0; r < RB; r++) {
-        xr[r] = xf + (r0 + r) * K;
 #pragma GCC unroll 2
         for (int t = 0; t < NT; t++) _mm512_store_ps(acc[r][t], _mm512_setzero_ps());
     }
@@ -50,7 +54,7 @@ static inline __attribute__((always_inline)) void fma_block(
     const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
     for (int64_t g = 0; g < groups; g++) {
         const int64_t k0 = g * G;
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int r = 0; r < RB; r++)
 #pragma GCC unroll 2
             for (int t = 0; t < NT; t++)
@@ -75,9 +79,9 @@ static inline __attribute__((always_inline)) void fma_block(
 #pragma GCC unroll 2
                         for (int t = 0; t < NT; t++)
                             w[t] = _mm512_permutexvar_ps(q ? _mm512_srli_epi32(v[t], shift[q]) : v[t], code_f32);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
                         for (int r = 0; r < RB; r++) {
-                            const __m512 xv = _mm512_set1_ps(xr[r][kk[q]]);
+                            const __m512 xv = _mm512_set1_ps(px[kk[q] * FMA_PANEL + r]);
 #pragma GCC unroll 2
                             for (int t = 0; t < NT; t++)
                                 part[r][t][q % CH] = _mm512_fmadd_ps(w[t], xv, part[r][t][q % CH]);
@@ -102,9 +106,10 @@ static inline __attribute__((always_inline)) void fma_block(
                     }
                 }
                 const int c0 = (int)((2 * j) % CH), c1 = (int)((2 * j + 1) % CH);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
                 for (int r = 0; r < RB; r++) {
-                    const __m512 x0 = _mm512_set1_ps(xr[r][k0 + 2 * j]), x1 = _mm512_set1_ps(xr[r][k0 + 2 * j + 1]);
+                    const __m512 x0 = _mm512_set1_ps(px[(k0 + 2 * j) * FMA_PANEL + r]);
+                    const __m512 x1 = _mm512_set1_ps(px[(k0 + 2 * j + 1) * FMA_PANEL + r]);
 #pragma GCC unroll 2
                     for (int t = 0; t < NT; t++) {
                         part[r][t][c0] = _mm512_fmadd_ps(w[t][0], x0, part[r][t][c0]);
@@ -123,7 +128,7 @@ static inline __attribute__((always_inline)) void fma_block(
             } else if (fmt == WFMT_I8) {
                 d = _mm512_loadu_ps((const float *)(blk + G * TILE_N));
             }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
             for (int r = 0; r < RB; r++) {
                 __m512 s = part[r][t][0];
 #pragma GCC unroll 4
@@ -139,11 +144,121 @@ static inline __attribute__((always_inline)) void fma_block(
             }
         }
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < RB; r++)
 #pragma GCC unroll 2
         for (int t = 0; t < NT; t++)
             store_acc(_mm512_load_ps(acc[r][t]), bias, n0 + t * TILE_N, N, y, ldy, r0 + r, y_f32);
+}
+
+/* A tile's stored values widened to fp32 once, wf[k * TILE_N + n] for input k and output n (codes, not
+ * dequantized: the scales and mins are applied per group as fma_block does), so that every 16-row pass
+ * over the tile loads them instead of widening them again. */
+static void widen_tile(int fmt, const uint8_t *tile, int64_t K, int64_t G, float *wf) {
+    const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
+    const __m512 code_f32 = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
+    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *blk = tile + g * gbytes;
+        float *out = wf + g * G * TILE_N;
+        if (fmt == WFMT_U4) {
+            for (int64_t b = 0; b < G / 32; b++)
+                for (int c = 0; c < 8; c++) {
+                    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(blk + b * 256 + c * 32)));
+                    float *o = out + (b * 32 + 2 * c) * TILE_N;
+                    _mm512_store_ps(o, _mm512_permutexvar_ps(v, code_f32));
+                    _mm512_store_ps(o + TILE_N, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), code_f32));
+                    _mm512_store_ps(o + 16 * TILE_N, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), code_f32));
+                    _mm512_store_ps(o + 17 * TILE_N, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), code_f32));
+                }
+        } else if (fmt == WFMT_BF16) {
+            for (int64_t j = 0; j < G / 2; j++) {
+                const __m512i v = _mm512_loadu_si512(blk + j * 64);
+                _mm512_store_ps(out + 2 * j * TILE_N, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+                _mm512_store_ps(out + (2 * j + 1) * TILE_N, _mm512_castsi512_ps(_mm512_and_si512(v, high_half)));
+            }
+        } else {
+            for (int64_t j = 0; j < G / 2; j++) {
+                const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + j * 32)));
+                _mm512_store_ps(out + 2 * j * TILE_N, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 16)));
+                _mm512_store_ps(out + (2 * j + 1) * TILE_N, _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 16)));
+            }
+        }
+    }
+}
+
+/* fma_block(FMA_MAX_ROWS, 1, ...) over a tile widened by widen_tile: the same products summed in the
+ * same order (so the same results, bit for bit), with one load where fma_block widens. */
+static void fma_block_widened(int fmt, const float *xf, int64_t r0, int64_t K, const float *wf, const uint8_t *tile,
+                              int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N, void *y,
+                              int64_t ldy, int y_f32) {
+    enum { RB = FMA_MAX_ROWS };
+    const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
+    const float *px = xf + (r0 / FMA_PANEL) * FMA_PANEL * K + r0 % FMA_PANEL;
+    __m512 part[RB];
+    float acc[RB][TILE_N] __attribute__((aligned(64)));
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; r++) _mm512_store_ps(acc[r], _mm512_setzero_ps());
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t k0 = g * G;
+#pragma GCC unroll 16
+        for (int r = 0; r < RB; r++) part[r] = _mm512_setzero_ps();
+        if (fmt == WFMT_U4) {
+            for (int64_t b = 0; b < G / 32; b++) {
+                const int64_t kb = k0 + b * 32;
+#pragma GCC unroll 2
+                for (int c = 0; c < 8; c++) {
+                    const int64_t kk[4] = {kb + 2 * c, kb + 2 * c + 1, kb + 16 + 2 * c, kb + 17 + 2 * c};
+#pragma GCC unroll 4
+                    for (int q = 0; q < 4; q++) {
+                        const __m512 w = _mm512_load_ps(wf + kk[q] * TILE_N);
+#pragma GCC unroll 16
+                        for (int r = 0; r < RB; r++)
+                            part[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(px[kk[q] * FMA_PANEL + r]), part[r]);
+                    }
+                }
+            }
+        } else {
+            for (int64_t k = k0; k < k0 + G; k++) {
+                const __m512 w = _mm512_load_ps(wf + k * TILE_N);
+#pragma GCC unroll 16
+                for (int r = 0; r < RB; r++) part[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(px[k * FMA_PANEL + r]), part[r]);
+            }
+        }
+        const uint8_t *blk = tile + g * gbytes;
+        __m512 d = _mm512_setzero_ps(), m = _mm512_setzero_ps();
+        if (fmt == WFMT_U4) {
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + G * TILE_N / 2)));
+            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + G * TILE_N / 2 + 32)));
+        } else if (fmt == WFMT_I8) {
+            d = _mm512_loadu_ps((const float *)(blk + G * TILE_N));
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < RB; r++) {
+            __m512 a = _mm512_load_ps(acc[r]);
+            if (fmt == WFMT_BF16) {
+                a = _mm512_add_ps(a, part[r]);
+            } else {
+                a = _mm512_fmadd_ps(part[r], d, a);
+                if (fmt == WFMT_U4) a = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[(r0 + r) * groups + g]), a);
+            }
+            _mm512_store_ps(acc[r], a);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; r++) store_acc(_mm512_load_ps(acc[r]), bias, n0, N, y, ldy, r0 + r, y_f32);
+}
+
+/* Each thread's widened tile (K * TILE_N floats), grown as needed and kept for the next call. */
+static float *widened_tile_buffer(int64_t K) {
+    static __thread float *buf = NULL;
+    static __thread int64_t cap = 0;
+    if (K > cap) {
+        free(buf);
+        buf = (float *)aligned_alloc(64, (size_t)(K * TILE_N * sizeof(float)));
+        cap = buf ? K : 0;
+    }
+    return buf;
 }
 
 #define FMA_BLOCK_CASES(NT)                                                                                        \
@@ -163,6 +278,24 @@ static void tiles_fma(int fmt, const float *xf, int64_t r0, int64_t r1, int64_t 
                       const uint8_t *tile1, int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N,
                       void *y, int64_t ldy, int y_f32) {
     int64_t r = r0;
+    /* 16 rows a pass against one tile: each widened weight vector feeds 16 FMAs. With three passes or more
+     * the tile is widened once into a buffer that every pass loads from. */
+    const int64_t blocks = (r1 - r0) / FMA_MAX_ROWS;
+    float *wf = blocks >= 3 ? widened_tile_buffer(K) : NULL;
+    if (wf) {
+        for (int t = 0; t < (tile1 ? 2 : 1); t++) {
+            const uint8_t *tile = t ? tile1 : tile0;
+            widen_tile(fmt, tile, K, G, wf);
+            for (int64_t b = 0; b < blocks; b++)
+                fma_block_widened(fmt, xf, r0 + b * FMA_MAX_ROWS, K, wf, tile, G, sums, bias, n0 + t * TILE_N, N, y,
+                                  ldy, y_f32);
+        }
+        r = r0 + blocks * FMA_MAX_ROWS;
+    }
+    for (; r + FMA_MAX_ROWS <= r1; r += FMA_MAX_ROWS) {
+        fma_block(FMA_MAX_ROWS, 1, fmt, xf, r, K, tile0, NULL, G, sums, bias, n0, N, y, ldy, y_f32);
+        if (tile1) fma_block(FMA_MAX_ROWS, 1, fmt, xf, r, K, tile1, NULL, G, sums, bias, n0 + TILE_N, N, y, ldy, y_f32);
+    }
     if (tile1) {
         for (; r + ROWS_PER_PASS <= r1; r += ROWS_PER_PASS)
             fma_block(ROWS_PER_PASS, 2, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32);
@@ -175,10 +308,25 @@ static void tiles_fma(int fmt, const float *xf, int64_t r0, int64_t r1, int64_t 
 }
 #undef FMA_BLOCK_CASES
 
-/* Row r of x widened to fp32. */
-static inline void widen_row(const uint16_t *xr, int64_t K, float *out) {
+/* Panel p of x (rows 16p .. 16p + 15, those below M) widened to fp32 and interleaved (see FMA_PANEL).
+ * One 32-bit gather reads inputs (k, k + 1) of the panel's 16 rows: the low halves are input k, the
+ * high halves input k + 1, each an fp32 vector after a shift or a mask, as the bf16 weights are. */
+static void widen_panel(const uint16_t *x, int64_t p, int64_t M, int64_t ldx, int64_t K, float *xf) {
+    const int64_t r0 = p * FMA_PANEL;
+    const int64_t rows = M - r0 < FMA_PANEL ? M - r0 : FMA_PANEL;
+    const __mmask16 live = (__mmask16)((1u << rows) - 1u);
+    const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32((int)(ldx * 2)));
+    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
+    const uint16_t *base = x + r0 * ldx;
+    float *out = xf + r0 * K;
     int64_t k = 0;
-    for (; k + 16 <= K; k += 16) _mm512_storeu_ps(out + k, load16_bf16(xr + k));
-    for (; k < K; k++) out[k] = bf16_to_f32(xr[k]);
+    for (; k + 2 <= K; k += 2) {
+        const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets, base + k, 1);
+        _mm512_store_ps(out + k * FMA_PANEL, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+        _mm512_store_ps(out + (k + 1) * FMA_PANEL, _mm512_castsi512_ps(_mm512_and_si512(v, high_half)));
+    }
+    for (; k < K; k++)
+        for (int64_t i = 0; i < FMA_PANEL; i++) out[k * FMA_PANEL + i] = i < rows ? bf16_to_f32(base[i * ldx + k]) : 0.f;
 }
 #endif

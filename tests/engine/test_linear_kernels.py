@@ -31,7 +31,10 @@ def split_over_threads():
     with kernel_threads(kernels):
         yield
 
-SHAPES = [(1, 64, 32), (5, 96, 70), (13, 576, 960), (64, 192, 17), (71, 128, 33), (8, 1536, 48), (3, 64, 1)]
+# rows: one, a few, less than a 16-row block, a chunk of 64 and its 7-row tail, 16-row blocks with an
+# 8-row and a 5-row rest (blocks that start mid-panel)
+SHAPES = [(1, 64, 32), (5, 96, 70), (13, 576, 960), (64, 192, 17), (71, 128, 33), (8, 1536, 48), (3, 64, 1),
+          (29, 128, 40), (40, 64, 48)]
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -76,7 +79,8 @@ def _check_kernel_against_reference(kind: str, portable: bool) -> None:
     gen = torch.Generator().manual_seed(7)
     for m, k, n in SHAPES:
         packed, w = _weights(kind, n, k, gen)
-        x = (torch.randn(m, k, generator=gen) * 2).to(torch.bfloat16)
+        x = (torch.randn(m, k + 6, generator=gen) * 2).to(torch.bfloat16)
+        x = x[:, 3:3 + k] if m % 2 else x[:, :k].contiguous()  # odd row counts: rows strided in a wider buffer
         for bias in (None, torch.randn(n, generator=gen)):
             want = _reference(x, w, bias)
             got32 = kernels.linear(x, packed, bias, torch.empty(m, n), portable=portable)
@@ -330,3 +334,17 @@ def test_start_up_keeps_the_faster_linear_path(monkeypatch, faster: str) -> None
                             lambda fn, reps=5: 1.0 if kernels.linear_path == "fma" else 1.02)
         weights_module.choose_linear_path(layers)
         assert kernels.linear_path == "dot"
+
+
+@pytest.mark.parametrize("kind", ["bf16", "i8", "u4"])
+def test_fma_rows_give_the_same_bits_in_any_batch(kind: str) -> None:
+    """The FMA path widens a tile's stored values once when three or more 16-row passes share it, and
+    in registers otherwise; both sum the same products in the same order. So a row's output does not
+    depend on how many rows came with it: 80 rows at once (widened), 16 at a time (not), bit for bit."""
+    with linear_path("fma"):
+        gen = torch.Generator().manual_seed(21)
+        packed, _ = _weights(kind, 48, 256, gen)
+        x = torch.randn(80, 256, generator=gen).to(torch.bfloat16)
+        together = kernels.linear(x, packed, None, torch.empty(80, 48))
+        apart = torch.cat([kernels.linear(x[i:i + 16], packed, None, torch.empty(16, 48)) for i in range(0, 80, 16)])
+        assert torch.equal(together, apart)
