@@ -711,8 +711,9 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
     }
 #if defined(LINEAR_FMA)
     if (!portable && !act_int8 && linear_path == LINEAR_PATH_FMA) {
-        /* 64-byte aligned: the panels are written with aligned stores */
-        xf = (float *)aligned_alloc(64, (size_t)(((M + FMA_PANEL - 1) / FMA_PANEL * FMA_PANEL * K * 4 + 63) / 64 * 64));
+        /* 64-byte aligned: a 16-row panel holds each input in one cache line */
+        const int64_t P = FMA_PANEL_WIDTH(M);
+        xf = (float *)aligned_alloc(64, (size_t)(((M + P - 1) / P * P * K * 4 + 63) / 64 * 64));
         if (!xf) {
             free(sums);
             return;
@@ -732,8 +733,8 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
     const int prep_here = M <= 4;
     for (int64_t r = 0; (sums || xq) && prep_here && r < M; r++) prepare_row(x, r, ldx, K, G, sums, xq, xs);
 #if defined(LINEAR_FMA)
-    const int64_t panels = xf ? (M + FMA_PANEL - 1) / FMA_PANEL : 0;
-    for (int64_t p = 0; prep_here && p < panels; p++) widen_panel(x, p, M, ldx, K, xf);
+    const int64_t P = FMA_PANEL_WIDTH(M), panels = xf ? (M + P - 1) / P : 0;
+    for (int64_t p = 0; prep_here && p < panels; p++) widen_panel(x, p, M, ldx, K, P, xf);
 #endif
     /* Few tiles (small N) are not worth a second thread's wake-up. */
     const int threads = tiles * M < 8 ? 1 : num_threads;
@@ -746,7 +747,7 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
 #if defined(LINEAR_FMA)
     if (panels && !prep_here) {
 #pragma omp for schedule(static) nowait
-        for (int64_t p = 0; p < panels; p++) widen_panel(x, p, M, ldx, K, xf);
+        for (int64_t p = 0; p < panels; p++) widen_panel(x, p, M, ldx, K, P, xf);
     }
 #endif
     if (!prep_here && (sums || xq || xf)) {
@@ -777,7 +778,7 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
 #pragma omp for schedule(static)
             for (int64_t t2 = 0; t2 < (tiles + 1) / 2; t2++) {
                 const int64_t t = 2 * t2;
-                tiles_fma(fmt, xf, c0, c1, K, w + t * tile_bytes, t + 1 < tiles ? w + (t + 1) * tile_bytes : NULL, G,
+                tiles_fma(fmt, xf, P, c0, c1, K, w + t * tile_bytes, t + 1 < tiles ? w + (t + 1) * tile_bytes : NULL, G,
                           sums, bias, t * TILE_N, N, y, ldy, y_f32);
             }
             continue;

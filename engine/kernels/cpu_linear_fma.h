@@ -27,10 +27,11 @@
 /* Independent accumulators per (row, tile) so that a pass keeps >= 8 chains in flight (FMA latency 4,
  * two a cycle) and at most 16 accumulators in registers. */
 #define FMA_CHAINS(RB, NT) ((RB) * (NT) >= 8 ? 1 : (RB) * (NT) >= 4 ? 2 : 4)
-/* xf is kept as panels of FMA_PANEL rows, interleaved per input (element (r, k) at
- * ((r / FMA_PANEL) * K + k) * FMA_PANEL + r % FMA_PANEL): a pass's broadcasts for input k are then at
- * fixed offsets from one pointer instead of one pointer per row. */
+/* xf is kept as panels of P rows, interleaved per input (element (r, k) at ((r / P) * K + k) * P + r % P):
+ * a pass's broadcasts for input k are then at fixed offsets from one pointer instead of one pointer
+ * per row. P is FMA_PANEL, or M itself below that, so few rows stay as compact as x (one row: x itself). */
 #define FMA_PANEL 16
+#define FMA_PANEL_WIDTH(M) ((M) < FMA_PANEL ? (M) : FMA_PANEL)
 #define FMA_MAX_ROWS 16
 
 /* RB rows (1..8) of xf against NT adjacent tiles (1 or 2), over all of K. A group's partial sums stay
@@ -38,11 +39,11 @@
 static inline __attribute__((always_inline)) void fma_block(
     const int RB, const int NT, int fmt, const float *xf, int64_t r0, int64_t K, const uint8_t *tile0,
     const uint8_t *tile1, int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy,
-    int y_f32) {
+    int y_f32, const int64_t P) {
     const int CH = FMA_CHAINS(RB, NT);
     const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
     const uint8_t *tiles[2] = {tile0, tile1};
-    const float *px = xf + (r0 / FMA_PANEL) * FMA_PANEL * K + r0 % FMA_PANEL;
+    const float *px = xf + (r0 / P) * P * K + r0 % P;
     __m512 part[FMA_MAX_ROWS][2][4];
     float acc[FMA_MAX_ROWS][2][TILE_N] __attribute__((aligned(64)));
 #pragma GCC unroll 16
@@ -81,7 +82,7 @@ static inline __attribute__((always_inline)) void fma_block(
                             w[t] = _mm512_permutexvar_ps(q ? _mm512_srli_epi32(v[t], shift[q]) : v[t], code_f32);
 #pragma GCC unroll 16
                         for (int r = 0; r < RB; r++) {
-                            const __m512 xv = _mm512_set1_ps(px[kk[q] * FMA_PANEL + r]);
+                            const __m512 xv = _mm512_set1_ps(px[kk[q] * P + r]);
 #pragma GCC unroll 2
                             for (int t = 0; t < NT; t++)
                                 part[r][t][q % CH] = _mm512_fmadd_ps(w[t], xv, part[r][t][q % CH]);
@@ -108,8 +109,8 @@ static inline __attribute__((always_inline)) void fma_block(
                 const int c0 = (int)((2 * j) % CH), c1 = (int)((2 * j + 1) % CH);
 #pragma GCC unroll 16
                 for (int r = 0; r < RB; r++) {
-                    const __m512 x0 = _mm512_set1_ps(px[(k0 + 2 * j) * FMA_PANEL + r]);
-                    const __m512 x1 = _mm512_set1_ps(px[(k0 + 2 * j + 1) * FMA_PANEL + r]);
+                    const __m512 x0 = _mm512_set1_ps(px[(k0 + 2 * j) * P + r]);
+                    const __m512 x1 = _mm512_set1_ps(px[(k0 + 2 * j + 1) * P + r]);
 #pragma GCC unroll 2
                     for (int t = 0; t < NT; t++) {
                         part[r][t][c0] = _mm512_fmadd_ps(w[t][0], x0, part[r][t][c0]);
@@ -263,18 +264,18 @@ static float *widened_tile_buffer(int64_t K) {
 
 #define FMA_BLOCK_CASES(NT)                                                                                        \
     switch (r1 - r) {                                                                                            \
-    case 7: fma_block(7, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32); break;           \
-    case 6: fma_block(6, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32); break;           \
-    case 5: fma_block(5, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32); break;           \
-    case 4: fma_block(4, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32); break;           \
-    case 3: fma_block(3, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32); break;           \
-    case 2: fma_block(2, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32); break;           \
-    case 1: fma_block(1, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32); break;           \
+    case 7: fma_block(7, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, P); break;           \
+    case 6: fma_block(6, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, P); break;           \
+    case 5: fma_block(5, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, P); break;           \
+    case 4: fma_block(4, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, P); break;           \
+    case 3: fma_block(3, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, P); break;           \
+    case 2: fma_block(2, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, P); break;           \
+    case 1: fma_block(1, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, P); break;           \
     default: break;                                                                                              \
     }
 
 /* Rows [r0, r1) against one tile (tile1 NULL) or two adjacent ones: 8 rows a pass, then the rest. */
-static void tiles_fma(int fmt, const float *xf, int64_t r0, int64_t r1, int64_t K, const uint8_t *tile0,
+static void tiles_fma(int fmt, const float *xf, int64_t P, int64_t r0, int64_t r1, int64_t K, const uint8_t *tile0,
                       const uint8_t *tile1, int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N,
                       void *y, int64_t ldy, int y_f32) {
     int64_t r = r0;
@@ -293,40 +294,46 @@ static void tiles_fma(int fmt, const float *xf, int64_t r0, int64_t r1, int64_t 
         r = r0 + blocks * FMA_MAX_ROWS;
     }
     for (; r + FMA_MAX_ROWS <= r1; r += FMA_MAX_ROWS) {
-        fma_block(FMA_MAX_ROWS, 1, fmt, xf, r, K, tile0, NULL, G, sums, bias, n0, N, y, ldy, y_f32);
-        if (tile1) fma_block(FMA_MAX_ROWS, 1, fmt, xf, r, K, tile1, NULL, G, sums, bias, n0 + TILE_N, N, y, ldy, y_f32);
+        fma_block(FMA_MAX_ROWS, 1, fmt, xf, r, K, tile0, NULL, G, sums, bias, n0, N, y, ldy, y_f32, FMA_PANEL);
+        if (tile1)
+            fma_block(FMA_MAX_ROWS, 1, fmt, xf, r, K, tile1, NULL, G, sums, bias, n0 + TILE_N, N, y, ldy, y_f32, FMA_PANEL);
     }
     if (tile1) {
         for (; r + ROWS_PER_PASS <= r1; r += ROWS_PER_PASS)
-            fma_block(ROWS_PER_PASS, 2, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32);
+            fma_block(ROWS_PER_PASS, 2, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, P);
         FMA_BLOCK_CASES(2)
     } else {
         for (; r + ROWS_PER_PASS <= r1; r += ROWS_PER_PASS)
-            fma_block(ROWS_PER_PASS, 1, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32);
+            fma_block(ROWS_PER_PASS, 1, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, P);
         FMA_BLOCK_CASES(1)
     }
 }
 #undef FMA_BLOCK_CASES
 
-/* Panel p of x (rows 16p .. 16p + 15, those below M) widened to fp32 and interleaved (see FMA_PANEL).
- * One 32-bit gather reads inputs (k, k + 1) of the panel's 16 rows: the low halves are input k, the
- * high halves input k + 1, each an fp32 vector after a shift or a mask, as the bf16 weights are. */
-static void widen_panel(const uint16_t *x, int64_t p, int64_t M, int64_t ldx, int64_t K, float *xf) {
-    const int64_t r0 = p * FMA_PANEL;
-    const int64_t rows = M - r0 < FMA_PANEL ? M - r0 : FMA_PANEL;
-    const __mmask16 live = (__mmask16)((1u << rows) - 1u);
-    const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32((int)(ldx * 2)));
-    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
+/* Panel p of x (rows pP .. pP + P - 1, those below M) widened to fp32 and interleaved (see FMA_PANEL).
+ * One 32-bit gather reads inputs (k, k + 1) of the panel's rows: the low halves are input k, the high
+ * halves input k + 1, each an fp32 vector after a shift or a mask, as the bf16 weights are. */
+static void widen_panel(const uint16_t *x, int64_t p, int64_t M, int64_t ldx, int64_t K, int64_t P, float *xf) {
+    const int64_t r0 = p * P;
+    const int64_t rows = M - r0 < P ? M - r0 : P;
     const uint16_t *base = x + r0 * ldx;
     float *out = xf + r0 * K;
     int64_t k = 0;
+    if (P == 1) { /* one row: x itself, widened */
+        for (; k + 16 <= K; k += 16) _mm512_storeu_ps(out + k, load16_bf16(base + k));
+        for (; k < K; k++) out[k] = bf16_to_f32(base[k]);
+        return;
+    }
+    const __mmask16 live = (__mmask16)((1u << rows) - 1u), width = (__mmask16)((1u << P) - 1u);
+    const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32((int)(ldx * 2)));
+    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
     for (; k + 2 <= K; k += 2) {
         const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets, base + k, 1);
-        _mm512_store_ps(out + k * FMA_PANEL, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-        _mm512_store_ps(out + (k + 1) * FMA_PANEL, _mm512_castsi512_ps(_mm512_and_si512(v, high_half)));
+        _mm512_mask_storeu_ps(out + k * P, width, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+        _mm512_mask_storeu_ps(out + (k + 1) * P, width, _mm512_castsi512_ps(_mm512_and_si512(v, high_half)));
     }
     for (; k < K; k++)
-        for (int64_t i = 0; i < FMA_PANEL; i++) out[k * FMA_PANEL + i] = i < rows ? bf16_to_f32(base[i * ldx + k]) : 0.f;
+        for (int64_t i = 0; i < P; i++) out[k * P + i] = i < rows ? bf16_to_f32(base[i * ldx + k]) : 0.f;
 }
 #endif
