@@ -219,9 +219,13 @@ static void quantize_row_q8(const uint16_t *xr, int64_t K, int8_t *xq, float *xs
     }
 }
 
-/* What the u4 kernels need of row r before any tile: its group sums (the min term), and with int8
- * activations its codes and block info. */
-
+/* What the kernels need of row r before any tile: u4 weights its group sums (the min term); int8
+ * activations its codes and block info. (The FMA path's fp32 copy of x is made per panel of rows.) */
+static inline void prepare_row(const uint16_t *x, int64_t r, int64_t ldx, int64_t K, int64_t G, float *sums, int8_t *xq,
+                               float *xs) {
+    if (sums) group_sums_row(x + r * ldx, K, G, sums + r * (K / G));
+    if (xq) quantize_row_q8(x + r * ldx, K, xq + r * K, xs + r * (K / QBLOCK) * QFIELDS);
+}
 
 static void tile_generic_q8(const int8_t *xq, const float *xs, int64_t r0, int64_t r1, int64_t K, const uint8_t *tile,
                             int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy,
@@ -679,14 +683,6 @@ static void tiles_q8_fast(int NT, const int8_t *xq, const float *xs, int64_t r0,
 
 /* Which fast path runs the linears (bf16 activations): AVX512-BF16 dot products or fp32 FMAs. One
  * choice for the process, made at start by timing both (spark_linear_set_path). */
-/* What the kernels need of row r before any tile: u4 weights its group sums (the min term); int8
- * activations its codes and block info. (The FMA path's fp32 copy is made per panel of rows.) */
-static inline void prepare_row(const uint16_t *x, int64_t r, int64_t ldx, int64_t K, int64_t G, float *sums, int8_t *xq,
-                               float *xs) {
-    if (sums) group_sums_row(x + r * ldx, K, G, sums + r * (K / G));
-    if (xq) quantize_row_q8(x + r * ldx, K, xq + r * K, xs + r * (K / QBLOCK) * QFIELDS);
-}
-
 enum { LINEAR_PATH_DOT = 0, LINEAR_PATH_FMA = 1 };
 #if LINEAR_ISA == 2
 static int linear_path = LINEAR_PATH_DOT;

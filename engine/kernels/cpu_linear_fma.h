@@ -34,7 +34,29 @@
 #define FMA_PANEL_WIDTH(M) ((M) < FMA_PANEL ? (M) : FMA_PANEL)
 #define FMA_MAX_ROWS 16
 
-/* RB rows (1..8) of xf against NT adjacent tiles (1 or 2), over all of K. A group's partial sums stay
+/* A group's scale d (u4, i8) and min m (u4) as fp32 vectors for the tile's 16 outputs. */
+static inline __attribute__((always_inline)) void group_scale_min(int fmt, const uint8_t *blk, int64_t G, __m512 *d,
+                                                                  __m512 *m) {
+    *d = _mm512_setzero_ps(), *m = _mm512_setzero_ps();
+    if (fmt == WFMT_U4) {
+        *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + G * TILE_N / 2)));
+        *m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + G * TILE_N / 2 + 32)));
+    } else if (fmt == WFMT_I8) {
+        *d = _mm512_loadu_ps((const float *)(blk + G * TILE_N));
+    }
+}
+
+/* acc + one group's partial sum s of codes x inputs: bf16 adds it, i8 scales it by d, u4 also adds the
+ * min term m * (the row's sum of inputs over the group). */
+static inline __attribute__((always_inline)) __m512 fold_group(int fmt, __m512 acc, __m512 s, __m512 d, __m512 m,
+                                                               float row_group_sum) {
+    if (fmt == WFMT_BF16) return _mm512_add_ps(acc, s);
+    acc = _mm512_fmadd_ps(s, d, acc);
+    if (fmt == WFMT_U4) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(row_group_sum), acc);
+    return acc;
+}
+
+/* RB rows (1..8, or FMA_MAX_ROWS against one tile) of xf against NT adjacent tiles (1 or 2), over all of K. A group's partial sums stay
  * in registers; the running sums are folded once per group, with the group's scale (and min). */
 static inline __attribute__((always_inline)) void fma_block(
     const int RB, const int NT, int fmt, const float *xf, int64_t r0, int64_t K, const uint8_t *tile0,
@@ -121,27 +143,15 @@ static inline __attribute__((always_inline)) void fma_block(
         }
 #pragma GCC unroll 2
         for (int t = 0; t < NT; t++) {
-            const uint8_t *blk = tiles[t] + g * gbytes;
-            __m512 d = _mm512_setzero_ps(), m = _mm512_setzero_ps();
-            if (fmt == WFMT_U4) {
-                d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + G * TILE_N / 2)));
-                m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + G * TILE_N / 2 + 32)));
-            } else if (fmt == WFMT_I8) {
-                d = _mm512_loadu_ps((const float *)(blk + G * TILE_N));
-            }
+            __m512 d, m;
+            group_scale_min(fmt, tiles[t] + g * gbytes, G, &d, &m);
 #pragma GCC unroll 16
             for (int r = 0; r < RB; r++) {
                 __m512 s = part[r][t][0];
 #pragma GCC unroll 4
                 for (int c = 1; c < CH; c++) s = _mm512_add_ps(s, part[r][t][c]);
-                __m512 a = _mm512_load_ps(acc[r][t]);
-                if (fmt == WFMT_BF16) {
-                    a = _mm512_add_ps(a, s);
-                } else {
-                    a = _mm512_fmadd_ps(s, d, a);
-                    if (fmt == WFMT_U4) a = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[(r0 + r) * groups + g]), a);
-                }
-                _mm512_store_ps(acc[r][t], a);
+                const float row_sum = fmt == WFMT_U4 ? sums[(r0 + r) * groups + g] : 0.f;
+                _mm512_store_ps(acc[r][t], fold_group(fmt, _mm512_load_ps(acc[r][t]), s, d, m, row_sum));
             }
         }
     }
@@ -226,24 +236,12 @@ static void fma_block_widened(int fmt, const float *xf, int64_t r0, int64_t K, c
                 for (int r = 0; r < RB; r++) part[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(px[k * FMA_PANEL + r]), part[r]);
             }
         }
-        const uint8_t *blk = tile + g * gbytes;
-        __m512 d = _mm512_setzero_ps(), m = _mm512_setzero_ps();
-        if (fmt == WFMT_U4) {
-            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + G * TILE_N / 2)));
-            m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + G * TILE_N / 2 + 32)));
-        } else if (fmt == WFMT_I8) {
-            d = _mm512_loadu_ps((const float *)(blk + G * TILE_N));
-        }
+        __m512 d, m;
+        group_scale_min(fmt, tile + g * gbytes, G, &d, &m);
 #pragma GCC unroll 16
         for (int r = 0; r < RB; r++) {
-            __m512 a = _mm512_load_ps(acc[r]);
-            if (fmt == WFMT_BF16) {
-                a = _mm512_add_ps(a, part[r]);
-            } else {
-                a = _mm512_fmadd_ps(part[r], d, a);
-                if (fmt == WFMT_U4) a = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[(r0 + r) * groups + g]), a);
-            }
-            _mm512_store_ps(acc[r], a);
+            const float row_sum = fmt == WFMT_U4 ? sums[(r0 + r) * groups + g] : 0.f;
+            _mm512_store_ps(acc[r], fold_group(fmt, _mm512_load_ps(acc[r]), part[r], d, m, row_sum));
         }
     }
 #pragma GCC unroll 16
