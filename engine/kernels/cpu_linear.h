@@ -696,6 +696,9 @@ static int linear_path = LINEAR_PATH_FMA;
 void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
                   int64_t G, const float *bias, void *y, int64_t ldy, int y_f32, int act_int8, int portable,
                   int num_threads) {
+    /* No rows (a step whose prompt chunks all end short of their last token asks the head for no logits):
+     * nothing to compute, and the FMA path's panel width would be 0. */
+    if (M <= 0 || N <= 0) return;
     const int64_t tiles = (N + TILE_N - 1) / TILE_N;
     const int64_t tile_bytes = (K / G) * tile_group_bytes(fmt, G);
     float *sums = NULL, *xs = NULL, *xf = NULL;

@@ -91,6 +91,29 @@ def test_the_one_call_loop_equals_the_per_kernel_loop_on_four_bit_blocks(gguf_en
     assert any(spans > 1 for _, _, spans in steps)  # two prompts' chunks in one step
 
 
+@pytest.mark.parametrize("path", ["dot", "fma"])
+def test_a_lone_prompt_over_several_steps_on_each_path(gguf_engine, monkeypatch, path):
+    """Alone, a prompt longer than the step's budget prefills in chunks with no row asking for logits until
+    its last one: every path must compute such steps and answer as it does when the prompt fits one step."""
+    if path not in kernels.linear_paths:
+        pytest.skip(f"this build has no {path!r} path")
+    model, head_rows = gguf_engine.model, []
+    logits = model._logits
+    monkeypatch.setattr(model, "_logits", lambda h: head_rows.append(h.shape[0]) or logits(h))
+    monkeypatch.setattr(gguf_engine.block_manager, "enable_prefix_caching", False)  # each run computes it all
+
+    def answer(step_budget: int) -> list[int]:
+        monkeypatch.setattr(gguf_engine.scheduler, "max_num_batched_tokens", step_budget)
+        outs = run_all(gguf_engine, _requests("lone" + path, [150], max_tokens=6))["lone" + path + "0"]
+        return [t for o in outs for t in o.new_token_ids]
+
+    with kernels.on_linear_path(path):
+        chunked = answer(64)
+        assert 0 in head_rows  # steps that asked the head for no rows ran
+        whole = answer(256)
+    assert len(chunked) == 6 and chunked == whole
+
+
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_the_one_call_loop_equals_the_per_kernel_loop_on_other_weights(tmp_path, llm_engine, monkeypatch,
                                                                        quantization):

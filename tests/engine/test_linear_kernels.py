@@ -75,6 +75,21 @@ def test_kernel_equals_dequantize_then_matmul(kind: str, path: str) -> None:
         _check_kernel_against_reference(kind, portable)
 
 
+@pytest.mark.parametrize("path", ["dot", "fma", "portable"])
+@pytest.mark.parametrize("kind", ["bf16", "i8", "u4"])
+def test_no_rows_is_an_empty_answer(kind: str, path: str) -> None:
+    """A step whose prompt chunks all stop short of their last token asks the head for no logits: zero rows
+    must come back empty, not fault (the FMA path once divided by its zero panel width and killed the
+    server on any lone prompt longer than a step's budget)."""
+    portable = path == "portable"
+    packed, _ = _weights(kind, 48, 256, torch.Generator().manual_seed(3))
+    x = torch.empty(0, 256, dtype=torch.bfloat16)
+    with nullcontext() if portable else linear_path(path):
+        for out_dtype in (torch.bfloat16, torch.float32):
+            y = kernels.linear(x, packed, None, torch.empty(0, 48, dtype=out_dtype), portable=portable)
+            assert y.shape == (0, 48)
+
+
 def _check_kernel_against_reference(kind: str, portable: bool) -> None:
     gen = torch.Generator().manual_seed(7)
     for m, k, n in SHAPES:
