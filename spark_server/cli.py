@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import logging
 import socket
@@ -24,6 +25,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"spark-server: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
+    # A fault in native code (the fused kernels, torch) ends the process at once: leave each thread's
+    # Python stack in the log instead of a silent exit.
+    faulthandler.enable()
     logging.getLogger("spark_server").info("%s", settings_mod.describe(settings, sources))
     problem = port_problem(settings.host, settings.port)
     if problem:  # before minutes of model loading

@@ -44,6 +44,19 @@ def test_help_documents_vllm_style_flags():
         assert flag in out
 
 
+def test_a_native_fault_leaves_the_python_stack_in_the_log():
+    """A fault in native code (a kernel's SIGFPE, a SIGSEGV) ends the server at once; its log must say
+    where, not end silently. Here the model load faults on purpose."""
+    fault = ("import faulthandler, sys; from engine import async_engine; "
+             "async_engine.AsyncEngine.from_config = staticmethod(lambda config: faulthandler._sigsegv()); "
+             "from spark_server.cli import main; sys.exit(main(sys.argv[1:]))")
+    out = subprocess.run([sys.executable, "-c", fault, "serve", "--port", str(free_port())], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0
+    assert "Fatal Python error: Segmentation fault" in out.stderr
+    assert "in _serve" in out.stderr  # the stack, down to the call that faulted
+
+
 def _voluntary_switches(pid: int) -> int:
     """Voluntary context switches of every thread of a process so far (Linux /proc)."""
     total = 0
