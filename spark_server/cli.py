@@ -5,12 +5,25 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import gc
+import io
 import logging
 import socket
 import sys
 import time
 
 from spark_server import settings as settings_mod
+
+
+def _log_native_faults() -> None:
+    """A fault in native code (the fused kernels, torch) ends the process at once: leave each thread's
+    Python stack on stderr instead of a silent exit. A host whose stderr has no descriptor (an in-process
+    capture) keeps its own arrangement."""
+    if faulthandler.is_enabled():
+        return
+    try:
+        faulthandler.enable()
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        pass
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -25,9 +38,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"spark-server: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
-    # A fault in native code (the fused kernels, torch) ends the process at once: leave each thread's
-    # Python stack in the log instead of a silent exit.
-    faulthandler.enable()
+    _log_native_faults()
     logging.getLogger("spark_server").info("%s", settings_mod.describe(settings, sources))
     problem = port_problem(settings.host, settings.port)
     if problem:  # before minutes of model loading
