@@ -222,7 +222,10 @@ def _fused_equals_torch_on_mixed_batches(engine: LLMEngine) -> None:
         cache.copy_(before)
         logits, samplers, prompt_logits = run(batch)
         torch.testing.assert_close(logits, torch_logits, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(cache, torch_cache, rtol=1e-4, atol=1e-4)
+        # assert_close's bound over the whole cache, in four tensor ops (its isclose took a quarter of
+        # the test's time): |a - b| <= atol + rtol * |b| everywhere
+        excess = (cache - torch_cache).abs_().sub_(torch_cache.abs().mul_(1e-4)).max().item()
+        assert excess <= 1e-4, f"the fused step's KV cache is off by {excess:.2e} beyond the bound"
         mixed_steps += bool(batch.decodes and batch.prefills)
         return logits, samplers, prompt_logits
 
