@@ -14,6 +14,13 @@
 
 #define PF_ROWS 8    /* query rows (query, head) per score pass: 8 x 2 accumulators */
 
+/* Whether the products run on fp32 FMAs instead of vdpbf16ps: set with the linears' path
+ * (spark_linear_set_path), as both follow from which of the two this CPU issues faster. The packed
+ * layouts are the same; each bf16 pair is widened in registers (<< 16 and & 0xffff0000), and each
+ * product is exact in fp32. A pair's odd product is added first, then its even one: the order Intel's
+ * manual gives vdpbf16ps, and on the Xeon (model 207) both paths give the same bits. */
+static int prefill_attention_fma = 0;
+
 #define PF_PACK_KEYS 256 /* keys per packing job (a multiple of 32) */
 /* Most bytes of packed K/V a call shares between its tiles. Over it (many chunks over long cached
  * contexts: each new turn of many conversations at once), every tile packs its own keys into its
@@ -115,9 +122,39 @@ static inline __attribute__((always_inline)) void prefill_scores32(const uint16_
     }
 }
 
+/* prefill_scores32 on fp32 FMAs: qf holds the PF_ROWS rows' queries widened to fp32 (row stride D). */
+static inline __attribute__((always_inline)) void prefill_scores32_fma(const float *qf, int64_t D, const uint32_t *kp,
+                                                                       int64_t g, float scale, float *s, int64_t cap) {
+    const int64_t pairs = D / 2;
+    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 acc[PF_ROWS][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < PF_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const uint32_t *k0 = kp + g * pairs * 16, *k1 = k0 + pairs * 16;
+    for (int64_t j = 0; j < pairs; j++) {
+        const __m512i a = _mm512_load_si512(k0 + j * 16), b = _mm512_load_si512(k1 + j * 16);
+        const __m512 a0 = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+        const __m512 a1 = _mm512_castsi512_ps(_mm512_and_si512(a, high_half));
+        const __m512 b0 = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+        const __m512 b1 = _mm512_castsi512_ps(_mm512_and_si512(b, high_half));
+#pragma GCC unroll 8
+        for (int r = 0; r < PF_ROWS; r++) {
+            const __m512 x0 = _mm512_set1_ps(qf[r * D + 2 * j]), x1 = _mm512_set1_ps(qf[r * D + 2 * j + 1]);
+            acc[r][0] = _mm512_fmadd_ps(x0, a0, _mm512_fmadd_ps(x1, a1, acc[r][0]));
+            acc[r][1] = _mm512_fmadd_ps(x0, b0, _mm512_fmadd_ps(x1, b1, acc[r][1]));
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+#pragma GCC unroll 8
+    for (int r = 0; r < PF_ROWS; r++) {
+        _mm512_store_ps(s + r * cap + g * 16, _mm512_mul_ps(acc[r][0], sc));
+        _mm512_store_ps(s + r * cap + g * 16 + 16, _mm512_mul_ps(acc[r][1], sc));
+    }
+}
+
 /* Softmax of one row's scores over its first n keys, into bf16 probabilities; zero from n to `upto`.
  * Each exponential is computed once and kept in s (in place) until it is normalised. */
-static inline void prefill_softmax_row(float *s, int64_t n, int64_t upto, uint16_t *p) {
+static inline void prefill_softmax_row(float *s, int64_t n, int64_t upto, uint16_t *p, int keep_f32) {
     __m512 mxv = _mm512_set1_ps(-INFINITY);
     int64_t l = 0;
     for (; l + 16 <= n; l += 16) mxv = _mm512_max_ps(mxv, _mm512_load_ps(s + l));
@@ -133,7 +170,10 @@ static inline void prefill_softmax_row(float *s, int64_t n, int64_t upto, uint16
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sumv));
     for (l = 0; l < upto; l += 16) {
         const __m512 e = l < n ? _mm512_load_ps(s + l) : _mm512_setzero_ps();
-        _mm256_storeu_si256((__m256i *)(p + l), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(e, inv)));
+        const __m256i pb = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(e, inv));
+        _mm256_storeu_si256((__m256i *)(p + l), pb);
+        /* the FMA path's P @ V broadcasts each rounded probability as fp32, from s */
+        if (keep_f32) _mm512_store_ps(s + l, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
     }
 }
 
@@ -168,6 +208,36 @@ static inline __attribute__((always_inline)) void prefill_pv(const int RP, const
             _mm256_storeu_si256((__m256i *)(out[r] + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
 }
 
+/* prefill_pv on fp32 FMAs: pf holds the rows' probabilities (already rounded to bf16) as fp32. */
+static inline __attribute__((always_inline)) void prefill_pv_fma(const int RP, const int NV, const float *pf,
+                                                                 int64_t cap, const uint16_t *vp, int64_t pairs,
+                                                                 uint16_t *const *out) {
+    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 acc[4][8];
+#pragma GCC unroll 4
+    for (int r = 0; r < RP; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < NV; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < pairs; i++) {
+#pragma GCC unroll 8
+        for (int c = 0; c < NV; c++) {
+            /* lane t: dim c*16+t of key 2i (low half) and of key 2i+1 (high half) */
+            const __m512i vv = _mm512_load_si512(vp + (i * NV + c) * 32);
+            const __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(vv, 16));
+            const __m512 v1 = _mm512_castsi512_ps(_mm512_and_si512(vv, high_half));
+#pragma GCC unroll 4
+            for (int r = 0; r < RP; r++)
+                acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(pf[r * cap + 2 * i]), v0,
+                                            _mm512_fmadd_ps(_mm512_set1_ps(pf[r * cap + 2 * i + 1]), v1, acc[r][c]));
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RP; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < NV; c++)
+            _mm256_storeu_si256((__m256i *)(out[r] + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+}
+
 /* One task: queries [0, nq) of a tile (flat rows q_row0 ..., positions pos0 ...) against the G query
  * heads of one KV head, whose K and V are packed in kp and vp. D is 32, 64 or 128. */
 static void prefill_tile_bf16(const uint16_t *qkv, int64_t qkv_stride, const uint32_t *kp, const uint16_t *vp,
@@ -188,11 +258,43 @@ static void prefill_tile_bf16(const uint16_t *qkv, int64_t qkv_stride, const uin
         }
         const int64_t tile_keys = n[PF_ROWS - 1]; /* rows go query by query: the last sees the most keys */
         const int64_t passes = (tile_keys + 31) / 32;
-        for (int64_t b = 0; b < passes; b++) prefill_scores32(q, D, kp, 2 * b, scale, w->s, w->cap);
+        const int fma = prefill_attention_fma;
+        if (fma) {
+            float qf[PF_ROWS * 128] __attribute__((aligned(64))); /* D is at most 128 */
+            for (int64_t r = 0; r < PF_ROWS; r++)
+                for (int64_t c = 0; c < D / 16; c++)
+                    _mm512_store_ps(qf + r * D + c * 16, _mm512_castsi512_ps(_mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(q[r] + c * 16))), 16)));
+            for (int64_t b = 0; b < passes; b++) prefill_scores32_fma(qf, D, kp, 2 * b, scale, w->s, w->cap);
+        } else {
+            for (int64_t b = 0; b < passes; b++) prefill_scores32(q, D, kp, 2 * b, scale, w->s, w->cap);
+        }
         const int64_t upto = passes * 32;
-        for (int64_t r = 0; r < live; r++) prefill_softmax_row(w->s + r * w->cap, n[r], upto, w->p + r * w->cap);
+        for (int64_t r = 0; r < live; r++)
+            prefill_softmax_row(w->s + r * w->cap, n[r], upto, w->p + r * w->cap, fma);
         const int64_t pairs = (tile_keys + 1) / 2;
         const int NV = (int)(D / 16);
+        if (fma) {
+            for (int64_t r = 0; r < live;) {
+                const int64_t left = live - r;
+                uint16_t *const *orow = o + r;
+                const float *prow = w->s + r * w->cap;
+                if (NV == 4 && left >= 4) {
+                    prefill_pv_fma(4, 4, prow, w->cap, vp, pairs, orow), r += 4;
+                } else if (NV == 2 && left >= 4) {
+                    prefill_pv_fma(4, 2, prow, w->cap, vp, pairs, orow), r += 4;
+                } else if (NV == 8 && left >= 2) {
+                    prefill_pv_fma(2, 8, prow, w->cap, vp, pairs, orow), r += 2;
+                } else if (NV == 2) {
+                    prefill_pv_fma(1, 2, prow, w->cap, vp, pairs, orow), r += 1;
+                } else if (NV == 4) {
+                    prefill_pv_fma(1, 4, prow, w->cap, vp, pairs, orow), r += 1;
+                } else {
+                    prefill_pv_fma(1, 8, prow, w->cap, vp, pairs, orow), r += 1;
+                }
+            }
+            continue;
+        }
         for (int64_t r = 0; r < live;) {
             const int64_t left = live - r;
             uint16_t *const *orow = o + r;

@@ -7,6 +7,8 @@ attention must match a plain (causal) softmax attention over the same paged cont
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import os
 import platform
 import subprocess
@@ -166,7 +168,16 @@ def test_decode_attention_takes_the_maximum_of_every_score(dtype, kern, top, sec
 @pytest.mark.parametrize("spans", [[(1, 1), (7, 7)], [(40, 100), (5, 5), (33, 301)], [(130, 130)],
                                    [(2, 1100)] * 40])
 @pytest.mark.parametrize("block", [16, 32])
-def test_prefill_attention_is_causal_softmax_attention_over_paged_context(dtype, kern, H, Hkv, D, spans, block):
+# bf16 products on AVX512-BF16 dot products or on fp32 FMAs (the linears' path, chosen at start, picks both)
+@pytest.mark.parametrize("path", ["dot", "fma"])
+def test_prefill_attention_is_causal_softmax_attention_over_paged_context(dtype, kern, H, Hkv, D, spans, block, path):
+    if path not in (kern.linear_paths or ("dot",)) or (path == "fma" and dtype != torch.bfloat16):
+        pytest.skip(f"no {path!r} path for {dtype} in this build")
+    with kern.on_linear_path(path) if kern.linear_paths else nullcontext():
+        _check_prefill_attention(dtype, kern, H, Hkv, D, spans, block)
+
+
+def _check_prefill_attention(dtype, kern, H, Hkv, D, spans, block):
     g = torch.Generator().manual_seed(5)
     num_blocks = max(64, max(-(-ctx // block) for _, ctx in spans))
     cache = torch.randn(2 * Hkv, num_blocks * block, D, generator=g).to(dtype)
