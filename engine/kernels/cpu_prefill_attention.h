@@ -170,10 +170,9 @@ static inline void prefill_softmax_row(float *s, int64_t n, int64_t upto, uint16
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sumv));
     for (l = 0; l < upto; l += 16) {
         const __m512 e = l < n ? _mm512_load_ps(s + l) : _mm512_setzero_ps();
-        const __m256i pb = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(e, inv));
-        _mm256_storeu_si256((__m256i *)(p + l), pb);
+        _mm256_storeu_si256((__m256i *)(p + l), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(e, inv)));
         /* the FMA path's P @ V broadcasts each rounded probability as fp32, from s */
-        if (keep_f32) _mm512_store_ps(s + l, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
+        if (keep_f32) _mm512_store_ps(s + l, load16_bf16(p + l));
     }
 }
 
@@ -238,6 +237,17 @@ static inline __attribute__((always_inline)) void prefill_pv_fma(const int RP, c
             _mm256_storeu_si256((__m256i *)(out[r] + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
 }
 
+/* RP rows of P @ V on either path: p holds the rows' bf16 probabilities (dot), pf the same values as
+ * fp32 (FMA). RP and NV are constants at every call, so each call site inlines one kernel. */
+static inline __attribute__((always_inline)) void prefill_pv_rows(int fma, const int RP, const int NV, const uint16_t *p,
+                                                                  const float *pf, int64_t cap, const uint16_t *vp,
+                                                                  int64_t pairs, uint16_t *const *out) {
+    if (fma)
+        prefill_pv_fma(RP, NV, pf, cap, vp, pairs, out);
+    else
+        prefill_pv(RP, NV, p, cap, vp, pairs, out);
+}
+
 /* One task: queries [0, nq) of a tile (flat rows q_row0 ..., positions pos0 ...) against the G query
  * heads of one KV head, whose K and V are packed in kp and vp. D is 32, 64 or 128. */
 static void prefill_tile_bf16(const uint16_t *qkv, int64_t qkv_stride, const uint32_t *kp, const uint16_t *vp,
@@ -262,9 +272,7 @@ static void prefill_tile_bf16(const uint16_t *qkv, int64_t qkv_stride, const uin
         if (fma) {
             float qf[PF_ROWS * 128] __attribute__((aligned(64))); /* D is at most 128 */
             for (int64_t r = 0; r < PF_ROWS; r++)
-                for (int64_t c = 0; c < D / 16; c++)
-                    _mm512_store_ps(qf + r * D + c * 16, _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(q[r] + c * 16))), 16)));
+                for (int64_t c = 0; c < D / 16; c++) _mm512_store_ps(qf + r * D + c * 16, load16_bf16(q[r] + c * 16));
             for (int64_t b = 0; b < passes; b++) prefill_scores32_fma(qf, D, kp, 2 * b, scale, w->s, w->cap);
         } else {
             for (int64_t b = 0; b < passes; b++) prefill_scores32(q, D, kp, 2 * b, scale, w->s, w->cap);
@@ -274,43 +282,23 @@ static void prefill_tile_bf16(const uint16_t *qkv, int64_t qkv_stride, const uin
             prefill_softmax_row(w->s + r * w->cap, n[r], upto, w->p + r * w->cap, fma);
         const int64_t pairs = (tile_keys + 1) / 2;
         const int NV = (int)(D / 16);
-        if (fma) {
-            for (int64_t r = 0; r < live;) {
-                const int64_t left = live - r;
-                uint16_t *const *orow = o + r;
-                const float *prow = w->s + r * w->cap;
-                if (NV == 4 && left >= 4) {
-                    prefill_pv_fma(4, 4, prow, w->cap, vp, pairs, orow), r += 4;
-                } else if (NV == 2 && left >= 4) {
-                    prefill_pv_fma(4, 2, prow, w->cap, vp, pairs, orow), r += 4;
-                } else if (NV == 8 && left >= 2) {
-                    prefill_pv_fma(2, 8, prow, w->cap, vp, pairs, orow), r += 2;
-                } else if (NV == 2) {
-                    prefill_pv_fma(1, 2, prow, w->cap, vp, pairs, orow), r += 1;
-                } else if (NV == 4) {
-                    prefill_pv_fma(1, 4, prow, w->cap, vp, pairs, orow), r += 1;
-                } else {
-                    prefill_pv_fma(1, 8, prow, w->cap, vp, pairs, orow), r += 1;
-                }
-            }
-            continue;
-        }
         for (int64_t r = 0; r < live;) {
             const int64_t left = live - r;
             uint16_t *const *orow = o + r;
             const uint16_t *prow = w->p + r * w->cap;
+            const float *pfrow = w->s + r * w->cap;
             if (NV == 4 && left >= 4) {
-                prefill_pv(4, 4, prow, w->cap, vp, pairs, orow), r += 4;
+                prefill_pv_rows(fma, 4, 4, prow, pfrow, w->cap, vp, pairs, orow), r += 4;
             } else if (NV == 2 && left >= 4) {
-                prefill_pv(4, 2, prow, w->cap, vp, pairs, orow), r += 4;
+                prefill_pv_rows(fma, 4, 2, prow, pfrow, w->cap, vp, pairs, orow), r += 4;
             } else if (NV == 8 && left >= 2) {
-                prefill_pv(2, 8, prow, w->cap, vp, pairs, orow), r += 2;
+                prefill_pv_rows(fma, 2, 8, prow, pfrow, w->cap, vp, pairs, orow), r += 2;
             } else if (NV == 2) {
-                prefill_pv(1, 2, prow, w->cap, vp, pairs, orow), r += 1;
+                prefill_pv_rows(fma, 1, 2, prow, pfrow, w->cap, vp, pairs, orow), r += 1;
             } else if (NV == 4) {
-                prefill_pv(1, 4, prow, w->cap, vp, pairs, orow), r += 1;
+                prefill_pv_rows(fma, 1, 4, prow, pfrow, w->cap, vp, pairs, orow), r += 1;
             } else {
-                prefill_pv(1, 8, prow, w->cap, vp, pairs, orow), r += 1;
+                prefill_pv_rows(fma, 1, 8, prow, pfrow, w->cap, vp, pairs, orow), r += 1;
             }
         }
     }
