@@ -8,6 +8,8 @@ import random
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.device import resolve_device, resolve_dtype
+from engine.gguf_parse import shared_gguf_readers
 from engine.errors import EngineOverloadedError, InvalidRequestError, LoraUnavailableError, PromptTooLongError
 from engine.kernels import load_cpu_kernels
 from engine.model_loader import EMBEDDED_MODEL_NAME, gguf_source, resolve_model_dir
@@ -52,6 +55,15 @@ def record_prompt_logprobs(chunk: PromptLogits) -> None:
         seq.prompt_logprobs.append(TokenLogprob(tid, lp, top))
 
 
+def _in_background(work: Callable[[], Any]) -> Future:
+    """``work()`` on a thread of its own; its result (or exception) from the future."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-start")
+    try:
+        return pool.submit(work)
+    finally:
+        pool.shutdown(wait=False)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -60,18 +72,22 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         started = time.monotonic()
-        model_dir = resolve_model_dir(config.model)
-        hf_config = AutoConfig.from_pretrained(model_dir)
-        model_cls = model_class(hf_config.model_type)  # refuses an unsupported family before any loading
         self.device = resolve_device(config.device)
-        kernels = load_cpu_kernels() if config.native_kernels and self.device.type == "cpu" else None
-        if config.dtype == "auto" and kernels is not None and kernels.linear_isa == 2:
-            self.dtype = torch.bfloat16  # the packed bf16 kernels: bf16 is this CPU's fast dtype
-        else:
-            self.dtype = resolve_dtype(config.dtype, self.device)
-        gguf = gguf_source(config.model)
-        self.quantization = resolve_quantization(config.quantization, gguf is not None, kernels, self.dtype)
-        resolve_activations(config.linear_activations, self.quantization)  # refuses a bad pair before loading
+        # On a cold cache the compiler (~20 s of one core) runs while the model converts (a Python loop).
+        kernel_build = _in_background(load_cpu_kernels) if config.native_kernels and self.device.type == "cpu" else None
+        with shared_gguf_readers():  # a cold start converts a GGUF file and reads its blocks: one parse for both
+            model_dir = resolve_model_dir(config.model)
+            hf_config = AutoConfig.from_pretrained(model_dir)
+            model_cls = model_class(hf_config.model_type)  # refuses an unsupported family before any loading
+            kernels = kernel_build.result() if kernel_build is not None else None
+            if config.dtype == "auto" and kernels is not None and kernels.linear_isa == 2:
+                self.dtype = torch.bfloat16  # the packed bf16 kernels: bf16 is this CPU's fast dtype
+            else:
+                self.dtype = resolve_dtype(config.dtype, self.device)
+            gguf = gguf_source(config.model)
+            self.quantization = resolve_quantization(config.quantization, gguf is not None, kernels, self.dtype)
+            resolve_activations(config.linear_activations, self.quantization)  # refuses a bad pair before loading
+            stored, cache_file = self._stored_weights(model_dir, gguf, hf_config)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if config.chat_template:
             self.tokenizer.chat_template = read_chat_template(config.chat_template)
@@ -79,7 +95,6 @@ class LLMEngine:
         # Quantizing starts from the checkpoint's own precision, not from a bf16 rounding of it.
         load_dtype = self.dtype if self.quantization in ("none", "gguf") else "auto"
         hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=load_dtype)
-        stored, cache_file = self._stored_weights(model_dir, gguf, hf_config)
         # int8 rounds against the layers' calibrated inputs (GPTQ): measured once, then the cache serves
         hessians = calibrate(hf_model, self.tokenizer) if self.quantization == "int8" and stored is None else None
         if hessians is not None:

@@ -100,10 +100,13 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     """De-quantize a GGUF file into a safetensors HF directory, written atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from engine.gguf_parse import shared_gguf_readers
+
     target.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    # transformers prints a tqdm bar while de-quantizing the tensors.
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    with shared_gguf_readers():
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # transformers prints a tqdm bar while de-quantizing the tensors.
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # Some transformers versions refuse save_pretrained on a GGUF-loaded model with its quantizer marker.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

@@ -1,0 +1,76 @@
+"""A cold first start: the GGUF file parsed once, the kernels compiled while the model converts."""
+
+from __future__ import annotations
+
+import threading
+
+import gguf
+import numpy as np
+import pytest
+
+from engine import llm_engine
+from engine.config import EngineConfig
+from engine.gguf_parse import shared_gguf_readers
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("test.value", 7)
+    writer.add_tensor("t", np.arange(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _open(path):
+    from gguf import GGUFReader  # as transformers does: the name looked up at each call
+
+    return GGUFReader(path)
+
+
+def test_one_parse_per_file_within_the_block(tiny_gguf, monkeypatch):
+    parses = []
+    original = gguf.GGUFReader
+
+    class Counting(original):
+        def __init__(self, *args, **kwargs):
+            parses.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    with shared_gguf_readers():
+        first = _open(tiny_gguf)
+        with shared_gguf_readers():  # nested, as a cold engine start's conversion is
+            assert _open(str(tiny_gguf)) is first
+        assert _open(tiny_gguf.parent / ".." / tiny_gguf.parent.name / tiny_gguf.name) is first  # one real path
+        assert int(first.fields["test.value"].parts[-1][0]) == 7
+    assert len(parses) == 1
+    assert gguf.GGUFReader is Counting  # restored
+    assert _open(tiny_gguf) is not first  # outside a block, each open parses
+    with pytest.raises(RuntimeError), shared_gguf_readers():
+        raise RuntimeError("a failed conversion")
+    assert gguf.GGUFReader is Counting
+
+
+def test_the_kernels_build_while_the_model_resolves(monkeypatch):
+    """The model's directory is resolved (on a cold cache: converted) only once the kernels' build has
+    begun: a start that did the two one after the other never gets past resolving."""
+    building = threading.Event()
+    real_load, real_resolve = llm_engine.load_cpu_kernels, llm_engine.resolve_model_dir
+
+    def load():
+        building.set()
+        return real_load()
+
+    def resolve(model):
+        assert building.wait(timeout=30), "the kernels were not being built while the model converted"
+        return real_resolve(model)
+
+    monkeypatch.setattr(llm_engine, "load_cpu_kernels", load)
+    monkeypatch.setattr(llm_engine, "resolve_model_dir", resolve)
+    engine = llm_engine.LLMEngine(EngineConfig(num_kv_blocks=16))
+    assert engine.model.kernels is not None or real_load() is None
