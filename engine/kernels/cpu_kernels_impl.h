@@ -305,7 +305,22 @@ void FN(prefill_attention)(const T *qkv, int64_t qkv_stride, const T *cache, con
     tiled = (D == 32 || D == 64 || D == 128) && block_size % 2 == 0;
 #endif
     /* queries per task: a tile of ~PF_TILE_ROWS rows when tiled, one query otherwise */
-    const int64_t per_task = tiled ? (PF_TILE_ROWS / G > 1 ? PF_TILE_ROWS / G : 1) : 1;
+    int64_t per_task = tiled ? (PF_TILE_ROWS / G > 1 ? PF_TILE_ROWS / G : 1) : 1;
+#if defined(QK_RAW_BF16) && defined(QK_BF16_DOT)
+    if (tiled && num_threads > 1) {
+        /* Few queries (a long prompt's capped chunk beside decoding streams: 32 queries, 3 KV heads) would
+         * make as few tasks as KV heads, and 3 tasks on 2 threads leave one idle a third of the time. Halve
+         * the tiles until there are four tasks a thread, down to one whole score pass of rows. */
+        int64_t min_per_task = PF_ROWS;
+        while (min_per_task % 2 == 0 && (min_per_task / 2 * G) % PF_ROWS == 0) min_per_task /= 2;
+        while (per_task / 2 >= min_per_task && (per_task / 2) % min_per_task == 0) {
+            int64_t tiles = 0;
+            for (int64_t s = 0; s < num_spans; s++) tiles += (spans[3 * s + 1] + per_task - 1) / per_task;
+            if (num_kv_heads * tiles >= 4 * num_threads) break;
+            per_task /= 2;
+        }
+    }
+#endif
     int64_t *first = (int64_t *)malloc((size_t)(num_spans + 1) * sizeof(int64_t)); /* first task of each span */
     if (!first) return;
     int64_t max_keys = 1, work = 0;

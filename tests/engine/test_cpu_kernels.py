@@ -165,9 +165,9 @@ def test_decode_attention_takes_the_maximum_of_every_score(dtype, kern, top, sec
 # whole prompts; a chunk continuing a cached context (tiles of several lengths, ragged, over a block edge);
 # one long chunk (several query tiles per KV head, keys beyond one 32-key score pass); many short chunks
 # over long cached contexts (a new turn of 40 conversations: more packed K/V than one call shares, so
-# each tile packs its own)
+# each tile packs its own); a long prompt's capped chunk (too few queries for the threads: smaller tiles)
 @pytest.mark.parametrize("spans", [[(1, 1), (7, 7)], [(40, 100), (5, 5), (33, 301)], [(130, 130)],
-                                   [(2, 1100)] * 40])
+                                   [(2, 1100)] * 40, [(32, 700)]])
 @pytest.mark.parametrize("block", [16, 32])
 # bf16 products on AVX512-BF16 dot products or on fp32 FMAs (the linears' path, chosen at start, picks both)
 @pytest.mark.parametrize("path", ["dot", "fma"])
