@@ -124,7 +124,8 @@ class LLMEngine:
                                          self.model.projections(), self.model.kernels)
                              if config.max_loras > 0 else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.long_prefill_token_threshold, self.lora_manager)
+                                   config.long_prefill_token_threshold, self.lora_manager,
+                                   attention_cost_per_key=self.model.attention_cost_per_key())
         self.runner = ModelRunner(self.model, self.model.make_kv_cache(num_blocks, config.block_size),
                                   self.lora_manager)
         self.eos_token_ids = self._eos_ids(model_dir)

@@ -9,6 +9,7 @@ preempted: its blocks are freed and it is recomputed later.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -32,11 +33,14 @@ class ScheduledBatch:
         return len(self.decodes) + sum(n for _, n in self.prefills)
 
 
-# Prompt tokens of a long prefill per decoding stream per step (per long prompt pending). Measured on a
-# 2-core AMD EPYC (2026-11-23; `bench_interactivity`: 16 streams, a 2,000-token prompt arrives;
-# `compare.py --prompt-tokens 1000 --concurrency 24`): 1 -> gap p99/median 1.32, TTFT p50 10.2 s;
-# 2 -> 2.24, 7.0 s; 4 -> 3.48 (over the bar of 3). Where prefill is cheaper against decode (AMX), the
-# same factor widens the gaps less.
+# Prompt tokens of a long prefill per decoding stream per step (per long prompt pending), each token
+# counted with its attention over the keys before it (Scheduler.attention_cost_per_key). Measured on a
+# 2-core AMD EPYC with tokens alone (2026-11-23; `bench_interactivity`: 16 streams, a 2,000-token prompt
+# arrives; `compare.py --prompt-tokens 1000 --concurrency 24`): 1 -> gap p99/median 1.32, TTFT p50 10.2 s;
+# 2 -> 2.24, 7.0 s; 4 -> 3.48 (over the bar of 3). On the Intel Xeon (model 207) 2 gave 2.40-3.24: the
+# chunks at the end of the 2,000-token prompt cost ~3x a decode step, two thirds of it their attention.
+# Counting that attention there: 1.23-1.40, the long prompt's TTFT 6.0-6.8 s (5.1-6.6 before), and at
+# 1,000 tokens, 24 streams, 76.4 tok/s and TTFT p50 9.5 s (67.1 and 11.0 s before).
 LONG_PREFILL_PER_DECODE = 2
 
 
@@ -46,19 +50,25 @@ def _order(seq: Sequence) -> tuple[int, float]:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 long_prefill_token_threshold: int = 0, lora_manager: LoraManager | None = None) -> None:
+                 long_prefill_token_threshold: int = 0, lora_manager: LoraManager | None = None,
+                 attention_cost_per_key: float = 0.0) -> None:
         self.block_manager = block_manager
         self.lora_manager = lora_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # While sequences decode, a step prefills long prompts at most max(threshold,
-        # LONG_PREFILL_PER_DECODE x num_decoding x the long prompts pending) tokens in all (0: no cap).
-        # With one pending, such a step costs at most ~2.5x a decode-only one (its extra rows, and its
-        # attention over the prompt so far), so a long prompt arriving keeps the running streams' token
-        # gaps within the interactivity bar. A short prompt (at most half the step budget) is prefilled
+        # LONG_PREFILL_PER_DECODE x num_decoding x the long prompts pending) tokens in all (0: no cap),
+        # weighed by their attention (below). With one pending, such a step costs about twice a
+        # decode-only one, at the prompt's start as at its end, so a long prompt arriving keeps the
+        # running streams' token gaps within the interactivity bar. A short prompt (at most half the step budget) is prefilled
         # whole in one step, as vLLM does: one bounded bump for the running streams, and arrivals ramp
         # up without being trickled through the cap.
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        # The cap counts a capped chunk's cost, not only its tokens: each token's linears plus its attention
+        # over the keys before it (this fraction of the linears per key, from the model's sizes; 0: tokens
+        # only). Late chunks of a long prompt attend over more keys, so they get fewer tokens and a step
+        # costs about the same at the prompt's end as at its start.
+        self.attention_cost_per_key = attention_cost_per_key
         self.short_prompt_tokens = max_num_batched_tokens // 2
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -109,8 +119,9 @@ class Scheduler:
         bm = self.block_manager
         self.running.sort(key=_order)
         num_decoding = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
-        prefill_budget = budget
-        if self.long_prefill_token_threshold and num_decoding:
+        prefill_budget: float = budget
+        capped = bool(self.long_prefill_token_threshold and num_decoding)
+        if capped:
             # The cap scales with the long prompts pending: one arrival among running streams barely
             # widens their token gaps, while a queue of them is not trickled through one prompt's share
             # (each waiting prompt's TTFT weighs like a running stream's TPOT).
@@ -122,8 +133,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             remaining = seq.num_uncomputed_tokens
-            wanted = min(remaining, budget) if remaining == 1 else min(remaining, self._prefill_limit(seq, budget,
-                                                                                                  prefill_budget))
+            wanted = min(remaining, budget) if remaining == 1 else min(remaining, self._prefill_limit(
+                seq, budget, prefill_budget, capped))
             if wanted == 0:  # a prefill with no prefill budget left this step
                 i += 1
                 continue
@@ -143,14 +154,13 @@ class Scheduler:
                 self._preempt(seq)  # nothing else to take from: wait for blocks
                 batch.num_preempted += 1
                 continue
+            prefill_budget -= self._prefill_cost(seq, n, capped) if remaining > 1 else 0
             bm.append_slots(seq, n)
             self._add(batch, seq, n)
             budget -= n
-            if remaining > 1:
-                prefill_budget -= n
             i += 1
         for seq in list(self.waiting):
-            if self._prefill_limit(seq, budget, prefill_budget) <= 0 or len(self.running) >= self.max_num_seqs:
+            if self._prefill_limit(seq, budget, prefill_budget, capped) <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             if seq.is_blocked:
                 continue
@@ -158,7 +168,7 @@ class Scheduler:
                 continue  # every adapter slot is pinned by running sequences: wait for one
             if not seq.block_table:
                 bm.allocate_cached_prefix(seq)
-            n = self._fit(seq, min(seq.num_uncomputed_tokens, self._prefill_limit(seq, budget, prefill_budget)))
+            n = self._fit(seq, min(seq.num_uncomputed_tokens, self._prefill_limit(seq, budget, prefill_budget, capped)))
             if n == 0:
                 bm.free(seq)  # keep its cached prefix evictable while it waits
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
@@ -169,18 +179,32 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.mark_scheduled()
             self.running.append(seq)
+            prefill_budget -= self._prefill_cost(seq, n, capped)
             bm.append_slots(seq, n)
             self._add(batch, seq, n)
             budget -= n
-            prefill_budget -= n
         return batch
 
-    def _prefill_limit(self, seq: Sequence, budget: int, prefill_budget: int) -> int:
+    def _prefill_limit(self, seq: Sequence, budget: int, prefill_budget: float, capped: bool) -> int:
         """Prompt tokens ``seq`` may prefill this step: short prompts are bounded by the step's budget
-        only, long ones by the prefill cap too (recomputed sequences count their outputs)."""
+        only, long ones by the prefill cap too (recomputed sequences count their outputs); under the cap,
+        as many as its cost allows after the keys already computed."""
         if not self._is_long(seq):
             return budget
-        return min(budget, prefill_budget)
+        a = self.attention_cost_per_key if capped else 0.0
+        if a <= 0 or prefill_budget <= 0:
+            return max(0, min(budget, int(prefill_budget)))
+        # the largest n with n * (1 + (computed + n) * a) <= prefill_budget
+        b = 1 + seq.num_computed_tokens * a
+        n = int((math.sqrt(b * b + 4 * a * prefill_budget) - b) / (2 * a))
+        return min(budget, n)
+
+    def _prefill_cost(self, seq: Sequence, n: int, capped: bool) -> float:
+        """What a chunk of ``n`` tokens of ``seq`` (scheduled, not yet computed) takes from the prefill cap:
+        its tokens, and under the cap each one's attention over at most ``computed + n`` keys."""
+        if not capped or not self._is_long(seq):
+            return n
+        return n * (1 + (seq.num_computed_tokens + n) * self.attention_cost_per_key)
 
     def _is_long(self, seq: Sequence) -> bool:
         return len(seq.token_ids) > self.short_prompt_tokens

@@ -127,3 +127,8 @@ def test_priority_orders_admission(llm_engine):
     finally:
         sched.max_num_seqs = old
     assert order == ["high", "low"]  # 1 is the most urgent, whatever the arrival order
+
+
+def test_the_long_prompt_cap_weighs_attention_by_the_models_sizes(llm_engine):
+    """SmolLM2-135M: per key, 2 x 9 heads x 64 dims of attention against 3.54M projection weights a layer."""
+    assert llm_engine.scheduler.attention_cost_per_key == pytest.approx(1 / 3072, rel=0.01)

@@ -124,3 +124,40 @@ def test_the_long_prompt_cap_scales_with_the_long_prompts_waiting():
         batch = scheduler.schedule()
         assert len(batch.decodes) == 8
         assert sum(n for _, n in batch.prefills) == expected
+
+
+def test_the_long_prompt_cap_counts_each_chunks_attention():
+    """Under the cap a chunk costs its tokens plus their attention over the keys before them (per key, a
+    fraction of a token's linears, from the model's sizes): a long prompt's chunks shrink as its context
+    grows, each the most that fits the cap, so a step costs about the same at the prompt's end as at its
+    start. With no weight on attention every chunk is the cap's size."""
+    cap = 2 * 8  # LONG_PREFILL_PER_DECODE x 8 decoding streams
+    for per_key in (0.0, 1 / 500):
+        scheduler = Scheduler(BlockManager(num_blocks=512, block_size=16), max_num_seqs=64,
+                              max_num_batched_tokens=256, long_prefill_token_threshold=4,
+                              attention_cost_per_key=per_key)
+        _decoding(scheduler, 8)
+        long = _seq(list(range(1000, 1600)))  # 600 tokens: long (over 256 / 2)
+        scheduler.add(long)
+        chunks = []
+        while long.num_computed_tokens < len(long.token_ids):
+            batch = scheduler.schedule()
+            assert len(batch.decodes) == 8
+            for seq, n in batch.prefills:
+                chunks.append((seq.num_computed_tokens, n))
+                seq.num_computed_tokens += n
+            for seq in batch.decodes:
+                seq.num_computed_tokens += 1
+                seq.append_token(1)
+
+        def cost(keys: int, n: int) -> float:
+            return n * (1 + (keys + n) * per_key)
+
+        sizes = [n for _, n in chunks]
+        assert sum(sizes) == 600
+        if per_key == 0:
+            assert sizes[:-1] == [cap] * (len(sizes) - 1)
+        else:
+            assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-2] > 0  # shrinking, never stalled
+            for keys, n in chunks[:-1]:  # each the largest that fits (the last takes what is left)
+                assert cost(keys, n) <= cap < cost(keys, n + 1)
