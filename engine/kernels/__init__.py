@@ -9,6 +9,7 @@ share one thread pool instead of fighting over the cores.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -80,13 +81,19 @@ def build_library(cc: str, march: str = NATIVE, directory: Path | None = None) -
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True,
-                              timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:2000]}")
-        os.replace(out, target)  # atomic: a concurrent start sees the whole library or none
+    # Several processes starting on a cold cache at once (a fleet's replicas, test workers): one compiles
+    # (~20 s of a core), the others wait for its library instead of compiling the same one beside it.
+    with open(directory / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            out = Path(tmp) / target.name
+            proc = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True,
+                                  timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:2000]}")
+            os.replace(out, target)  # atomic: a reader without the lock sees the whole library or none
     logger.info("compiled fused CPU kernels into %s", target)
     return target
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import gguf
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from engine import llm_engine
 from engine.config import EngineConfig
 from engine.gguf_parse import shared_gguf_readers
+from engine.kernels import build_library
 
 
 @pytest.fixture
@@ -74,3 +76,20 @@ def test_the_kernels_build_while_the_model_resolves(monkeypatch):
     monkeypatch.setattr(llm_engine, "resolve_model_dir", resolve)
     engine = llm_engine.LLMEngine(EngineConfig(num_kv_blocks=16))
     assert engine.model.kernels is not None or real_load() is None
+
+
+def test_starts_on_a_cold_cache_compile_the_kernels_once(tmp_path):
+    """Three builds of one library at once (a fleet's replicas on a cold cache): one compiler run, the
+    others wait for its file. The compiler here is a stand-in that takes a second and counts its runs."""
+    runs = tmp_path / "runs"
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\n"
+                  'if [ "$1" = "--version" ]; then echo stand-in 1.0; exit 0; fi\n'
+                  f"echo run >> {runs}\n"
+                  "sleep 1\n"
+                  'while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then : > "$2"; fi; shift; done\n')
+    cc.chmod(0o755)
+    with ThreadPoolExecutor(3) as pool:
+        built = list(pool.map(lambda _: build_library(str(cc), "-march=x86-64-v2", tmp_path / "kernels"), range(3)))
+    assert len(set(built)) == 1 and built[0].exists()
+    assert runs.read_text().split() == ["run"]
