@@ -194,10 +194,11 @@ class Scheduler:
         a = self.attention_cost_per_key if capped else 0.0
         if a <= 0 or prefill_budget <= 0:
             return max(0, min(budget, int(prefill_budget)))
-        # the largest n with n * (1 + (computed + n) * a) <= prefill_budget
+        # the largest n with n * (1 + (computed + n) * a) <= prefill_budget; never under the threshold's
+        # tokens, so a prompt deep into a long context still moves while streams decode
         b = 1 + seq.num_computed_tokens * a
         n = int((math.sqrt(b * b + 4 * a * prefill_budget) - b) / (2 * a))
-        return min(budget, n)
+        return min(budget, max(n, min(self.long_prefill_token_threshold, int(prefill_budget))))
 
     def _prefill_cost(self, seq: Sequence, n: int, capped: bool) -> float:
         """What a chunk of ``n`` tokens of ``seq`` (scheduled, not yet computed) takes from the prefill cap:

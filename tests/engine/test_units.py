@@ -161,3 +161,14 @@ def test_the_long_prompt_cap_counts_each_chunks_attention():
             assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-2] > 0  # shrinking, never stalled
             for keys, n in chunks[:-1]:  # each the largest that fits (the last takes what is left)
                 assert cost(keys, n) <= cap < cost(keys, n + 1)
+
+
+def test_a_prompt_deep_into_a_long_context_still_moves_under_the_cap():
+    """Where one token's attention alone costs more than the cap (40,000 keys at 1/500 a key), the chunk
+    is the threshold's tokens, not none: the prompt is not starved while streams decode."""
+    scheduler = Scheduler(BlockManager(num_blocks=512, block_size=16), max_num_seqs=64, max_num_batched_tokens=256,
+                          long_prefill_token_threshold=4, attention_cost_per_key=1 / 500)
+    seq = _seq(list(range(300)))
+    seq.num_computed_tokens = 40_000  # as if deep into a long cached context (only the count is read)
+    assert scheduler._prefill_limit(seq, 256, 16.0, capped=True) == 4
+    assert scheduler._prefill_limit(seq, 256, 0.0, capped=True) == 0  # the step's cap is spent
