@@ -176,15 +176,10 @@ static inline void prefill_softmax_row(float *s, int64_t n, int64_t upto, uint16
     }
 }
 
-/* out rows = P @ V for RP rows (RP x D/16 accumulators stay in registers) over key pairs [0, pairs). */
-static inline __attribute__((always_inline)) void prefill_pv(const int RP, const int NV, const uint16_t *p,
-                                                             int64_t cap, const uint16_t *vp, int64_t pairs,
-                                                             uint16_t *const *out) {
-    __m512 acc[4][8];
-#pragma GCC unroll 4
-    for (int r = 0; r < RP; r++)
-#pragma GCC unroll 8
-        for (int c = 0; c < NV; c++) acc[r][c] = _mm512_setzero_ps();
+/* acc += P @ V for RP rows over key pairs [0, pairs), on vdpbf16ps: p holds the rows' bf16 probabilities. */
+static inline __attribute__((always_inline)) void prefill_pv_dot(const int RP, const int NV, const uint16_t *p,
+                                                                 int64_t cap, const uint16_t *vp, int64_t pairs,
+                                                                 __m512 acc[4][8]) {
     for (int64_t i = 0; i < pairs; i++) {
         __m512bh x[4];
 #pragma GCC unroll 4
@@ -200,23 +195,13 @@ static inline __attribute__((always_inline)) void prefill_pv(const int RP, const
             for (int r = 0; r < RP; r++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x[r], vv);
         }
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < RP; r++)
-#pragma GCC unroll 8
-        for (int c = 0; c < NV; c++)
-            _mm256_storeu_si256((__m256i *)(out[r] + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
 }
 
-/* prefill_pv on fp32 FMAs: pf holds the rows' probabilities (already rounded to bf16) as fp32. */
+/* prefill_pv_dot on fp32 FMAs: pf holds the rows' probabilities (already rounded to bf16) as fp32. */
 static inline __attribute__((always_inline)) void prefill_pv_fma(const int RP, const int NV, const float *pf,
                                                                  int64_t cap, const uint16_t *vp, int64_t pairs,
-                                                                 uint16_t *const *out) {
+                                                                 __m512 acc[4][8]) {
     const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
-    __m512 acc[4][8];
-#pragma GCC unroll 4
-    for (int r = 0; r < RP; r++)
-#pragma GCC unroll 8
-        for (int c = 0; c < NV; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < pairs; i++) {
 #pragma GCC unroll 8
         for (int c = 0; c < NV; c++) {
@@ -230,22 +215,28 @@ static inline __attribute__((always_inline)) void prefill_pv_fma(const int RP, c
                                             _mm512_fmadd_ps(_mm512_set1_ps(pf[r * cap + 2 * i + 1]), v1, acc[r][c]));
         }
     }
+}
+
+/* out rows = P @ V for RP rows (RP x D/16 accumulators stay in registers) over key pairs [0, pairs), on
+ * either path: p holds the rows' bf16 probabilities (dot), pf the same values as fp32 (FMA). RP and NV
+ * are constants at every call, so each call site inlines one kernel. */
+static inline __attribute__((always_inline)) void prefill_pv_rows(int fma, const int RP, const int NV, const uint16_t *p,
+                                                                  const float *pf, int64_t cap, const uint16_t *vp,
+                                                                  int64_t pairs, uint16_t *const *out) {
+    __m512 acc[4][8];
+#pragma GCC unroll 4
+    for (int r = 0; r < RP; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < NV; c++) acc[r][c] = _mm512_setzero_ps();
+    if (fma)
+        prefill_pv_fma(RP, NV, pf, cap, vp, pairs, acc);
+    else
+        prefill_pv_dot(RP, NV, p, cap, vp, pairs, acc);
 #pragma GCC unroll 4
     for (int r = 0; r < RP; r++)
 #pragma GCC unroll 8
         for (int c = 0; c < NV; c++)
             _mm256_storeu_si256((__m256i *)(out[r] + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
-}
-
-/* RP rows of P @ V on either path: p holds the rows' bf16 probabilities (dot), pf the same values as
- * fp32 (FMA). RP and NV are constants at every call, so each call site inlines one kernel. */
-static inline __attribute__((always_inline)) void prefill_pv_rows(int fma, const int RP, const int NV, const uint16_t *p,
-                                                                  const float *pf, int64_t cap, const uint16_t *vp,
-                                                                  int64_t pairs, uint16_t *const *out) {
-    if (fma)
-        prefill_pv_fma(RP, NV, pf, cap, vp, pairs, out);
-    else
-        prefill_pv(RP, NV, p, cap, vp, pairs, out);
 }
 
 /* One task: queries [0, nq) of a tile (flat rows q_row0 ..., positions pos0 ...) against the G query
