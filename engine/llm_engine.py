@@ -18,8 +18,8 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.device import resolve_device, resolve_dtype
-from engine.gguf_parse import shared_gguf_readers
 from engine.errors import EngineOverloadedError, InvalidRequestError, LoraUnavailableError, PromptTooLongError
+from engine.gguf_parse import shared_gguf_readers
 from engine.kernels import load_cpu_kernels
 from engine.model_loader import EMBEDDED_MODEL_NAME, gguf_source, resolve_model_dir
 from engine.lora import LoraAdapter, LoraManager, read_adapter
