@@ -29,6 +29,7 @@ import torch
 
 from engine.kernels import LINEAR_PATH_NAMES, CpuKernels
 from engine.models.linear import Linear, PackedLinear, ReferenceLinear, TwoTermBf16Linear
+from engine.quant.calibration import PROGRESS_EVERY_S
 from engine.quant.formats import QuantizedWeight, concat, quantize_int4, quantize_int8
 from engine.quant.gptq import quantize_int8_gptq
 from engine.quant.packing import pack_bf16, pack_quantized, packable
@@ -96,6 +97,7 @@ class LinearBuilder:
         self.hessians = hessians or {}  # int8: HF name -> E[x x^T] of its inputs (GPTQ rounding), when calibrated
         self.reference = reference
         self.made: dict[str, QuantizedWeight] = {}  # int8/int4 weights quantized now (to be cached)
+        self._reported = time.monotonic()  # the last progress line (_report_progress)
         self.built: list[AnyLinear] = []
         self.pack_bf16 = (mode == "none" and kernels is not None and kernels.linear_isa == 2
                           and dtype == torch.bfloat16 and device.type == "cpu" and not reference)
@@ -132,6 +134,7 @@ class LinearBuilder:
                                 32 if self.mode == "int4" else weight.shape[1]):
                     return None
                 q = self.made[name] = self._quantize(name, weight)
+                self._report_progress()
             if q is None:
                 return None  # gguf: a tensor type read dequantized
             parts.append(q)
@@ -161,6 +164,14 @@ class LinearBuilder:
             self.made[name] = QuantizedWeight("i8", stacked.codes[rows].contiguous(), stacked.scales[rows].contiguous(),
                                               None, stacked.group, stacked.source)
             start = rows.stop
+        self._report_progress()
+
+    def _report_progress(self) -> None:
+        """A line every PROGRESS_EVERY_S while calibrated rounding (int8's GPTQ) goes on."""
+        if not self.hessians or time.monotonic() - self._reported < PROGRESS_EVERY_S:
+            return
+        self._reported = time.monotonic()
+        logger.info("int8: %d of %d weights rounded", len(self.made), len(self.hessians))
 
     def _quantize(self, name: str, weight: torch.Tensor) -> QuantizedWeight:
         hessian = self.hessians.get(name)

@@ -32,6 +32,7 @@ SEED_REQUESTS = ("Write a short story about a lighthouse keeper.", "请解释一
 # 4,096 sampled tokens (the prompts come on top).
 DEFAULT_SEQUENCES = 32
 DEFAULT_LENGTH = 128
+PROGRESS_EVERY_S = 10.0  # at most one progress line this often
 
 
 def _chat_start(tokenizer, request: str) -> list[int] | None:
@@ -68,6 +69,7 @@ def sample_tokens(model: torch.nn.Module, tokenizer, sequences: int = DEFAULT_SE
     positions = (mask.cumsum(1) - 1).clamp_(min=0)
     gen = torch.Generator().manual_seed(seed)
     rows = [ids]
+    reported = time.monotonic()
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         for step in range(length):
@@ -77,6 +79,9 @@ def sample_tokens(model: torch.nn.Module, tokenizer, sequences: int = DEFAULT_SE
             mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
             if step == length - 1:
                 break
+            if time.monotonic() - reported >= PROGRESS_EVERY_S:  # a first start's longest quiet stretch
+                reported = time.monotonic()
+                logger.info("int8 calibration: %d of %d tokens sampled", step + 1, length)
             positions = positions[:, -1:] + 1
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
                         past_key_values=out.past_key_values, use_cache=True)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.models import weights
+from engine.quant import calibration
 from engine.quant.calibration import input_second_moments, sample_tokens
 from engine.quant.formats import quantize_int8
 from engine.quant.gptq import quantize_int8_gptq
@@ -49,7 +50,7 @@ def test_gptq_is_round_to_nearest_when_inputs_are_uncorrelated():
     assert torch.equal(quantize_int8_gptq(w, hessian).codes, quantize_int8(w).codes)
 
 
-def test_parts_reading_one_input_are_rounded_as_one_matrix_with_each_parts_own_codes(monkeypatch):
+def test_parts_reading_one_input_are_rounded_as_one_matrix_with_each_parts_own_codes(monkeypatch, caplog):
     """q/k/v (and gate/up) share their inputs' statistic: the builder rounds them stacked, in one pass,
     and each part's codes and scales are exactly what rounding it alone gives. A part reading another
     input (o) is rounded on its own."""
@@ -65,9 +66,12 @@ def test_parts_reading_one_input_are_rounded_as_one_matrix_with_each_parts_own_c
     monkeypatch.setattr(weights, "quantize_int8_gptq", lambda w, h: rounded.append(w.shape) or quantize_int8_gptq(w, h))
     builder = weights.LinearBuilder("int8", torch.bfloat16, torch.device("cpu"), None, hessians=hessians,
                                     reference=True)
-    builder.build(names, parts, None)
-    builder.build(["o.weight"], [parts[0]], None)
+    monkeypatch.setattr(weights, "PROGRESS_EVERY_S", 0.0)  # a progress line after every rounding
+    with caplog.at_level("INFO", logger=weights.logger.name):
+        builder.build(names, parts, None)
+        builder.build(["o.weight"], [parts[0]], None)
     assert rounded == [(96, cols), (64, cols)]
+    assert [r.getMessage() for r in caplog.records] == ["int8: 3 of 4 weights rounded", "int8: 4 of 4 weights rounded"]
     for name, weight in zip(names, parts):
         alone = quantize_int8_gptq(weight, shared)
         assert torch.equal(builder.made[name].codes, alone.codes), name
@@ -80,9 +84,13 @@ def test_gptq_refuses_a_hessian_of_the_wrong_size():
         quantize_int8_gptq(torch.zeros(4, 8), torch.eye(6))
 
 
-def test_calibration_samples_the_model_reproducibly_and_measures_every_linear(hf_model, llm_engine):
+def test_calibration_samples_the_model_reproducibly_and_measures_every_linear(hf_model, llm_engine, monkeypatch,
+                                                                             caplog):
     tokenizer = llm_engine.tokenizer
-    tokens, mask = sample_tokens(hf_model, tokenizer, sequences=4, length=10)
+    monkeypatch.setattr(calibration, "PROGRESS_EVERY_S", 0.0)  # a progress line after every step
+    with caplog.at_level("INFO", logger=calibration.logger.name):
+        tokens, mask = sample_tokens(hf_model, tokenizer, sequences=4, length=10)
+    assert [r.getMessage() for r in caplog.records] == [f"int8 calibration: {k} of 10 tokens sampled" for k in range(1, 10)]
     again, _ = sample_tokens(hf_model, tokenizer, sequences=4, length=10)
     assert torch.equal(tokens, again)  # seeded
     assert tokens.shape == mask.shape and (mask[:, -10:] == 1).all()
