@@ -63,7 +63,13 @@ static inline __attribute__((always_inline)) void fma_block(
     const uint8_t *tile1, int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy,
     int y_f32, const int64_t P) {
     const int CH = FMA_CHAINS(RB, NT);
+    /* A 16-row pass against one tile dequantizes each weight vector in registers (u4: d * code + m, i8:
+     * d * code) and sums straight into its rows' outputs: fma_block_widened's arithmetic over a tile
+     * dequantized once, so both give the same bits. Fewer rows fold each group's partial sums instead,
+     * where one more FMA per weight vector would cost more than the fold. */
+    const int DQ = RB == FMA_MAX_ROWS && NT == 1;
     const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
+    const int scale_last = fmt == WFMT_I8 && groups == 1; /* per-channel int8: DQ scales the sums once instead */
     const uint8_t *tiles[2] = {tile0, tile1};
     const float *px = xf + (r0 / P) * P * K + r0 % P;
     __m512 part[FMA_MAX_ROWS][2][4];
@@ -75,10 +81,16 @@ static inline __attribute__((always_inline)) void fma_block(
     }
     const __m512 code_f32 = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
     const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; r++) part[r][0][0] = _mm512_setzero_ps(); /* DQ's running sums */
+    __m512 dq_last = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const int64_t k0 = g * G;
+        __m512 dq_d, dq_m; /* DQ: the group's scale and min */
+        group_scale_min(fmt, tile0 + g * gbytes, G, &dq_d, &dq_m);
+        dq_last = dq_d;
 #pragma GCC unroll 16
-        for (int r = 0; r < RB; r++)
+        for (int r = 0; r < RB && !DQ; r++)
 #pragma GCC unroll 2
             for (int t = 0; t < NT; t++)
 #pragma GCC unroll 4
@@ -102,6 +114,7 @@ static inline __attribute__((always_inline)) void fma_block(
 #pragma GCC unroll 2
                         for (int t = 0; t < NT; t++)
                             w[t] = _mm512_permutexvar_ps(q ? _mm512_srli_epi32(v[t], shift[q]) : v[t], code_f32);
+                        if (DQ) w[0] = _mm512_fmadd_ps(w[0], dq_d, dq_m);
 #pragma GCC unroll 16
                         for (int r = 0; r < RB; r++) {
                             const __m512 xv = _mm512_set1_ps(px[kk[q] * P + r]);
@@ -126,6 +139,7 @@ static inline __attribute__((always_inline)) void fma_block(
                         const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + j * 32)));
                         w[t][0] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 16));
                         w[t][1] = _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 16));
+                        if (DQ && !scale_last) w[t][0] = _mm512_mul_ps(w[t][0], dq_d), w[t][1] = _mm512_mul_ps(w[t][1], dq_d);
                     }
                 }
                 const int c0 = (int)((2 * j) % CH), c1 = (int)((2 * j + 1) % CH);
@@ -142,7 +156,7 @@ static inline __attribute__((always_inline)) void fma_block(
             }
         }
 #pragma GCC unroll 2
-        for (int t = 0; t < NT; t++) {
+        for (int t = 0; t < NT && !DQ; t++) {
             __m512 d, m;
             group_scale_min(fmt, tiles[t] + g * gbytes, G, &d, &m);
 #pragma GCC unroll 16
@@ -159,12 +173,16 @@ static inline __attribute__((always_inline)) void fma_block(
     for (int r = 0; r < RB; r++)
 #pragma GCC unroll 2
         for (int t = 0; t < NT; t++)
-            store_acc(_mm512_load_ps(acc[r][t]), bias, n0 + t * TILE_N, N, y, ldy, r0 + r, y_f32);
+            store_acc(DQ ? (scale_last ? _mm512_mul_ps(part[r][0][0], dq_last) : part[r][0][0]) : _mm512_load_ps(acc[r][t]),
+                      bias, n0 + t * TILE_N, N, y, ldy, r0 + r, y_f32);
 }
 
-/* A tile's stored values widened to fp32 once, wf[k * TILE_N + n] for input k and output n (codes, not
- * dequantized: the scales and mins are applied per group as fma_block does), so that every 16-row pass
- * over the tile loads them instead of widening them again. */
+/* A tile's weights dequantized to fp32 once, wf[k * TILE_N + n] for input k and output n, so that every
+ * 16-row pass over the tile loads them instead of widening them again: u4 as d * code + m (one FMA: d * code
+ * is exact, so this is the reference's rounding of the dequantized weight), i8 as d * code (per-channel
+ * int8: the code, its one scale applied to the sums), bf16 as is. The passes then need no per-group
+ * scale, min or partial sums: each is a plain fp32 matmul, which measured 1.1-1.25x the grouped passes
+ * at 64-512 rows on the Xeon (model 207). */
 static void widen_tile(int fmt, const uint8_t *tile, int64_t K, int64_t G, float *wf) {
     const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
     const __m512 code_f32 = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
@@ -172,15 +190,17 @@ static void widen_tile(int fmt, const uint8_t *tile, int64_t K, int64_t G, float
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = tile + g * gbytes;
         float *out = wf + g * G * TILE_N;
+        __m512 d, m;
+        group_scale_min(fmt, blk, G, &d, &m);
         if (fmt == WFMT_U4) {
             for (int64_t b = 0; b < G / 32; b++)
                 for (int c = 0; c < 8; c++) {
                     const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(blk + b * 256 + c * 32)));
-                    float *o = out + (b * 32 + 2 * c) * TILE_N;
-                    _mm512_store_ps(o, _mm512_permutexvar_ps(v, code_f32));
-                    _mm512_store_ps(o + TILE_N, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), code_f32));
-                    _mm512_store_ps(o + 16 * TILE_N, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), code_f32));
-                    _mm512_store_ps(o + 17 * TILE_N, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), code_f32));
+                    float *o = out + (b * 32 + 4 * c) * TILE_N; /* inputs 2c, 2c + 1, 16 + 2c, 17 + 2c */
+                    _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_permutexvar_ps(v, code_f32), d, m));
+                    _mm512_store_ps(o + TILE_N, _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), code_f32), d, m));
+                    _mm512_store_ps(o + 2 * TILE_N, _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), code_f32), d, m));
+                    _mm512_store_ps(o + 3 * TILE_N, _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), code_f32), d, m));
                 }
         } else if (fmt == WFMT_BF16) {
             for (int64_t j = 0; j < G / 2; j++) {
@@ -191,61 +211,53 @@ static void widen_tile(int fmt, const uint8_t *tile, int64_t K, int64_t G, float
         } else {
             for (int64_t j = 0; j < G / 2; j++) {
                 const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + j * 32)));
-                _mm512_store_ps(out + 2 * j * TILE_N, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 16)));
-                _mm512_store_ps(out + (2 * j + 1) * TILE_N, _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 16)));
+                const __m512 s = groups > 1 ? d : _mm512_set1_ps(1.f); /* one group: the passes scale their sums */
+                _mm512_store_ps(out + 2 * j * TILE_N, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 16)), s));
+                _mm512_store_ps(out + (2 * j + 1) * TILE_N, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(v, 16)), s));
             }
         }
     }
 }
 
-/* fma_block(FMA_MAX_ROWS, 1, ...) over a tile widened by widen_tile: the same products summed in the
- * same order (so the same results, bit for bit), with one load where fma_block widens. */
+/* FMA_MAX_ROWS rows of xf against a tile dequantized by widen_tile: one FMA per weight vector and row,
+ * in fma_block's order for a 16-row pass (u4: its four inputs per 32-byte chunk), so both give the same
+ * bits and a row's output does not depend on how many rows came with it. */
 static void fma_block_widened(int fmt, const float *xf, int64_t r0, int64_t K, const float *wf, const uint8_t *tile,
-                              int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N, void *y,
-                              int64_t ldy, int y_f32) {
+                              int64_t G, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32) {
     enum { RB = FMA_MAX_ROWS };
-    const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
     const float *px = xf + (r0 / FMA_PANEL) * FMA_PANEL * K + r0 % FMA_PANEL;
-    __m512 part[RB];
-    float acc[RB][TILE_N] __attribute__((aligned(64)));
+    __m512 acc[RB];
 #pragma GCC unroll 16
-    for (int r = 0; r < RB; r++) _mm512_store_ps(acc[r], _mm512_setzero_ps());
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t k0 = g * G;
-#pragma GCC unroll 16
-        for (int r = 0; r < RB; r++) part[r] = _mm512_setzero_ps();
-        if (fmt == WFMT_U4) {
-            for (int64_t b = 0; b < G / 32; b++) {
-                const int64_t kb = k0 + b * 32;
+    for (int r = 0; r < RB; r++) acc[r] = _mm512_setzero_ps();
+    if (fmt == WFMT_U4) {
+        for (int64_t kb = 0; kb < K; kb += 32)
 #pragma GCC unroll 2
-                for (int c = 0; c < 8; c++) {
-                    const int64_t kk[4] = {kb + 2 * c, kb + 2 * c + 1, kb + 16 + 2 * c, kb + 17 + 2 * c};
+            for (int c = 0; c < 8; c++) {
+                const int64_t kk[4] = {kb + 2 * c, kb + 2 * c + 1, kb + 16 + 2 * c, kb + 17 + 2 * c};
 #pragma GCC unroll 4
-                    for (int q = 0; q < 4; q++) {
-                        const __m512 w = _mm512_load_ps(wf + kk[q] * TILE_N);
+                for (int q = 0; q < 4; q++) {
+                    const __m512 w = _mm512_load_ps(wf + (kb + 4 * c + q) * TILE_N);
 #pragma GCC unroll 16
-                        for (int r = 0; r < RB; r++)
-                            part[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(px[kk[q] * FMA_PANEL + r]), part[r]);
-                    }
+                    for (int r = 0; r < RB; r++)
+                        acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(px[kk[q] * FMA_PANEL + r]), acc[r]);
                 }
             }
-        } else {
-            for (int64_t k = k0; k < k0 + G; k++) {
-                const __m512 w = _mm512_load_ps(wf + k * TILE_N);
+    } else {
+#pragma GCC unroll 4
+        for (int64_t k = 0; k < K; k++) {
+            const __m512 w = _mm512_load_ps(wf + k * TILE_N);
 #pragma GCC unroll 16
-                for (int r = 0; r < RB; r++) part[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(px[k * FMA_PANEL + r]), part[r]);
-            }
-        }
-        __m512 d, m;
-        group_scale_min(fmt, tile + g * gbytes, G, &d, &m);
-#pragma GCC unroll 16
-        for (int r = 0; r < RB; r++) {
-            const float row_sum = fmt == WFMT_U4 ? sums[(r0 + r) * groups + g] : 0.f;
-            _mm512_store_ps(acc[r], fold_group(fmt, _mm512_load_ps(acc[r]), part[r], d, m, row_sum));
+            for (int r = 0; r < RB; r++) acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(px[k * FMA_PANEL + r]), acc[r]);
         }
     }
+    if (fmt == WFMT_I8 && G == K) { /* per-channel int8: the channel's scale, once (as fma_block does) */
+        __m512 d, m;
+        group_scale_min(fmt, tile, G, &d, &m);
 #pragma GCC unroll 16
-    for (int r = 0; r < RB; r++) store_acc(_mm512_load_ps(acc[r]), bias, n0, N, y, ldy, r0 + r, y_f32);
+        for (int r = 0; r < RB; r++) acc[r] = _mm512_mul_ps(acc[r], d);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; r++) store_acc(acc[r], bias, n0, N, y, ldy, r0 + r, y_f32);
 }
 
 /* Each thread's widened tile (K * TILE_N floats), grown as needed and kept for the next call. */
@@ -278,7 +290,8 @@ static void tiles_fma(int fmt, const float *xf, int64_t P, int64_t r0, int64_t r
                       void *y, int64_t ldy, int y_f32) {
     int64_t r = r0;
     /* 16 rows a pass against one tile: each widened weight vector feeds 16 FMAs. With three passes or more
-     * the tile is widened once into a buffer that every pass loads from. */
+     * the tile is dequantized once into a buffer that every pass loads from (fewer: the load and store of
+     * the buffer cost more than widening in registers, measured at 32 rows). */
     const int64_t blocks = (r1 - r0) / FMA_MAX_ROWS;
     float *wf = blocks >= 3 ? widened_tile_buffer(K) : NULL;
     if (wf) {
@@ -286,8 +299,7 @@ static void tiles_fma(int fmt, const float *xf, int64_t P, int64_t r0, int64_t r
             const uint8_t *tile = t ? tile1 : tile0;
             widen_tile(fmt, tile, K, G, wf);
             for (int64_t b = 0; b < blocks; b++)
-                fma_block_widened(fmt, xf, r0 + b * FMA_MAX_ROWS, K, wf, tile, G, sums, bias, n0 + t * TILE_N, N, y,
-                                  ldy, y_f32);
+                fma_block_widened(fmt, xf, r0 + b * FMA_MAX_ROWS, K, wf, tile, G, bias, n0 + t * TILE_N, N, y, ldy, y_f32);
         }
         r = r0 + blocks * FMA_MAX_ROWS;
     }

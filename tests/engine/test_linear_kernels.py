@@ -53,7 +53,13 @@ def _weights(kind: str, n: int, k: int, gen: torch.Generator) -> tuple[object, t
     if kind == "bf16":
         wb = w.to(torch.bfloat16)
         return pack_bf16(wb), wb.float()
-    q = quantize_int4(w) if kind == "u4" else quantize_int8(w)
+    if kind == "i8-groups":  # GGUF's Q8_0: an fp32 scale per 32 inputs
+        blocks = w.reshape(n, k // 32, 32)
+        scales = blocks.abs().amax(-1).clamp_min(1e-8) / 127
+        codes = torch.round(blocks / scales[..., None]).clamp_(-127, 127).to(torch.int8).reshape(n, k)
+        q = QuantizedWeight("i8", codes, scales, None, 32, "test")
+    else:
+        q = quantize_int4(w) if kind == "u4" else quantize_int8(w)
     return pack_quantized(q), q.dequantize()
 
 
@@ -67,7 +73,7 @@ def linear_path(path: str) -> Iterator[None]:
 
 
 @pytest.mark.parametrize("path", ["dot", "fma", "portable"])
-@pytest.mark.parametrize("kind", ["bf16", "i8", "u4"])
+@pytest.mark.parametrize("kind", ["bf16", "i8", "i8-groups", "u4"])
 def test_kernel_equals_dequantize_then_matmul(kind: str, path: str) -> None:
     """Each fast path (AVX512-BF16 dot products, fp32 FMAs) and the portable C one."""
     portable = path == "portable"
@@ -351,11 +357,11 @@ def test_start_up_keeps_the_faster_linear_path(monkeypatch, faster: str) -> None
         assert kernels.linear_path == "dot"
 
 
-@pytest.mark.parametrize("kind", ["bf16", "i8", "u4"])
+@pytest.mark.parametrize("kind", ["bf16", "i8", "i8-groups", "u4"])
 def test_fma_rows_give_the_same_bits_in_any_batch(kind: str) -> None:
-    """The FMA path widens a tile's stored values once when three or more 16-row passes share it, and
-    in registers otherwise; both sum the same products in the same order. So a row's output does not
-    depend on how many rows came with it: 80 rows at once (widened), 16 at a time (not), bit for bit."""
+    """The FMA path dequantizes a tile once when several 16-row passes share it, and in registers for a
+    lone 16-row pass; both sum the same products in the same order. So a row's output does not depend
+    on how many rows came with it: 80 rows at once (dequantized once), 16 at a time (not), bit for bit."""
     with linear_path("fma"):
         gen = torch.Generator().manual_seed(21)
         packed, _ = _weights(kind, 48, 256, gen)
