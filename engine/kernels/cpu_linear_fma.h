@@ -8,8 +8,10 @@
  * at start by timing both (spark_linear_set_path, engine/models/weights.py); CPUs with AVX-512F but no
  * AVX512-BF16 get this path instead of portable C.
  *
- * Exactness is the dot path's: x is bf16 and each stored value (bf16, a 4-bit code, an int8 code) is
- * exact in fp32, so every product x * w is exact and only the order of fp32 additions differs from
+ * Exactness: passes of fewer than 16 rows keep the dot path's arithmetic. x is bf16 and each stored
+ * value (bf16, a 4-bit code, an int8 code) is exact in fp32, so every product x * code is exact, and
+ * each group's sum is scaled once. 16-row passes multiply x by the dequantized fp32 weight instead, as
+ * the reference does (one rounding per FMA). Either way only the order of fp32 additions differs from
  * dequantize-to-fp32-then-matmul. x is widened to fp32 once per call (xf), so each FMA takes its input
  * as an embedded broadcast from memory: a load, not an ALU slot.
  *
