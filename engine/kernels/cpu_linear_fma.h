@@ -88,9 +88,11 @@ static inline __attribute__((always_inline)) void fma_block(
     __m512 dq_last = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const int64_t k0 = g * G;
-        __m512 dq_d, dq_m; /* DQ: the group's scale and min */
-        group_scale_min(fmt, tile0 + g * gbytes, G, &dq_d, &dq_m);
-        dq_last = dq_d;
+        __m512 dq_d = _mm512_setzero_ps(), dq_m = _mm512_setzero_ps(); /* DQ: the group's scale and min */
+        if (DQ) {
+            group_scale_min(fmt, tile0 + g * gbytes, G, &dq_d, &dq_m);
+            dq_last = dq_d;
+        }
 #pragma GCC unroll 16
         for (int r = 0; r < RB && !DQ; r++)
 #pragma GCC unroll 2
@@ -211,9 +213,9 @@ static void widen_tile(int fmt, const uint8_t *tile, int64_t K, int64_t G, float
                 _mm512_store_ps(out + (2 * j + 1) * TILE_N, _mm512_castsi512_ps(_mm512_and_si512(v, high_half)));
             }
         } else {
+            const __m512 s = groups > 1 ? d : _mm512_set1_ps(1.f); /* one group: the passes scale their sums */
             for (int64_t j = 0; j < G / 2; j++) {
                 const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + j * 32)));
-                const __m512 s = groups > 1 ? d : _mm512_set1_ps(1.f); /* one group: the passes scale their sums */
                 _mm512_store_ps(out + 2 * j * TILE_N, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 16)), s));
                 _mm512_store_ps(out + (2 * j + 1) * TILE_N, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(v, 16)), s));
             }
