@@ -66,7 +66,7 @@ static inline __attribute__((always_inline)) void fma_block(
     int y_f32, const int64_t P) {
     const int CH = FMA_CHAINS(RB, NT);
     /* A 16-row pass against one tile dequantizes each weight vector in registers (u4: d * code + m, i8:
-     * d * code) and sums straight into its rows' outputs: fma_block_widened's arithmetic over a tile
+     * d * code) and sums straight into its rows' outputs: fma_rows_widened's arithmetic over a tile
      * dequantized once, so both give the same bits. Fewer rows fold each group's partial sums instead,
      * where one more FMA per weight vector would cost more than the fold. */
     const int DQ = RB == FMA_MAX_ROWS && NT == 1;
@@ -181,66 +181,76 @@ static inline __attribute__((always_inline)) void fma_block(
                       bias, n0 + t * TILE_N, N, y, ldy, r0 + r, y_f32);
 }
 
-/* A tile's weights dequantized to fp32 once, wf[k * TILE_N + n] for input k and output n, so that every
- * 16-row pass over the tile loads them instead of widening them again: u4 as d * code + m (one FMA: d * code
- * is exact, so this is the reference's rounding of the dequantized weight), i8 as d * code (per-channel
- * int8: the code, its one scale applied to the sums), bf16 as is. The passes then need no per-group
- * scale, min or partial sums: each is a plain fp32 matmul, which measured 1.1-1.25x the grouped passes
- * at 64-512 rows on the Xeon (model 207). */
-static void widen_tile(int fmt, const uint8_t *tile, int64_t K, int64_t G, float *wf) {
-    const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
+/* Inputs dequantized at a time by widen_range: 8 KB of fp32 weights, which stay in L1 beside the 16-row
+ * panels' slices of x while every pass over them runs. (Dequantizing a whole tile at once, 36-96 KB, left
+ * each pass reading it from L2: at 32 rows that was no faster than dequantizing in registers twice.) */
+#ifndef FMA_WIDE_CHUNK
+#define FMA_WIDE_CHUNK 128
+#endif
+
+/* Inputs [k0, k1) of a tile's weights dequantized to fp32, wf[(k - k0) * TILE_N + n] for input k and output
+ * n, so that every 16-row pass over them loads them instead of widening them again: u4 as d * code + m (one
+ * FMA: d * code is exact, so this is the reference's rounding of the dequantized weight), i8 as d * code
+ * (per-channel int8: the code, its one scale applied to the sums), bf16 as is. The passes then need no
+ * per-group scale, min or partial sums: each is a plain fp32 matmul, which measured 1.1-1.25x the grouped
+ * passes at 64-512 rows on the Xeon (model 207). k0 and k1 are multiples of 32 (u4) or 2, or k1 = K. */
+static void widen_range(int fmt, const uint8_t *tile, int64_t k0, int64_t k1, int64_t K, int64_t G, float *wf) {
+    const int64_t gbytes = tile_group_bytes(fmt, G);
     const __m512 code_f32 = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
     const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
-    for (int64_t g = 0; g < groups; g++) {
+    for (int64_t k = k0; k < k1;) { /* one group's share of the range at a time */
+        const int64_t g = k / G, end = (g + 1) * G < k1 ? (g + 1) * G : k1;
         const uint8_t *blk = tile + g * gbytes;
-        float *out = wf + g * G * TILE_N;
         __m512 d, m;
         group_scale_min(fmt, blk, G, &d, &m);
         if (fmt == WFMT_U4) {
-            for (int64_t b = 0; b < G / 32; b++)
+            for (; k < end; k += 32) {
+                const uint8_t *codes = blk + (k - g * G) / 32 * 256;
                 for (int c = 0; c < 8; c++) {
-                    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(blk + b * 256 + c * 32)));
-                    float *o = out + (b * 32 + 4 * c) * TILE_N; /* inputs 2c, 2c + 1, 16 + 2c, 17 + 2c */
+                    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(codes + c * 32)));
+                    float *o = wf + (k - k0 + 4 * c) * TILE_N; /* inputs 2c, 2c + 1, 16 + 2c, 17 + 2c */
                     _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_permutexvar_ps(v, code_f32), d, m));
                     _mm512_store_ps(o + TILE_N, _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), code_f32), d, m));
                     _mm512_store_ps(o + 2 * TILE_N, _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), code_f32), d, m));
                     _mm512_store_ps(o + 3 * TILE_N, _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), code_f32), d, m));
                 }
+            }
         } else if (fmt == WFMT_BF16) {
-            for (int64_t j = 0; j < G / 2; j++) {
-                const __m512i v = _mm512_loadu_si512(blk + j * 64);
-                _mm512_store_ps(out + 2 * j * TILE_N, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-                _mm512_store_ps(out + (2 * j + 1) * TILE_N, _mm512_castsi512_ps(_mm512_and_si512(v, high_half)));
+            for (; k < end; k += 2) {
+                const __m512i v = _mm512_loadu_si512(blk + (k - g * G) / 2 * 64);
+                _mm512_store_ps(wf + (k - k0) * TILE_N, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+                _mm512_store_ps(wf + (k - k0 + 1) * TILE_N, _mm512_castsi512_ps(_mm512_and_si512(v, high_half)));
             }
         } else {
-            const __m512 s = groups > 1 ? d : _mm512_set1_ps(1.f); /* one group: the passes scale their sums */
-            for (int64_t j = 0; j < G / 2; j++) {
-                const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + j * 32)));
-                _mm512_store_ps(out + 2 * j * TILE_N, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 16)), s));
-                _mm512_store_ps(out + (2 * j + 1) * TILE_N, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(v, 16)), s));
+            const __m512 s = G < K ? d : _mm512_set1_ps(1.f); /* one group: the passes scale their sums */
+            for (; k < end; k += 2) {
+                const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + (k - g * G) / 2 * 32)));
+                _mm512_store_ps(wf + (k - k0) * TILE_N, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 16)), s));
+                _mm512_store_ps(wf + (k - k0 + 1) * TILE_N, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(v, 16)), s));
             }
         }
     }
 }
 
-/* FMA_MAX_ROWS rows of xf against a tile dequantized by widen_tile: one FMA per weight vector and row,
- * in fma_block's order for a 16-row pass (u4: its four inputs per 32-byte chunk), so both give the same
- * bits and a row's output does not depend on how many rows came with it. */
-static void fma_block_widened(int fmt, const float *xf, int64_t r0, int64_t K, const float *wf, const uint8_t *tile,
-                              int64_t G, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32) {
+/* FMA_MAX_ROWS rows of xf against inputs [k0, k1) of a tile dequantized by widen_range, the rows' running
+ * sums kept in acc between ranges: one FMA per weight vector and row, in fma_block's order for a 16-row
+ * pass (u4: its four inputs per 32-byte chunk), so both give the same bits and a row's output does not
+ * depend on how many rows came with it. */
+static void fma_rows_widened(int fmt, const float *xf, int64_t r0, int64_t K, int64_t k0, int64_t k1, const float *wf,
+                             float *acc_rows) {
     enum { RB = FMA_MAX_ROWS };
     const float *px = xf + (r0 / FMA_PANEL) * FMA_PANEL * K + r0 % FMA_PANEL;
     __m512 acc[RB];
 #pragma GCC unroll 16
-    for (int r = 0; r < RB; r++) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < RB; r++) acc[r] = _mm512_load_ps(acc_rows + r * TILE_N);
     if (fmt == WFMT_U4) {
-        for (int64_t kb = 0; kb < K; kb += 32)
+        for (int64_t kb = k0; kb < k1; kb += 32)
 #pragma GCC unroll 2
             for (int c = 0; c < 8; c++) {
                 const int64_t kk[4] = {kb + 2 * c, kb + 2 * c + 1, kb + 16 + 2 * c, kb + 17 + 2 * c};
 #pragma GCC unroll 4
                 for (int q = 0; q < 4; q++) {
-                    const __m512 w = _mm512_load_ps(wf + (kb + 4 * c + q) * TILE_N);
+                    const __m512 w = _mm512_load_ps(wf + (kb - k0 + 4 * c + q) * TILE_N);
 #pragma GCC unroll 16
                     for (int r = 0; r < RB; r++)
                         acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(px[kk[q] * FMA_PANEL + r]), acc[r]);
@@ -248,32 +258,37 @@ static void fma_block_widened(int fmt, const float *xf, int64_t r0, int64_t K, c
             }
     } else {
 #pragma GCC unroll 4
-        for (int64_t k = 0; k < K; k++) {
-            const __m512 w = _mm512_load_ps(wf + k * TILE_N);
+        for (int64_t k = k0; k < k1; k++) {
+            const __m512 w = _mm512_load_ps(wf + (k - k0) * TILE_N);
 #pragma GCC unroll 16
             for (int r = 0; r < RB; r++) acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(px[k * FMA_PANEL + r]), acc[r]);
         }
     }
-    if (fmt == WFMT_I8 && G == K) { /* per-channel int8: the channel's scale, once (as fma_block does) */
-        __m512 d, m;
-        group_scale_min(fmt, tile, G, &d, &m);
 #pragma GCC unroll 16
-        for (int r = 0; r < RB; r++) acc[r] = _mm512_mul_ps(acc[r], d);
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < RB; r++) store_acc(acc[r], bias, n0, N, y, ldy, r0 + r, y_f32);
+    for (int r = 0; r < RB; r++) _mm512_store_ps(acc_rows + r * TILE_N, acc[r]);
 }
 
-/* Each thread's widened tile (K * TILE_N floats), grown as needed and kept for the next call. */
-static float *widened_tile_buffer(int64_t K) {
-    static __thread float *buf = NULL;
-    static __thread int64_t cap = 0;
-    if (K > cap) {
-        free(buf);
-        buf = (float *)aligned_alloc(64, (size_t)(K * TILE_N * sizeof(float)));
-        cap = buf ? K : 0;
+/* `blocks` 16-row passes (at most ROW_CHUNK rows) against one tile, its weights dequantized FMA_WIDE_CHUNK
+ * inputs at a time and each range shared by every pass. */
+static void fma_blocks_widened(int fmt, const float *xf, int64_t r0, int64_t blocks, int64_t K, const uint8_t *tile,
+                               int64_t G, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32) {
+    float wf[FMA_WIDE_CHUNK * TILE_N] __attribute__((aligned(64)));
+    float acc[ROW_CHUNK / FMA_MAX_ROWS][FMA_MAX_ROWS * TILE_N] __attribute__((aligned(64)));
+    for (int64_t b = 0; b < blocks; b++)
+        for (int i = 0; i < FMA_MAX_ROWS * TILE_N; i += 16) _mm512_store_ps(acc[b] + i, _mm512_setzero_ps());
+    for (int64_t k0 = 0; k0 < K; k0 += FMA_WIDE_CHUNK) {
+        const int64_t k1 = k0 + FMA_WIDE_CHUNK < K ? k0 + FMA_WIDE_CHUNK : K;
+        widen_range(fmt, tile, k0, k1, K, G, wf);
+        for (int64_t b = 0; b < blocks; b++) fma_rows_widened(fmt, xf, r0 + b * FMA_MAX_ROWS, K, k0, k1, wf, acc[b]);
     }
-    return buf;
+    __m512 d = _mm512_set1_ps(1.f), m;
+    if (fmt == WFMT_I8 && G == K) group_scale_min(fmt, tile, G, &d, &m); /* per-channel int8: the scale, once */
+    for (int64_t b = 0; b < blocks; b++)
+        for (int r = 0; r < FMA_MAX_ROWS; r++) {
+            const __m512 a = _mm512_load_ps(acc[b] + r * TILE_N);
+            store_acc(fmt == WFMT_I8 && G == K ? _mm512_mul_ps(a, d) : a, bias, n0, N, y, ldy, r0 + b * FMA_MAX_ROWS + r,
+                      y_f32);
+        }
 }
 
 #define FMA_BLOCK_CASES(NT)                                                                                        \
@@ -293,19 +308,14 @@ static void tiles_fma(int fmt, const float *xf, int64_t P, int64_t r0, int64_t r
                       const uint8_t *tile1, int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N,
                       void *y, int64_t ldy, int y_f32) {
     int64_t r = r0;
-    /* 16 rows a pass against one tile: each widened weight vector feeds 16 FMAs. With three passes or more
-     * (int8: two) the tile is dequantized once into a buffer that every pass loads from. Measured at 32
-     * rows: int8 1.05-1.10x dequantized once (widening its codes takes a convert and a scale each), u4
-     * level, bf16 0.9x (two cheap ops a pair in registers against a store and a load). */
+    /* 16 rows a pass against one tile: each widened weight vector feeds 16 FMAs. With two passes or more
+     * (bf16: three) the tile is dequantized once, a range of inputs at a time, and every pass loads it.
+     * Measured at 32 rows against dequantizing in registers per pass: u4 1.05-1.09x, int8 1.05-1.10x,
+     * bf16 0.85-0.95x (two cheap ops a pair in registers against a store and a load). */
     const int64_t blocks = (r1 - r0) / FMA_MAX_ROWS;
-    float *wf = blocks >= (fmt == WFMT_I8 ? 2 : 3) ? widened_tile_buffer(K) : NULL;
-    if (wf) {
-        for (int t = 0; t < (tile1 ? 2 : 1); t++) {
-            const uint8_t *tile = t ? tile1 : tile0;
-            widen_tile(fmt, tile, K, G, wf);
-            for (int64_t b = 0; b < blocks; b++)
-                fma_block_widened(fmt, xf, r0 + b * FMA_MAX_ROWS, K, wf, tile, G, bias, n0 + t * TILE_N, N, y, ldy, y_f32);
-        }
+    if (blocks >= (fmt == WFMT_BF16 ? 3 : 2)) {
+        fma_blocks_widened(fmt, xf, r0, blocks, K, tile0, G, bias, n0, N, y, ldy, y_f32);
+        if (tile1) fma_blocks_widened(fmt, xf, r0, blocks, K, tile1, G, bias, n0 + TILE_N, N, y, ldy, y_f32);
         r = r0 + blocks * FMA_MAX_ROWS;
     }
     for (; r + FMA_MAX_ROWS <= r1; r += FMA_MAX_ROWS) {

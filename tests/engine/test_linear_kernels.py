@@ -357,15 +357,18 @@ def test_start_up_keeps_the_faster_linear_path(monkeypatch, faster: str) -> None
         assert kernels.linear_path == "dot"
 
 
+@pytest.mark.parametrize("inputs", [256, 288])  # whole dequantized ranges of 128 inputs, and a ragged last one
 @pytest.mark.parametrize("kind", ["bf16", "i8", "i8-groups", "u4"])
-def test_fma_rows_give_the_same_bits_in_any_batch(kind: str) -> None:
-    """The FMA path dequantizes a tile once when several 16-row passes share it, and in registers for a
-    lone 16-row pass; both sum the same products in the same order. So a row's output does not depend
-    on how many rows came with it: 80 rows at once (dequantized once), 16 at a time (not), bit for bit."""
+def test_fma_rows_give_the_same_bits_in_any_batch(kind: str, inputs: int) -> None:
+    """The FMA path dequantizes a tile once (128 inputs at a time) when several 16-row passes share it,
+    and in registers for a lone 16-row pass; both sum the same products in the same order. So a row's
+    output does not depend on how many rows came with it: 80 or 32 rows at once (dequantized once),
+    16 at a time (not), bit for bit."""
     with linear_path("fma"):
         gen = torch.Generator().manual_seed(21)
-        packed, _ = _weights(kind, 48, 256, gen)
-        x = torch.randn(80, 256, generator=gen).to(torch.bfloat16)
-        together = kernels.linear(x, packed, None, torch.empty(80, 48))
+        packed, _ = _weights(kind, 48, inputs, gen)
+        x = torch.randn(80, inputs, generator=gen).to(torch.bfloat16)
         apart = torch.cat([kernels.linear(x[i:i + 16], packed, None, torch.empty(16, 48)) for i in range(0, 80, 16)])
-        assert torch.equal(together, apart)
+        for rows in (80, 32):
+            together = kernels.linear(x[:rows], packed, None, torch.empty(rows, 48))
+            assert torch.equal(together, apart[:rows]), rows
