@@ -50,6 +50,24 @@ def test_version():
     assert out.returncode == 0 and out.stdout.startswith("spark-server ")
 
 
+def test_the_command_line_parses_without_loading_torch():
+    """--help and --version answer at once: parsing the flags imports neither torch nor transformers."""
+    probe = ("import sys; from spark_server import cli; cli.build_parser().parse_args(['serve', '--port', '1']); "
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_engine_package_names_resolve():
+    import engine
+
+    assert sorted(engine.__all__) == sorted(engine._HOMES)
+    for name in engine.__all__:
+        assert getattr(engine, name) is not None  # each resolves, from its own module
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        engine.Nope
+
+
 def test_a_taken_port_fails_before_the_model_loads(capsys):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
