@@ -690,6 +690,20 @@ static int linear_path = LINEAR_PATH_DOT;
 static int linear_path = LINEAR_PATH_FMA;
 #endif
 
+/* Whether row r of M needs prepare_row. The FMA path reads a row's u4 group sums only where it folds
+ * them per group, in the passes of fewer than 16 rows that end each ROW_CHUNK; its 16-row passes
+ * dequantize the weights instead (and int8 activations do not run there). */
+static inline int row_needs_prep(int fma, int64_t r, int64_t M) {
+#if defined(LINEAR_FMA)
+    if (fma) {
+        const int64_t c0 = r / ROW_CHUNK * ROW_CHUNK, c1 = c0 + ROW_CHUNK < M ? c0 + ROW_CHUNK : M;
+        return r - c0 >= (c1 - c0) / FMA_MAX_ROWS * FMA_MAX_ROWS;
+    }
+#endif
+    (void)fma, (void)r, (void)M;
+    return 1;
+}
+
 /* y = x @ W^T (+ bias) for one packed weight. x: bf16 [M, K] with row stride ldx; y: [M, N] bf16
  * (or fp32 when y_f32) with row stride ldy. K must be a multiple of G, and G of 32 (u4) or 2.
  * act_int8 (u4 weights only): x is quantized to int8 per block of 32 first (see quantize_row_q8). */
@@ -730,7 +744,8 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
     /* A few rows' group sums (and int8 codes) here; many rows' split between the threads below (a
      * barrier's worth of time is more than a few rows take, and decode steps call this ~120 times). */
     const int prep_here = M <= 4;
-    for (int64_t r = 0; (sums || xq) && prep_here && r < M; r++) prepare_row(x, r, ldx, K, G, sums, xq, xs);
+    for (int64_t r = 0; (sums || xq) && prep_here && r < M; r++)
+        if (row_needs_prep(xf != NULL, r, M)) prepare_row(x, r, ldx, K, G, sums, xq, xs);
 #if defined(LINEAR_FMA)
     const int64_t P = FMA_PANEL_WIDTH(M), panels = xf ? (M + P - 1) / P : 0;
     for (int64_t p = 0; prep_here && p < panels; p++) widen_panel(x, p, M, ldx, K, P, xf);
@@ -741,7 +756,8 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
     {
     if ((sums || xq) && !prep_here) {
 #pragma omp for schedule(static) nowait
-        for (int64_t r = 0; r < M; r++) prepare_row(x, r, ldx, K, G, sums, xq, xs);
+        for (int64_t r = 0; r < M; r++)
+            if (row_needs_prep(xf != NULL, r, M)) prepare_row(x, r, ldx, K, G, sums, xq, xs);
     }
 #if defined(LINEAR_FMA)
     if (panels && !prep_here) {
