@@ -5,6 +5,11 @@ weights), and ``gguf.GGUFReader`` parses every metadata field anew each time: ~8
 model's 49k-token vocabulary and merges, a third of a cold first start. A reader is a read-only memory
 map, so within ``shared_gguf_readers()`` every ``GGUFReader`` of a path is the first one made. Blocks
 nest (a cold engine start converts the file, then reads its quantized blocks: one parse for both).
+
+The same block shares ``gguf.get_tensor_name_map``'s answers: transformers asks it again for every
+submodule of the model while matching tensor names (397 times for the embedded model, ~19 ms each, so
+another ~7 s of the cold start), and the map depends only on the architecture and the layer count.
+A map is only read (``get_name``), so one per key serves every caller.
 """
 
 from __future__ import annotations
@@ -40,10 +45,19 @@ def shared_gguf_readers() -> Iterator[None]:
                 readers[key] = original(path, mode)
             return readers[key]
 
-        gguf.GGUFReader = shared  # transformers imports the name from the module at each call
+        original_name_map = gguf.get_tensor_name_map
+        name_maps: dict[tuple, object] = {}
+
+        def shared_name_map(arch, n_blocks):
+            if (arch, n_blocks) not in name_maps:
+                name_maps[(arch, n_blocks)] = original_name_map(arch, n_blocks)
+            return name_maps[(arch, n_blocks)]
+
+        # transformers imports both names from the module at each call
+        gguf.GGUFReader, gguf.get_tensor_name_map = shared, shared_name_map
         _depth = 1
         try:
             yield
         finally:
             _depth = 0
-            gguf.GGUFReader = original
+            gguf.GGUFReader, gguf.get_tensor_name_map = original, original_name_map

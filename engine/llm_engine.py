@@ -55,6 +55,27 @@ def record_prompt_logprobs(chunk: PromptLogits) -> None:
         seq.prompt_logprobs.append(TokenLogprob(tid, lp, top))
 
 
+def _available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_kv_fits(nbytes: int, device: torch.device) -> None:
+    """The CPU KV pool is mapped, not written, at start (attention.lazily_zeroed), so a budget larger than
+    the machine's memory would not fail here but under load, killed by the OS. Refuse it now instead."""
+    available = _available_memory_bytes() if device.type == "cpu" else None
+    if available is not None and nbytes > available:
+        raise ValueError(f"the KV cache budget ({nbytes / (1 << 30):.1f} GiB) is more than this machine's available "
+                         f"memory ({available / (1 << 30):.1f} GiB); lower --kv-cache-space")
+
+
 def _in_background(work: Callable[[], Any]) -> Future:
     """``work()`` on a thread of its own; its result (or exception) from the future."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-start")
@@ -119,6 +140,7 @@ class LLMEngine:
             config.kv_cache_space_gib * (1 << 30) // (self.model.kv_bytes_per_token() * config.block_size))
         if num_blocks < 2:
             raise ValueError("the KV cache budget holds fewer than 2 blocks; raise --kv-cache-space")
+        _check_kv_fits(num_blocks * config.block_size * self.model.kv_bytes_per_token(), self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.lora_manager = (LoraManager(hf_config, config.max_loras, config.max_lora_rank, self.dtype, self.device,
                                          self.model.projections(), self.model.kernels)

@@ -58,6 +58,27 @@ def test_one_parse_per_file_within_the_block(tiny_gguf, monkeypatch):
     assert gguf.GGUFReader is Counting
 
 
+def test_one_tensor_name_map_per_architecture_within_the_block(monkeypatch):
+    """transformers asks gguf for the tensor name map once per submodule while converting; within the block
+    each (architecture, layer count) is built once, and the function is restored after."""
+    built = []
+    original = gguf.get_tensor_name_map
+
+    def counting(arch, n_blocks):
+        built.append((arch, n_blocks))
+        return original(arch, n_blocks)
+
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counting)
+    llama = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == "llama")
+    with shared_gguf_readers():
+        first = gguf.get_tensor_name_map(llama, 30)
+        assert all(gguf.get_tensor_name_map(llama, 30) is first for _ in range(5))
+        assert gguf.get_tensor_name_map(llama, 2) is not first
+        assert first.get_name("model.layers.3.self_attn.q_proj") == "blk.3.attn_q"
+    assert built == [(llama, 30), (llama, 2)]
+    assert gguf.get_tensor_name_map is counting  # restored
+
+
 def test_the_kernels_build_while_the_model_resolves(monkeypatch):
     """The model's directory is resolved (on a cold cache: converted) only once the kernels' build has
     begun: a start that did the two one after the other never gets past resolving."""
