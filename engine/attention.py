@@ -54,7 +54,7 @@ def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     count = math.prod(shape)
     if count == 0:
         return torch.zeros(shape, dtype=dtype)
-    pages = mmap.mmap(-1, count * torch.empty((), dtype=dtype).element_size())
+    pages = mmap.mmap(-1, count * dtype.itemsize)
     return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)  # the tensor keeps the mapping alive
 
 

@@ -690,15 +690,11 @@ static int linear_path = LINEAR_PATH_DOT;
 static int linear_path = LINEAR_PATH_FMA;
 #endif
 
-/* Whether row r of M needs prepare_row. The FMA path reads a row's u4 group sums only where it folds
- * them per group, in the passes of fewer than 16 rows that end each ROW_CHUNK; its 16-row passes
- * dequantize the weights instead (and int8 activations do not run there). */
+/* Whether row r of M needs prepare_row: every row, except on the FMA path, which reads a row's u4 group
+ * sums only where it folds them (fma_row_folds_sums; int8 activations do not run there). */
 static inline int row_needs_prep(int fma, int64_t r, int64_t M) {
 #if defined(LINEAR_FMA)
-    if (fma) {
-        const int64_t c0 = r / ROW_CHUNK * ROW_CHUNK, c1 = c0 + ROW_CHUNK < M ? c0 + ROW_CHUNK : M;
-        return r - c0 >= (c1 - c0) / FMA_MAX_ROWS * FMA_MAX_ROWS;
-    }
+    if (fma) return fma_row_folds_sums(r, M);
 #endif
     (void)fma, (void)r, (void)M;
     return 1;

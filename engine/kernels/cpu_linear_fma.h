@@ -50,6 +50,17 @@ static inline __attribute__((always_inline)) void group_scale_min(int fmt, const
     }
 }
 
+/* Per-channel int8 (one group over all of K): the passes that dequantize weights multiply their sums by the
+ * channel's scale once at the end instead (fma_block's DQ, widen_range, fma_blocks_widened alike). */
+static inline int scales_sums_once(int fmt, int64_t K, int64_t G) { return fmt == WFMT_I8 && G == K; }
+
+/* A pair-row's 32 int8 codes, sign-extended to 16 bits in v, as the fp32 codes of inputs 2j (lo) and
+ * 2j + 1 (hi): vpmaddwd against (1, 0) or (0, 1) per 32-bit lane (see the header). */
+static inline __attribute__((always_inline)) void i8_pair_f32(__m512i v, __m512 *lo, __m512 *hi) {
+    *lo = _mm512_cvtepi32_ps(_mm512_madd_epi16(v, _mm512_set1_epi32(1)));
+    *hi = _mm512_cvtepi32_ps(_mm512_madd_epi16(v, _mm512_set1_epi32(1 << 16)));
+}
+
 /* acc + one group's partial sum s of codes x inputs: bf16 adds it, i8 scales it by d, u4 also adds the
  * min term m * (the row's sum of inputs over the group). */
 static inline __attribute__((always_inline)) __m512 fold_group(int fmt, __m512 acc, __m512 s, __m512 d, __m512 m,
@@ -73,7 +84,7 @@ static inline __attribute__((always_inline)) void fma_block(
      * where one more FMA per weight vector would cost more than the fold. */
     const int DQ = RB == FMA_MAX_ROWS && NT == 1;
     const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
-    const int scale_last = fmt == WFMT_I8 && groups == 1; /* per-channel int8: DQ scales the sums once instead */
+    const int scale_last = scales_sums_once(fmt, K, G);
     const uint8_t *tiles[2] = {tile0, tile1};
     const float *px = xf + (r0 / P) * P * K + r0 % P;
     __m512 part[FMA_MAX_ROWS][2][4];
@@ -85,7 +96,6 @@ static inline __attribute__((always_inline)) void fma_block(
     }
     const __m512 code_f32 = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
     const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512i i8_low = _mm512_set1_epi32(1), i8_high = _mm512_set1_epi32(1 << 16); /* i8 pair lanes (header) */
 #pragma GCC unroll 16
     for (int r = 0; r < RB; r++) part[r][0][0] = _mm512_setzero_ps(); /* DQ's running sums */
     __m512 dq_last = _mm512_setzero_ps();
@@ -144,8 +154,7 @@ static inline __attribute__((always_inline)) void fma_block(
                         w[t][1] = _mm512_castsi512_ps(_mm512_and_si512(v, high_half));
                     } else {
                         const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + j * 32)));
-                        w[t][0] = _mm512_cvtepi32_ps(_mm512_madd_epi16(v, i8_low));
-                        w[t][1] = _mm512_cvtepi32_ps(_mm512_madd_epi16(v, i8_high));
+                        i8_pair_f32(v, &w[t][0], &w[t][1]);
                         if (DQ && !scale_last) w[t][0] = _mm512_mul_ps(w[t][0], dq_d), w[t][1] = _mm512_mul_ps(w[t][1], dq_d);
                     }
                 }
@@ -201,7 +210,6 @@ static void widen_range(int fmt, const uint8_t *tile, int64_t k0, int64_t k1, in
     const int64_t gbytes = tile_group_bytes(fmt, G);
     const __m512 code_f32 = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
     const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512i i8_low = _mm512_set1_epi32(1), i8_high = _mm512_set1_epi32(1 << 16); /* i8 pair lanes (header) */
     for (int64_t k = k0; k < k1;) { /* one group's share of the range at a time */
         const int64_t g = k / G, end = (g + 1) * G < k1 ? (g + 1) * G : k1;
         const uint8_t *blk = tile + g * gbytes;
@@ -226,11 +234,13 @@ static void widen_range(int fmt, const uint8_t *tile, int64_t k0, int64_t k1, in
                 _mm512_store_ps(wf + (k - k0 + 1) * TILE_N, _mm512_castsi512_ps(_mm512_and_si512(v, high_half)));
             }
         } else {
-            const __m512 s = G < K ? d : _mm512_set1_ps(1.f); /* one group: the passes scale their sums */
+            const __m512 s = scales_sums_once(fmt, K, G) ? _mm512_set1_ps(1.f) : d;
             for (; k < end; k += 2) {
                 const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + (k - g * G) / 2 * 32)));
-                _mm512_store_ps(wf + (k - k0) * TILE_N, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(v, i8_low)), s));
-                _mm512_store_ps(wf + (k - k0 + 1) * TILE_N, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(v, i8_high)), s));
+                __m512 lo, hi;
+                i8_pair_f32(v, &lo, &hi);
+                _mm512_store_ps(wf + (k - k0) * TILE_N, _mm512_mul_ps(lo, s));
+                _mm512_store_ps(wf + (k - k0 + 1) * TILE_N, _mm512_mul_ps(hi, s));
             }
         }
     }
@@ -285,13 +295,13 @@ static void fma_blocks_widened(int fmt, const float *xf, int64_t r0, int64_t blo
         widen_range(fmt, tile, k0, k1, K, G, wf);
         for (int64_t b = 0; b < blocks; b++) fma_rows_widened(fmt, xf, r0 + b * FMA_MAX_ROWS, K, k0, k1, wf, acc[b]);
     }
+    const int scale_last = scales_sums_once(fmt, K, G);
     __m512 d = _mm512_set1_ps(1.f), m;
-    if (fmt == WFMT_I8 && G == K) group_scale_min(fmt, tile, G, &d, &m); /* per-channel int8: the scale, once */
+    if (scale_last) group_scale_min(fmt, tile, G, &d, &m);
     for (int64_t b = 0; b < blocks; b++)
         for (int r = 0; r < FMA_MAX_ROWS; r++) {
             const __m512 a = _mm512_load_ps(acc[b] + r * TILE_N);
-            store_acc(fmt == WFMT_I8 && G == K ? _mm512_mul_ps(a, d) : a, bias, n0, N, y, ldy, r0 + b * FMA_MAX_ROWS + r,
-                      y_f32);
+            store_acc(scale_last ? _mm512_mul_ps(a, d) : a, bias, n0, N, y, ldy, r0 + b * FMA_MAX_ROWS + r, y_f32);
         }
 }
 
@@ -306,6 +316,14 @@ static void fma_blocks_widened(int fmt, const float *xf, int64_t r0, int64_t blo
     case 1: fma_block(1, NT, fmt, xf, r, K, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, P); break;           \
     default: break;                                                                                              \
     }
+
+/* Whether tiles_fma folds row r of M's u4 group sums (so they must be made): only its passes of fewer than
+ * 16 rows, at the end of each ROW_CHUNK that spark_linear hands it; whole 16-row blocks dequantize the
+ * weights instead. */
+static inline int fma_row_folds_sums(int64_t r, int64_t M) {
+    const int64_t c0 = r / ROW_CHUNK * ROW_CHUNK, c1 = c0 + ROW_CHUNK < M ? c0 + ROW_CHUNK : M;
+    return r - c0 >= (c1 - c0) / FMA_MAX_ROWS * FMA_MAX_ROWS;
+}
 
 /* Rows [r0, r1) against one tile (tile1 NULL) or two adjacent ones: 8 rows a pass, then the rest. */
 static void tiles_fma(int fmt, const float *xf, int64_t P, int64_t r0, int64_t r1, int64_t K, const uint8_t *tile0,
