@@ -8,7 +8,7 @@ import torch
 
 from engine.models import weights
 from engine.quant import calibration
-from engine.quant.calibration import input_second_moments, sample_tokens
+from engine.quant.calibration import input_second_moments, sample_on_engine, sample_tokens
 from engine.quant.formats import quantize_int8
 from engine.quant.gptq import quantize_int8_gptq
 
@@ -87,12 +87,18 @@ def test_gptq_refuses_a_hessian_of_the_wrong_size():
 def test_calibration_samples_the_model_reproducibly_and_measures_every_linear(hf_model, llm_engine, monkeypatch,
                                                                              caplog):
     tokenizer = llm_engine.tokenizer
+
+    def on_engine(starts, length, seed):
+        return sample_on_engine(llm_engine, starts, length, seed)
+
     monkeypatch.setattr(calibration, "PROGRESS_EVERY_S", 0.0)  # a progress line after every step
     with caplog.at_level("INFO", logger=calibration.logger.name):
-        tokens, mask = sample_tokens(hf_model, tokenizer, sequences=4, length=10)
+        tokens, mask = sample_tokens(on_engine, tokenizer, sequences=4, length=10)
     assert [r.getMessage() for r in caplog.records] == [f"int8 calibration: {k} of 10 tokens sampled" for k in range(1, 10)]
-    again, _ = sample_tokens(hf_model, tokenizer, sequences=4, length=10)
+    again, _ = sample_tokens(on_engine, tokenizer, sequences=4, length=10)
     assert torch.equal(tokens, again)  # seeded
+    other, _ = sample_tokens(on_engine, tokenizer, sequences=4, length=10, seed=1)
+    assert not torch.equal(tokens, other)  # sampled, not greedy
     assert tokens.shape == mask.shape and (mask[:, -10:] == 1).all()
     assert mask[0].sum() == 11 and mask[1].sum() > 11  # a one-token start; a chat request, left-padded
     chat_start = tokens[1][mask[1].bool()][:-10].tolist()
