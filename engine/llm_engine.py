@@ -195,7 +195,8 @@ class LLMEngine:
         block = self.config.block_size
         blocks = len(starts) * (-(-(max(map(len, starts)) + length + 1) // block))
         config = dataclasses.replace(self.config, quantization="none", max_num_seqs=len(starts), num_kv_blocks=blocks,
-                                     enable_prefix_caching=False, max_loras=0, linear_activations="bf16")
+                                     max_model_len=None, enable_prefix_caching=False, max_loras=0,
+                                     linear_activations="bf16")  # what the calibration needs, whatever serving asked
         with _log_level(logging.WARNING, "engine.llm_engine", "engine.models.weights"):
             helper = LLMEngine(config)
         return sample_on_engine(helper, starts, length, seed)  # the helper and its KV mapping go with this frame
