@@ -86,7 +86,7 @@ def sample_on_engine(engine, starts: list[list[int]], length: int, seed: int) ->
     """``length`` tokens after each start, sampled at temperature 1 from the whole vocabulary by an
     engine core (``LLMEngine``), every sequence in one batch and seeded by its index."""
     ids = [f"calibration-{i}" for i in range(len(starts))]
-    for request_id, start, i in zip(ids, starts, range(len(starts))):
+    for i, (request_id, start) in enumerate(zip(ids, starts)):
         engine.add_request(GenerationRequest(request_id, TokensPrompt(start), SamplingParams(
             max_tokens=length, temperature=1.0, seed=seed + i, ignore_eos=True)))
     sampled: dict[str, list[int]] = {request_id: [] for request_id in ids}
