@@ -114,3 +114,9 @@ def test_calibration_samples_the_model_reproducibly_and_measures_every_linear(hf
     layer = hf_model.model.layers[0]
     x = layer.input_layernorm(hf_model.model.embed_tokens(tokens)).reshape(-1, hidden)[mask.reshape(-1).bool()]
     assert torch.allclose(q, x.T @ x / x.shape[0], rtol=1e-4, atol=1e-5)
+    # the head's statistic is of the decoder's output (its final norm included), though no logits are made
+    with torch.inference_mode():
+        final = hf_model.model(input_ids=tokens, attention_mask=mask,
+                               position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
+    h = final.reshape(-1, hidden)[mask.reshape(-1).bool()]
+    assert torch.allclose(moments["lm_head.weight"], h.T @ h / h.shape[0], rtol=1e-4, atol=1e-5)
