@@ -1,4 +1,4 @@
-"""Fused CPU kernels (cpu_kernels.c), compiled once per machine with its C compiler and cached.
+"""Fused CPU kernels (cpu_kernels.c, cpu_linear.c), compiled once per machine with its C compiler and cached.
 
 ``load_cpu_kernels()`` returns a ``CpuKernels`` or None when they cannot be had (no compiler, a
 failed build, ``SPARK_NATIVE_KERNELS=0``); callers then keep the pure-torch path, which computes the
@@ -32,12 +32,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_impl.h"), SOURCE.with_name("cpu_linear.h"),
-           SOURCE.with_name("cpu_prefill_attention.h"), SOURCE.with_name("cpu_forward.h"),
-           SOURCE.with_name("cpu_linear_fma.h"))  # the .c includes them
+KERNELS_DIR = Path(__file__).parent
+# The compilation units, compiled side by side (the linears take most of the time), then linked.
+UNITS = (KERNELS_DIR / "cpu_kernels.c", KERNELS_DIR / "cpu_linear.c")
+HEADERS = tuple(KERNELS_DIR / name for name in ("cpu_common.h", "cpu_kernels_impl.h", "cpu_linear.h",
+                                                 "cpu_linear_fma.h", "cpu_prefill_attention.h", "cpu_forward.h"))
+SOURCES = UNITS + HEADERS
 ABI_VERSION = 8
-CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=c11"]
+CFLAGS = ["-O3", "-fPIC", "-fopenmp", "-ffp-contract=off", "-std=c11"]
 NATIVE = "-march=native"  # this CPU's full instruction set (AVX-512 where it has it)
 DISABLE_ENV = "SPARK_NATIVE_KERNELS"
 # the linear kernels' fast paths, by their C enum value (cpu_linear.h): AVX512-BF16 dot products, fp32 FMAs
@@ -82,20 +84,37 @@ def build_library(cc: str, march: str = NATIVE, directory: Path | None = None) -
         return target
     directory.mkdir(parents=True, exist_ok=True)
     # Several processes starting on a cold cache at once (a fleet's replicas, test workers): one compiles
-    # (~20 s of a core), the others wait for its library instead of compiling the same one beside it.
+    # (~13 s of CPU, its two units side by side), the others wait for its library instead of compiling
+    # the same one beside it.
     with open(directory / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.exists():
             return target
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            objects = [Path(tmp) / f"{unit.stem}.o" for unit in UNITS]
             out = Path(tmp) / target.name
-            proc = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True,
-                                  timeout=300)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:2000]}")
+            _run_all([[cc, *flags, "-c", str(unit), "-o", str(obj)] for unit, obj in zip(UNITS, objects)], cc)
+            _run_all([[cc, *flags, "-shared", *map(str, objects), "-o", str(out), "-lm"]], cc)
             os.replace(out, target)  # atomic: a reader without the lock sees the whole library or none
     logger.info("compiled fused CPU kernels into %s", target)
     return target
+
+
+def _run_all(commands: list[list[str]], cc: str) -> None:
+    """Run compiler commands side by side; the first failure's message is raised."""
+    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for command in commands]
+    errors = []
+    for proc in procs:
+        try:
+            _, stderr = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, stderr = proc.communicate()
+            stderr = f"timed out after 300 s. {stderr}"
+        if proc.returncode != 0:
+            errors.append(stderr.strip())
+    if errors:
+        raise RuntimeError(f"{cc} failed: {errors[0][:2000]}")
 
 
 def open_library(path: Path) -> CpuKernels:

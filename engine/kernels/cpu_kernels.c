@@ -1,6 +1,7 @@
 /*
- * Fused CPU kernels for the Llama-family forward: the parts between the linear layers, the packed
- * linears themselves (cpu_linear.h), and the whole layer loop in one call (cpu_forward.h).
+ * Fused CPU kernels for the Llama-family forward: the parts between the linear layers and the whole
+ * layer loop in one call (cpu_forward.h). The packed linears are their own unit (cpu_linear.c), compiled
+ * beside this one; cpu_common.h is what both share.
  *
  * At batch 1 a decode step is ~1,000 tiny torch ops (norms, RoPE, cache writes, attention,
  * activation), each costing more in dispatch than in arithmetic; here each is one call per layer.
@@ -18,13 +19,9 @@
  * once per dtype.
  */
 
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_common.h"
+
+int spark_prefill_attention_fma = 0; /* see cpu_common.h */
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
@@ -34,22 +31,6 @@
  * below 8 a barrier costs about what a second thread saves. */
 #define ELEMENTWISE_PARALLEL_ROWS 8
 #define LORA_CHUNK 2048 /* outputs per pass of the LoRA expand (its fp32 accumulator lives on the stack) */
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch does; NaN stays NaN. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 static inline float f32_load(float v) { return v; }
 static inline float f32_store(float v) { return v; }
@@ -95,9 +76,6 @@ static inline __m512 exp_clamped_v(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-static inline __m512 load16_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 #endif
 
@@ -209,7 +187,6 @@ static inline __attribute__((always_inline)) void qk_scores_bf16(
 #define LOAD16 load16_f32
 #include "cpu_kernels_impl.h"
 
-#include "cpu_linear.h"
 #include "cpu_forward.h"
 
 /* counts[r] = how many entries of logits row r equal the row's maximum (1 when the top is unique). */

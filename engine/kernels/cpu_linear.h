@@ -871,9 +871,7 @@ int spark_linear_paths(void) {
 /* Chooses the path for every later call (one the build has; else nothing changes). Returns the path now. */
 int spark_linear_set_path(int path) {
     if (path >= 0 && path <= LINEAR_PATH_FMA && (spark_linear_paths() >> path & 1)) linear_path = path;
-#if defined(QK_BF16_DOT)
-    prefill_attention_fma = linear_path == LINEAR_PATH_FMA; /* the same fact decides both: which is faster here */
-#endif
+    spark_prefill_attention_fma = linear_path == LINEAR_PATH_FMA; /* the same fact decides both: which is faster here */
     return linear_path;
 }
 

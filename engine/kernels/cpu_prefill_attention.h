@@ -14,12 +14,11 @@
 
 #define PF_ROWS 8    /* query rows (query, head) per score pass: 8 x 2 accumulators */
 
-/* Whether the products run on fp32 FMAs instead of vdpbf16ps: set with the linears' path
- * (spark_linear_set_path), as both follow from which of the two this CPU issues faster. The packed
- * layouts are the same; each bf16 pair is widened in registers (<< 16 and & 0xffff0000), and each
- * product is exact in fp32. A pair's odd product is added first, then its even one: the order Intel's
- * manual gives vdpbf16ps, and on the Xeon (model 207) both paths give the same bits. */
-static int prefill_attention_fma = 0;
+/* spark_prefill_attention_fma: whether the products run on fp32 FMAs instead of vdpbf16ps, set with the
+ * linears' path (spark_linear_set_path). The packed layouts are the same; each bf16 pair is widened in
+ * registers (<< 16 and & 0xffff0000), and each product is exact in fp32. A pair's odd product is added
+ * first, then its even one: the order Intel's manual gives vdpbf16ps, and on the Xeon (model 207) both
+ * paths give the same bits. */
 
 #define PF_PACK_KEYS 256 /* keys per packing job (a multiple of 32) */
 /* Most bytes of packed K/V a call shares between its tiles. Over it (many chunks over long cached
@@ -259,7 +258,7 @@ static void prefill_tile_bf16(const uint16_t *qkv, int64_t qkv_stride, const uin
         }
         const int64_t tile_keys = n[PF_ROWS - 1]; /* rows go query by query: the last sees the most keys */
         const int64_t passes = (tile_keys + 31) / 32;
-        const int fma = prefill_attention_fma;
+        const int fma = spark_prefill_attention_fma;
         if (fma) {
             float qf[PF_ROWS * 128] __attribute__((aligned(64))); /* D is at most 128 */
             for (int64_t r = 0; r < PF_ROWS; r++)

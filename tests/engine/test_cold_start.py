@@ -12,7 +12,7 @@ import pytest
 from engine import llm_engine
 from engine.config import EngineConfig
 from engine.gguf_parse import shared_gguf_readers
-from engine.kernels import build_library
+from engine.kernels import UNITS, build_library
 
 
 @pytest.fixture
@@ -100,17 +100,33 @@ def test_the_kernels_build_while_the_model_resolves(monkeypatch):
 
 
 def test_starts_on_a_cold_cache_compile_the_kernels_once(tmp_path):
-    """Three builds of one library at once (a fleet's replicas on a cold cache): one compiler run, the
-    others wait for its file. The compiler here is a stand-in that takes a second and counts its runs."""
+    """Three builds of one library at once (a fleet's replicas on a cold cache): one build, the others wait
+    for its file. One build compiles each unit, side by side, then links them. The compiler here is a
+    stand-in that takes a second and writes down when each of its runs starts and ends."""
     runs = tmp_path / "runs"
     cc = tmp_path / "cc"
     cc.write_text("#!/bin/sh\n"
                   'if [ "$1" = "--version" ]; then echo stand-in 1.0; exit 0; fi\n'
-                  f"echo run >> {runs}\n"
+                  'kind=link; for a in "$@"; do if [ "$a" = "-c" ]; then kind=compile; fi; done\n'
+                  f"echo start-$kind >> {runs}\n"
                   "sleep 1\n"
+                  f"echo end-$kind >> {runs}\n"
                   'while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then : > "$2"; fi; shift; done\n')
     cc.chmod(0o755)
     with ThreadPoolExecutor(3) as pool:
         built = list(pool.map(lambda _: build_library(str(cc), "-march=x86-64-v2", tmp_path / "kernels"), range(3)))
     assert len(set(built)) == 1 and built[0].exists()
-    assert runs.read_text().split() == ["run"]
+    units = len(UNITS)
+    assert units == 2
+    assert runs.read_text().split() == ["start-compile"] * units + ["end-compile"] * units + ["start-link", "end-link"]
+
+
+def test_a_failing_compile_says_why(tmp_path):
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\n"
+                  'if [ "$1" = "--version" ]; then echo stand-in 1.0; exit 0; fi\n'
+                  'echo "cpu_linear.c:1: error: no such instruction" >&2; exit 1\n')
+    cc.chmod(0o755)
+    with pytest.raises(RuntimeError, match="no such instruction"):
+        build_library(str(cc), "-march=x86-64-v2", tmp_path / "kernels")
+    assert not list((tmp_path / "kernels").glob("*.so"))
