@@ -121,6 +121,7 @@ def input_second_moments(model: torch.nn.Module, tokens: torch.Tensor,
     names = {module: name for name, module in model.named_modules()}
     head = model.get_output_embeddings()
     decoder = model.get_decoder()
+
     def record(name: str):
         return lambda module, inputs, output: add(name, inputs[0])
 
