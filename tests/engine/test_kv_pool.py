@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import resource
 
+import pytest
 import torch
 
 from engine.attention import PagedKVCache, lazily_zeroed
@@ -42,11 +43,9 @@ def test_a_budget_over_the_available_memory_is_refused_at_start(monkeypatch):
 
     monkeypatch.setattr(llm_engine, "_available_memory_bytes", lambda: 4 << 30)
     llm_engine._check_kv_fits(3 << 30, torch.device("cpu"))  # fits
-    try:
+    with pytest.raises(ValueError) as refused:  # a 5 GiB pool on a 4 GiB machine
         llm_engine._check_kv_fits(5 << 30, torch.device("cpu"))
-    except ValueError as exc:
-        assert "5.0 GiB" in str(exc) and "4.0 GiB" in str(exc) and "--kv-cache-space" in str(exc)
-    else:
-        raise AssertionError("a 5 GiB pool on a 4 GiB machine was accepted")
+    message = str(refused.value)
+    assert "5.0 GiB" in message and "4.0 GiB" in message and "--kv-cache-space" in message
     monkeypatch.setattr(llm_engine, "_available_memory_bytes", lambda: None)  # no /proc/meminfo: no check
     llm_engine._check_kv_fits(5 << 30, torch.device("cpu"))
