@@ -33,14 +33,17 @@ class ScheduledBatch:
         return len(self.decodes) + sum(n for _, n in self.prefills)
 
 
-# Prompt tokens of a long prefill per decoding stream per step (per long prompt pending), each token
-# counted with its attention over the keys before it (Scheduler.attention_cost_per_key). Measured on a
+# Prompt tokens of a long prefill per decoding stream per step (times the square of the long prompts
+# pending, Scheduler.schedule), each token counted with its attention over the keys before it
+# (Scheduler.attention_cost_per_key). Measured on a
 # 2-core AMD EPYC with tokens alone (2026-11-23; `bench_interactivity`: 16 streams, a 2,000-token prompt
 # arrives; `compare.py --prompt-tokens 1000 --concurrency 24`): 1 -> gap p99/median 1.32, TTFT p50 10.2 s;
 # 2 -> 2.24, 7.0 s; 4 -> 3.48 (over the bar of 3). On the Intel Xeon (model 207) 2 gave 2.40-3.24: the
 # chunks at the end of the 2,000-token prompt cost ~3x a decode step, two thirds of it their attention.
 # Counting that attention there: 1.23-1.40, the long prompt's TTFT 6.0-6.8 s (5.1-6.6 before), and at
-# 1,000 tokens, 24 streams, 76.4 tok/s and TTFT p50 9.5 s (67.1 and 11.0 s before).
+# 1,000 tokens, 24 streams, 76.4 tok/s and TTFT p50 9.5 s (67.1 and 11.0 s before). Squaring the
+# pending count (Intel Xeon, in-process, 24 streams): TTFT p50 4.87 -> 2.69 s at ~500 tokens, ~11 -> 6.2 s
+# at ~1,000, 41 -> 16.7 s at ~2,000, throughput level; one arrival's share is unchanged.
 LONG_PREFILL_PER_DECODE = 2
 
 
@@ -57,7 +60,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # While sequences decode, a step prefills long prompts at most max(threshold,
-        # LONG_PREFILL_PER_DECODE x num_decoding x the long prompts pending) tokens in all (0: no cap),
+        # LONG_PREFILL_PER_DECODE x num_decoding x (long prompts pending)^2) tokens in all (0: no cap),
         # weighed by their attention (below). With one pending, such a step costs about twice a
         # decode-only one, at the prompt's start as at its end, so a long prompt arriving keeps the
         # running streams' token gaps within the interactivity bar. A short prompt (at most half the step budget) is prefilled
@@ -122,13 +125,14 @@ class Scheduler:
         prefill_budget: float = budget
         capped = bool(self.long_prefill_token_threshold and num_decoding)
         if capped:
-            # The cap scales with the long prompts pending: one arrival among running streams barely
-            # widens their token gaps, while a queue of them is not trickled through one prompt's share
-            # (each waiting prompt's TTFT weighs like a running stream's TPOT).
+            # The cap grows with the square of the long prompts pending. One arrival among running
+            # streams barely widens their token gaps. A queue's waiting grows with the square of its
+            # length (each prompt waits for the prefills of all those ahead of it), so a queue gets up to
+            # the whole step instead of being trickled while its wait piles up.
             pending = sum(1 for s in self.running if s.num_uncomputed_tokens > 1 and self._is_long(s))
             pending += sum(1 for s in self.waiting if self._is_long(s))
             prefill_budget = max(self.long_prefill_token_threshold,
-                                 LONG_PREFILL_PER_DECODE * num_decoding * max(1, pending))
+                                 LONG_PREFILL_PER_DECODE * num_decoding * max(1, pending) ** 2)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]

@@ -112,10 +112,11 @@ def _decoding(scheduler: Scheduler, n: int) -> None:
         scheduler.running.append(seq)
 
 
-def test_the_long_prompt_cap_scales_with_the_long_prompts_waiting():
+def test_the_long_prompt_cap_grows_with_the_square_of_the_long_prompts_waiting():
     """Among 8 decoding streams one long prompt is trickled (cap 2 x 8 tokens a step, the running
-    streams' gaps stay even); six of them waiting share six times that, so a queue is not starved."""
-    for waiting, expected in ((1, 16), (6, 96)):
+    streams' gaps stay even); two waiting get four times that and three nine times, and a longer queue
+    the whole step beside the decodes, so a queue's wait does not pile up."""
+    for waiting, expected in ((1, 16), (2, 64), (3, 144), (6, 256 - 8)):
         scheduler = Scheduler(BlockManager(num_blocks=512, block_size=16), max_num_seqs=64,
                               max_num_batched_tokens=256, long_prefill_token_threshold=4)
         _decoding(scheduler, 8)
