@@ -75,9 +75,15 @@ def gguf_source(model: str | None) -> Path | None:
     return path if path.is_file() and path.suffix == ".gguf" else None
 
 
+# Bumped when a conversion writes different files, so that caches made before are not reused.
+# 2: the tokenizer files follow the GGUF file's metadata (engine/gguf_tokenizer.py).
+_CONVERSION_VERSION = 2
+
+
 def _converted_dir(gguf: Path, cache_dir: Path, name: str) -> Path:
     stat = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    source = f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
+    key = hashlib.sha1(f"{source}:{_CONVERSION_VERSION}".encode()).hexdigest()[:12]
     target = cache_dir / "models" / f"{name}-{key}"
     if _is_complete(target):
         return target
@@ -101,12 +107,14 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.gguf_parse import shared_gguf_readers
+    from engine.gguf_tokenizer import follow_gguf_metadata, read_metadata
 
     target.parent.mkdir(parents=True, exist_ok=True)
     with shared_gguf_readers():
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         # transformers prints a tqdm bar while de-quantizing the tensors.
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer_metadata = read_metadata(gguf)
     # Some transformers versions refuse save_pretrained on a GGUF-loaded model with its quantizer marker.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -115,6 +123,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     try:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
+        follow_gguf_metadata(staging, tokenizer_metadata)
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)

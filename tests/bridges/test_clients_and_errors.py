@@ -85,8 +85,8 @@ def test_each_bridge_greedy_answer_equals_spark(live_server):
     tok = live_server.engine.tokenizer
     templated = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                         add_generation_prompt=True)
-    # raw-text protocols add the tokenizer's BOS (<|im_start|>), which the template already starts with
-    text = templated.removeprefix(tok.bos_token)
+    # raw-text protocols tokenize the text as it is (the GGUF says add_bos_token false: no BOS is added)
+    text = templated
     ids = tok.encode(templated, add_special_tokens=False)
     model = _model(live_server)
     base = live_server.http_url
