@@ -18,6 +18,7 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 _lock = threading.RLock()  # the patch is process-wide: one thread's blocks at a time
 _depth = 0
@@ -61,3 +62,9 @@ def shared_gguf_readers() -> Iterator[None]:
         finally:
             _depth = 0
             gguf.GGUFReader, gguf.get_tensor_name_map = original, original_name_map
+
+
+def metadata_value(reader: Any, name: str) -> Any:
+    """A GGUF metadata field's value (a string, a number, a list), or None when the file has no such field."""
+    field = reader.fields.get(name)
+    return None if field is None else field.contents()

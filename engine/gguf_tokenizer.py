@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.gguf_parse import metadata_value
+
 _ROLES = {"bos": "bos_token", "eos": "eos_token", "unknown": "unk_token", "padding": "pad_token"}
 
 
@@ -40,13 +42,11 @@ def read_metadata(gguf_path: Path) -> GgufTokenizerMetadata:
     reader = gguf.GGUFReader(str(gguf_path))
 
     def field(name: str) -> Any:
-        found = reader.fields.get(name)
-        return None if found is None else found.contents()
+        return metadata_value(reader, f"tokenizer.ggml.{name}")
 
     special_ids = {key: int(token_id) for role, key in _ROLES.items()
-                   if (token_id := field(f"tokenizer.ggml.{role}_token_id")) is not None}
-    return GgufTokenizerMetadata(field("tokenizer.ggml.model"), special_ids,
-                                 bool(field("tokenizer.ggml.add_bos_token")), bool(field("tokenizer.ggml.add_eos_token")))
+                   if (token_id := field(f"{role}_token_id")) is not None}
+    return GgufTokenizerMetadata(field("model"), special_ids, bool(field("add_bos_token")), bool(field("add_eos_token")))
 
 
 def follow_gguf_metadata(directory: Path, metadata: GgufTokenizerMetadata) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.gguf_parse import metadata_value
 from engine.quant.formats import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -74,8 +75,7 @@ def read_gguf_linears(path: Path, config) -> dict[str, QuantizedWeight]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    arch_field = reader.fields.get("general.architecture")
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
+    arch = metadata_value(reader, "general.architecture") or ""
     found: dict[str, QuantizedWeight] = {}
     skipped: dict[str, int] = {}
     for t in reader.tensors:
