@@ -77,18 +77,16 @@ def follow_gguf_metadata(directory: Path, metadata: GgufTokenizerMetadata) -> No
 
 def _template(special: dict[str, str], special_ids: dict[str, int], add_bos: bool, add_eos: bool) -> dict | None:
     """The post-processor that adds the file's BOS and EOS around a text (None: adds nothing)."""
-    if not (add_bos or add_eos):
+    before = [special["bos_token"]] if add_bos else []
+    after = [special["eos_token"]] if add_eos else []
+    if not (before or after):
         return None
-    marks = [k for k, on in (("bos_token", add_bos), ("eos_token", add_eos)) if on]
+    ids = {special[key]: token_id for key, token_id in special_ids.items()}
 
     def around(sequence: str, type_id: int) -> list[dict]:
-        pieces = [{"Sequence": {"id": sequence, "type_id": type_id}}]
-        if add_bos:
-            pieces.insert(0, {"SpecialToken": {"id": special["bos_token"], "type_id": type_id}})
-        if add_eos:
-            pieces.append({"SpecialToken": {"id": special["eos_token"], "type_id": type_id}})
-        return pieces
+        def mark(token: str) -> dict:
+            return {"SpecialToken": {"id": token, "type_id": type_id}}
+        return [*map(mark, before), {"Sequence": {"id": sequence, "type_id": type_id}}, *map(mark, after)]
 
     return {"type": "TemplateProcessing", "single": around("A", 0), "pair": around("A", 0) + around("B", 1),
-            "special_tokens": {special[k]: {"id": special[k], "ids": [special_ids[k]], "tokens": [special[k]]}
-                               for k in marks}}
+            "special_tokens": {token: {"id": token, "ids": [ids[token]], "tokens": [token]} for token in before + after}}
