@@ -322,3 +322,11 @@ def test_argmax_equals_torch_first_maximum_and_nan() -> None:
         assert torch.equal(kernels.argmax(x), x.argmax(-1)), (rows, vocab)
     strided = torch.randn(4, 64, generator=gen)[:, ::2]
     assert torch.equal(kernels.argmax(strided), strided.argmax(-1))
+    # the scan tests chunks of 256 before looking inside one: maxima and NaNs on either side of a boundary
+    edges = torch.randn(6, 777, generator=gen)
+    edges[0, 255] = edges[0, 256] = 9.0
+    edges[1, 256] = edges[1, 770] = 9.0
+    edges[2, 776] = 9.0
+    edges[3, 511] = float("nan")
+    edges[4, 512] = edges[4, 3] = float("nan")
+    assert torch.equal(kernels.argmax(edges), edges.argmax(-1))
