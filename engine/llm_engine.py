@@ -169,6 +169,7 @@ class LLMEngine:
                                   self.lora_manager)
         self.eos_token_ids = self._eos_ids(model_dir)
         self._argmax = self.model.kernels.argmax if self.model.kernels is not None else None  # greedy picks
+        self._draw = self.model.kernels.sample if self.model.kernels is not None else None  # random draws
         self._grammars: GrammarCompiler | None = None  # structured output, made at its first use
         self._masks: MaskApplier | None = None
         self._grammars_lock = threading.Lock()
@@ -347,7 +348,8 @@ class LLMEngine:
             masks = self._prepare_masks(batch)  # filled while the forward runs
             with torch.inference_mode():
                 logits, samplers, prompt_logits = self.runner.run(batch)
-                tokens = sample(logits, samplers, self.eos_token_ids, masks, self._argmax) if samplers else []
+                tokens = (sample(logits, samplers, self.eos_token_ids, masks, self._argmax, self._draw)
+                          if samplers else [])
                 for chunk in prompt_logits:
                     record_prompt_logprobs(chunk)
             for seq in batch.decodes:

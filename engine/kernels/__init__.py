@@ -36,9 +36,10 @@ KERNELS_DIR = Path(__file__).parent
 # The compilation units, compiled side by side (the linears take most of the time), then linked.
 UNITS = (KERNELS_DIR / "cpu_kernels.c", KERNELS_DIR / "cpu_linear.c")
 HEADERS = tuple(KERNELS_DIR / name for name in ("cpu_common.h", "cpu_kernels_impl.h", "cpu_linear.h",
-                                                 "cpu_linear_fma.h", "cpu_prefill_attention.h", "cpu_forward.h"))
+                                                 "cpu_linear_fma.h", "cpu_prefill_attention.h", "cpu_forward.h",
+                                                 "cpu_sampling.h"))
 SOURCES = UNITS + HEADERS
-ABI_VERSION = 8
+ABI_VERSION = 9
 CFLAGS = ["-O3", "-fPIC", "-fopenmp", "-ffp-contract=off", "-std=c11"]
 NATIVE = "-march=native"  # this CPU's full instruction set (AVX-512 where it has it)
 DISABLE_ENV = "SPARK_NATIVE_KERNELS"
@@ -205,6 +206,9 @@ class CpuKernels:
         self._argmax_rows = lib.argmax_rows
         self._argmax_rows.argtypes = [_P, _I64, _I64, _P]
         self._argmax_rows.restype = None
+        self._sample_rows = lib.sample_rows
+        self._sample_rows.argtypes = [_P, _I64, _I64, _P, _P, _P, _P, _P, _P]
+        self._sample_rows.restype = None
         self._apply_token_bitmask = lib.apply_token_bitmask
         self._apply_token_bitmask.argtypes = [_P, _I64, _P, _I64, _P, _I64]
         self._apply_token_bitmask.restype = None
@@ -326,6 +330,26 @@ class CpuKernels:
         logits = logits.contiguous()
         out = torch.empty(logits.shape[0], dtype=torch.int64)
         self._argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
+        return out
+
+    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """One token per row of fp32 logits [S, V], drawn as engine/sampler.py's torch path defines it
+        (cpu_sampling.h): per-row temperature, top_k (0: off), top_p (1: off), min_p (0: off) as fp32 / int64
+        vectors [S], and u [S] uniforms in [0, 1) from the rows' own generators."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[1] == 0:
+            raise ValueError("sample takes fp32 logits [rows, vocab > 0]")
+        rows = logits.shape[0]
+        logits = logits.contiguous()
+        args = [t.to(dtype).contiguous() for t, dtype in ((temperature, torch.float32), (top_k, torch.int64),
+                                                          (top_p, torch.float32), (min_p, torch.float32),
+                                                          (u, torch.float32))]
+        if any(a.shape != (rows,) for a in args):
+            raise ValueError("sample's per-row parameters are vectors of one entry a row")
+        out = torch.empty(rows, dtype=torch.int64)
+        self._sample_rows(logits.data_ptr(), rows, logits.shape[1], *(a.data_ptr() for a in args), out.data_ptr())
+        if rows and int(out.min()) < 0:
+            raise MemoryError("sampling scratch could not be allocated")
         return out
 
     def decode_attention(self, qkv: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -244,6 +244,8 @@ void argmax_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *out)
     }
 }
 
+#include "cpu_sampling.h"
+
 /* Structured output: for each listed row, every token whose bit is 0 in that row's mask becomes -inf
    (tokens past the mask's width too). mask: n rows of `words` 32-bit words, bit t of word w = token 32w+t. */
 void apply_token_bitmask(float *logits, int64_t vocab, const int32_t *mask, int64_t words, const int64_t *rows,
@@ -263,6 +265,6 @@ void apply_token_bitmask(float *logits, int64_t vocab, const int32_t *mask, int6
     }
 }
 
-int spark_kernels_abi_version(void) { return 8; }
+int spark_kernels_abi_version(void) { return 9; }
 int spark_kernels_max_head_dim(void) { return MAX_HEAD_DIM; }
 int spark_kernels_max_group(void) { return MAX_GROUP; }
