@@ -63,6 +63,10 @@ class Sequence:
         self.first_scheduled: float | None = None
         self.last_token_time: float | None = None
         self.num_emitted_tokens = 0
+        # the distinct ids seen so far (repetition penalty), brought up to date on demand
+        self._seen: set[int] = set()
+        self._seen_upto = 0
+        self._seen_ids: torch.Tensor | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -86,6 +90,23 @@ class Sequence:
             self.wait_for = None
             return False
         return True
+
+    def seen_token_ids(self) -> torch.Tensor:
+        """The distinct token ids of prompt and output so far, in first-seen order (the repetition penalty's
+        set): only the tokens added since the last call are looked at, so a long prompt is walked once."""
+        n = len(self.token_ids)
+        if n < self._seen_upto:  # the list was cut back: start again
+            self._seen, self._seen_upto, self._seen_ids = set(), 0, None
+        fresh: list[int] = []
+        for t in self.token_ids[self._seen_upto:]:
+            if t not in self._seen:
+                self._seen.add(t)
+                fresh.append(t)
+        self._seen_upto = n
+        if fresh or self._seen_ids is None:
+            added = torch.tensor(fresh, dtype=torch.long)
+            self._seen_ids = added if self._seen_ids is None else torch.cat([self._seen_ids, added])
+        return self._seen_ids
 
     def mark_scheduled(self) -> None:
         if self.first_scheduled is None:

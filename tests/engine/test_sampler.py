@@ -147,3 +147,19 @@ def test_logprobs_are_log_softmax_of_the_model_logits():
     assert math.isclose(entry.logprob, float(expected[0]), rel_tol=1e-5)
     assert [t for t, _ in entry.top] == [0, 1, 2]
     assert all(math.isclose(lp, float(expected[t]), rel_tol=1e-5) for t, lp in entry.top)
+
+
+def test_penalties_follow_tokens_added_between_steps_row_by_row():
+    """The seen set each sequence keeps grows with its tokens; each row gets its own penalty."""
+    strong = make_seq(prompt=(5, 5, 6), temperature=0.0, repetition_penalty=2.0)
+    mild = make_seq(prompt=(0, 0), temperature=0.0, repetition_penalty=1.1)
+    free = make_seq(prompt=(0,), temperature=0.0)
+    both = torch.tensor([BASE, BASE, BASE], dtype=torch.float32)
+    assert sample(both.clone(), [strong, mild, free], [EOS]) == [0, 0, 0]  # 4 / 1.1 > 3
+    strong.token_ids.append(0)
+    mild.token_ids.append(1)
+    assert sample(both.clone(), [strong, mild, free], [EOS]) == [1, 0, 0]  # 4 / 2 < 3
+    counted = make_seq(outputs=(1, 0, 1), temperature=0.0, frequency_penalty=0.6, presence_penalty=0.5)
+    out = both[:1].clone()
+    sample(out, [counted], [EOS])
+    assert torch.allclose(out[0, :3], torch.tensor([4.0 - 1.1, 3.0 - 1.7, 2.0]))
