@@ -170,6 +170,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(model_dir)
         self._argmax = self.model.kernels.argmax if self.model.kernels is not None else None  # greedy picks
         self._draw = self.model.kernels.sample if self.model.kernels is not None else None  # random draws
+        self.runner.greedy_eos_token_ids = self.eos_token_ids  # plain-argmax steps may pick in the model
         self._grammars: GrammarCompiler | None = None  # structured output, made at its first use
         self._masks: MaskApplier | None = None
         self._grammars_lock = threading.Lock()
@@ -348,8 +349,11 @@ class LLMEngine:
             masks = self._prepare_masks(batch)  # filled while the forward runs
             with torch.inference_mode():
                 logits, samplers, prompt_logits = self.runner.run(batch)
-                tokens = (sample(logits, samplers, self.eos_token_ids, masks, self._argmax, self._draw)
-                          if samplers else [])
+                if logits.dtype == torch.int64:  # the greedy head picked every row already
+                    tokens = logits.tolist()
+                else:
+                    tokens = (sample(logits, samplers, self.eos_token_ids, masks, self._argmax, self._draw)
+                              if samplers else [])
                 for chunk in prompt_logits:
                     record_prompt_logprobs(chunk)
             for seq in batch.decodes:

@@ -9,6 +9,7 @@ import torch
 from engine.attention import AttentionMetadata, PagedKVCache, PrefillSpan
 from engine.lora import LoraManager
 from engine.models.llama import LlamaForCausalLM
+from engine.sampler import banned_ids, takes_plain_argmax
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -29,6 +30,8 @@ class ModelRunner:
         self.cache = cache
         self.block_size = cache.block_size
         self.device = model.device
+        # the EOS ids greedy rows may not pick under ignore_eos / min_tokens; None: never pick in the model
+        self.greedy_eos_token_ids: list[int] | None = None
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -36,7 +39,11 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence], list[PromptLogits]]:
         """Runs one step; returns logits [S, vocab] of the S sequences that sample a token now, those
-        sequences, and the logits of prompt positions whose logprobs were asked for (prompt_logprobs)."""
+        sequences, and the logits of prompt positions whose logprobs were asked for (prompt_logprobs).
+        Once the engine has set greedy_eos_token_ids, a step whose every sampling row is a plain argmax
+        (sampler.takes_plain_argmax) may come back already picked: int64 token ids [S] instead of logits
+        (the model's greedy head)."""
+        eos_token_ids = self.greedy_eos_token_ids
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -127,6 +134,10 @@ class ModelRunner:
             prefill_spans=prefill_spans,
             prefill_block_tables=prefill_block_tables,
         )
+        greedy_bans = None
+        if (eos_token_ids is not None and not wanted and samplers and getattr(self.model, "greedy_head", None)
+                and all(takes_plain_argmax(seq) for seq in samplers)):
+            greedy_bans = [banned_ids(seq, eos_token_ids) for seq in samplers]
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
@@ -134,6 +145,7 @@ class ModelRunner:
             self.cache,
             torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=self.device),
             self.lora_manager.batch(token_slots) if self.lora_manager is not None else None,
+            **({"greedy_bans": greedy_bans} if greedy_bans is not None else {}),
         ).cpu()
         extra, offset = [], len(logits_rows)
         for seq, start, count, _ in wanted:

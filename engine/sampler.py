@@ -54,19 +54,34 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         flat[keys] -= freq * counts.to(logits.dtype) + pres
 
 
+def banned_ids(seq: Sequence, eos_token_ids: list[int]) -> list[int]:
+    """The ids a row may not pick this step: its banned ids, its stop ids and EOS until min_tokens, and EOS
+    under ignore_eos."""
+    p = seq.params
+    banned = list(p.banned_token_ids)
+    if seq.num_output_tokens < p.min_tokens:
+        banned += list(p.stop_token_ids)
+        if not p.ignore_eos:
+            banned += eos_token_ids
+    if p.ignore_eos:
+        banned += eos_token_ids
+    return banned
+
+
+def takes_plain_argmax(seq: Sequence) -> bool:
+    """Whether the row's token is the argmax of its model logits with only banned_ids left out (no penalty,
+    logprob, allow-list or grammar reads the logits): the greedy head can pick it."""
+    p = seq.params
+    return (p.is_greedy and not p.logprobs and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and not p.allowed_token_ids and getattr(seq, "matcher", None) is None)
+
+
 def apply_bans(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
     # every row's banned ids in one indexed write (one small write per row cost ~10 us a row, a step)
     ban_rows: list[int] = []
     ban_ids: list[int] = []
     for row, seq in enumerate(seqs):
-        p = seq.params
-        banned = list(p.banned_token_ids)
-        if seq.num_output_tokens < p.min_tokens:
-            banned += list(p.stop_token_ids)
-            if not p.ignore_eos:
-                banned += eos_token_ids
-        if p.ignore_eos:
-            banned += eos_token_ids
+        banned = banned_ids(seq, eos_token_ids)
         ban_rows += [row] * len(banned)
         ban_ids += banned
     if ban_ids:

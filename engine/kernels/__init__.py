@@ -37,7 +37,7 @@ KERNELS_DIR = Path(__file__).parent
 UNITS = (KERNELS_DIR / "cpu_kernels.c", KERNELS_DIR / "cpu_linear.c")
 HEADERS = tuple(KERNELS_DIR / name for name in ("cpu_common.h", "cpu_kernels_impl.h", "cpu_linear.h",
                                                  "cpu_linear_fma.h", "cpu_prefill_attention.h", "cpu_forward.h",
-                                                 "cpu_sampling.h"))
+                                                 "cpu_sampling.h", "cpu_greedy_head.h"))
 SOURCES = UNITS + HEADERS
 ABI_VERSION = 9
 CFLAGS = ["-O3", "-fPIC", "-fopenmp", "-ffp-contract=off", "-std=c11"]
@@ -206,6 +206,14 @@ class CpuKernels:
         self._argmax_rows = lib.argmax_rows
         self._argmax_rows.argtypes = [_P, _I64, _I64, _P]
         self._argmax_rows.restype = None
+        # exact greedy picks through int8 logits and a bound (cpu_greedy_head.h; AVX512-VNNI builds only)
+        self.greedy_head_fast = bool(lib.spark_greedy_head_fast())
+        self._greedy_head_bounds = lib.spark_greedy_head_bounds
+        self._greedy_head_bounds.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _INT]
+        self._greedy_head_bounds.restype = _INT
+        self._greedy_candidates = lib.spark_greedy_candidates
+        self._greedy_candidates.argtypes = [_P, _P, _I64, _I64, _I64, _P, _P]
+        self._greedy_candidates.restype = None
         self._sample_rows = lib.sample_rows
         self._sample_rows.argtypes = [_P, _I64, _I64, _P, _P, _P, _P, _P, _P]
         self._sample_rows.restype = None
@@ -351,6 +359,24 @@ class CpuKernels:
         if rows and int(out.min()) < 0:
             raise MemoryError("sampling scratch could not be allocated")
         return out
+
+    def greedy_head_bounds(self, x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, n: int,
+                           hi: torch.Tensor, lo: torch.Tensor) -> bool:
+        """hi, lo [S, n] fp32 = int8 logits of x [S, K] (bf16) +- their proven error bound, over a head
+        repacked by engine/models/greedy_head.py; False where this build or the shapes cannot."""
+        if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+            return False
+        return self._greedy_head_bounds(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), codes.data_ptr(),
+                                        meta.data_ptr(), n, hi.data_ptr(), lo.data_ptr(), self.num_threads) == 0
+
+    def greedy_candidates(self, hi: torch.Tensor, lo: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the ids whose hi reaches the row's largest lo (ascending, at most cap: idx [S, cap]) and
+        how many (count [S]; -1: more than cap)."""
+        rows, n = hi.shape
+        idx = torch.empty(rows, cap, dtype=torch.int64)
+        count = torch.empty(rows, dtype=torch.int64)
+        self._greedy_candidates(hi.data_ptr(), lo.data_ptr(), rows, n, cap, idx.data_ptr(), count.data_ptr())
+        return idx, count
 
     def decode_attention(self, qkv: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
                          context_lens: torch.Tensor, block_size: int, batch: int, num_heads: int, num_kv_heads: int,

@@ -4,3 +4,5 @@
 #include "cpu_common.h"
 
 #include "cpu_linear.h"
+
+#include "cpu_greedy_head.h"

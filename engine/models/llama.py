@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, PagedKVCache, paged_attention, prefill_attention
 from engine.kernels import CpuKernels, ForwardStep, LayerDesc, LinearDesc, load_cpu_kernels
+from engine.models.greedy_head import GreedyHead
 from engine.models.linear import Linear, PackedLinear, ReferenceLinear
 from engine.models.weights import LinearBuilder
 from engine.quant.formats import QuantizedWeight
@@ -73,6 +74,7 @@ class LlamaForCausalLM:
             if kernels is not None and kernels.supports(dtype, self.head_dim, self.num_heads // self.num_kv_heads):
                 kernels.num_threads = torch.get_num_threads()  # the engine has set its thread count by now
                 self.kernels = kernels
+        self._greedy_bans: list[list[int]] | None = None  # set by forward for its one call
         self.builder = LinearBuilder(quantization, dtype, device, self.kernels, stored, reference, linear_activations,
                                      hessians)
 
@@ -85,6 +87,9 @@ class LlamaForCausalLM:
         inner = hf_model.model
         self.embed = w(inner.embed_tokens.weight)
         self.lm_head = self.builder.build(["lm_head.weight"], [hf_model.lm_head.weight], None)
+        # greedy rows' picks through int8 logits and a bound (int8 heads on VNNI CPUs; None elsewhere)
+        self.greedy_head = (GreedyHead.build(self.lm_head.quantized, self.kernels)
+                            if isinstance(self.lm_head, PackedLinear) and self.lm_head.takes(1) else None)
         self.final_norm = w(inner.norm.weight)
         self.layers: list[_LayerWeights] = []
         for i, layer in enumerate(inner.layers):
@@ -184,11 +189,18 @@ class LlamaForCausalLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                cache: PagedKVCache, logits_indices: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
-        """input_ids/positions [T]; returns fp32 logits [len(logits_indices), vocab]."""
-        if self.kernels is not None:
-            return self._forward_fused(input_ids, positions, meta, cache, logits_indices, lora)
-        return self._forward_torch(input_ids, positions, meta, cache, logits_indices, lora)
+                cache: PagedKVCache, logits_indices: torch.Tensor, lora: LoraBatch | None = None,
+                greedy_bans: list[list[int]] | None = None) -> torch.Tensor:
+        """input_ids/positions [T]; returns fp32 logits [len(logits_indices), vocab]. With greedy_bans (one
+        list of banned ids per logits row, every row a plain argmax) and a greedy head that takes the step,
+        returns the rows' greedy token ids instead: int64 [len(logits_indices)]."""
+        self._greedy_bans = greedy_bans if self.greedy_head is not None else None
+        try:
+            if self.kernels is not None:
+                return self._forward_fused(input_ids, positions, meta, cache, logits_indices, lora)
+            return self._forward_torch(input_ids, positions, meta, cache, logits_indices, lora)
+        finally:
+            self._greedy_bans = None
 
     def _project(self, lora: LoraBatch | None, layer: int, group: str, linear: Linear, x: torch.Tensor) -> torch.Tensor:
         return linear(x) if lora is None else lora.project(layer, group, x)
@@ -243,6 +255,10 @@ class LlamaForCausalLM:
             x, down = x[logits_indices], down[logits_indices]
         h = torch.empty_like(x)
         self.kernels.add_rms_norm(x, down, self.final_norm, h, self.eps)
+        if self._greedy_bans is not None and self.greedy_head is not None and len(self._greedy_bans) == h.shape[0]:
+            picks = self.greedy_head.pick(h, self._greedy_bans)
+            if picks is not None:
+                return picks
         return self._logits(h)
 
     def _layers_in_one_call(self, descs: ctypes.Array, x: torch.Tensor, h: torch.Tensor, attn: torch.Tensor,

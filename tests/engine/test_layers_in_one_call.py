@@ -53,6 +53,7 @@ class _BothPaths:
 
         monkeypatch.setattr(self.model.kernels, "forward_layers", forward_layers)
         monkeypatch.setattr(self.model, "forward", both)
+        monkeypatch.setattr(self.model, "greedy_head", None)  # both loops' logits, not greedy picks
 
 
 def _staggered(engine: LLMEngine, prefix: str) -> None:

@@ -1,0 +1,162 @@
+/* Exact greedy picks through a cheap head: int8 logits with a proven error bound, then the few tokens the
+ * bound cannot rule out recomputed exactly (engine/models/greedy_head.py).
+ *
+ * A greedy row needs only its largest logit. For an int8 head (GGUF Q8_0: w = d q per block of 32 inputs)
+ * each row of x is quantized per block too, s = max|x| / 127, q_x = round(x / s), and the int8 x int8 dot
+ * products run on AVX512-VNNI (vpdpbusd: 64 multiply-adds an instruction, four times the fp32 FMA path's).
+ * Rounding moves each input by at most s / 2, so for every token n
+ *     |approx_n - exact_n| <= sum_blocks (s_b / 2) * sum_k |w_nk| = sum_blocks max|x_b| / 254 * A_nb,
+ * with A_nb = d_nb * sum_k |q_nk| stored beside the codes. Any fp32 evaluation of exact_n (this kernel's own
+ * sums too) adds under 1e-4 of sum_b max|x_b| A_nb, so the bound is taken as (1/254 + 1e-4) of that. A token
+ * whose approx + bound is below some token's approx - bound can be the maximum of no fp32 evaluation: only
+ * the rest (usually a handful) need the exact logits.
+ *
+ * Layout (repacked once at load): per tile of 16 tokens and block b of 32 inputs, 8 quad-rows of 64 bytes
+ * (token i's inputs 4j .. 4j + 3 at bytes 4i .. 4i + 3 of quad-row j: one 32-bit lane of vpdpbusd each), and
+ * per tile, block: d[16] (fp32), 128 x sum_k q (int32: vpdpbusd takes x as unsigned, q_x + 128), A[16].
+ */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define GREEDY_HEAD_FAST 1
+#define GH_ROWS 8 /* rows of x a pass over a tile's codes: 8 int32 + 8 fp32 + 8 bound accumulators */
+
+/* Row r of x (bf16, K inputs) quantized per block of 32: xq (K bytes, q + 128), scale[b], amax[b]. */
+static void greedy_head_quantize_row(const uint16_t *xr, int64_t K, uint8_t *xq, float *scale, float *amax) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        const __m512 v0 = load16_bf16(xr + b * 32), v1 = load16_bf16(xr + b * 32 + 16);
+        const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float s = a / 127.f, inv = a > 0.f ? 127.f / a : 0.f;
+        const __m512 iv = _mm512_set1_ps(inv), lim = _mm512_set1_ps(127.f), neg = _mm512_set1_ps(-127.f);
+        const __m512i off = _mm512_set1_epi32(128);
+        const __m512i q0 = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v0, iv), neg), lim)), off);
+        const __m512i q1 = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v1, iv), neg), lim)), off);
+        _mm_storeu_si128((__m128i *)(xq + b * 32), _mm512_cvtusepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(xq + b * 32 + 16), _mm512_cvtusepi32_epi8(q1));
+        scale[b] = s;
+        amax[b] = a;
+    }
+}
+
+/* Rows [r0, r0 + RB) against one tile: approx +- bound into hi and lo. */
+static inline __attribute__((always_inline)) void greedy_head_tile_rows(
+    const int RB, const uint8_t *xq, const float *scale, const float *amax, int64_t r0, int64_t K,
+    const int8_t *codes, const float *meta, int64_t n0, int64_t N, float *hi, float *lo) {
+    const int64_t blocks = K / 32;
+    __m512 acc[GH_ROWS], bnd[GH_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; r++) acc[r] = bnd[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const int8_t *cb = codes + b * 8 * 64;
+        const float *mb = meta + b * 48;
+        __m512i dot[GH_ROWS];
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; r++) dot[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            const __m512i w = _mm512_loadu_si512(cb + j * 64);
+#pragma GCC unroll 8
+            for (int r = 0; r < RB; r++) {
+                int32_t quad;
+                memcpy(&quad, xq + (r0 + r) * K + b * 32 + 4 * j, sizeof quad);
+                dot[r] = _mm512_dpbusd_epi32(dot[r], _mm512_set1_epi32(quad), w);
+            }
+        }
+        const __m512 d = _mm512_loadu_ps(mb);
+        const __m512i corr = _mm512_loadu_si512(mb + 16);
+        const __m512 l1 = _mm512_loadu_ps(mb + 32);
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; r++) {
+            const int64_t rb = (r0 + r) * blocks + b;
+            const __m512 exact_int = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r], corr));
+            acc[r] = _mm512_fmadd_ps(exact_int, _mm512_mul_ps(d, _mm512_set1_ps(scale[rb])), acc[r]);
+            bnd[r] = _mm512_fmadd_ps(l1, _mm512_set1_ps(amax[rb]), bnd[r]);
+        }
+    }
+    const int64_t live = N - n0 < 16 ? N - n0 : 16;
+    const __mmask16 mask = live == 16 ? (__mmask16)0xffff : (__mmask16)((1u << live) - 1);
+    const __m512 c = _mm512_set1_ps(1.f / 254.f + 1e-4f);
+#pragma GCC unroll 8
+    for (int r = 0; r < RB; r++) {
+        const __m512 e = _mm512_mul_ps(bnd[r], c);
+        _mm512_mask_storeu_ps(hi + (r0 + r) * N + n0, mask, _mm512_add_ps(acc[r], e));
+        _mm512_mask_storeu_ps(lo + (r0 + r) * N + n0, mask, _mm512_sub_ps(acc[r], e));
+    }
+}
+#endif
+
+int spark_greedy_head_fast(void) {
+#if defined(GREEDY_HEAD_FAST)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* hi, lo [M, N] = the approximate logits of x [M, K] (bf16, row stride ldx) plus and minus their bound.
+ * codes, meta: the repacked head (see the header). Returns 0, or -1 where this build has no VNNI path or
+ * scratch could not be had. */
+int spark_greedy_head_bounds(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const int8_t *codes,
+                             const float *meta, int64_t N, float *hi, float *lo, int num_threads) {
+#if defined(GREEDY_HEAD_FAST)
+    if (M <= 0 || N <= 0) return 0;
+    if (K % 32) return -1;
+    const int64_t blocks = K / 32, tiles = (N + 15) / 16;
+    uint8_t *xq = malloc((size_t)(M * K));
+    float *scale = malloc((size_t)(M * blocks) * sizeof(float)), *amax = malloc((size_t)(M * blocks) * sizeof(float));
+    if (!xq || !scale || !amax) {
+        free(xq), free(scale), free(amax);
+        return -1;
+    }
+    for (int64_t r = 0; r < M; r++)
+        greedy_head_quantize_row(x + r * ldx, K, xq + r * K, scale + r * blocks, amax + r * blocks);
+#pragma omp parallel for num_threads(num_threads) schedule(guided)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int8_t *ct = codes + t * blocks * 8 * 64;
+        const float *mt = meta + t * blocks * 48;
+        int64_t r = 0;
+        for (; r + GH_ROWS <= M; r += GH_ROWS)
+            greedy_head_tile_rows(GH_ROWS, xq, scale, amax, r, K, ct, mt, t * 16, N, hi, lo);
+        switch (M - r) {
+#define GH_TAIL(n) case n: greedy_head_tile_rows(n, xq, scale, amax, r, K, ct, mt, t * 16, N, hi, lo); break;
+            GH_TAIL(7) GH_TAIL(6) GH_TAIL(5) GH_TAIL(4) GH_TAIL(3) GH_TAIL(2) GH_TAIL(1)
+#undef GH_TAIL
+        default: break;
+        }
+    }
+    free(xq), free(scale), free(amax);
+    return 0;
+#else
+    (void)x, (void)M, (void)K, (void)ldx, (void)codes, (void)meta, (void)N, (void)hi, (void)lo, (void)num_threads;
+    return -1;
+#endif
+}
+
+/* Per row: L = the largest lo; the tokens whose hi reaches L (ascending), at most cap of them, into
+ * idx [rows, cap]; count[r] = how many, or -1 when more than cap could not be ruled out. */
+void spark_greedy_candidates(const float *hi, const float *lo, int64_t rows, int64_t N, int64_t cap, int64_t *idx,
+                             int64_t *count) {
+#pragma omp parallel for schedule(static) if (rows >= 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *h = hi + r * N, *l = lo + r * N;
+        float best = -INFINITY;
+#pragma omp simd reduction(max : best)
+        for (int64_t i = 0; i < N; i++) best = l[i] > best ? l[i] : best;
+        int64_t n = 0;
+        for (int64_t c = 0; c < N && n >= 0; c += 256) {
+            const int64_t end = c + 256 < N ? c + 256 : N;
+            int any = 0;
+#pragma omp simd reduction(| : any)
+            for (int64_t i = c; i < end; i++) any |= h[i] >= best;
+            if (!any) continue;
+            for (int64_t i = c; i < end; i++)
+                if (h[i] >= best) {
+                    if (n == cap) {
+                        n = -1;
+                        break;
+                    }
+                    idx[r * cap + n++] = i;
+                }
+        }
+        count[r] = n;
+    }
+}

@@ -1,0 +1,84 @@
+"""Greedy picks without the full head: int8 logits with a proven bound, then the few tokens the bound cannot
+rule out computed exactly (engine/kernels/cpu_greedy_head.h has the arithmetic and the proof).
+
+At 32 decode rows the head (49,152 x 576) is ~10% of a step on the FMA path; greedy rows need only their
+largest logit. The kernel's int8 x int8 logits cost a quarter of the arithmetic; every token whose bound
+reaches the best lower bound is then recomputed in fp32 from its dequantized weights (the reference's own
+definition: dequantize, then multiply), and the row's token is the first maximum among those. A token left
+out cannot be the largest logit of any fp32 evaluation, so the pick is the reference's argmax; only exact
+ties inside fp32 rounding can fall either way, as they already do between the kernels' paths.
+
+Built only for an int8 head (GGUF Q8_0, ``--quantization int8``) on a CPU with AVX512-VNNI; elsewhere, or
+when a row's candidates overflow, the full head runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels import CpuKernels
+from engine.quant.formats import QuantizedWeight
+
+TILE = 16
+BLOCK = 32
+CANDIDATES_CAP = 256  # per row; more (a nearly flat row) and the step takes the full head
+
+
+class GreedyHead:
+    def __init__(self, quantized: QuantizedWeight, kernels: CpuKernels) -> None:
+        codes, scales = quantized.codes, quantized.scales.float()
+        n, k = codes.shape
+        self.kernels = kernels
+        self.quantized = quantized
+        self.out_features = n
+        blocks = k // BLOCK
+        tiles = -(-n // TILE)
+        padded = torch.zeros(tiles * TILE, k, dtype=torch.int8)
+        padded[:n] = codes
+        # per token and block of 32: d (the group's scale), sum of codes, sum of |codes|
+        d = scales.repeat_interleave(quantized.group // BLOCK, dim=1) if quantized.group >= BLOCK else None
+        assert d is not None and d.shape == (n, blocks)
+        blocked = codes.view(n, blocks, BLOCK).to(torch.int32)
+        meta = torch.zeros(tiles * TILE, blocks, 3, dtype=torch.float32)
+        meta[:n, :, 0] = d
+        meta[:n, :, 1] = (128 * blocked.sum(-1)).to(torch.int32).view(torch.float32)  # int32 bits
+        meta[:n, :, 2] = d * blocked.abs().sum(-1).float()
+        # codes: [tile, block, quad j, token i, 4 inputs]; meta: [tile, block, (d | 128 sum q | A), 16]
+        self.codes = (padded.view(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous())
+        self.meta = meta.view(tiles, TILE, blocks, 3).permute(0, 2, 3, 1).contiguous()
+        self._hi = self._lo = torch.empty(0, n)
+
+    @classmethod
+    def build(cls, quantized: QuantizedWeight | None, kernels: CpuKernels | None) -> GreedyHead | None:
+        """The greedy head for an int8 lm_head on a CPU whose kernels have the VNNI path; else None."""
+        if (kernels is None or not kernels.greedy_head_fast or quantized is None or quantized.kind != "i8"
+                or quantized.codes.shape[1] % BLOCK or quantized.group % BLOCK):
+            return None
+        return cls(quantized, kernels)
+
+    def pick(self, h: torch.Tensor, banned: list[list[int]]) -> torch.Tensor | None:
+        """The greedy token of each row of h [S, hidden] (bf16, after the final norm), banned ids left out;
+        None when the kernel cannot take it or some row's candidates overflow (then run the full head)."""
+        rows = h.shape[0]
+        if self._hi.shape[0] < rows:  # kept between steps: fresh pages each step cost ~1 ms at 32 rows
+            self._hi = torch.empty(rows, self.out_features, dtype=torch.float32)
+            self._lo = torch.empty_like(self._hi)
+        hi, lo = self._hi[:rows], self._lo[:rows]
+        if not self.kernels.greedy_head_bounds(h, self.codes, self.meta, self.out_features, hi, lo):
+            return None
+        ban_rows = [r for r, ids in enumerate(banned) for _ in ids]
+        if ban_rows:
+            ban_ids = torch.tensor([t for ids in banned for t in ids], dtype=torch.long)
+            hi[ban_rows, ban_ids] = float("-inf")
+            lo[ban_rows, ban_ids] = float("-inf")
+        idx, count = self.kernels.greedy_candidates(hi, lo, CANDIDATES_CAP)
+        if rows and int(count.min()) <= 0:
+            return None
+        width = int(count.max())
+        live = torch.arange(width)[None, :] < count[:, None]  # [rows, width]: the rows' candidates, ascending
+        ids = idx[:, :width][live]
+        owner = torch.arange(rows)[:, None].expand(rows, width)[live]
+        exact = torch.full((rows, width), float("-inf"))
+        exact[live] = (h[owner].float() * self.quantized.rows(ids)).sum(-1)  # fp32, from the dequantized weights
+        # the first maximum among ascending candidates: torch.argmax's tie rule over the whole row
+        return idx[:, :width].gather(1, exact.argmax(-1, keepdim=True)).flatten()

@@ -1,0 +1,82 @@
+"""The greedy head (engine/models/greedy_head.py, cpu_greedy_head.h): its bound holds, and its picks are the
+full head's argmax, on random heads and through the real model's greedy generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.kernels import load_cpu_kernels
+from engine.llm_engine import LLMEngine
+from engine.models.greedy_head import GreedyHead
+from engine.quant.formats import QuantizedWeight
+from engine.request import GenerationRequest, TokensPrompt
+from engine.sampling_params import SamplingParams
+
+kernels = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None or not kernels.greedy_head_fast,
+                                reason="no AVX512-VNNI build of the fused kernels here")
+
+
+def _random_head(n: int, k: int, group: int, gen: torch.Generator) -> QuantizedWeight:
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=gen) * 0.01 + 1e-4
+    return QuantizedWeight("i8", codes, scales, None, group, "test")
+
+
+@pytest.mark.parametrize("n, group, rows", [(1037, 32, 5), (2048, 32, 17), (515, 96, 8), (300, 576, 3)])
+def test_bound_holds_and_picks_equal_the_fp32_argmax(n: int, group: int, rows: int) -> None:
+    gen = torch.Generator().manual_seed(n + rows)
+    k = 576
+    head = GreedyHead(_random_head(n, k, group, gen), kernels)
+    h = torch.randn(rows, k, generator=gen)
+    h[0, 7] = 60.0  # a massive activation: its block's other inputs round coarsely
+    h[-1, 100:132] = 0.0  # an all-zero block
+    h = h.to(torch.bfloat16)
+    exact = h.float() @ head.quantized.dequantize().float().T
+    hi, lo = torch.empty(rows, n), torch.empty(rows, n)
+    assert kernels.greedy_head_bounds(h, head.codes, head.meta, n, hi, lo)
+    assert bool((lo <= exact).all()) and bool((exact <= hi).all())
+    assert float((hi - lo).max()) < float(exact.abs().max())  # a bound, not a blanket
+    banned = [[int(exact[r].argmax())] if r % 2 else [] for r in range(rows)]
+    want = exact.clone()
+    for r, ids in enumerate(banned):
+        want[r, ids] = float("-inf")
+    assert head.pick(h, banned).tolist() == want.argmax(-1).tolist()
+
+
+def _generate(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(GenerationRequest(f"g{i}", TokensPrompt(prompt),
+                                             SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)))
+    out: dict[str, list[int]] = {f"g{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[f"g{i}"] for i in range(len(prompts))]
+
+
+def test_greedy_generation_equals_the_full_head() -> None:
+    # no prefix cache: the second run must compute its prompts exactly as the first did
+    engine = LLMEngine(EngineConfig(enable_prefix_caching=False))
+    model = engine.runner.model
+    if model.greedy_head is None:
+        pytest.skip("the model's head is not int8 here")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(100, 40000, (n,), generator=gen).tolist()
+               for n in (12, 40, 75, 9, 130, 33, 60, 21, 48, 90, 15, 27, 66, 52, 38, 44, 81, 19, 25, 57)]
+    picked = []
+    pick = model.greedy_head.pick
+
+    def counting(h, banned):
+        out = pick(h, banned)
+        picked.append(out is not None)
+        return out
+
+    model.greedy_head.pick = counting
+    fast = _generate(engine, prompts, 24)
+    assert sum(picked) >= 20  # the head took the decode steps (20 rows a step: a 16-row block and 4 more)
+    model.greedy_head = None
+    full = _generate(engine, prompts, 24)
+    assert fast == full
