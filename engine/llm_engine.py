@@ -189,7 +189,7 @@ class LLMEngine:
         logger.info("engine ready in %.1fs: %s on %s/%s, %d KV blocks of %d tokens, fused CPU kernels %s",
                     time.monotonic() - started, name, self.device, self.model_info.dtype, num_blocks,
                     config.block_size, "on" if self.model.kernels is not None else "off")
-        if getattr(self.model, "greedy_head", None) is not None:
+        if self.model.greedy_head is not None:
             logger.info("greedy steps pick through the int8 head's bounded logits (AVX512-VNNI), the few "
                         "candidates recomputed in fp32")
 

@@ -135,7 +135,7 @@ class ModelRunner:
             prefill_block_tables=prefill_block_tables,
         )
         greedy_bans = None
-        if (eos_token_ids is not None and not wanted and samplers and getattr(self.model, "greedy_head", None)
+        if (eos_token_ids is not None and not wanted and samplers and self.model.greedy_head is not None
                 and all(takes_plain_argmax(seq) for seq in samplers)):
             greedy_bans = [banned_ids(seq, eos_token_ids) for seq in samplers]
         logits = self.model.forward(
@@ -145,7 +145,7 @@ class ModelRunner:
             self.cache,
             torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=self.device),
             self.lora_manager.batch(token_slots) if self.lora_manager is not None else None,
-            **({"greedy_bans": greedy_bans} if greedy_bans is not None else {}),
+            greedy_bans=greedy_bans,
         ).cpu()
         extra, offset = [], len(logits_rows)
         for seq, start, count, _ in wanted:

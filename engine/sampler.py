@@ -73,7 +73,7 @@ def takes_plain_argmax(seq: Sequence) -> bool:
     logprob, allow-list or grammar reads the logits): the greedy head can pick it."""
     p = seq.params
     return (p.is_greedy and not p.logprobs and p.repetition_penalty == 1.0 and not p.presence_penalty
-            and not p.frequency_penalty and not p.allowed_token_ids and getattr(seq, "matcher", None) is None)
+            and not p.frequency_penalty and not p.allowed_token_ids and seq.matcher is None)
 
 
 def apply_bans(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
@@ -192,9 +192,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
         asking = [row for row, seq in enumerate(seqs) if seq.params.logprobs]
         picked_lp = raw_logprobs[asking, [tokens[row] for row in asking]].tolist()
         width = max(seqs[row].params.top_logprobs for row in asking)
-        top_vals, top_ids = raw_logprobs[asking].topk(width, dim=-1) if width else (None, None)
-        top_vals = top_vals.tolist() if width else None
-        top_ids = top_ids.tolist() if width else None
+        top_vals: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        if width:
+            vals, ids = raw_logprobs[asking].topk(width, dim=-1)
+            top_vals, top_ids = vals.tolist(), ids.tolist()
         for j, row in enumerate(asking):
             seq = seqs[row]
             entry = TokenLogprob(token_id=tokens[row], logprob=picked_lp[j])

@@ -102,20 +102,8 @@ static int64_t draw_index(const float *w, int64_t n, double target) {
     return last_live < 0 ? 0 : last_live;
 }
 
-/* Sum of w [n]: fp32 within a chunk, double across chunks (as draw_index adds them). */
-static double weight_total(const float *w, int64_t n) {
-    double total = 0.;
-    for (int64_t c = 0; c < n; c += SAMPLE_CHUNK) {
-        const int64_t end = c + SAMPLE_CHUNK < n ? c + SAMPLE_CHUNK : n;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t i = c; i < end; i++) s += w[i];
-        total += s;
-    }
-    return total;
-}
-
-/* Weight of every entry above theta (0 below): how much of the row the candidates would hold. */
+/* Weight of every entry at or above theta: how much of the row the candidates would hold. fp32 within a
+ * chunk, double across chunks (as draw_index adds them). */
 static double mass_at_least(const float *w, int64_t n, float theta) {
     double total = 0.;
     for (int64_t c = 0; c < n; c += SAMPLE_CHUNK) {
@@ -127,6 +115,9 @@ static double mass_at_least(const float *w, int64_t n, float theta) {
     }
     return total;
 }
+
+/* Sum of w [n] (every weight is >= 0). */
+static double weight_total(const float *w, int64_t n) { return mass_at_least(w, n, 0.f); }
 
 /* One row: l (the row's logits divided by the temperature, V entries; overwritten with weights where the
  * row does not truncate), mx its largest (finite); wt and cand: V entries of scratch each. */

@@ -36,8 +36,7 @@ class GreedyHead:
         padded = torch.zeros(tiles * TILE, k, dtype=torch.int8)
         padded[:n] = codes
         # per token and block of 32: d (the group's scale), sum of codes, sum of |codes|
-        d = scales.repeat_interleave(quantized.group // BLOCK, dim=1) if quantized.group >= BLOCK else None
-        assert d is not None and d.shape == (n, blocks)
+        d = scales.repeat_interleave(quantized.group // BLOCK, dim=1)  # build(): group is a multiple of 32
         blocked = codes.view(n, blocks, BLOCK).to(torch.int32)
         meta = torch.zeros(tiles * TILE, blocks, 3, dtype=torch.float32)
         meta[:n, :, 0] = d

@@ -74,7 +74,6 @@ class LlamaForCausalLM:
             if kernels is not None and kernels.supports(dtype, self.head_dim, self.num_heads // self.num_kv_heads):
                 kernels.num_threads = torch.get_num_threads()  # the engine has set its thread count by now
                 self.kernels = kernels
-        self._greedy_bans: list[list[int]] | None = None  # set by forward for its one call
         self.builder = LinearBuilder(quantization, dtype, device, self.kernels, stored, reference, linear_activations,
                                      hessians)
 
@@ -194,19 +193,16 @@ class LlamaForCausalLM:
         """input_ids/positions [T]; returns fp32 logits [len(logits_indices), vocab]. With greedy_bans (one
         list of banned ids per logits row, every row a plain argmax) and a greedy head that takes the step,
         returns the rows' greedy token ids instead: int64 [len(logits_indices)]."""
-        self._greedy_bans = greedy_bans if self.greedy_head is not None else None
-        try:
-            if self.kernels is not None:
-                return self._forward_fused(input_ids, positions, meta, cache, logits_indices, lora)
-            return self._forward_torch(input_ids, positions, meta, cache, logits_indices, lora)
-        finally:
-            self._greedy_bans = None
+        if self.kernels is not None:
+            return self._forward_fused(input_ids, positions, meta, cache, logits_indices, lora, greedy_bans)
+        return self._forward_torch(input_ids, positions, meta, cache, logits_indices, lora)
 
     def _project(self, lora: LoraBatch | None, layer: int, group: str, linear: Linear, x: torch.Tensor) -> torch.Tensor:
         return linear(x) if lora is None else lora.project(layer, group, x)
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                       cache: PagedKVCache, logits_indices: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+                       cache: PagedKVCache, logits_indices: torch.Tensor, lora: LoraBatch | None,
+                       greedy_bans: list[list[int]] | None = None) -> torch.Tensor:
         """Same arithmetic as ``_forward_torch``, with everything between the linears in fused kernels."""
         kern = self.kernels
         assert kern is not None
@@ -222,7 +218,7 @@ class LlamaForCausalLM:
                  and (meta.prefill_spans is not None or not meta.prefills) else None)
         if descs is not None and T <= self._one_call_max_rows:
             down = self._layers_in_one_call(descs, x, h, a, act, positions, meta, cache, scratch)
-            return self._final_logits(x, down, logits_indices)
+            return self._final_logits(x, down, logits_indices, greedy_bans)
         kern.add_rms_norm(x, None, self.layers[0].input_norm, h, self.eps)
         for i, lw in enumerate(self.layers):
             qkv = self._project(lora, i, "qkv", lw.qkv, h)
@@ -245,18 +241,20 @@ class LlamaForCausalLM:
             down = self._project(lora, i, "down", lw.down, act)
             if i + 1 < self.num_layers:
                 kern.add_rms_norm(x, down, self.layers[i + 1].input_norm, h, self.eps)
-        return self._final_logits(x, down, logits_indices)
+        return self._final_logits(x, down, logits_indices, greedy_bans)
 
-    def _final_logits(self, x: torch.Tensor, down: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        """The last layer's residual add and the final norm, for the rows that need logits; then the head."""
+    def _final_logits(self, x: torch.Tensor, down: torch.Tensor, logits_indices: torch.Tensor,
+                      greedy_bans: list[list[int]] | None = None) -> torch.Tensor:
+        """The last layer's residual add and the final norm, for the rows that need logits; then the head
+        (or, given greedy_bans, the greedy head's picks where it takes the step: see ``forward``)."""
         assert self.kernels is not None
         T = x.shape[0]
         if logits_indices.shape[0] != T or not torch.equal(logits_indices, torch.arange(T, device=x.device)):
             x, down = x[logits_indices], down[logits_indices]
         h = torch.empty_like(x)
         self.kernels.add_rms_norm(x, down, self.final_norm, h, self.eps)
-        if self._greedy_bans is not None and self.greedy_head is not None and len(self._greedy_bans) == h.shape[0]:
-            picks = self.greedy_head.pick(h, self._greedy_bans)
+        if greedy_bans is not None and self.greedy_head is not None and len(greedy_bans) == h.shape[0]:
+            picks = self.greedy_head.pick(h, greedy_bans)
             if picks is not None:
                 return picks
         return self._logits(h)

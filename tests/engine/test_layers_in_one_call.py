@@ -43,11 +43,11 @@ class _BothPaths:
             self.one_call_steps.append((step.tokens, step.decodes, step.num_spans))
             one_call(layers, step)
 
-        def both(input_ids, positions, meta, cache, logits_indices, lora=None):
+        def both(input_ids, positions, meta, cache, logits_indices, lora=None, greedy_bans=None):
             self.model.layers_in_one_call = False
-            want = forward(input_ids, positions, meta, cache, logits_indices, lora)
+            want = forward(input_ids, positions, meta, cache, logits_indices, lora, greedy_bans)
             self.model.layers_in_one_call = True
-            got = forward(input_ids, positions, meta, cache, logits_indices, lora)
+            got = forward(input_ids, positions, meta, cache, logits_indices, lora, greedy_bans)
             assert torch.equal(got, want), f"step of {input_ids.shape[0]} tokens: the two loops differ"
             return got
 
