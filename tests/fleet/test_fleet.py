@@ -112,6 +112,8 @@ def fleet(request, tmp_path_factory):
             p.send()
         for p in procs.values():
             p.stop()
+        shutil.rmtree(shared, ignore_errors=True)  # mkdtemp'd at collection, outside pytest's own tmp dirs
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 def ws_url(base: str) -> str:
