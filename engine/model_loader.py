@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from engine.file_identity import content_digest
+
 logger = logging.getLogger(__name__)
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -80,11 +82,14 @@ def gguf_source(model: str | None) -> Path | None:
 _CONVERSION_VERSION = 2
 
 
+def converted_dir_path(gguf: Path, cache_dir: Path, name: str) -> Path:
+    """Where the conversion of this GGUF file's contents lives: the same bytes reinstalled elsewhere share it."""
+    key = hashlib.sha1(f"{content_digest(gguf, cache_dir)}:{_CONVERSION_VERSION}".encode()).hexdigest()[:12]
+    return cache_dir / "models" / f"{name}-{key}"
+
+
 def _converted_dir(gguf: Path, cache_dir: Path, name: str) -> Path:
-    stat = gguf.stat()
-    source = f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
-    key = hashlib.sha1(f"{source}:{_CONVERSION_VERSION}".encode()).hexdigest()[:12]
-    target = cache_dir / "models" / f"{name}-{key}"
+    target = converted_dir_path(gguf, cache_dir, name)
     if _is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """Quantized weights cached on disk (safetensors, no pickle), beside the converted models.
 
 Quantizing or decoding a model's blocks takes seconds; later starts read the result back. The key
-covers the source files' identity (path, size, mtime) and the format version, so a changed model or
-a changed format never reads a stale entry.
+covers the source files' contents (engine/file_identity.py) and the format version, so a changed model
+or a changed format never reads a stale entry, and a reinstall of the same model reads the old one.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from engine.file_identity import content_digest
 from engine.model_loader import default_cache_dir
 from engine.quant.formats import QuantizedWeight
 
@@ -25,9 +26,10 @@ FORMAT_VERSION = 2  # 2: int8 rounded by GPTQ against calibrated inputs (1: roun
 
 
 def cache_path(sources: list[Path], mode: str, cache_dir: Path | None = None) -> Path:
-    ident = [f"{p.resolve()}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in sorted(sources)]
+    cache_dir = cache_dir or default_cache_dir()
+    ident = [content_digest(p, cache_dir) for p in sorted(sources)]
     key = hashlib.sha1(json.dumps([FORMAT_VERSION, mode, ident]).encode()).hexdigest()[:16]
-    return (cache_dir or default_cache_dir()) / "quantized" / f"{mode}-{key}.safetensors"
+    return cache_dir / "quantized" / f"{mode}-{key}.safetensors"
 
 
 def load(path: Path) -> dict[str, QuantizedWeight] | None:

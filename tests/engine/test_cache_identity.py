@@ -1,0 +1,58 @@
+"""The caches made from model files are keyed by the files' contents, not by where or when they were installed."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+
+from engine import file_identity
+from engine.file_identity import content_digest
+from engine.model_loader import converted_dir_path
+from engine.quant.cache import cache_path
+
+
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+def test_the_digest_is_the_contents_sha256_and_is_remembered(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    model = _write(tmp_path / "m.gguf", b"GGUF" + os.urandom(50_000))
+    assert content_digest(model, cache) == hashlib.sha256(model.read_bytes()).hexdigest()
+
+    reads = []
+    real = file_identity.hashlib.file_digest
+    monkeypatch.setattr(file_identity.hashlib, "file_digest", lambda f, name: reads.append(1) or real(f, name))
+    assert content_digest(model, cache) == hashlib.sha256(model.read_bytes()).hexdigest()
+    assert reads == []  # the memo answered
+
+    # rewritten in place (new bytes, new mtime): read again, never the stale memo
+    _write(model, b"GGUF" + os.urandom(50_000))
+    os.utime(model, ns=(1, 1))
+    assert content_digest(model, cache) == hashlib.sha256(model.read_bytes()).hexdigest()
+    assert reads == [1]
+
+
+def test_a_reinstall_of_the_same_bytes_reuses_the_converted_and_quantized_copies(tmp_path):
+    cache = tmp_path / "cache"
+    (tmp_path / "env1").mkdir()
+    (tmp_path / "env2").mkdir()
+    first = _write(tmp_path / "env1" / "m.gguf", os.urandom(4096))
+    second = tmp_path / "env2" / "m.gguf"
+    shutil.copyfile(first, second)
+    os.utime(second, ns=(10**18, 10**18))  # a later install: another path, another mtime, the same bytes
+    assert converted_dir_path(first, cache, "m") == converted_dir_path(second, cache, "m")
+    assert cache_path([first], "gguf", cache) == cache_path([second], "gguf", cache)
+
+    different = _write(tmp_path / "env2" / "other.gguf", os.urandom(4096))
+    assert converted_dir_path(different, cache, "m") != converted_dir_path(first, cache, "m")
+    assert cache_path([different], "gguf", cache) != cache_path([first], "gguf", cache)
+    assert cache_path([first], "int8", cache) != cache_path([first], "gguf", cache)
+
+
+def test_an_unwritable_cache_still_gives_the_digest(tmp_path):
+    blocker = _write(tmp_path / "not-a-dir", b"x")  # the memo's directory cannot be made under a file
+    model = _write(tmp_path / "m.gguf", b"weights")
+    assert content_digest(model, blocker) == hashlib.sha256(b"weights").hexdigest()
