@@ -351,13 +351,14 @@ class LLMEngine:
                 self.fault_hook(seqs)
             masks = self._prepare_masks(batch)  # filled while the forward runs
             with torch.inference_mode():
-                logits, samplers, prompt_logits = self.runner.run(batch)
-                if logits.dtype == torch.int64:  # the greedy head picked every row already
-                    tokens = logits.tolist()
+                out = self.runner.run(batch)
+                samplers = out.samplers
+                if out.picked is not None:  # the model's greedy head picked every row already
+                    tokens = out.picked
                 else:
-                    tokens = (sample(logits, samplers, self.eos_token_ids, masks, self._argmax, self._draw)
+                    tokens = (sample(out.logits, samplers, self.eos_token_ids, masks, self._argmax, self._draw)
                               if samplers else [])
-                for chunk in prompt_logits:
+                for chunk in out.prompt_logits:
                     record_prompt_logprobs(chunk)
             for seq in batch.decodes:
                 self._advance(seq, 1)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention import AttentionMetadata, PagedKVCache, PrefillSpan
 from engine.lora import LoraManager
+from engine.models.greedy_head import GreedyPicks
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import banned_ids, takes_plain_argmax
 from engine.scheduler import ScheduledBatch
@@ -21,6 +22,17 @@ class PromptLogits:
     seq: Sequence
     start: int
     logits: torch.Tensor
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """One forward pass's answer for the sequences that sample a token now (``samplers``, in row order):
+    their logits [S, vocab], or, where the model's greedy head took the step, their tokens already picked."""
+
+    samplers: list[Sequence]
+    logits: torch.Tensor | None = None
+    picked: list[int] | None = None
+    prompt_logits: list[PromptLogits] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -37,12 +49,11 @@ class ModelRunner:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence], list[PromptLogits]]:
-        """Runs one step; returns logits [S, vocab] of the S sequences that sample a token now, those
-        sequences, and the logits of prompt positions whose logprobs were asked for (prompt_logprobs).
-        Once the engine has set greedy_eos_token_ids, a step whose every sampling row is a plain argmax
-        (sampler.takes_plain_argmax) may come back already picked: int64 token ids [S] instead of logits
-        (the model's greedy head)."""
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        """Runs one step; returns the logits of the sequences that sample a token now, and those of prompt
+        positions whose logprobs were asked for (prompt_logprobs). Once the engine has set
+        greedy_eos_token_ids, a step whose every sampling row is a plain argmax (sampler.takes_plain_argmax)
+        may come back with its tokens picked instead (the model's greedy head)."""
         eos_token_ids = self.greedy_eos_token_ids
         bs = self.block_size
         input_ids: list[int] = []
@@ -138,7 +149,7 @@ class ModelRunner:
         if (eos_token_ids is not None and not wanted and samplers and self.model.greedy_head is not None
                 and all(takes_plain_argmax(seq) for seq in samplers)):
             greedy_bans = [banned_ids(seq, eos_token_ids) for seq in samplers]
-        logits = self.model.forward(
+        out = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
             meta,
@@ -146,9 +157,12 @@ class ModelRunner:
             torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=self.device),
             self.lora_manager.batch(token_slots) if self.lora_manager is not None else None,
             greedy_bans=greedy_bans,
-        ).cpu()
+        )
+        if isinstance(out, GreedyPicks):
+            return StepOutput(samplers, picked=out.token_ids.tolist())
+        logits = out.cpu()
         extra, offset = [], len(logits_rows)
         for seq, start, count, _ in wanted:
             extra.append(PromptLogits(seq, start, logits[offset:offset + count]))
             offset += count
-        return logits[:len(logits_rows)], samplers, extra
+        return StepOutput(samplers, logits=logits[:len(logits_rows)], prompt_logits=extra)

@@ -14,6 +14,8 @@ when a row's candidates overflow, the full head runs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.kernels import CpuKernels
@@ -22,6 +24,13 @@ from engine.quant.formats import QuantizedWeight
 TILE = 16
 BLOCK = 32
 CANDIDATES_CAP = 256  # per row; more (a nearly flat row) and the step takes the full head
+
+
+@dataclass(frozen=True, slots=True)
+class GreedyPicks:
+    """A forward pass's answer when the greedy head took the step: each logits row's token, not its logits."""
+
+    token_ids: torch.Tensor  # int64 [rows]
 
 
 class GreedyHead:
@@ -55,7 +64,7 @@ class GreedyHead:
             return None
         return cls(quantized, kernels)
 
-    def pick(self, h: torch.Tensor, banned: list[list[int]]) -> torch.Tensor | None:
+    def pick(self, h: torch.Tensor, banned: list[list[int]]) -> GreedyPicks | None:
         """The greedy token of each row of h [S, hidden] (bf16, after the final norm), banned ids left out;
         None when the kernel cannot take it or some row's candidates overflow (then run the full head)."""
         rows = h.shape[0]
@@ -80,4 +89,4 @@ class GreedyHead:
         exact = torch.full((rows, width), float("-inf"))
         exact[live] = (h[owner].float() * self.quantized.rows(ids)).sum(-1)  # fp32, from the dequantized weights
         # the first maximum among ascending candidates: torch.argmax's tie rule over the whole row
-        return idx[:, :width].gather(1, exact.argmax(-1, keepdim=True)).flatten()
+        return GreedyPicks(idx[:, :width].gather(1, exact.argmax(-1, keepdim=True)).flatten())

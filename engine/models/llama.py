@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, PagedKVCache, paged_attention, prefill_attention
 from engine.kernels import CpuKernels, ForwardStep, LayerDesc, LinearDesc, load_cpu_kernels
-from engine.models.greedy_head import GreedyHead
+from engine.models.greedy_head import GreedyHead, GreedyPicks
 from engine.models.linear import Linear, PackedLinear, ReferenceLinear
 from engine.models.weights import LinearBuilder
 from engine.quant.formats import QuantizedWeight
@@ -189,10 +189,10 @@ class LlamaForCausalLM:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 cache: PagedKVCache, logits_indices: torch.Tensor, lora: LoraBatch | None = None,
-                greedy_bans: list[list[int]] | None = None) -> torch.Tensor:
+                greedy_bans: list[list[int]] | None = None) -> torch.Tensor | GreedyPicks:
         """input_ids/positions [T]; returns fp32 logits [len(logits_indices), vocab]. With greedy_bans (one
         list of banned ids per logits row, every row a plain argmax) and a greedy head that takes the step,
-        returns the rows' greedy token ids instead: int64 [len(logits_indices)]."""
+        returns the rows' greedy tokens instead (GreedyPicks)."""
         if self.kernels is not None:
             return self._forward_fused(input_ids, positions, meta, cache, logits_indices, lora, greedy_bans)
         return self._forward_torch(input_ids, positions, meta, cache, logits_indices, lora)
@@ -202,7 +202,7 @@ class LlamaForCausalLM:
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        cache: PagedKVCache, logits_indices: torch.Tensor, lora: LoraBatch | None,
-                       greedy_bans: list[list[int]] | None = None) -> torch.Tensor:
+                       greedy_bans: list[list[int]] | None = None) -> torch.Tensor | GreedyPicks:
         """Same arithmetic as ``_forward_torch``, with everything between the linears in fused kernels."""
         kern = self.kernels
         assert kern is not None
@@ -244,7 +244,7 @@ class LlamaForCausalLM:
         return self._final_logits(x, down, logits_indices, greedy_bans)
 
     def _final_logits(self, x: torch.Tensor, down: torch.Tensor, logits_indices: torch.Tensor,
-                      greedy_bans: list[list[int]] | None = None) -> torch.Tensor:
+                      greedy_bans: list[list[int]] | None = None) -> torch.Tensor | GreedyPicks:
         """The last layer's residual add and the final norm, for the rows that need logits; then the head
         (or, given greedy_bans, the greedy head's picks where it takes the step: see ``forward``)."""
         assert self.kernels is not None

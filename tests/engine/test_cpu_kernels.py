@@ -228,19 +228,19 @@ def _fused_equals_torch_on_mixed_batches(engine: LLMEngine) -> None:
         before = cache.clone()
         model.kernels = None
         try:
-            torch_logits, _, _ = run(batch)
+            torch_logits = run(batch).logits
         finally:
             model.kernels = fused_kernels
         torch_cache = cache.clone()
         cache.copy_(before)
-        logits, samplers, prompt_logits = run(batch)
-        torch.testing.assert_close(logits, torch_logits, rtol=1e-4, atol=1e-4)
+        out = run(batch)
+        torch.testing.assert_close(out.logits, torch_logits, rtol=1e-4, atol=1e-4)
         # assert_close's bound over the whole cache, in four tensor ops (its isclose took a quarter of
         # the test's time): |a - b| <= atol + rtol * |b| everywhere
         excess = (cache - torch_cache).abs_().sub_(torch_cache.abs().mul_(1e-4)).max().item()
         assert excess <= 1e-4, f"the fused step's KV cache is off by {excess:.2e} beyond the bound"
         mixed_steps += bool(batch.decodes and batch.prefills)
-        return logits, samplers, prompt_logits
+        return out
 
     engine.runner.run = run_both
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -43,7 +43,7 @@ def test_bound_holds_and_picks_equal_the_fp32_argmax(n: int, group: int, rows: i
     want = exact.clone()
     for r, ids in enumerate(banned):
         want[r, ids] = float("-inf")
-    assert head.pick(h, banned).tolist() == want.argmax(-1).tolist()
+    assert head.pick(h, banned).token_ids.tolist() == want.argmax(-1).tolist()
 
 
 def _generate(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
