@@ -209,7 +209,7 @@ class CpuKernels:
         # exact greedy picks through int8 logits and a bound (cpu_greedy_head.h; AVX512-VNNI builds only)
         self.greedy_head_fast = bool(lib.spark_greedy_head_fast())
         self._greedy_head_bounds = lib.spark_greedy_head_bounds
-        self._greedy_head_bounds.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _INT]
+        self._greedy_head_bounds.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P, _INT]
         self._greedy_head_bounds.restype = _INT
         self._greedy_candidates = lib.spark_greedy_candidates
         self._greedy_candidates.argtypes = [_P, _P, _I64, _I64, _I64, _P, _P]
@@ -361,21 +361,25 @@ class CpuKernels:
         return out
 
     def greedy_head_bounds(self, x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, n: int,
-                           hi: torch.Tensor, lo: torch.Tensor) -> bool:
-        """hi, lo [S, n] fp32 = int8 logits of x [S, K] (bf16) +- their proven error bound, over a head
-        repacked by engine/models/greedy_head.py; False where this build or the shapes cannot."""
-        if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+                           hi: torch.Tensor, best: torch.Tensor, banned: list[list[int]]) -> bool:
+        """Over a head repacked by engine/models/greedy_head.py: hi [S, n] fp32 = the int8 logits of x [S, K]
+        (bf16) plus their proven error bound, and best [S] = each row's largest logit minus its bound, the
+        row's banned ids (-inf in hi) left out. False where this build or the shapes cannot."""
+        if x.dtype != torch.bfloat16 or x.stride(-1) != 1 or len(banned) != x.shape[0]:
             return False
+        ban_off = torch.tensor([0] + [len(ids) for ids in banned], dtype=torch.int64).cumsum_(0)
+        ban_ids = torch.tensor([t for ids in banned for t in ids] or [0], dtype=torch.int64)
         return self._greedy_head_bounds(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), codes.data_ptr(),
-                                        meta.data_ptr(), n, hi.data_ptr(), lo.data_ptr(), self.num_threads) == 0
+                                        meta.data_ptr(), n, hi.data_ptr(), best.data_ptr(), ban_off.data_ptr(),
+                                        ban_ids.data_ptr(), self.num_threads) == 0
 
-    def greedy_candidates(self, hi: torch.Tensor, lo: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row, the ids whose hi reaches the row's largest lo (ascending, at most cap: idx [S, cap]) and
-        how many (count [S]; -1: more than cap)."""
+    def greedy_candidates(self, hi: torch.Tensor, best: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the ids whose hi reaches the row's best lower bound (ascending, at most cap: idx [S, cap])
+        and how many (count [S]; -1: more than cap)."""
         rows, n = hi.shape
         idx = torch.empty(rows, cap, dtype=torch.int64)
         count = torch.empty(rows, dtype=torch.int64)
-        self._greedy_candidates(hi.data_ptr(), lo.data_ptr(), rows, n, cap, idx.data_ptr(), count.data_ptr())
+        self._greedy_candidates(hi.data_ptr(), best.data_ptr(), rows, n, cap, idx.data_ptr(), count.data_ptr())
         return idx, count
 
     def decode_attention(self, qkv: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,

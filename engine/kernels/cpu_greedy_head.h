@@ -9,11 +9,14 @@
  * with A_nb = d_nb * sum_k |q_nk| stored beside the codes. Any fp32 evaluation of exact_n (this kernel's own
  * sums too) adds under 1e-4 of sum_b max|x_b| A_nb, so the bound is taken as (1/254 + 1e-4) of that. A token
  * whose approx + bound is below some token's approx - bound can be the maximum of no fp32 evaluation: only
- * the rest (usually a handful) need the exact logits.
+ * the rest (usually a handful) need the exact logits. So the kernel stores each token's upper bound (hi) and
+ * only the row's largest lower bound (best), banned tokens left out of both: half the stores of keeping
+ * both bounds, which at 32 rows are 6 MB a step.
  *
  * Layout (repacked once at load): per tile of 16 tokens and block b of 32 inputs, 8 quad-rows of 64 bytes
  * (token i's inputs 4j .. 4j + 3 at bytes 4i .. 4i + 3 of quad-row j: one 32-bit lane of vpdpbusd each), and
- * per tile, block: d[16] (fp32), 128 x sum_k q (int32: vpdpbusd takes x as unsigned, q_x + 128), A[16].
+ * per tile, block: d[16] (fp32), -128 x sum_k q (int32: vpdpbusd takes x as unsigned, q_x + 128, so the
+ * sums start from it and end as the signed dot products), A[16].
  */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
@@ -37,11 +40,21 @@ static void greedy_head_quantize_row(const uint16_t *xr, int64_t K, uint8_t *xq,
     }
 }
 
-/* Rows [r0, r0 + RB) against NT adjacent tiles (1 or 2): approx +- bound into hi and lo. Two tiles a pass
- * share each broadcast input quad (loads per vpdpbusd 0.75 instead of 1.125 at 8 rows against one). */
+/* The lanes of tokens n0 .. n0 + 15 that row r bans (ban_ids[ban_off[r] .. ban_off[r + 1]]), as a mask. */
+static inline __mmask16 banned_lanes(const int64_t *ban_off, const int64_t *ban_ids, int64_t r, int64_t n0) {
+    unsigned kill = 0;
+    for (int64_t i = ban_off[r]; i < ban_off[r + 1]; i++)
+        if (ban_ids[i] >= n0 && ban_ids[i] < n0 + 16) kill |= 1u << (ban_ids[i] - n0);
+    return (__mmask16)kill;
+}
+
+/* Rows [r0, r0 + RB) against NT adjacent tiles (1 or 2): approx + bound into hi, and approx - bound into the
+ * rows' running lane-wise maxima best16 [M, 16] (banned tokens -inf in both). Two tiles a pass share each
+ * broadcast input quad (loads per vpdpbusd 0.75 instead of 1.125 at 8 rows against one). */
 static inline __attribute__((always_inline)) void greedy_head_tile_rows(
     const int RB, const int NT, const uint8_t *xq, const float *scale, const float *amax, int64_t r0, int64_t K,
-    const int8_t *codes, const float *meta, int64_t n0, int64_t N, float *hi, float *lo) {
+    const int8_t *codes, const float *meta, int64_t n0, int64_t N, float *hi, float *best16, const int64_t *ban_off,
+    const int64_t *ban_ids) {
     const int64_t blocks = K / 32, tile_codes = blocks * 8 * 64, tile_meta = blocks * 48;
     __m512 acc[GH_ROWS][2], bnd[GH_ROWS][2];
 #pragma GCC unroll 8
@@ -50,10 +63,12 @@ static inline __attribute__((always_inline)) void greedy_head_tile_rows(
         for (int t = 0; t < NT; t++) acc[r][t] = bnd[r][t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         __m512i dot[GH_ROWS][2];
-#pragma GCC unroll 8
-        for (int r = 0; r < RB; r++)
 #pragma GCC unroll 2
-            for (int t = 0; t < NT; t++) dot[r][t] = _mm512_setzero_si512();
+        for (int t = 0; t < NT; t++) {
+            const __m512i start = _mm512_loadu_si512(meta + t * tile_meta + b * 48 + 16); /* -128 sum q */
+#pragma GCC unroll 8
+            for (int r = 0; r < RB; r++) dot[r][t] = start;
+        }
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
             __m512i w[2];
@@ -72,12 +87,11 @@ static inline __attribute__((always_inline)) void greedy_head_tile_rows(
         for (int t = 0; t < NT; t++) {
             const float *mb = meta + t * tile_meta + b * 48;
             const __m512 d = _mm512_loadu_ps(mb);
-            const __m512i corr = _mm512_loadu_si512(mb + 16);
             const __m512 l1 = _mm512_loadu_ps(mb + 32);
 #pragma GCC unroll 8
             for (int r = 0; r < RB; r++) {
                 const int64_t rb = (r0 + r) * blocks + b;
-                const __m512 exact_int = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r][t], corr));
+                const __m512 exact_int = _mm512_cvtepi32_ps(dot[r][t]);
                 acc[r][t] = _mm512_fmadd_ps(exact_int, _mm512_mul_ps(d, _mm512_set1_ps(scale[rb])), acc[r][t]);
                 bnd[r][t] = _mm512_fmadd_ps(l1, _mm512_set1_ps(amax[rb]), bnd[r][t]);
             }
@@ -88,19 +102,26 @@ static inline __attribute__((always_inline)) void greedy_head_tile_rows(
     for (int t = 0; t < NT; t++) {
         const int64_t n = n0 + t * 16, live = N - n < 16 ? N - n : 16;
         const __mmask16 mask = live == 16 ? (__mmask16)0xffff : (__mmask16)((1u << live) - 1);
+        const __m512 none = _mm512_set1_ps(-INFINITY);
 #pragma GCC unroll 8
         for (int r = 0; r < RB; r++) {
             const __m512 e = _mm512_mul_ps(bnd[r][t], c);
-            _mm512_mask_storeu_ps(hi + (r0 + r) * N + n, mask, _mm512_add_ps(acc[r][t], e));
-            _mm512_mask_storeu_ps(lo + (r0 + r) * N + n, mask, _mm512_sub_ps(acc[r][t], e));
+            const __mmask16 kill = banned_lanes(ban_off, ban_ids, r0 + r, n);
+            _mm512_mask_storeu_ps(hi + (r0 + r) * N + n, mask,
+                                  _mm512_mask_mov_ps(_mm512_add_ps(acc[r][t], e), kill, none));
+            float *b16 = best16 + (r0 + r) * 16;
+            const __m512 lower = _mm512_mask_mov_ps(none, mask & (__mmask16)~kill, _mm512_sub_ps(acc[r][t], e));
+            _mm512_store_ps(b16, _mm512_max_ps(_mm512_load_ps(b16), lower));
         }
     }
 }
 
 /* Every row of xq against NT tiles from tile t: 8 rows a pass against one tile, 4 against two. */
 static void greedy_head_tiles(int NT, const uint8_t *xq, const float *scale, const float *amax, int64_t M, int64_t K,
-                              const int8_t *codes, const float *meta, int64_t n0, int64_t N, float *hi, float *lo) {
-#define GH_PASS(RB, NTC) greedy_head_tile_rows(RB, NTC, xq, scale, amax, r, K, codes, meta, n0, N, hi, lo)
+                              const int8_t *codes, const float *meta, int64_t n0, int64_t N, float *hi, float *best16,
+                              const int64_t *ban_off, const int64_t *ban_ids) {
+#define GH_PASS(RB, NTC) \
+    greedy_head_tile_rows(RB, NTC, xq, scale, amax, r, K, codes, meta, n0, N, hi, best16, ban_off, ban_ids)
     int64_t r = 0;
     if (NT == 2) {
         for (; r + 4 <= M; r += 4) GH_PASS(4, 2);
@@ -135,11 +156,13 @@ int spark_greedy_head_fast(void) {
 #endif
 }
 
-/* hi, lo [M, N] = the approximate logits of x [M, K] (bf16, row stride ldx) plus and minus their bound.
- * codes, meta: the repacked head (see the header). Returns 0, or -1 where this build has no VNNI path or
- * scratch could not be had. */
+/* hi [M, N] = the approximate logits of x [M, K] (bf16, row stride ldx) plus their bound; best [M] = each
+ * row's largest approximate logit minus its bound. Row r's banned tokens, ban_ids[ban_off[r] .. ban_off[r + 1]],
+ * are -inf in hi and left out of best. codes, meta: the repacked head (see the header). Returns 0, or -1
+ * where this build has no VNNI path or scratch could not be had. */
 int spark_greedy_head_bounds(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const int8_t *codes,
-                             const float *meta, int64_t N, float *hi, float *lo, int num_threads) {
+                             const float *meta, int64_t N, float *hi, float *best, const int64_t *ban_off,
+                             const int64_t *ban_ids, int num_threads) {
 #if defined(GREEDY_HEAD_FAST)
     if (M <= 0 || N <= 0) return 0;
     if (K % 32) return -1;
@@ -150,32 +173,52 @@ int spark_greedy_head_bounds(const uint16_t *x, int64_t M, int64_t K, int64_t ld
         free(xq), free(scale), free(amax);
         return -1;
     }
-    for (int64_t r = 0; r < M; r++)
+    for (int64_t r = 0; r < M; r++) {
         greedy_head_quantize_row(x + r * ldx, K, xq + r * K, scale + r * blocks, amax + r * blocks);
-#pragma omp parallel for num_threads(num_threads) schedule(guided)
-    for (int64_t t2 = 0; t2 < (tiles + 1) / 2; t2++) {
-        const int64_t t = 2 * t2;
-        greedy_head_tiles(t + 1 < tiles ? 2 : 1, xq, scale, amax, M, K, codes + t * blocks * 8 * 64,
-                          meta + t * blocks * 48, t * 16, N, hi, lo);
+        best[r] = -INFINITY;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* each thread's lane-wise maxima, merged into best at the end */
+        float *best16 = aligned_alloc(64, (size_t)(M * 16) * sizeof(float));
+        if (best16)
+            for (int64_t i = 0; i < M * 16; i++) best16[i] = -INFINITY;
+#pragma omp for schedule(guided)
+        for (int64_t t2 = 0; t2 < (tiles + 1) / 2; t2++) {
+            const int64_t t = 2 * t2;
+            if (best16)
+                greedy_head_tiles(t + 1 < tiles ? 2 : 1, xq, scale, amax, M, K, codes + t * blocks * 8 * 64,
+                                  meta + t * blocks * 48, t * 16, N, hi, best16, ban_off, ban_ids);
+        }
+#pragma omp critical
+        {
+            if (!best16)
+                failed = 1;
+            for (int64_t r = 0; best16 && r < M; r++) {
+                const float m = _mm512_reduce_max_ps(_mm512_load_ps(best16 + r * 16));
+                best[r] = m > best[r] ? m : best[r];
+            }
+        }
+        free(best16);
     }
     free(xq), free(scale), free(amax);
-    return 0;
+    return failed ? -1 : 0;
 #else
-    (void)x, (void)M, (void)K, (void)ldx, (void)codes, (void)meta, (void)N, (void)hi, (void)lo, (void)num_threads;
+    (void)x, (void)M, (void)K, (void)ldx, (void)codes, (void)meta, (void)N, (void)hi, (void)best, (void)ban_off,
+        (void)ban_ids, (void)num_threads;
     return -1;
 #endif
 }
 
-/* Per row: L = the largest lo; the tokens whose hi reaches L (ascending), at most cap of them, into
+/* Per row: the tokens whose hi reaches the row's best lower bound (ascending), at most cap of them, into
  * idx [rows, cap]; count[r] = how many, or -1 when more than cap could not be ruled out. */
-void spark_greedy_candidates(const float *hi, const float *lo, int64_t rows, int64_t N, int64_t cap, int64_t *idx,
-                             int64_t *count) {
+void spark_greedy_candidates(const float *hi, const float *best_lo, int64_t rows, int64_t N, int64_t cap,
+                             int64_t *idx, int64_t *count) {
 #pragma omp parallel for schedule(static) if (rows >= 4)
     for (int64_t r = 0; r < rows; r++) {
-        const float *h = hi + r * N, *l = lo + r * N;
-        float best = -INFINITY;
-#pragma omp simd reduction(max : best)
-        for (int64_t i = 0; i < N; i++) best = l[i] > best ? l[i] : best;
+        const float *h = hi + r * N;
+        const float best = best_lo[r];
         int64_t n = 0;
         for (int64_t c = 0; c < N && n >= 0; c += 256) {
             const int64_t end = c + 256 < N ? c + 256 : N;

@@ -49,12 +49,12 @@ class GreedyHead:
         blocked = codes.view(n, blocks, BLOCK).to(torch.int32)
         meta = torch.zeros(tiles * TILE, blocks, 3, dtype=torch.float32)
         meta[:n, :, 0] = d
-        meta[:n, :, 1] = (128 * blocked.sum(-1)).to(torch.int32).view(torch.float32)  # int32 bits
+        meta[:n, :, 1] = (-128 * blocked.sum(-1)).to(torch.int32).view(torch.float32)  # int32 bits
         meta[:n, :, 2] = d * blocked.abs().sum(-1).float()
-        # codes: [tile, block, quad j, token i, 4 inputs]; meta: [tile, block, (d | 128 sum q | A), 16]
+        # codes: [tile, block, quad j, token i, 4 inputs]; meta: [tile, block, (d | -128 sum q | A), 16]
         self.codes = (padded.view(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous())
         self.meta = meta.view(tiles, TILE, blocks, 3).permute(0, 2, 3, 1).contiguous()
-        self._hi = self._lo = torch.empty(0, n)
+        self._hi = torch.empty(0, n)
 
     @classmethod
     def build(cls, quantized: QuantizedWeight | None, kernels: CpuKernels | None) -> GreedyHead | None:
@@ -70,16 +70,10 @@ class GreedyHead:
         rows = h.shape[0]
         if self._hi.shape[0] < rows:  # kept between steps: fresh pages each step cost ~1 ms at 32 rows
             self._hi = torch.empty(rows, self.out_features, dtype=torch.float32)
-            self._lo = torch.empty_like(self._hi)
-        hi, lo = self._hi[:rows], self._lo[:rows]
-        if not self.kernels.greedy_head_bounds(h, self.codes, self.meta, self.out_features, hi, lo):
+        hi, best = self._hi[:rows], torch.empty(rows, dtype=torch.float32)
+        if not self.kernels.greedy_head_bounds(h, self.codes, self.meta, self.out_features, hi, best, banned):
             return None
-        ban_rows = [r for r, ids in enumerate(banned) for _ in ids]
-        if ban_rows:
-            ban_ids = torch.tensor([t for ids in banned for t in ids], dtype=torch.long)
-            hi[ban_rows, ban_ids] = float("-inf")
-            lo[ban_rows, ban_ids] = float("-inf")
-        idx, count = self.kernels.greedy_candidates(hi, lo, CANDIDATES_CAP)
+        idx, count = self.kernels.greedy_candidates(hi, best, CANDIDATES_CAP)
         if rows and int(count.min()) <= 0:
             return None
         width = int(count.max())

@@ -35,14 +35,22 @@ def test_bound_holds_and_picks_equal_the_fp32_argmax(n: int, group: int, rows: i
     h[-1, 100:132] = 0.0  # an all-zero block
     h = h.to(torch.bfloat16)
     exact = h.float() @ head.quantized.dequantize().float().T
-    hi, lo = torch.empty(rows, n), torch.empty(rows, n)
-    assert kernels.greedy_head_bounds(h, head.codes, head.meta, n, hi, lo)
-    assert bool((lo <= exact).all()) and bool((exact <= hi).all())
-    assert float((hi - lo).max()) < float(exact.abs().max())  # a bound, not a blanket
-    banned = [[int(exact[r].argmax())] if r % 2 else [] for r in range(rows)]
+    hi, best = torch.empty(rows, n), torch.empty(rows)
+    assert kernels.greedy_head_bounds(h, head.codes, head.meta, n, hi, best, [[] for _ in range(rows)])
+    assert bool((exact <= hi).all())  # an upper bound on every token
+    assert bool((best <= exact.max(-1).values).all())  # a lower bound on the row's best
+    assert float((hi - exact).max()) < float(exact.abs().max()) / 4  # a bound, not a blanket
+    assert bool((best >= exact.max(-1).values - exact.abs().max() / 4).all())
+
+    # each odd row bans its two best tokens: -inf in hi, and the lower bound is the third's
+    banned = [exact[r].topk(2).indices.tolist() if r % 2 else [] for r in range(rows)]
     want = exact.clone()
     for r, ids in enumerate(banned):
         want[r, ids] = float("-inf")
+    assert kernels.greedy_head_bounds(h, head.codes, head.meta, n, hi, best, banned)
+    for r, ids in enumerate(banned):
+        assert hi[r, ids].tolist() == [float("-inf")] * len(ids)
+    assert bool((best <= want.max(-1).values).all())
     assert head.pick(h, banned).token_ids.tolist() == want.argmax(-1).tolist()
 
 
