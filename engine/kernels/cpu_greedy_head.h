@@ -10,8 +10,8 @@
  * sums too) adds under 1e-4 of sum_b max|x_b| A_nb, so the bound is taken as (1/254 + 1e-4) of that. A token
  * whose approx + bound is below some token's approx - bound can be the maximum of no fp32 evaluation: only
  * the rest (usually a handful) need the exact logits. So the kernel stores each token's upper bound (hi) and
- * only the row's largest lower bound (best), banned tokens left out of both: half the stores of keeping
- * both bounds, which at 32 rows are 6 MB a step.
+ * keeps only the row's largest lower bound (best), banned tokens left out of both: at 32 rows, 6.3 MB of
+ * stores a step where both bounds were 12.6 MB.
  *
  * Layout (repacked once at load): per tile of 16 tokens and block b of 32 inputs, 8 quad-rows of 64 bytes
  * (token i's inputs 4j .. 4j + 3 at bytes 4i .. 4i + 3 of quad-row j: one 32-bit lane of vpdpbusd each), and
