@@ -40,8 +40,11 @@ def _write_atomically(path: Path, text: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, staging = tempfile.mkstemp(prefix=".memo-", dir=path.parent)
+    except OSError:
+        return  # a read-only cache directory: the digest is still right, only not remembered
+    try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(staging, path)
     except OSError:
-        pass  # a read-only cache directory: the digest is still right, only not remembered
+        Path(staging).unlink(missing_ok=True)  # a full disk: no half-written memo left behind

@@ -253,7 +253,7 @@ class LlamaForCausalLM:
             x, down = x[logits_indices], down[logits_indices]
         h = torch.empty_like(x)
         self.kernels.add_rms_norm(x, down, self.final_norm, h, self.eps)
-        if greedy_bans is not None and self.greedy_head is not None and len(greedy_bans) == h.shape[0]:
+        if greedy_bans is not None and self.greedy_head is not None:
             picks = self.greedy_head.pick(h, greedy_bans)
             if picks is not None:
                 return picks
