@@ -39,6 +39,33 @@
 
 enum { WFMT_BF16 = 0, WFMT_U4 = 1, WFMT_I8 = 2 };
 
+/* The weights a thread streams next, asked for a share at a time while it works on the tiles in hand.
+ * A pass over 32 rows reads a tile pair once from memory and three more times from cache, so without
+ * this the memory sits idle for three passes, then the next pair starts on cold lines (each new pair is
+ * a new stream the hardware prefetcher has to find again); with one row per pass the demand is even but
+ * the prefetcher runs too little ahead. Spreading the next tiles' lines over every group of every pass
+ * keeps one steady stream one tile (pair) ahead. */
+struct lookahead {
+    const uint8_t *base; /* NULL: nothing to prefetch */
+    int64_t len;         /* bytes from base */
+    int64_t part;        /* this pass's first share */
+    int64_t parts;       /* shares in all: passes x groups */
+};
+
+static inline struct lookahead lookahead_of(const uint8_t *next, int64_t len, const uint8_t *end) {
+    const int64_t left = next < end ? end - next : 0;
+    struct lookahead la = {left > 0 ? next : NULL, len < left ? len : left, 0, 1};
+    return la;
+}
+
+/* Share part + g of the lookahead's lines into L2. */
+static inline void prefetch_share(const struct lookahead *la, int64_t g) {
+    if (!la->base) return;
+    const int64_t i = la->part + g, lo = la->len * i / la->parts & ~(int64_t)63;
+    const int64_t hi = i + 1 == la->parts ? la->len : la->len * (i + 1) / la->parts & ~(int64_t)63;
+    for (int64_t off = lo; off < hi; off += 64) __builtin_prefetch((const char *)la->base + off, 0, 2);
+}
+
 static inline int64_t tile_group_bytes(int fmt, int64_t G) {
     switch (fmt) {
     case WFMT_BF16: return G * TILE_N * 2;
@@ -298,7 +325,7 @@ static inline __m512bh pair_row(int fmt, const uint8_t *blk, int64_t j) {
 #define CHAINS(RB) ((RB) >= 4 ? 1 : (RB) >= 2 ? 2 : 4)
 static inline __attribute__((always_inline)) void tile_rows_avx512(
     const int RB, int fmt, const uint16_t *x, int64_t r0, int64_t K, int64_t ldx, const uint8_t *tile, int64_t G,
-    const float *sums, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32) {
+    const float *sums, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32, struct lookahead la) {
     const int CH = CHAINS(RB);
     const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
     const uint16_t *xr[ROWS_PER_PASS];
@@ -312,6 +339,7 @@ static inline __attribute__((always_inline)) void tile_rows_avx512(
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = tile + g * gbytes;
         const int64_t k0 = g * G;
+        prefetch_share(&la, g);
 #pragma GCC unroll 8
         for (int r = 0; r < RB; r++)
 #pragma GCC unroll 4
@@ -383,7 +411,8 @@ static inline __attribute__((always_inline)) void tile_rows_avx512(
  * (kept in memory: they are touched once per group) with the group's scale and min. */
 static inline __attribute__((always_inline)) void tile_pair_rows_u4(
     const int RB, const uint16_t *x, int64_t r0, int64_t K, int64_t ldx, const uint8_t *tile0, const uint8_t *tile1,
-    int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32) {
+    int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32,
+    struct lookahead la) {
     const int64_t groups = K / G, gbytes = tile_group_bytes(WFMT_U4, G);
     const uint16_t *xr[ROWS_PER_PASS];
     __m512 part[ROWS_PER_PASS][2];
@@ -398,6 +427,7 @@ static inline __attribute__((always_inline)) void tile_pair_rows_u4(
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk0 = tile0 + g * gbytes, *blk1 = tile1 + g * gbytes;
         const int64_t k0 = g * G;
+        prefetch_share(&la, g);
 #pragma GCC unroll 8
         for (int r = 0; r < RB; r++) part[r][0] = part[r][1] = _mm512_setzero_ps();
         for (int64_t b = 0; b < G / 32; b++) {
@@ -444,21 +474,26 @@ static inline __attribute__((always_inline)) void tile_pair_rows_u4(
     }
 }
 
+/* Rows [r0, r1) against one tile, 8 at a time; `next`: the lines to prefetch over the passes. */
 static void tile_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_t K, int64_t ldx,
                       const uint8_t *tile, int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N,
-                      void *y, int64_t ldy, int y_f32) {
+                      void *y, int64_t ldy, int y_f32, struct lookahead next) {
+    const int64_t groups = K / G;
+    next.parts = (r1 - r0 + 7) / 8 * groups;
     int64_t r = r0;
-    for (; r + 8 <= r1; r += 8) tile_rows_avx512(8, fmt, x, r, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32);
+#define ROWS_CALL(RB) tile_rows_avx512(RB, fmt, x, r, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32, next)
+    for (; r + 8 <= r1; r += 8, next.part += groups) ROWS_CALL(8);
     switch (r1 - r) {
-    case 7: tile_rows_avx512(7, fmt, x, r, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32); break;
-    case 6: tile_rows_avx512(6, fmt, x, r, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32); break;
-    case 5: tile_rows_avx512(5, fmt, x, r, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32); break;
-    case 4: tile_rows_avx512(4, fmt, x, r, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32); break;
-    case 3: tile_rows_avx512(3, fmt, x, r, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32); break;
-    case 2: tile_rows_avx512(2, fmt, x, r, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32); break;
-    case 1: tile_rows_avx512(1, fmt, x, r, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32); break;
+    case 7: ROWS_CALL(7); break;
+    case 6: ROWS_CALL(6); break;
+    case 5: ROWS_CALL(5); break;
+    case 4: ROWS_CALL(4); break;
+    case 3: ROWS_CALL(3); break;
+    case 2: ROWS_CALL(2); break;
+    case 1: ROWS_CALL(1); break;
     default: break;
     }
+#undef ROWS_CALL
 }
 
 /* bf16 and i8: the same two-tile pass; pair-row j of both tiles against each row's input pair. The
@@ -471,7 +506,8 @@ static void tile_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_
  *         embedded model), so i8 leaves fewer than 8 rows to the one-tile pass. */
 static inline __attribute__((always_inline)) void tile_pair_rows_dense(
     const int RB, int fmt, const uint16_t *x, int64_t r0, int64_t K, int64_t ldx, const uint8_t *tile0,
-    const uint8_t *tile1, int64_t G, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32) {
+    const uint8_t *tile1, int64_t G, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32,
+    struct lookahead la) {
     const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
     const uint16_t *xr[ROWS_PER_PASS];
     __m512 part[ROWS_PER_PASS][2];
@@ -485,6 +521,7 @@ static inline __attribute__((always_inline)) void tile_pair_rows_dense(
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk0 = tile0 + g * gbytes, *blk1 = tile1 + g * gbytes;
         const int64_t k0 = g * G;
+        prefetch_share(&la, g);
 #pragma GCC unroll 8
         for (int r = 0; r < RB; r++) part[r][0] = part[r][1] = _mm512_setzero_ps();
         for (int64_t j = 0; j < G / 2; j++) {
@@ -519,27 +556,32 @@ static inline __attribute__((always_inline)) void tile_pair_rows_dense(
     }
 }
 
-/* Two tiles, rows [r0, r1): PAIR_ROWS at a time, the rest one tile at a time. */
+/* Two tiles, rows [r0, r1): PAIR_ROWS at a time, the rest one tile at a time; `next`: the lines to prefetch
+ * over the two-tile passes (the one-tile rest, at most a pass of 3 rows, asks for none). */
 static void tile_pair_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_t K, int64_t ldx,
                            const uint8_t *tile0, const uint8_t *tile1, int64_t G, const float *sums, const float *bias,
-                           int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32) {
+                           int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32, struct lookahead next) {
+    const int64_t groups = K / G, rows = r1 - r0;
     int64_t r = r0;
     if (fmt == WFMT_U4) {
         /* 8 rows where there are 8: each unpacked code vector feeds twice as many products (+2-3% at 8-256
          * rows on AMD EPYC; 16 accumulators still fit the registers) */
-        for (; r + 2 * PAIR_ROWS <= r1; r += 2 * PAIR_ROWS)
-            tile_pair_rows_u4(2 * PAIR_ROWS, x, r, K, ldx, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32);
-        for (; r + PAIR_ROWS <= r1; r += PAIR_ROWS)
-            tile_pair_rows_u4(PAIR_ROWS, x, r, K, ldx, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32);
+        next.parts = (rows / (2 * PAIR_ROWS) + rows % (2 * PAIR_ROWS) / PAIR_ROWS) * groups;
+        for (; r + 2 * PAIR_ROWS <= r1; r += 2 * PAIR_ROWS, next.part += groups)
+            tile_pair_rows_u4(2 * PAIR_ROWS, x, r, K, ldx, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, next);
+        for (; r + PAIR_ROWS <= r1; r += PAIR_ROWS, next.part += groups)
+            tile_pair_rows_u4(PAIR_ROWS, x, r, K, ldx, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, next);
     } else {
-        for (; r + 2 * PAIR_ROWS <= r1; r += 2 * PAIR_ROWS)
-            tile_pair_rows_dense(2 * PAIR_ROWS, fmt, x, r, K, ldx, tile0, tile1, G, bias, n0, N, y, ldy, y_f32);
-        for (; fmt == WFMT_BF16 && r + PAIR_ROWS <= r1; r += PAIR_ROWS)
-            tile_pair_rows_dense(PAIR_ROWS, fmt, x, r, K, ldx, tile0, tile1, G, bias, n0, N, y, ldy, y_f32);
+        next.parts = (rows / (2 * PAIR_ROWS) + (fmt == WFMT_BF16 ? rows % (2 * PAIR_ROWS) / PAIR_ROWS : 0)) * groups;
+        for (; r + 2 * PAIR_ROWS <= r1; r += 2 * PAIR_ROWS, next.part += groups)
+            tile_pair_rows_dense(2 * PAIR_ROWS, fmt, x, r, K, ldx, tile0, tile1, G, bias, n0, N, y, ldy, y_f32, next);
+        for (; fmt == WFMT_BF16 && r + PAIR_ROWS <= r1; r += PAIR_ROWS, next.part += groups)
+            tile_pair_rows_dense(PAIR_ROWS, fmt, x, r, K, ldx, tile0, tile1, G, bias, n0, N, y, ldy, y_f32, next);
     }
     if (r < r1) {
-        tile_fast(fmt, x, r, r1, K, ldx, tile0, G, sums, bias, n0, N, y, ldy, y_f32);
-        tile_fast(fmt, x, r, r1, K, ldx, tile1, G, sums, bias, n0 + TILE_N, N, y, ldy, y_f32);
+        const struct lookahead none = {NULL, 0, 0, 1};
+        tile_fast(fmt, x, r, r1, K, ldx, tile0, G, sums, bias, n0, N, y, ldy, y_f32, none);
+        tile_fast(fmt, x, r, r1, K, ldx, tile1, G, sums, bias, n0 + TILE_N, N, y, ldy, y_f32, none);
     }
 }
 
@@ -711,6 +753,7 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
     if (M <= 0 || N <= 0) return;
     const int64_t tiles = (N + TILE_N - 1) / TILE_N;
     const int64_t tile_bytes = (K / G) * tile_group_bytes(fmt, G);
+    const uint8_t *w_end = w + tiles * tile_bytes;
     float *sums = NULL, *xs = NULL, *xf = NULL;
     int8_t *xq = NULL;
     act_int8 = act_int8 && fmt == WFMT_U4;
@@ -806,9 +849,10 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                 const int64_t t = 2 * t2;
                 if (t + 1 < tiles)
                     tile_pair_fast(fmt, x, c0, c1, K, ldx, w + t * tile_bytes, w + (t + 1) * tile_bytes, G, sums,
-                                   bias, t * TILE_N, N, y, ldy, y_f32);
+                                   bias, t * TILE_N, N, y, ldy, y_f32, lookahead_of(w + (t + 2) * tile_bytes, 2 * tile_bytes, w_end));
                 else
-                    tile_fast(fmt, x, c0, c1, K, ldx, w + t * tile_bytes, G, sums, bias, t * TILE_N, N, y, ldy, y_f32);
+                    tile_fast(fmt, x, c0, c1, K, ldx, w + t * tile_bytes, G, sums, bias, t * TILE_N, N, y, ldy, y_f32,
+                              lookahead_of(w_end, 0, w_end));
             }
             continue;
         }
@@ -818,7 +862,8 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
             const uint8_t *tile = w + t * tile_bytes;
 #if LINEAR_ISA == 2
             if (!portable) {
-                tile_fast(fmt, x, c0, c1, K, ldx, tile, G, sums, bias, t * TILE_N, N, y, ldy, y_f32);
+                tile_fast(fmt, x, c0, c1, K, ldx, tile, G, sums, bias, t * TILE_N, N, y, ldy, y_f32,
+                          lookahead_of(tile + tile_bytes, tile_bytes, w_end));
                 continue;
             }
 #endif
