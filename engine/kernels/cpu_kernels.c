@@ -92,6 +92,7 @@ struct kv_lookahead {
     const void *k_head; /* NULL: nothing to prefetch */
     const int64_t *table;
     int64_t blocks;
+    int v_with_scores; /* ask for this task's V during its scores' pass rather than during its pass over V */
 };
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -125,7 +126,7 @@ static inline __m512 qk_row(const __m512bh *q, const uint16_t *k_row, int64_t nb
  * AVX512-BF16 dot products of the raw bf16 rows (every product exact in fp32), times scale after the
  * sum. K rows are read as stored (no widening to fp32), and 16 keys' sums are reduced together. */
 static inline __attribute__((always_inline)) void qk_scores_bf16(
-    const uint16_t *q_raw, int64_t G, const int64_t D, float scale, const uint16_t *k_head, const uint16_t *v_head,
+    const uint16_t *q_raw, int64_t G, const int64_t D, float scale, const uint16_t *k_head, const uint16_t *v_early,
     const int64_t *table, int64_t ctx, int64_t block_size, float *scores, int64_t stride) {
     const int64_t nb = D / 32;
     __m512bh qb[MAX_GROUP][MAX_HEAD_DIM / 32];
@@ -137,11 +138,11 @@ static inline __attribute__((always_inline)) void qk_scores_bf16(
         const int64_t n = ctx - start < block_size ? ctx - start : block_size;
         const int64_t bi = start / block_size, blocks = (ctx + block_size - 1) / block_size;
         const uint16_t *kb = k_head + table[bi] * block_size * D;
-        /* K two blocks ahead (one ahead is too close to cover DRAM latency), and this block's V for
-         * the pass after the softmax; a block's rows are contiguous, whole blocks are fetched */
+        /* K two blocks ahead (one ahead is too close to cover DRAM latency), and where asked this block's V
+         * for the pass after the softmax; a block's rows are contiguous, whole blocks are fetched */
         if (bi == 0 && blocks > 1) prefetch_block(k_head + table[1] * block_size * D, block_size * D * 2);
         if (bi + 2 < blocks) prefetch_block(k_head + table[bi + 2] * block_size * D, block_size * D * 2);
-        prefetch_block(v_head + table[bi] * block_size * D, block_size * D * 2);
+        if (v_early) prefetch_block(v_early + table[bi] * block_size * D, block_size * D * 2);
         int64_t j = 0;
         for (; j + 16 <= n; j += 16) {
             for (int64_t jj = 0; jj < 16; jj++)
