@@ -98,8 +98,21 @@ static inline float half_to_f32(uint16_t h) {
     return f;
 }
 
-/* sums[g] = sum of row xr's inputs in group g (the u4 min term needs it). */
+/* sums[g] = sum of row xr's inputs in group g (the u4 min term needs it). With AVX-512, lane-wise then a
+ * tree: the compiler's in-order reduction of the plain loop was 16 dependent scalar adds a group, ~4% of a
+ * 1,000-token prefill (AMD EPYC). */
 static void group_sums_row(const uint16_t *xr, int64_t K, int64_t G, float *sums) {
+#if defined(__AVX512F__)
+    if (G % 16 == 0) {
+        for (int64_t g = 0; g < K / G; g++) {
+            const uint16_t *xg = xr + g * G;
+            __m512 v = load16_bf16(xg);
+            for (int64_t k = 16; k < G; k += 16) v = _mm512_add_ps(v, load16_bf16(xg + k));
+            sums[g] = _mm512_reduce_add_ps(v);
+        }
+        return;
+    }
+#endif
     for (int64_t g = 0; g < K / G; g++) {
         float s = 0.f;
         const uint16_t *xg = xr + g * G;
