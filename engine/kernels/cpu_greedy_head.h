@@ -125,8 +125,8 @@ static inline __attribute__((always_inline)) void greedy_head_tile_rows(
 /* Every row of xq against NT tiles from tile t: 8 rows a pass against one tile, 4 against two. Where there are
  * several full passes, they ask for the next tiles' codes and meta as they go: the first pass read a tile
  * pair from memory, the others from cache, so memory idled through most of the work (AMD EPYC, 2 cores, the
- * embedded model's head: 1.1-1.3x at 8-32 rows, 64 unchanged). A single pass streams evenly and asking there ran 5-10%
- * slower, so it does not ask. */
+ * embedded model's head: 1.1-1.3x at 8-32 rows, 64 unchanged). A single pass streams evenly, and asking there
+ * ran 5-10% slower, so it does not ask. */
 static void greedy_head_tiles(int NT, const uint8_t *xq, const float *scale, const float *amax, int64_t M, int64_t K,
                               const int8_t *codes, const float *meta, int64_t n0, int64_t N, float *hi, float *best16,
                               const int64_t *ban_off, const int64_t *ban_ids, struct lookahead next_codes,
@@ -134,8 +134,8 @@ static void greedy_head_tiles(int NT, const uint8_t *xq, const float *scale, con
     const int64_t blocks = K / 32, full = M / (NT == 2 ? 4 : GH_ROWS);
     const int ask = full > 1;
     next_codes.parts = next_meta.parts = (full > 0 ? full : 1) * blocks;
-#define GH_PASS(RB, NTC, ASK)                                                                                           \
-    greedy_head_tile_rows(RB, NTC, ASK, xq, scale, amax, r, K, codes, meta, n0, N, hi, best16, ban_off, ban_ids,       \
+#define GH_PASS(RB, NTC, ASK)                                                                                    \
+    greedy_head_tile_rows(RB, NTC, ASK, xq, scale, amax, r, K, codes, meta, n0, N, hi, best16, ban_off, ban_ids, \
                           &next_codes, &next_meta)
     int64_t r = 0;
     if (NT == 2) {
@@ -218,7 +218,8 @@ int spark_greedy_head_bounds(const uint16_t *x, int64_t M, int64_t K, int64_t ld
             if (best16)
                 greedy_head_tiles(t + 1 < tiles ? 2 : 1, xq, scale, amax, M, K, codes + t * blocks * 8 * 64,
                                   meta + t * blocks * 48, t * 16, N, hi, best16, ban_off, ban_ids,
-                                  lookahead_of((const uint8_t *)codes + (t + 2) * tile_codes, 2 * tile_codes, codes_end),
+                                  lookahead_of((const uint8_t *)codes + (t + 2) * tile_codes, 2 * tile_codes,
+                                               codes_end),
                                   lookahead_of((const uint8_t *)meta + (t + 2) * tile_meta, 2 * tile_meta, meta_end));
         }
 #pragma omp critical

@@ -855,7 +855,8 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                 const int64_t t = 2 * t2;
                 if (t + 1 < tiles)
                     tile_pair_fast(fmt, x, c0, c1, K, ldx, w + t * tile_bytes, w + (t + 1) * tile_bytes, G, sums,
-                                   bias, t * TILE_N, N, y, ldy, y_f32, lookahead_of(w + (t + 2) * tile_bytes, 2 * tile_bytes, w_end));
+                                   bias, t * TILE_N, N, y, ldy, y_f32,
+                                   lookahead_of(w + (t + 2) * tile_bytes, 2 * tile_bytes, w_end));
                 else
                     tile_fast(fmt, x, c0, c1, K, ldx, w + t * tile_bytes, G, sums, bias, t * TILE_N, N, y, ldy, y_f32);
             }
