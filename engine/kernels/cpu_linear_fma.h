@@ -143,30 +143,39 @@ static inline __attribute__((always_inline)) void fma_block(
                 }
             }
         } else {
-            for (int64_t j = 0; j < G / 2; j++) {
-                __m512 w[2][2];
+            /* pairs of pair-rows, so each one's chain index (2j mod CH, CH <= 4) is a constant: with j alone
+             * it was not, and one row's four chains lived in memory */
+            for (int64_t j0 = 0; j0 < G / 2; j0 += 2) {
 #pragma GCC unroll 2
-                for (int t = 0; t < NT; t++) {
-                    const uint8_t *blk = tiles[t] + g * gbytes;
-                    if (fmt == WFMT_BF16) {
-                        const __m512i v = _mm512_loadu_si512(blk + j * 64);
-                        w[t][0] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-                        w[t][1] = _mm512_castsi512_ps(_mm512_and_si512(v, high_half));
-                    } else {
-                        const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + j * 32)));
-                        i8_pair_f32(v, &w[t][0], &w[t][1]);
-                        if (DQ && !scale_last) w[t][0] = _mm512_mul_ps(w[t][0], dq_d), w[t][1] = _mm512_mul_ps(w[t][1], dq_d);
-                    }
-                }
-                const int c0 = (int)((2 * j) % CH), c1 = (int)((2 * j + 1) % CH);
-#pragma GCC unroll 16
-                for (int r = 0; r < RB; r++) {
-                    const __m512 x0 = _mm512_set1_ps(px[(k0 + 2 * j) * P + r]);
-                    const __m512 x1 = _mm512_set1_ps(px[(k0 + 2 * j + 1) * P + r]);
+                for (int jj = 0; jj < 2; jj++) {
+                    const int64_t j = j0 + jj;
+                    if (j == G / 2) break; /* an odd count of pair-rows */
+                    __m512 w[2][2];
 #pragma GCC unroll 2
                     for (int t = 0; t < NT; t++) {
-                        part[r][t][c0] = _mm512_fmadd_ps(w[t][0], x0, part[r][t][c0]);
-                        part[r][t][c1] = _mm512_fmadd_ps(w[t][1], x1, part[r][t][c1]);
+                        const uint8_t *blk = tiles[t] + g * gbytes;
+                        if (fmt == WFMT_BF16) {
+                            const __m512i v = _mm512_loadu_si512(blk + j * 64);
+                            w[t][0] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                            w[t][1] = _mm512_castsi512_ps(_mm512_and_si512(v, high_half));
+                        } else {
+                            const __m512i v =
+                                _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + j * 32)));
+                            i8_pair_f32(v, &w[t][0], &w[t][1]);
+                            if (DQ && !scale_last)
+                                w[t][0] = _mm512_mul_ps(w[t][0], dq_d), w[t][1] = _mm512_mul_ps(w[t][1], dq_d);
+                        }
+                    }
+                    const int c0 = (2 * jj) % CH, c1 = (2 * jj + 1) % CH;
+#pragma GCC unroll 16
+                    for (int r = 0; r < RB; r++) {
+                        const __m512 x0 = _mm512_set1_ps(px[(k0 + 2 * j) * P + r]);
+                        const __m512 x1 = _mm512_set1_ps(px[(k0 + 2 * j + 1) * P + r]);
+#pragma GCC unroll 2
+                        for (int t = 0; t < NT; t++) {
+                            part[r][t][c0] = _mm512_fmadd_ps(w[t][0], x0, part[r][t][c0]);
+                            part[r][t][c1] = _mm512_fmadd_ps(w[t][1], x1, part[r][t][c1]);
+                        }
                     }
                 }
             }

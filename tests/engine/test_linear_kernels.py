@@ -82,6 +82,21 @@ def test_kernel_equals_dequantize_then_matmul(kind: str, path: str) -> None:
 
 
 @pytest.mark.parametrize("path", ["dot", "fma", "portable"])
+@pytest.mark.parametrize("kind", ["bf16", "i8"])
+def test_an_odd_count_of_input_pairs(kind: str, path: str) -> None:
+    """70 inputs are 35 pairs in one group: the FMA path walks pair-rows two at a time (so each one's chain is
+    a constant), and the odd last one must still be summed, at every row count a one-tile pass takes."""
+    portable = path == "portable"
+    gen = torch.Generator().manual_seed(11)
+    with nullcontext() if portable else linear_path(path):
+        for m, n in [(1, 48), (2, 33), (3, 16), (5, 40), (9, 17)]:
+            packed, w = _weights(kind, n, 70, gen)
+            x = (torch.randn(m, 70, generator=gen) * 2).to(torch.bfloat16)
+            got = kernels.linear(x, packed, None, torch.empty(m, n), portable=portable)
+            assert ((got - _reference(x, w, None)).abs() <= _tolerance(x, w)).all(), (kind, m, n)
+
+
+@pytest.mark.parametrize("path", ["dot", "fma", "portable"])
 @pytest.mark.parametrize("kind", ["bf16", "i8", "u4"])
 def test_no_rows_is_an_empty_answer(kind: str, path: str) -> None:
     """A step whose prompt chunks all stop short of their last token asks the head for no logits: zero rows
