@@ -122,28 +122,32 @@ static inline __attribute__((always_inline)) void greedy_head_tile_rows(
     }
 }
 
-/* Every row of xq against NT tiles from tile t: 8 rows a pass against one tile, 4 against two. Where there are
- * several full passes, they ask for the next tiles' codes and meta as they go: the first pass read a tile
- * pair from memory, the others from cache, so memory idled through most of the work (AMD EPYC, 2 cores, the
- * embedded model's head: 1.1-1.3x at 8-32 rows, 64 unchanged). A single pass streams evenly, and asking there
- * ran 5-10% slower, so it does not ask. */
+/* Every row of xq against NT tiles from tile t: 8 rows a pass against one tile, 4 against two. The passes ask
+ * for the next tiles' codes and meta as they go: several passes read a tile pair from memory once and then
+ * from cache, so memory idled through most of the work, and a lone pass of 2-4 rows streams two tiles at
+ * once, which the hardware prefetcher kept too little ahead of (AMD EPYC, 2 cores, the embedded model's
+ * head: 2-5 rows 1.06-1.57x, 8-32 rows 1.1-1.3x, 64 unchanged). One row does not ask: it ran 12-16% slower
+ * when it did. */
 static void greedy_head_tiles(int NT, const uint8_t *xq, const float *scale, const float *amax, int64_t M, int64_t K,
                               const int8_t *codes, const float *meta, int64_t n0, int64_t N, float *hi, float *best16,
                               const int64_t *ban_off, const int64_t *ban_ids, struct lookahead next_codes,
                               struct lookahead next_meta) {
-    const int64_t blocks = K / 32, full = M / (NT == 2 ? 4 : GH_ROWS);
-    const int ask = full > 1;
+    const int64_t blocks = K / 32, rows_a_pass = NT == 2 ? 4 : GH_ROWS, full = M / rows_a_pass;
+    const int rest_asks = full == 0 && M >= 2; /* the rows' only pass */
     next_codes.parts = next_meta.parts = (full > 0 ? full : 1) * blocks;
 #define GH_PASS(RB, NTC, ASK)                                                                                    \
     greedy_head_tile_rows(RB, NTC, ASK, xq, scale, amax, r, K, codes, meta, n0, N, hi, best16, ban_off, ban_ids, \
                           &next_codes, &next_meta)
     int64_t r = 0;
     if (NT == 2) {
-        for (; r + 4 <= M; r += 4, next_codes.part += blocks, next_meta.part += blocks) {
-            if (ask)
-                GH_PASS(4, 2, 1);
-            else
-                GH_PASS(4, 2, 0);
+        for (; r + 4 <= M; r += 4, next_codes.part += blocks, next_meta.part += blocks) GH_PASS(4, 2, 1);
+        if (rest_asks) {
+            switch (M - r) {
+            case 3: GH_PASS(3, 2, 1); break;
+            case 2: GH_PASS(2, 2, 1); break;
+            default: break;
+            }
+            return;
         }
         switch (M - r) {
         case 3: GH_PASS(3, 2, 0); break;
@@ -153,11 +157,18 @@ static void greedy_head_tiles(int NT, const uint8_t *xq, const float *scale, con
         }
         return;
     }
-    for (; r + GH_ROWS <= M; r += GH_ROWS, next_codes.part += blocks, next_meta.part += blocks) {
-        if (ask)
-            GH_PASS(GH_ROWS, 1, 1);
-        else
-            GH_PASS(GH_ROWS, 1, 0);
+    for (; r + GH_ROWS <= M; r += GH_ROWS, next_codes.part += blocks, next_meta.part += blocks) GH_PASS(GH_ROWS, 1, 1);
+    if (rest_asks) {
+        switch (M - r) {
+        case 7: GH_PASS(7, 1, 1); break;
+        case 6: GH_PASS(6, 1, 1); break;
+        case 5: GH_PASS(5, 1, 1); break;
+        case 4: GH_PASS(4, 1, 1); break;
+        case 3: GH_PASS(3, 1, 1); break;
+        case 2: GH_PASS(2, 1, 1); break;
+        default: break;
+        }
+        return;
     }
     switch (M - r) {
     case 7: GH_PASS(7, 1, 0); break;
