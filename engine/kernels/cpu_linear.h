@@ -57,6 +57,12 @@ static inline struct lookahead lookahead_of(const uint8_t *next, int64_t len, co
     return la;
 }
 
+/* A pass's shares: one per group for 4-bit tiles, one per 32 inputs for the others (a bf16 or per-channel
+ * int8 tile is one group of every input, and asking for its whole next tile at once ran 1.3-1.6x slower). */
+static inline int64_t lookahead_shares(int fmt, int64_t K, int64_t G) {
+    return fmt == 1 /* WFMT_U4 */ ? K / G : (K + 31) / 32;
+}
+
 /* Share part + g of the lookahead's lines into L2. */
 static inline void prefetch_share(const struct lookahead *la, int64_t g) {
     if (!la->base) return;
@@ -352,7 +358,7 @@ static inline __attribute__((always_inline)) void tile_rows_avx512(
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = tile + g * gbytes;
         const int64_t k0 = g * G;
-        if (ASK) prefetch_share(next, g);
+        if (ASK && fmt == WFMT_U4) prefetch_share(next, g); /* (the others, a share per 32 inputs below) */
 #pragma GCC unroll 8
         for (int r = 0; r < RB; r++)
 #pragma GCC unroll 4
@@ -361,6 +367,7 @@ static inline __attribute__((always_inline)) void tile_rows_avx512(
             const int64_t pairs = G / 2;
             int64_t j = 0;
             for (; j + CH <= pairs; j += CH) {
+                if (ASK && (j & 15) == 0) prefetch_share(next, (k0 + 2 * j) / 32);
 #pragma GCC unroll 4
                 for (int c = 0; c < CH; c++) {
                     const __m512bh w = pair_row(fmt, blk, j + c);
@@ -370,6 +377,7 @@ static inline __attribute__((always_inline)) void tile_rows_avx512(
                 }
             }
             for (; j < pairs; j++) { /* an odd tail of pairs when CH > 1 */
+                if (ASK && (j & 15) == 0) prefetch_share(next, (k0 + 2 * j) / 32);
                 const __m512bh w = pair_row(fmt, blk, j);
 #pragma GCC unroll 8
                 for (int r = 0; r < RB; r++) part[r][0] = _mm512_dpbf16_ps(part[r][0], pair_bcast(xr[r], k0 + 2 * j), w);
@@ -443,9 +451,9 @@ static inline __attribute__((always_inline)) void tile_pair_rows_u4(
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk0 = tile0 + g * gbytes, *blk1 = tile1 + g * gbytes;
         const int64_t k0 = g * G;
-        prefetch_share(&la, g);
 #pragma GCC unroll 8
         for (int r = 0; r < RB; r++) part[r][0] = part[r][1] = _mm512_setzero_ps();
+        prefetch_share(&la, g);
         for (int64_t b = 0; b < G / 32; b++) {
             const int64_t kb = k0 + b * 32;
 #pragma GCC unroll 2
@@ -510,19 +518,27 @@ static void tile_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_
 #undef ROWS_CALL
 }
 
-/* One or two rows against one tile of small groups (GGUF's 32 inputs, int4's), asking for the next tile's
- * lines as the pass goes (`next`), a share per group. With the weights streaming from memory, the model's
- * projections (AMD EPYC): 4-bit 1.15-1.20x at one row, 1.08-1.12x at two; Q8_0 1.15-1.19x. From three rows
- * on it ran 2-3% slower, and those keep tile_fast. bf16 and per-channel int8 tiles are one group of every
- * input, so their share would be the whole next tile at once: their one-row passes ran 1.3-1.6x slower so. */
+/* One or two rows against one 4-bit or int8 tile, asking for the next tile's lines as the pass goes (`next`),
+ * a share per 32 inputs. With the weights streaming from memory, the model's projections (AMD EPYC): 4-bit
+ * 1.15-1.20x at one row, 1.08-1.12x at two; int8 and Q8_0 1.12-1.27x. From three rows on it ran 2-3%
+ * slower, and those keep tile_fast; so did bf16 (7-11%), which streams at memory's pace already. */
 static void tile_rows_ahead(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_t K, int64_t ldx,
                             const uint8_t *tile, int64_t G, const float *sums, const float *bias, int64_t n0,
                             int64_t N, void *y, int64_t ldy, int y_f32, struct lookahead next) {
-    next.parts = K / G;
-    if (r1 - r0 == 2)
-        tile_rows_avx512(2, fmt, x, r0, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32, 1, &next);
-    else
-        tile_rows_avx512(1, fmt, x, r0, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32, 1, &next);
+    next.parts = lookahead_shares(fmt, K, G);
+#define AHEAD_CALL(RB, FMT) \
+    tile_rows_avx512(RB, FMT, x, r0, K, ldx, tile, G, sums, bias, n0, N, y, ldy, y_f32, 1, &next)
+    if (fmt == WFMT_U4) { /* the format a constant: the 4-bit code alone (3-6% faster than with both) */
+        if (r1 - r0 == 2)
+            AHEAD_CALL(2, WFMT_U4);
+        else
+            AHEAD_CALL(1, WFMT_U4);
+    } else if (r1 - r0 == 2) {
+        AHEAD_CALL(2, fmt);
+    } else {
+        AHEAD_CALL(1, fmt);
+    }
+#undef AHEAD_CALL
 }
 
 /* bf16 and i8: the same two-tile pass; pair-row j of both tiles against each row's input pair. The
@@ -550,10 +566,10 @@ static inline __attribute__((always_inline)) void tile_pair_rows_dense(
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk0 = tile0 + g * gbytes, *blk1 = tile1 + g * gbytes;
         const int64_t k0 = g * G;
-        prefetch_share(&la, g);
 #pragma GCC unroll 8
         for (int r = 0; r < RB; r++) part[r][0] = part[r][1] = _mm512_setzero_ps();
         for (int64_t j = 0; j < G / 2; j++) {
+            if ((j & 15) == 0) prefetch_share(&la, (k0 + 2 * j) / 32);
             const __m512bh w0 = pair_row(fmt, blk0, j), w1 = pair_row(fmt, blk1, j);
 #pragma GCC unroll 8
             for (int r = 0; r < RB; r++) {
@@ -590,21 +606,21 @@ static inline __attribute__((always_inline)) void tile_pair_rows_dense(
 static void tile_pair_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_t K, int64_t ldx,
                            const uint8_t *tile0, const uint8_t *tile1, int64_t G, const float *sums, const float *bias,
                            int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32, struct lookahead next) {
-    const int64_t groups = K / G, rows = r1 - r0;
+    const int64_t shares = lookahead_shares(fmt, K, G), rows = r1 - r0;
     int64_t r = r0;
     if (fmt == WFMT_U4) {
         /* 8 rows where there are 8: each unpacked code vector feeds twice as many products (+2-3% at 8-256
          * rows on AMD EPYC; 16 accumulators still fit the registers) */
-        next.parts = (rows / (2 * PAIR_ROWS) + rows % (2 * PAIR_ROWS) / PAIR_ROWS) * groups;
-        for (; r + 2 * PAIR_ROWS <= r1; r += 2 * PAIR_ROWS, next.part += groups)
+        next.parts = (rows / (2 * PAIR_ROWS) + rows % (2 * PAIR_ROWS) / PAIR_ROWS) * shares;
+        for (; r + 2 * PAIR_ROWS <= r1; r += 2 * PAIR_ROWS, next.part += shares)
             tile_pair_rows_u4(2 * PAIR_ROWS, x, r, K, ldx, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, next);
-        for (; r + PAIR_ROWS <= r1; r += PAIR_ROWS, next.part += groups)
+        for (; r + PAIR_ROWS <= r1; r += PAIR_ROWS, next.part += shares)
             tile_pair_rows_u4(PAIR_ROWS, x, r, K, ldx, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, next);
     } else {
-        next.parts = (rows / (2 * PAIR_ROWS) + (fmt == WFMT_BF16 ? rows % (2 * PAIR_ROWS) / PAIR_ROWS : 0)) * groups;
-        for (; r + 2 * PAIR_ROWS <= r1; r += 2 * PAIR_ROWS, next.part += groups)
+        next.parts = (rows / (2 * PAIR_ROWS) + (fmt == WFMT_BF16 ? rows % (2 * PAIR_ROWS) / PAIR_ROWS : 0)) * shares;
+        for (; r + 2 * PAIR_ROWS <= r1; r += 2 * PAIR_ROWS, next.part += shares)
             tile_pair_rows_dense(2 * PAIR_ROWS, fmt, x, r, K, ldx, tile0, tile1, G, bias, n0, N, y, ldy, y_f32, next);
-        for (; fmt == WFMT_BF16 && r + PAIR_ROWS <= r1; r += PAIR_ROWS, next.part += groups)
+        for (; fmt == WFMT_BF16 && r + PAIR_ROWS <= r1; r += PAIR_ROWS, next.part += shares)
             tile_pair_rows_dense(PAIR_ROWS, fmt, x, r, K, ldx, tile0, tile1, G, bias, n0, N, y, ldy, y_f32, next);
     }
     if (r < r1) {
@@ -914,7 +930,7 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
             const uint8_t *tile = w + t * tile_bytes;
 #if LINEAR_ISA == 2
             if (!portable) {
-                if (G <= 128 && c1 - c0 <= 2) /* a share a group stays a few lines */
+                if (fmt != WFMT_BF16 && c1 - c0 <= 2) /* bf16: 7-11% slower asking (it streams at memory's pace) */
                     tile_rows_ahead(fmt, x, c0, c1, K, ldx, tile, G, sums, bias, t * TILE_N, N, y, ldy, y_f32,
                                     lookahead_of(tile + tile_bytes, tile_bytes, w_end));
                 else
