@@ -43,12 +43,12 @@ enum { WFMT_BF16 = 0, WFMT_U4 = 1, WFMT_I8 = 2 };
  * A pass over 32 rows reads a tile pair once from memory and three more times from cache, so without this
  * the memory sits idle for three passes and the next pair starts on cold lines; a single pass of 4-8 rows
  * reads two tiles' streams at once, and the hardware prefetcher kept too little ahead of them. Spreading
- * the next pair's lines over every group of every pass keeps one steady stream one pair ahead. */
+ * the next pair's lines over every share (lookahead_shares) of every pass keeps one steady stream one pair ahead. */
 struct lookahead {
     const uint8_t *base; /* NULL: nothing to prefetch */
     int64_t len;         /* bytes from base */
     int64_t part;        /* this pass's first share */
-    int64_t parts;       /* shares in all: passes x groups */
+    int64_t parts;       /* shares in all: passes x lookahead_shares */
 };
 
 static inline struct lookahead lookahead_of(const uint8_t *next, int64_t len, const uint8_t *end) {
