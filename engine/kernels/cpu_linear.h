@@ -60,7 +60,7 @@ static inline struct lookahead lookahead_of(const uint8_t *next, int64_t len, co
 /* A pass's shares: one per group for 4-bit tiles, one per 32 inputs for the others (a bf16 or per-channel
  * int8 tile is one group of every input, and asking for its whole next tile at once ran 1.3-1.6x slower). */
 static inline int64_t lookahead_shares(int fmt, int64_t K, int64_t G) {
-    return fmt == 1 /* WFMT_U4 */ ? K / G : (K + 31) / 32;
+    return fmt == WFMT_U4 ? K / G : (K + 31) / 32;
 }
 
 /* Share part + g of the lookahead's lines into L2. */
@@ -519,7 +519,7 @@ static void tile_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_
 }
 
 /* One or two rows against one 4-bit or int8 tile, asking for the next tile's lines as the pass goes (`next`),
- * a share per 32 inputs. With the weights streaming from memory, the model's projections (AMD EPYC): 4-bit
+ * a share at a time (lookahead_shares). With the weights streaming from memory, the model's projections (AMD EPYC): 4-bit
  * 1.15-1.20x at one row, 1.08-1.12x at two; int8 and Q8_0 1.12-1.27x. From three rows on it ran 2-3%
  * slower, and those keep tile_fast; so did bf16 (7-11%), which streams at memory's pace already. */
 static void tile_rows_ahead(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_t K, int64_t ldx,
