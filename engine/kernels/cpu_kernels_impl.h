@@ -160,9 +160,9 @@ static inline __attribute__((always_inline)) void FN(attend_avx512)(
     /* V's first two blocks come in while the softmax runs (the pass over V asks for the rest as it goes),
      * unless the scores' pass has asked for all of it */
     const int v_asked = scored && ahead->v_with_scores;
-    const int64_t v_bytes = block_size * D * (int64_t)sizeof(T);
+    const int64_t block_bytes = block_size * D * (int64_t)sizeof(T); /* one block of one head's K or V */
     for (int64_t a = 0; a < 2 && a * block_size < ctx && !v_asked; a++)
-        prefetch_block(v_head + table[a] * block_size * D, v_bytes);
+        prefetch_block(v_head + table[a] * block_size * D, block_bytes);
     /* The softmax again in intrinsics: the plain-C loop above is about half as fast here (measured:
      * 8 vs 13 us per layer at 250 tokens, batch 1). */
     float inv_sum[MAX_GROUP];
@@ -202,10 +202,9 @@ static inline __attribute__((always_inline)) void FN(attend_avx512)(
          * The next block is asked for a second time on purpose: asking only two ahead, once, ran 2-9%
          * slower (a prefetch the CPU drops while its miss queue is full is not retried). */
         for (int64_t a = 1; a <= 2 && start + a * block_size < ctx && !v_asked; a++)
-            prefetch_block(v_head + table[start / block_size + a] * block_size * D, v_bytes);
+            prefetch_block(v_head + table[start / block_size + a] * block_size * D, block_bytes);
         if (ahead->k_head && start / block_size < ahead->blocks) /* the next task's K, a block per V block */
-            prefetch_block((const T *)ahead->k_head + ahead->table[start / block_size] * block_size * D,
-                           block_size * D * (int64_t)sizeof(T));
+            prefetch_block((const T *)ahead->k_head + ahead->table[start / block_size] * block_size * D, block_bytes);
         for (int64_t j = 0; j < n; j++) {
             __m512 vv[MAX_HEAD_DIM / 16];
             for (int64_t c = 0; c < nv; c++) vv[c] = LOAD16(vb + j * D + c * 16);
