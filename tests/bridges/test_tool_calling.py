@@ -11,11 +11,15 @@ import jsonschema
 import openai
 import pytest
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
+# Both tools are bounded in tokens, so a sampled call always ends within the tests' max_tokens: a city of at most
+# 20 plain letters is at most ~50 tokens with the call's frame (a bare maxLength would let a sample write 20
+# escapes, six tokens each, and be cut by max_tokens at random)
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,20}$"},
+                                           "unit": {"enum": ["c", "f"]}},
            "required": ["city", "unit"], "additionalProperties": False}
 ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -999, "maximum": 999},
                                        "b": {"type": "integer", "minimum": -999, "maximum": 999}},
-       "required": ["a", "b"], "additionalProperties": False}  # bounded: every call ends within max_tokens
+       "required": ["a", "b"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": ADD}}]
@@ -56,7 +60,7 @@ def test_a_named_function_is_always_that_function(client, model):
 
 def test_parallel_tool_calls_false_makes_one_call(client, model):
     r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required", n=3,
-                                       temperature=1.0, max_tokens=48, parallel_tool_calls=False)
+                                       temperature=1.0, max_tokens=64, parallel_tool_calls=False)
     assert all(len(c.message.tool_calls) == 1 for c in r.choices)
 
 
