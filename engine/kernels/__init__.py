@@ -214,6 +214,9 @@ class CpuKernels:
         self._greedy_candidates = lib.spark_greedy_candidates
         self._greedy_candidates.argtypes = [_P, _P, _I64, _I64, _I64, _P, _P]
         self._greedy_candidates.restype = None
+        self._greedy_exact = lib.spark_greedy_exact
+        self._greedy_exact.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P]
+        self._greedy_exact.restype = None
         self._sample_rows = lib.sample_rows
         self._sample_rows.argtypes = [_P, _I64, _I64, _P, _P, _P, _P, _P, _P]
         self._sample_rows.restype = None
@@ -381,6 +384,16 @@ class CpuKernels:
         count = torch.empty(rows, dtype=torch.int64)
         self._greedy_candidates(hi.data_ptr(), best.data_ptr(), rows, n, cap, idx.data_ptr(), count.data_ptr())
         return idx, count
+
+    def greedy_exact(self, x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, idx: torch.Tensor,
+                     count: torch.Tensor) -> torch.Tensor:
+        """Each row's greedy token among its candidates (greedy_candidates' idx and count; every count >= 1),
+        from fp32 logits of the dequantized head rows (see greedy_head_bounds for codes and meta)."""
+        rows, cap = idx.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        self._greedy_exact(x.data_ptr(), rows, x.shape[1], x.stride(0), codes.data_ptr(), meta.data_ptr(),
+                           idx.data_ptr(), count.data_ptr(), cap, out.data_ptr())
+        return out
 
     def decode_attention(self, qkv: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor,
                          context_lens: torch.Tensor, block_size: int, batch: int, num_heads: int, num_kv_heads: int,

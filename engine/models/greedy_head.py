@@ -76,11 +76,4 @@ class GreedyHead:
         idx, count = self.kernels.greedy_candidates(hi, best, CANDIDATES_CAP)
         if rows and int(count.min()) <= 0:
             return None
-        width = int(count.max())
-        live = torch.arange(width)[None, :] < count[:, None]  # [rows, width]: the rows' candidates, ascending
-        ids = idx[:, :width][live]
-        owner = torch.arange(rows)[:, None].expand(rows, width)[live]
-        exact = torch.full((rows, width), float("-inf"))
-        exact[live] = (h[owner].float() * self.quantized.rows(ids)).sum(-1)  # fp32, from the dequantized weights
-        # the first maximum among ascending candidates: torch.argmax's tie rule over the whole row
-        return GreedyPicks(idx[:, :width].gather(1, exact.argmax(-1, keepdim=True)).flatten())
+        return GreedyPicks(self.kernels.greedy_exact(h, self.codes, self.meta, idx, count))

@@ -54,6 +54,28 @@ def test_bound_holds_and_picks_equal_the_fp32_argmax(n: int, group: int, rows: i
     assert head.pick(h, banned).token_ids.tolist() == want.argmax(-1).tolist()
 
 
+def test_exact_picks_follow_torch_argmax_rules() -> None:
+    """The candidates' exact logits (spark_greedy_exact): the dequantize-then-multiply reference's pick, the
+    first of equal maxima, and a NaN logit over any number, as torch.argmax does."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 70, 576
+    quantized = _random_head(n, k, 32, gen)
+    quantized.codes[40] = quantized.codes[3]  # tokens 3 and 40: the same weights, the same logit
+    quantized.scales[40] = quantized.scales[3]
+    quantized.scales[60, 5] = float("nan")  # token 60's logit is NaN in every row
+    head = GreedyHead(quantized, kernels)
+    h = torch.randn(3, k, generator=gen).to(torch.bfloat16)
+    exact = h.float() @ quantized.dequantize().T
+    top = exact[0].nan_to_num(float("-inf")).topk(3).indices.sort().values
+    idx = torch.zeros(3, 8, dtype=torch.int64)
+    idx[0, :3] = top
+    idx[1, :2] = torch.tensor([3, 40])
+    idx[2, :4] = torch.tensor([5, 59, 60, 61])
+    count = torch.tensor([3, 2, 4])
+    picks = kernels.greedy_exact(h, head.codes, head.meta, idx, count).tolist()
+    assert picks == [int(top[exact[0, top].argmax()]), 3, 60]
+
+
 def _generate(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     for i, prompt in enumerate(prompts):
         engine.add_request(GenerationRequest(f"g{i}", TokensPrompt(prompt),
