@@ -33,3 +33,25 @@ def test_the_decode_step_split_runs_and_adds_up():
     values = [float(v) for v in re.findall(r" ([\d.-]+)(?:,|$)", parts)]
     assert len(values) == 4 and all(v >= 0 for v in values), line
     assert abs(sum(values) - float(total)) < 0.05, line
+
+
+def test_the_load_split_counts_the_load_and_stays_under_its_ceiling():
+    """bench_load_split is a profiling aid without a bar. Its accounting is checked: the prompt tokens and decode
+    rows it recorded are exactly the load's (each request's first token comes from its prefill), and the run
+    took no less than the ceiling it computed (work at the CPU's peaks cannot be beaten, so a ceiling above
+    the measured time means the work was overcounted)."""
+    requests, prompt, out = 3, 20, 4
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_load_split", "--streams", "2", "--requests",
+                           str(requests), "--prompt-tokens", str(prompt), "--max-tokens", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = proc.stdout
+    if "no peak to compare against" in text:
+        pytest.skip("no native kernels with a fast path on this machine")
+    prompt_tokens = [int(v) for v in re.findall(r"(\d+) prompt tokens", text)]
+    decode_rows = [int(v) for v in re.findall(r"(\d+) decode rows", text)]
+    assert sum(prompt_tokens) == requests * prompt, text
+    assert sum(decode_rows) == requests * (out - 1), text
+    overlapped, phased = (float(v) for v in re.search(r"ceiling: ([\d.]+) s .*; ([\d.]+) s", text).groups())
+    wall = float(re.search(r"measured: ([\d.]+) s", text).group(1))
+    assert 0 < overlapped <= phased <= wall, text

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,6 +46,7 @@ NATIVE = "-march=native"  # this CPU's full instruction set (AVX-512 where it ha
 DISABLE_ENV = "SPARK_NATIVE_KERNELS"
 # the linear kernels' fast paths, by their C enum value (cpu_linear.h): AVX512-BF16 dot products, fp32 FMAs
 LINEAR_PATHS = ("dot", "fma")
+PEAK_KINDS = ("dot", "fma", "vnni")  # spark_dot_peak's kinds: the linears' two paths, the greedy head's int8
 LINEAR_PATH_NAMES = {"dot": "AVX512-BF16 dot products", "fma": "fp32 FMAs"}  # for logs and tables
 
 _lock = threading.Lock()
@@ -189,6 +191,9 @@ class CpuKernels:
         self._read_sum = lib.spark_read_sum
         self._read_sum.argtypes = [_P, _I64, _INT]
         self._read_sum.restype = ctypes.c_uint64
+        self._dot_peak = lib.spark_dot_peak
+        self._dot_peak.argtypes = [_INT, _I64, _INT]
+        self._dot_peak.restype = ctypes.c_double
         # 2: AVX512-BF16 dot products; 0: the portable C path only (correct everywhere, slower)
         self.linear_isa = lib.spark_linear_isa()
         # the fast paths for bf16 activations this build has ("dot": AVX512-BF16, "fma": fp32 FMAs on AVX-512F)
@@ -319,6 +324,27 @@ class CpuKernels:
     def read_sum(self, buffer: torch.Tensor) -> int:
         """Read every byte of a buffer (a multiple of 8 bytes) once: the plain-read bandwidth reference."""
         return self._read_sum(buffer.data_ptr(), buffer.numel() * buffer.element_size() // 8, self.num_threads)
+
+    def dot_peak(self, kind: str, seconds: float = 0.2) -> float | None:
+        """Multiply-adds a second that ``kind``'s instruction reaches on register-resident values, all threads
+        ("dot": vdpbf16ps, "fma": fp32 FMAs, "vnni": vpdpbusd); best of three runs of ~``seconds`` each.
+        None where this build lacks the instruction. The ceiling a kernel's arithmetic can approach."""
+        code = PEAK_KINDS.index(kind)
+        if not self._dot_peak(code, 1, self.num_threads):
+            return None
+        rounds, best = 1 << 12, 0.0
+        while True:  # grow until one run takes a fair share of the time asked for
+            start = time.perf_counter()
+            done = self._dot_peak(code, rounds, self.num_threads)
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds / 4 or rounds >= 1 << 34:
+                break
+            rounds *= 2
+        for _ in range(3):
+            start = time.perf_counter()
+            done = self._dot_peak(code, rounds, self.num_threads)
+            best = max(best, done / (time.perf_counter() - start))
+        return best
 
     def apply_token_bitmask(self, logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
         """fp32 logits [B, V] in place: in row rows[i], tokens whose bit is 0 in mask[i] (int32 words) -> -inf."""
