@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks.bench_kernels import cpu_model
+from benchmarks.bench_kernels import best_of, cpu_model
 from benchmarks.common import token_requests
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -107,12 +107,7 @@ def measure_peaks(engine: LLMEngine, kinds: set[str]) -> Peaks:
         if rate:
             peaks.rates[kind] = rate
     buffer = torch.ones(64 << 20, dtype=torch.float64)  # 512 MB: far past any cache
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        kernels.read_sum(buffer)
-        best = min(best, time.perf_counter() - start)
-    peaks.read_bytes_per_s = buffer.numel() * 8 / best
+    peaks.read_bytes_per_s = buffer.numel() * 8 / best_of(lambda: kernels.read_sum(buffer), 5)
     return peaks
 
 
@@ -144,10 +139,11 @@ def run_load(engine: LLMEngine, streams: int, requests: int, prompt_tokens: int,
     """The closed loop; returns every step's work and time."""
     scheduler = engine.scheduler
     schedule = scheduler.schedule
-    current = StepWork()
+    steps: list[StepWork] = []
 
     def recording_schedule():  # what each step computes, read off its batch before it runs
         batch = schedule()
+        current = steps[-1]
         for seq, n in batch.prefills:
             start = seq.num_computed_tokens
             current.prefill_tokens += n
@@ -164,16 +160,14 @@ def run_load(engine: LLMEngine, streams: int, requests: int, prompt_tokens: int,
     pending.reverse()
     for _ in range(min(streams, len(pending))):
         engine.add_request(pending.pop())
-    steps: list[StepWork] = []
     gc.collect()
     gc.freeze()  # as the server does after start-up
     try:
         while engine.has_unfinished():
-            current.__init__()  # type: ignore[misc]
+            steps.append(StepWork())
             start = time.perf_counter()
             outputs = engine.step()
-            current.seconds = time.perf_counter() - start
-            steps.append(StepWork(**vars(current)))
+            steps[-1].seconds = time.perf_counter() - start
             for output in outputs:
                 if output.finished and pending:
                     engine.add_request(pending.pop())
