@@ -138,48 +138,44 @@ static void greedy_head_tiles(int NT, const uint8_t *xq, const float *scale, con
 #define GH_PASS(RB, NTC, ASK)                                                                                    \
     greedy_head_tile_rows(RB, NTC, ASK, xq, scale, amax, r, K, codes, meta, n0, N, hi, best16, ban_off, ban_ids, \
                           &next_codes, &next_meta)
+    /* the rows left after the full passes, in one pass of M - r rows; ASK a compile-time choice in each
+     * (rest_asks never holds for one row) */
+#define GH_REST_1(ASK)                    \
+    switch (M - r) {                      \
+    case 7: GH_PASS(7, 1, ASK); break;    \
+    case 6: GH_PASS(6, 1, ASK); break;    \
+    case 5: GH_PASS(5, 1, ASK); break;    \
+    case 4: GH_PASS(4, 1, ASK); break;    \
+    case 3: GH_PASS(3, 1, ASK); break;    \
+    case 2: GH_PASS(2, 1, ASK); break;    \
+    case 1: GH_PASS(1, 1, ASK); break;    \
+    default: break;                       \
+    }
+#define GH_REST_2(ASK)                    \
+    switch (M - r) {                      \
+    case 3: GH_PASS(3, 2, ASK); break;    \
+    case 2: GH_PASS(2, 2, ASK); break;    \
+    case 1: GH_PASS(1, 2, ASK); break;    \
+    default: break;                       \
+    }
     int64_t r = 0;
     if (NT == 2) {
         for (; r + 4 <= M; r += 4, next_codes.part += blocks, next_meta.part += blocks) GH_PASS(4, 2, 1);
         if (rest_asks) {
-            switch (M - r) {
-            case 3: GH_PASS(3, 2, 1); break;
-            case 2: GH_PASS(2, 2, 1); break;
-            default: break;
-            }
-            return;
-        }
-        switch (M - r) {
-        case 3: GH_PASS(3, 2, 0); break;
-        case 2: GH_PASS(2, 2, 0); break;
-        case 1: GH_PASS(1, 2, 0); break;
-        default: break;
+            GH_REST_2(1)
+        } else {
+            GH_REST_2(0)
         }
         return;
     }
     for (; r + GH_ROWS <= M; r += GH_ROWS, next_codes.part += blocks, next_meta.part += blocks) GH_PASS(GH_ROWS, 1, 1);
     if (rest_asks) {
-        switch (M - r) {
-        case 7: GH_PASS(7, 1, 1); break;
-        case 6: GH_PASS(6, 1, 1); break;
-        case 5: GH_PASS(5, 1, 1); break;
-        case 4: GH_PASS(4, 1, 1); break;
-        case 3: GH_PASS(3, 1, 1); break;
-        case 2: GH_PASS(2, 1, 1); break;
-        default: break;
-        }
-        return;
+        GH_REST_1(1)
+    } else {
+        GH_REST_1(0)
     }
-    switch (M - r) {
-    case 7: GH_PASS(7, 1, 0); break;
-    case 6: GH_PASS(6, 1, 0); break;
-    case 5: GH_PASS(5, 1, 0); break;
-    case 4: GH_PASS(4, 1, 0); break;
-    case 3: GH_PASS(3, 1, 0); break;
-    case 2: GH_PASS(2, 1, 0); break;
-    case 1: GH_PASS(1, 1, 0); break;
-    default: break;
-    }
+#undef GH_REST_1
+#undef GH_REST_2
 #undef GH_PASS
 }
 #endif

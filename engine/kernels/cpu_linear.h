@@ -757,21 +757,19 @@ static inline __attribute__((always_inline)) void q8_rows(const int NT, const in
         else
             Q8_CALL(4, 0);
     }
+#define Q8_REST(ASK)                 \
+    switch (r1 - r) {                \
+    case 3: Q8_CALL(3, ASK); break;  \
+    case 2: Q8_CALL(2, ASK); break;  \
+    case 1: Q8_CALL(1, ASK); break;  \
+    default: break;                  \
+    }
     if (full == 0) { /* the rows' only pass: it streams two tiles at once, as the 4-row ones do */
-        switch (r1 - r) {
-        case 3: Q8_CALL(3, 1); break;
-        case 2: Q8_CALL(2, 1); break;
-        case 1: Q8_CALL(1, 1); break;
-        default: break;
-        }
-        return;
+        Q8_REST(1)
+    } else {
+        Q8_REST(0)
     }
-    switch (r1 - r) {
-    case 3: Q8_CALL(3, 0); break;
-    case 2: Q8_CALL(2, 0); break;
-    case 1: Q8_CALL(1, 0); break;
-    default: break;
-    }
+#undef Q8_REST
 #undef Q8_CALL
 }
 
