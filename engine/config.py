@@ -29,3 +29,9 @@ class EngineConfig:
     max_logprobs: int = 20  # most logprobs a request may ask for (top_logprobs, prompt_logprobs)
     seed: int | None = None  # seeds the samples of requests that bring no seed (reproducible runs)
     chat_template: str | None = None  # a Jinja template (or a file holding one) replacing the model's
+    # prompt-lookup speculation for greedy requests (engine/speculation.py; vLLM's "ngram" method): up to
+    # this many tokens that followed an earlier occurrence of the last n tokens (prompt_lookup_max >= n >=
+    # prompt_lookup_min) are verified in one step (0: off)
+    num_speculative_tokens: int = 5
+    prompt_lookup_min: int = 4
+    prompt_lookup_max: int = 8

@@ -33,10 +33,11 @@ from engine.models.weights import resolve_activations, resolve_quantization
 from engine.quant import cache as quant_cache
 from engine.quant.calibration import calibrate, sample_on_engine
 from engine.request import ChatPrompt, GenerationRequest, Prompt, RequestOutput, TokenLogprob
-from engine.sampler import sample
+from engine.sampler import sample, takes_plain_argmax
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.speculation import NgramProposer, accepted_prefix
 from engine.structured import CompiledGrammar, Constraint, GrammarCompiler, MaskApplier, PreparedMasks
 
 logger = logging.getLogger(__name__)
@@ -171,6 +172,8 @@ class LLMEngine:
         self._argmax = self.model.kernels.argmax if self.model.kernels is not None else None  # greedy picks
         self._draw = self.model.kernels.sample if self.model.kernels is not None else None  # random draws
         self.runner.greedy_eos_token_ids = self.eos_token_ids  # plain-argmax steps may pick in the model
+        self.speculator = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                         config.prompt_lookup_max) if config.num_speculative_tokens else None)
         self._grammars: GrammarCompiler | None = None  # structured output, made at its first use
         self._masks: MaskApplier | None = None
         self._grammars_lock = threading.Lock()
@@ -189,6 +192,10 @@ class LLMEngine:
         logger.info("engine ready in %.1fs: %s on %s/%s, %d KV blocks of %d tokens, fused CPU kernels %s",
                     time.monotonic() - started, name, self.device, self.model_info.dtype, num_blocks,
                     config.block_size, "on" if self.model.kernels is not None else "off")
+        if self.speculator is not None:
+            logger.info("greedy requests speculate: up to %d tokens a step from earlier %d-%d-token matches in "
+                        "prompt or answer (--num-speculative-tokens 0: off)", config.num_speculative_tokens,
+                        config.prompt_lookup_min, config.prompt_lookup_max)
         if self.model.greedy_head is not None:
             logger.info("greedy steps pick through the int8 head's bounded logits (AVX512-VNNI), the few "
                         "candidates recomputed in fp32")
@@ -341,6 +348,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._expire_deadlines()
+        self._propose_drafts()
         batch = self.scheduler.schedule()
         outputs += [self._finish(s, "length", text=s.stop_matcher.flush()) for s in batch.out_of_cache]
         if batch.is_empty:
@@ -368,9 +376,41 @@ class LLMEngine:
             logger.exception("model step failed for %d sequences", len(seqs))
             return outputs + [self._finish(s, "error", error=f"inference failed: {exc}",
                                                     error_kind="inference") for s in seqs]
-        for seq, token in zip(samplers, tokens):
-            outputs.append(self._process_token(seq, token))
+        row = 0
+        while row < len(samplers):
+            seq = samplers[row]
+            rows = 1 + len(seq.draft_token_ids)  # only a scheduled decode keeps a draft (Scheduler.schedule)
+            outputs.append(self._take_picks(seq, tokens[row:row + rows]))
+            row += rows
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Prompt-lookup drafts for the running sequences about to decode whose picks are plain argmaxes."""
+        if self.speculator is None:
+            return
+        for seq in self.scheduler.running:
+            seq.draft_token_ids = (self.speculator.propose(seq) if seq.num_uncomputed_tokens == 1
+                                   and takes_plain_argmax(seq) else [])
+
+    def _take_picks(self, seq: Sequence, picks: list[int]) -> RequestOutput:
+        """The step's tokens for ``seq``: its one pick, or (with a draft) the draft tokens the picks confirm
+        and the pick after them, in one output; each token goes through the stop checks in turn, and the
+        computed draft positions are committed as they are taken."""
+        draft, seq.draft_token_ids = seq.draft_token_ids, []
+        if not draft:
+            return self._process_token(seq, picks[0])
+        kept = accepted_prefix(draft, picks)
+        self.speculator.record(len(draft), kept)
+        merged: RequestOutput | None = None
+        for i, token in enumerate(picks[:kept + 1]):
+            out = self._process_token(seq, token)
+            merged = out if merged is None else merged.merge(out)
+            if out.finished:
+                break
+            if i < kept:  # a confirmed draft token: its row computed its KV, so its position is done
+                self._advance(seq, 1)
+        assert merged is not None
+        return merged
 
     def _prepare_masks(self, batch) -> PreparedMasks | None:
         """Structured output: start filling the grammar masks of the constrained sequences that sample a
@@ -500,6 +540,8 @@ class LLMEngine:
             kv_cache_usage=bm.usage(), kv_cache_blocks_used=bm.num_used_blocks,
             num_preemptions=sched.num_preemptions, prefix_cache_queries=bm.num_prefix_queries,
             prefix_cache_hits=bm.num_prefix_hits, max_loras=lm.max_loras if lm else 0,
+            spec_draft_tokens=self.speculator.num_drafted if self.speculator else 0,
+            spec_accepted_tokens=self.speculator.num_accepted if self.speculator else 0,
             lora_loads=lm.num_loads if lm else 0,
             running_lora_adapters=tuple(sorted({s.lora_name for s in running if s.lora_name})),
             waiting_lora_adapters=tuple(sorted({s.lora_name for s in waiting if s.lora_name})))

@@ -27,7 +27,9 @@ class PromptLogits:
 @dataclass(slots=True)
 class StepOutput:
     """One forward pass's answer for the sequences that sample a token now (``samplers``, in row order):
-    their logits [S, vocab], or, where the model's greedy head took the step, their tokens already picked."""
+    their logits [S, vocab], or, where the model's greedy head took the step, their tokens already picked.
+    A sequence with draft tokens samples 1 + len(draft) consecutive rows: its pick after each prefix of
+    the draft."""
 
     samplers: list[Sequence]
     logits: torch.Tensor | None = None
@@ -64,26 +66,32 @@ class ModelRunner:
         token_slots: list[int] = []  # LoRA slot of each token (-1: base model)
         wanted: list[tuple[Sequence, int, int, int]] = []  # prompt_logprobs: (seq, first position, count, row)
 
-        # decode: one token per sequence, attention over its whole context
-        decodes = batch.decodes
+        # decode: one token per sequence, attention over its whole context; a sequence with a draft
+        # (speculation) has a row for each draft token too, each attending over the context up to itself
+        # (every row's K and V are in the cache before any row attends), so each row computes what a
+        # plain decode step at its position would
         decode_gather = decode_mask = block_tables = context_lens = None
         max_len = 0
-        if decodes:
-            ctx_lens = []
-            for row, seq in enumerate(decodes):
-                pos = seq.num_computed_tokens
-                input_ids.append(seq.token_ids[pos])
-                token_slots.append(seq.lora_slot)
-                positions.append(pos)
-                slot_mapping.append(seq.block_table[pos // bs] * bs + pos % bs)
-                ctx_lens.append(pos + 1)
-                if pos + 1 == len(seq.token_ids):
-                    logits_rows.append(row)
-                    samplers.append(seq)
+        ctx_lens: list[int] = []  # one per decode row
+        if batch.decodes:
+            row_seqs: list[Sequence] = []
+            for seq in batch.decodes:
+                start = seq.num_computed_tokens
+                samples = start + 1 == len(seq.token_ids)
+                for pos, token in enumerate([seq.token_ids[start]] + seq.draft_token_ids, start):
+                    if samples:
+                        logits_rows.append(len(input_ids))
+                        samplers.append(seq)
+                    input_ids.append(token)
+                    token_slots.append(seq.lora_slot)
+                    positions.append(pos)
+                    slot_mapping.append(seq.block_table[pos // bs] * bs + pos % bs)
+                    ctx_lens.append(pos + 1)
+                    row_seqs.append(seq)
             max_len = max(ctx_lens)
             max_blocks = -(-max_len // bs)
             tables = torch.tensor([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
-                                   for s in decodes], dtype=torch.long)
+                                   for s in row_seqs], dtype=torch.long)
             if self.model.kernels is not None:  # the fused kernel walks the block tables itself
                 block_tables, context_lens = tables.to(self.device), torch.tensor(ctx_lens, device=self.device)
             else:
@@ -135,7 +143,7 @@ class ModelRunner:
             prefill_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in prefill_tables], dtype=torch.long)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
-            num_decodes=len(decodes),
+            num_decodes=len(ctx_lens),
             decode_gather=decode_gather,
             decode_mask=decode_mask,
             decode_max_len=max_len,

@@ -33,6 +33,8 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec_draft_tokens: int = 0  # prompt-lookup speculation: draft tokens computed
+    spec_accepted_tokens: int = 0  # of those, the ones the model's picks confirmed
     max_loras: int = 0  # 0: LoRA disabled
     lora_loads: int = 0
     running_lora_adapters: tuple[str, ...] = ()

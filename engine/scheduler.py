@@ -19,7 +19,8 @@ from engine.sequence import Sequence, SequenceStatus
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    decodes: list[Sequence] = field(default_factory=list)  # one token each
+    # one token each, plus the draft tokens in its draft_token_ids (speculation: one row each)
+    decodes: list[Sequence] = field(default_factory=list)
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk length)
     out_of_cache: list[Sequence] = field(default_factory=list)  # alone and still no room: end them
     num_preempted: int = 0
@@ -30,7 +31,7 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
+        return sum(1 + len(s.draft_token_ids) for s in self.decodes) + sum(n for _, n in self.prefills)
 
 
 # Prompt tokens of a long prefill per decoding stream per step (times the square of the long prompts
@@ -137,7 +138,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             remaining = seq.num_uncomputed_tokens
-            wanted = min(remaining, budget) if remaining == 1 else min(remaining, self._prefill_limit(
+            decoding = remaining == 1
+            if not decoding:
+                seq.draft_token_ids = []
+            wanted = min(1 + len(seq.draft_token_ids), budget) if decoding else min(remaining, self._prefill_limit(
                 seq, budget, prefill_budget, capped))
             if wanted == 0:  # a prefill with no prefill budget left this step
                 i += 1
@@ -158,9 +162,13 @@ class Scheduler:
                 self._preempt(seq)  # nothing else to take from: wait for blocks
                 batch.num_preempted += 1
                 continue
-            prefill_budget -= self._prefill_cost(seq, n, capped) if remaining > 1 else 0
+            if decoding:
+                del seq.draft_token_ids[n - 1:]  # what the budget and the free blocks leave of the draft
+                batch.decodes.append(seq)
+            else:
+                prefill_budget -= self._prefill_cost(seq, n, capped)
+                self._add(batch, seq, n)
             bm.append_slots(seq, n)
-            self._add(batch, seq, n)
             budget -= n
             i += 1
         for seq in list(self.waiting):

@@ -67,6 +67,10 @@ class Sequence:
         self._seen: set[int] = set()
         self._seen_upto = 0
         self._seen_ids: torch.Tensor | None = None
+        # prompt-lookup speculation (engine/speculation.py): tokens proposed to follow token_ids[-1], computed
+        # with it in this step's decode rows (the scheduler may shorten them), and the n-gram index behind them
+        self.draft_token_ids: list[int] = []
+        self.ngram_index: Any = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -129,4 +133,5 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_table = []
+        self.draft_token_ids = []
         self.status = SequenceStatus.WAITING

@@ -54,6 +54,10 @@ class _EngineCollector:
                             "Admissions that reused cached prefix blocks.", st.prefix_cache_hits)
             if st.max_loras:
                 yield self._one(CounterMetricFamily, "spark:lora_loads", "Adapters loaded into a slot.", st.lora_loads)
+            yield self._one(CounterMetricFamily, "spark:spec_decode_num_draft_tokens",
+                            "Prompt-lookup draft tokens computed.", st.spec_draft_tokens)
+            yield self._one(CounterMetricFamily, "spark:spec_decode_num_accepted_tokens",
+                            "Draft tokens the model's own picks confirmed.", st.spec_accepted_tokens)
             yield from self._vllm_named(st)
         resolver = getattr(self.state, "lora_resolver", None)
         store = getattr(resolver, "store", None)

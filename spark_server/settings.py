@@ -59,6 +59,12 @@ class Settings:
                                                  "--max-num-batched-tokens) prefill at most max(this, 2 x decoding x "
                                                  "long prompts pending) tokens per step, keeping token gaps even "
                                                  "(0: no cap)")
+    num_speculative_tokens: int = _opt(5, "prompt-lookup speculation (vLLM's ngram method) for greedy requests: "
+                                          "up to this many tokens that followed an earlier occurrence of the "
+                                          "answer's last tokens in prompt or answer are checked in one step; the "
+                                          "answer is the same, sooner where it copies (0: off)")
+    prompt_lookup_min: int = _opt(4, "shortest match of the answer's last tokens that proposes a draft")
+    prompt_lookup_max: int = _opt(8, "longest match looked for (the longest found proposes)")
     max_waiting: int = _opt(1024, "most requests waiting for a running slot before new ones are refused")
     kv_cache_space: float = _opt(2.0, "KV cache budget in GiB")
     num_kv_blocks: int | None = _opt(None, "KV cache blocks (overrides --kv-cache-space)")
@@ -177,7 +183,8 @@ class Settings:
             chat_template=self.chat_template, num_kv_blocks=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching, max_waiting=self.max_waiting,
             num_threads=self.num_threads, native_kernels=self.native_kernels, max_loras=self.max_loras if self.lora_enabled else 0,
-            max_lora_rank=self.max_lora_rank,
+            max_lora_rank=self.max_lora_rank, num_speculative_tokens=self.num_speculative_tokens,
+            prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
         )
 
 
