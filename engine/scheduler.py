@@ -138,9 +138,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             remaining = seq.num_uncomputed_tokens
-            decoding = remaining == 1
-            if not decoding:
-                seq.draft_token_ids = []
+            decoding = remaining == 1  # only such a sequence has a draft (LLMEngine._propose_drafts)
             wanted = min(1 + len(seq.draft_token_ids), budget) if decoding else min(remaining, self._prefill_limit(
                 seq, budget, prefill_budget, capped))
             if wanted == 0:  # a prefill with no prefill budget left this step

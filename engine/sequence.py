@@ -15,6 +15,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.lora import LoraAdapter
+    from engine.speculation import NgramIndex
 
 
 class SequenceStatus(enum.Enum):
@@ -70,7 +71,7 @@ class Sequence:
         # prompt-lookup speculation (engine/speculation.py): tokens proposed to follow token_ids[-1], computed
         # with it in this step's decode rows (the scheduler may shorten them), and the n-gram index behind them
         self.draft_token_ids: list[int] = []
-        self.ngram_index: Any = None
+        self.ngram_index: "NgramIndex | None" = None
 
     @property
     def num_output_tokens(self) -> int:
