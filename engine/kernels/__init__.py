@@ -153,7 +153,8 @@ class ForwardStep(ctypes.Structure):
         "positions", "cos", "sin_signed", "slot_mapping",
         "kv", "kv_layer_stride", "num_slots", "block_size",
         "decodes", "decode_block_tables", "decode_max_blocks", "decode_context_lens", "decode_max_len", "scratch",
-        "prefill_spans", "num_spans", "prefill_block_tables", "prefill_max_blocks")] + [
+        "prefill_spans", "num_spans", "prefill_block_tables", "prefill_max_blocks", "trim_last_layer", "kept_rows",
+        "num_kept")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 

@@ -43,6 +43,11 @@ class _LayerWeights:
         return self.qkv, self.o, self.gate_up, self.down
 
 
+def _ascending(indices: torch.Tensor) -> bool:
+    """Whether the row indices strictly increase (the runner's logits rows always do)."""
+    return indices.dtype == torch.int64 and bool((indices[1:] > indices[:-1]).all())
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # transformers' LlamaRMSNorm arithmetic: normalise in fp32 (the fused kernel is bit-identical there),
     # round to the model dtype, then scale in it. Fusing the scale too rounds differently, and bf16
@@ -126,6 +131,8 @@ class LlamaForCausalLM:
         # Every decoder layer in one C call where the layers are all the fused kernels' own work (see
         # _layers_in_one_call); tests that watch each projection's call turn it off.
         self.layers_in_one_call = True
+        # The last layer's o / MLP for the logits rows only (see keep_last_rows in cpu_forward.h).
+        self.trim_last_layer = True
         self._layer_descs: ctypes.Array | None = None
         self._one_call_max_rows = 0.0
         self._described: tuple[list[object], tuple[int, ...]] = ([], ())
@@ -217,7 +224,11 @@ class LlamaForCausalLM:
         descs = (self._layers_as_described() if self.layers_in_one_call and lora is None
                  and (meta.prefill_spans is not None or not meta.prefills) else None)
         if descs is not None and T <= self._one_call_max_rows:
-            down = self._layers_in_one_call(descs, x, h, a, act, positions, meta, cache, scratch)
+            kept = logits_indices if self.trim_last_layer and _ascending(logits_indices) else None
+            down = self._layers_in_one_call(descs, x, h, a, act, positions, meta, cache, scratch, kept)
+            if kept is not None:  # x and down hold the logits rows, in order, at the front
+                n = kept.shape[0]
+                x, down, logits_indices = x[:n], down[:n], torch.arange(n)
             return self._final_logits(x, down, logits_indices, greedy_bans)
         kern.add_rms_norm(x, None, self.layers[0].input_norm, h, self.eps)
         for i, lw in enumerate(self.layers):
@@ -261,10 +272,12 @@ class LlamaForCausalLM:
 
     def _layers_in_one_call(self, descs: ctypes.Array, x: torch.Tensor, h: torch.Tensor, attn: torch.Tensor,
                             act: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache,
-                            scratch: torch.Tensor | None) -> torch.Tensor:
+                            scratch: torch.Tensor | None, kept: torch.Tensor | None = None) -> torch.Tensor:
         """_forward_fused's layer loop as one C call (engine/kernels/cpu_forward.h: the same kernels in the
         same order), with its buffers: h, attn [T, H*D] and act [T, intermediate]. x is updated in place;
-        returns the last layer's down projection."""
+        returns the last layer's down projection. Given ``kept`` (ascending row indices), the last layer's
+        output projection and MLP run for those rows only: afterwards x's first len(kept) rows are theirs,
+        and so are the returned rows."""
         assert self.kernels is not None
         T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -291,6 +304,9 @@ class LlamaForCausalLM:
             assert tables is not None
             step.prefill_spans, step.num_spans = meta.prefill_spans.data_ptr(), meta.prefill_spans.shape[0]
             step.prefill_block_tables, step.prefill_max_blocks = tables.data_ptr(), tables.shape[1]
+        if kept is not None:
+            kept = kept.contiguous()  # alive until the call returns
+            step.trim_last_layer, step.kept_rows, step.num_kept = 1, kept.data_ptr(), kept.shape[0]
         self.kernels.forward_layers(descs, step)
         return proj
 

@@ -37,10 +37,12 @@ class _BothPaths:
     def __init__(self, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
         self.model = engine.model
         self.one_call_steps: list[tuple[int, int, int]] = []  # (tokens, decodes, prefill chunks)
+        self.last_layer_rows: list[tuple[int, int]] = []  # (tokens, rows the last layer's o / MLP ran for)
         forward, one_call = self.model.forward, self.model.kernels.forward_layers
 
         def forward_layers(layers, step):
             self.one_call_steps.append((step.tokens, step.decodes, step.num_spans))
+            self.last_layer_rows.append((step.tokens, step.num_kept if step.trim_last_layer else step.tokens))
             one_call(layers, step)
 
         def both(input_ids, positions, meta, cache, logits_indices, lora=None, greedy_bans=None):
@@ -90,6 +92,9 @@ def test_the_one_call_loop_equals_the_per_kernel_loop_on_four_bit_blocks(gguf_en
     assert any(decodes == tokens > 1 for tokens, decodes, _ in steps)  # decode-only batches
     assert any(decodes and spans for _, decodes, spans in steps)  # chunks beside decoding streams
     assert any(spans > 1 for _, _, spans in steps)  # two prompts' chunks in one step
+    # the last layer's o / MLP ran for the logits rows alone (the decodes and each prompt's last row; the
+    # per-kernel loop runs them for every row, and the logits stayed equal)
+    assert any(0 < kept < tokens for tokens, kept in both.last_layer_rows)
 
 
 @pytest.mark.parametrize("path", ["dot", "fma"])
