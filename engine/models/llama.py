@@ -224,7 +224,8 @@ class LlamaForCausalLM:
         descs = (self._layers_as_described() if self.layers_in_one_call and lora is None
                  and (meta.prefill_spans is not None or not meta.prefills) else None)
         if descs is not None and T <= self._one_call_max_rows:
-            kept = logits_indices if self.trim_last_layer and _ascending(logits_indices) else None
+            kept = (logits_indices if self.trim_last_layer and logits_indices.shape[0] < T
+                    and _ascending(logits_indices) else None)  # decode-only steps: every row is a logits row
             down = self._layers_in_one_call(descs, x, h, a, act, positions, meta, cache, scratch, kept)
             if kept is not None:  # x and down hold the logits rows, in order, at the front
                 n = kept.shape[0]
