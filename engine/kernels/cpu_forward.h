@@ -46,8 +46,8 @@ static void forward_linear(const struct spark_linear_desc *l, int64_t x, int64_t
  * indices, so each row moves at most back and no row is overwritten before it moves); returns how many.
  * Every layer's K and V are written by then, and a row past the last attention feeds only its own logits:
  * a prefill chunk's rows other than its last (none at all for a chunk that does not end its prompt)
- * need no o / MLP there. The rows that stay get the same kernels on fewer rows: 1/30 of a prompt row's
- * linears (o, gate_up and down of one layer of 30) for SmolLM2. */
+ * need no o / MLP there. The rows that stay get the same kernels on fewer rows; the others skip ~1/36 of
+ * a prompt row's linears (o, gate_up and down of one layer of 30, for SmolLM2). */
 static int64_t keep_last_rows(const struct spark_forward_step *s, uint16_t *x, uint16_t *attn) {
     if (!s->trim_last_layer || s->num_kept >= s->tokens) return s->tokens;
     const int64_t *kept = PTR(const int64_t *, s->kept_rows), width = s->num_heads * s->head_dim;
