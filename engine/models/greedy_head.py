@@ -38,7 +38,6 @@ class GreedyHead:
         codes, scales = quantized.codes, quantized.scales.float()
         n, k = codes.shape
         self.kernels = kernels
-        self.quantized = quantized
         self.out_features = n
         blocks = k // BLOCK
         tiles = -(-n // TILE)

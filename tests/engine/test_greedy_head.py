@@ -29,12 +29,13 @@ def _random_head(n: int, k: int, group: int, gen: torch.Generator) -> QuantizedW
 def test_bound_holds_and_picks_equal_the_fp32_argmax(n: int, group: int, rows: int) -> None:
     gen = torch.Generator().manual_seed(n + rows)
     k = 576
-    head = GreedyHead(_random_head(n, k, group, gen), kernels)
+    quantized = _random_head(n, k, group, gen)
+    head = GreedyHead(quantized, kernels)
     h = torch.randn(rows, k, generator=gen)
     h[0, 7] = 60.0  # a massive activation: its block's other inputs round coarsely
     h[-1, 100:132] = 0.0  # an all-zero block
     h = h.to(torch.bfloat16)
-    exact = h.float() @ head.quantized.dequantize().float().T
+    exact = h.float() @ quantized.dequantize().float().T
     hi, best = torch.empty(rows, n), torch.empty(rows)
     assert kernels.greedy_head_bounds(h, head.codes, head.meta, n, hi, best, [[] for _ in range(rows)])
     assert bool((exact <= hi).all())  # an upper bound on every token
