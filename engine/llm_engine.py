@@ -123,7 +123,8 @@ class LLMEngine:
             else:
                 self.dtype = resolve_dtype(config.dtype, self.device)
             gguf = gguf_source(config.model)
-            self.quantization = resolve_quantization(config.quantization, gguf is not None, kernels, self.dtype)
+            self.quantization = resolve_quantization(config.quantization, gguf is not None, kernels, self.dtype,
+                                                     self.device)
             resolve_activations(config.linear_activations, self.quantization)  # refuses a bad pair before loading
             stored, cache_file = self._stored_weights(model_dir, gguf, hf_config)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -52,7 +52,8 @@ _PATH_MARGIN = 1.05
 AnyLinear = Linear | PackedLinear | ReferenceLinear
 
 
-def resolve_quantization(mode: str, is_gguf: bool, kernels: CpuKernels | None, dtype: torch.dtype) -> str:
+def resolve_quantization(mode: str, is_gguf: bool, kernels: CpuKernels | None, dtype: torch.dtype,
+                         device: torch.device = torch.device("cpu")) -> str:
     if mode not in QUANTIZATION_CHOICES:
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, not {mode!r}")
     fast = kernels is not None and kernels.linear_isa == 2 and dtype == torch.bfloat16
@@ -62,6 +63,9 @@ def resolve_quantization(mode: str, is_gguf: bool, kernels: CpuKernels | None, d
         return mode
     if mode == "gguf" and not is_gguf:
         raise ValueError("--quantization gguf needs a .gguf model file")
+    if device.type != "cpu":
+        raise ValueError(f"--quantization {mode} runs on the fused CPU kernels, not on {device.type}: "
+                         "use --quantization none there, or --device cpu")
     if kernels is None:
         raise ValueError(f"--quantization {mode} needs the fused CPU kernels (a C compiler, --native-kernels)")
     if dtype != torch.bfloat16:

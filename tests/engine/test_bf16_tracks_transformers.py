@@ -29,11 +29,14 @@ def bf16_engine():
 
 
 def engine_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of one sequence, prefilled in a single step."""
+    """Logits at every position of one sequence, prefilled in a single step (on the CPU, whatever the
+    engine's device)."""
     T = len(ids)
-    meta = AttentionMetadata(slot_mapping=torch.arange(T), num_decodes=0, decode_gather=None, decode_mask=None,
+    positions = torch.arange(T, device=engine.device)
+    meta = AttentionMetadata(slot_mapping=positions, num_decodes=0, decode_gather=None, decode_mask=None,
                              decode_max_len=0, prefills=[PrefillSpan(0, T, T, None, None)])
-    return engine.model.forward(torch.tensor(ids), torch.arange(T), meta, engine.runner.cache, torch.arange(T))
+    ids_on_device = torch.tensor(ids, device=engine.device)
+    return engine.model.forward(ids_on_device, positions, meta, engine.runner.cache, positions).cpu()
 
 
 def score(logits: torch.Tensor, reference: torch.Tensor) -> tuple[int, float]:

@@ -95,7 +95,7 @@ def test_the_kernels_build_while_the_model_resolves(monkeypatch):
 
     monkeypatch.setattr(llm_engine, "load_cpu_kernels", load)
     monkeypatch.setattr(llm_engine, "resolve_model_dir", resolve)
-    engine = llm_engine.LLMEngine(EngineConfig(num_kv_blocks=16))
+    engine = llm_engine.LLMEngine(EngineConfig(device="cpu", num_kv_blocks=16))
     assert engine.model.kernels is not None or real_load() is None
 
 
