@@ -1,5 +1,10 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
 from engine.llm_engine import LLMEngine
 from engine.request import ChatMessage, ChatPrompt, GenerationRequest, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -33,3 +38,15 @@ def tokens_of(outs: list[RequestOutput]) -> list[int]:
 
 def text_of(outs: list[RequestOutput]) -> str:
     return "".join(o.text_delta for o in outs)
+
+
+@contextmanager
+def kernels_for_every_batch() -> Iterator[None]:
+    """Engines built inside keep their quantized linears on the packed kernels at every batch size: the
+    start-up probe that, on a CPU with AMX tiles, hands large batches to a two-term oneDNN matmul sees no
+    matrix unit. For tests of the kernels themselves, which must run the same code on every machine."""
+    from engine.models import weights
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(weights, "_has_matrix_unit", lambda: False)
+        yield

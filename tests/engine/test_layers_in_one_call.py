@@ -15,7 +15,7 @@ from engine.models.linear import ReferenceLinear
 from engine.models.weights import attach_two_term_fallbacks
 from engine.request import GenerationRequest, TokensPrompt
 from engine.sampling_params import SamplingParams
-from tests.engine.helpers import run_all
+from tests.engine.helpers import kernels_for_every_batch, run_all
 from tests.engine.test_model_families import TINY, _save_tiny
 
 kernels = load_cpu_kernels()
@@ -75,9 +75,11 @@ def _staggered(engine: LLMEngine, prefix: str) -> None:
 
 @pytest.fixture(scope="module")
 def gguf_engine() -> LLMEngine:
-    # a small step budget, so prompts prefill in chunks beside the decoding streams
-    return LLMEngine(EngineConfig(dtype="bfloat16", quantization="gguf", max_num_seqs=8, max_num_batched_tokens=64,
-                                  kv_cache_space_gib=0.25))
+    # a small step budget, so prompts prefill in chunks beside the decoding streams; those chunks stay in
+    # the one-call loop on every CPU (AMX's oneDNN fallback would take them out of it)
+    with kernels_for_every_batch():
+        return LLMEngine(EngineConfig(device="cpu", dtype="bfloat16", quantization="gguf", max_num_seqs=8,
+                                      max_num_batched_tokens=64, kv_cache_space_gib=0.25))
 
 
 @pytest.mark.parametrize("path", ["dot", "fma"])
@@ -139,7 +141,7 @@ def test_the_one_call_loop_equals_the_per_kernel_loop_on_other_weights(tmp_path,
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.5)
     model.save_pretrained(path)
-    engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16", quantization=quantization, max_num_seqs=8,
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="bfloat16", quantization=quantization, max_num_seqs=8,
                                     max_num_batched_tokens=64, kv_cache_space_gib=0.1))
     assert engine.model.layers[0].qkv.bias is not None
     assert {lw.down.packed.fmt for lw in engine.model.layers} == {"i8" if quantization == "int8" else "bf16"}
