@@ -248,11 +248,14 @@ static inline void FN(attend_any)(const float *q, const T *q_raw, float scale, i
         FN(attend)(q, n, D, k_head, v_head, table, ctx, block_size, scores, stride, o);
 }
 
-/* One query token per sequence over its paged context. q rows come from qkv (row stride qkv_stride,
- * already through RoPE); block_tables [B, max_blocks]; context_lens [B]; out [B, H*D]; scratch holds
+/* One query token per row over its paged context. q rows come from qkv (row stride qkv_stride, already
+ * through RoPE); block_tables [B, max_blocks]; context_lens [B]; out [B, H*D]; scratch holds
  * B*H*max_context floats. GQA: a task takes the G = H/Hkv query heads of one KV head, so each K/V
  * row is read once for all of them; with too few tasks to keep the threads busy (batch 1), a task
- * takes a single query head instead, for balance. */
+ * takes a single query head instead, for balance. A sequence's decode row and its draft rows (the
+ * same first block, lengths one apart) run in one task per KV head, one row after another: the head's
+ * K and V (256 KB at 1,000 tokens) come from the core's own L2 for every row after the first, where
+ * tasks split over both threads had each row fetch them from L3 again. Every row is computed as alone. */
 void FN(decode_attention)(const T *qkv, int64_t qkv_stride, const T *cache, const int64_t *block_tables,
                           int64_t max_blocks, const int64_t *context_lens, int64_t block_size, int64_t batch,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, float scale,
@@ -264,8 +267,20 @@ void FN(decode_attention)(const T *qkv, int64_t qkv_stride, const T *cache, cons
     work *= num_kv_heads;
     const int parallel = work >= 512 && num_threads > 1;
     const int64_t heads_per_task = parallel && batch * num_kv_heads < 4 * num_threads ? 1 : G;
-    const int64_t tasks_per_seq = num_heads / heads_per_task;
-    const int64_t tasks = batch * tasks_per_seq;
+    const int64_t tasks_per_group = num_heads / heads_per_task;
+    /* the rows' groups: first[g] .. first[g + 1] - 1 */
+    int64_t first_stack[257];
+    int64_t *first = batch < 257 ? first_stack : malloc((batch + 1) * sizeof(int64_t));
+    int64_t groups = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        const int joins = b > 0 && block_tables[b * max_blocks] == block_tables[(b - 1) * max_blocks]
+                          && context_lens[b] == context_lens[b - 1] + 1;
+        if (!joins) first[groups++] = b;
+    }
+    if (parallel && groups * num_kv_heads < 4 * num_threads) /* too few tasks to share: a row apiece */
+        for (groups = 0; groups < batch; groups++) first[groups] = groups;
+    first[groups] = batch;
+    const int64_t tasks = groups * tasks_per_group;
     int64_t claimed = 0; /* tasks are claimed one ahead, so each knows whose K to prefetch during its P @ V */
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
@@ -275,28 +290,32 @@ void FN(decode_attention)(const T *qkv, int64_t qkv_stride, const T *cache, cons
         for (; task < tasks; task = next) {
 #pragma omp atomic capture
             next = claimed++;
-            const int64_t b = task / tasks_per_seq;
-            const int64_t head = (task % tasks_per_seq) * heads_per_task; /* first query head of the task */
+            const int64_t grp = task / tasks_per_group;
+            const int64_t head = (task % tasks_per_group) * heads_per_task; /* first query head of the task */
             const int64_t kvh = head / G;
-            float q[MAX_GROUP * MAX_HEAD_DIM];
-            const T *qr = qkv + b * qkv_stride + head * D;
-            for (int64_t i = 0; i < heads_per_task * D; i++) q[i] = LOAD(qr[i]) * scale;
             const T *k_head = cache + kvh * num_slots * D;
             const T *v_head = cache + (num_kv_heads + kvh) * num_slots * D;
-            const int64_t *table = block_tables + b * max_blocks;
-            float *scores = scratch + (b * num_heads + head) * max_context;
-            T *o = out + (b * num_heads + head) * D;
-            struct kv_lookahead ahead = {NULL, NULL, 0, heads_per_task == 1};
-            if (next < tasks) {
-                const int64_t nb = next / tasks_per_seq, nkvh = (next % tasks_per_seq) * heads_per_task / G;
-                ahead.k_head = cache + nkvh * num_slots * D;
-                ahead.table = block_tables + nb * max_blocks;
-                ahead.blocks = (context_lens[nb] + block_size - 1) / block_size;
+            for (int64_t b = first[grp]; b < first[grp + 1]; b++) {
+                float q[MAX_GROUP * MAX_HEAD_DIM];
+                const T *qr = qkv + b * qkv_stride + head * D;
+                for (int64_t i = 0; i < heads_per_task * D; i++) q[i] = LOAD(qr[i]) * scale;
+                const int64_t *table = block_tables + b * max_blocks;
+                float *scores = scratch + (b * num_heads + head) * max_context;
+                T *o = out + (b * num_heads + head) * D;
+                struct kv_lookahead ahead = {NULL, NULL, 0, heads_per_task == 1};
+                if (next < tasks && b + 1 == first[grp + 1]) { /* the group's last row: the next task's K */
+                    const int64_t nb = first[next / tasks_per_group];
+                    const int64_t nkvh = (next % tasks_per_group) * heads_per_task / G;
+                    ahead.k_head = cache + nkvh * num_slots * D;
+                    ahead.table = block_tables + nb * max_blocks;
+                    ahead.blocks = (context_lens[nb] + block_size - 1) / block_size;
+                }
+                FN(attend_any)(q, qr, scale, heads_per_task, D, k_head, v_head, table, context_lens[b], block_size,
+                               scores, max_context, o, &ahead);
             }
-            FN(attend_any)(q, qr, scale, heads_per_task, D, k_head, v_head, table, context_lens[b], block_size,
-                           scores, max_context, o, &ahead);
         }
     }
+    if (first != first_stack) free(first);
 }
 
 /* Prefill chunks: span s is q_len consecutive queries of one sequence (flat rows q_start ...), the last at

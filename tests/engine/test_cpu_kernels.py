@@ -138,6 +138,50 @@ def test_decode_attention_matches_softmax_attention_over_paged_context(dtype, ke
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H, Hkv, D", [(9, 3, 64), (8, 2, 128)])
+def test_decode_attention_rows_of_one_sequence_equal_the_rows_alone(dtype, kern, H, Hkv, D):
+    """A sequence's decode row and its draft rows (one table, lengths one apart) run as one task per KV
+    head; every row must come out bit for bit as when no row joins another (the same rows in reverse:
+    lengths descending, no group). Two different sequences that share their first block (a cached
+    prefix) with lengths one apart are grouped too, and must still read their own tables."""
+    g = torch.Generator().manual_seed(7)
+    block, num_blocks = 16, 160
+    cache = torch.randn(2 * Hkv, num_blocks * block, D, generator=g).to(dtype)
+    pool = torch.randperm(num_blocks, generator=g).tolist()
+    rows: list[tuple[list[int], int]] = []  # (table, context length)
+    for base, count in ((37, 4), (130, 1), (64, 6), (200, 2), (15, 3), (90, 5), (260, 1), (48, 2)):
+        need = -(-(base + count) // block)
+        table, pool = pool[:need], pool[need:]
+        rows += [(table, base + r) for r in range(count)]
+    shared = rows[0][0][0]  # a sequence on the first one's first block, one longer than its last row
+    need = -(-(rows[3][1] + 1) // block)
+    rows.insert(4, ([shared] + pool[:need - 1], rows[3][1] + 1))
+    width = max(len(t) for t, _ in rows)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t, _ in rows])
+    lens = torch.tensor([n for _, n in rows])
+    B, longest = len(rows), int(lens.max())
+    qkv = torch.randn(B, (H + 2 * Hkv) * D, generator=g).to(dtype)
+
+    def attend(order: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(B, H * D, dtype=dtype)
+        kern.decode_attention(qkv[order].contiguous(), cache, tables[order].contiguous(), lens[order].contiguous(),
+                              block, B, H, Hkv, D, longest, torch.empty(B * H * longest, dtype=torch.float32), out)
+        result = torch.empty_like(out)
+        result[order] = out
+        return result
+
+    grouped, alone = attend(torch.arange(B)), attend(torch.arange(B - 1, -1, -1))
+    assert torch.equal(grouped, alone)
+    for b in (0, 3, 4, 5):  # and each against plain softmax attention over its own table
+        slots = torch.tensor([rows[b][0][p // block] * block + p % block for p in range(rows[b][1])])
+        k = cache[:Hkv, slots].float().repeat_interleave(H // Hkv, 0)
+        v = cache[Hkv:, slots].float().repeat_interleave(H // Hkv, 0)
+        expected = F.scaled_dot_product_attention(qkv[b, : H * D].float().view(H, 1, D), k, v).view(H * D)
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(grouped[b].float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("top, second", [(3, 20), (20, 40), (40, 44)])  # whole 16-key groups, both, the ragged tail
 def test_decode_attention_takes_the_maximum_of_every_score(dtype, kern, top, second):
     """Two keys far above the rest, the second 127 below the first: the softmax is the first key's alone.
