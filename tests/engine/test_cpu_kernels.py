@@ -254,8 +254,8 @@ def test_fused_forward_equals_torch_forward_on_mixed_batches():
     """Decodes, a prompt continuing from cached blocks and a chunked fresh prompt share fp32 steps;
     every step runs both paths from the same cache and their logits must agree."""
     with kernel_threads(kernels):  # the model sets the shared library's count from torch's when built
-        engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", max_num_batched_tokens=64, long_prefill_token_threshold=0,
-                                        num_kv_blocks=64))
+        engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", max_num_batched_tokens=64,
+                                        long_prefill_token_threshold=0, num_kv_blocks=64))
         _fused_equals_torch_on_mixed_batches(engine)
 
 

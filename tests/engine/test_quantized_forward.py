@@ -179,7 +179,8 @@ def test_quantized_modes_answer_and_cache_their_weights(mode, tmp_path, monkeypa
     monkeypatch.setattr(calibration, "DEFAULT_SEQUENCES", 16)  # int8's calibration, small: the path, not the
     monkeypatch.setattr(calibration, "DEFAULT_LENGTH", 32)  # accuracy (bench_kernels measures that)
     # a context limit shorter than a calibration sequence binds serving, not int8's calibration
-    first = LLMEngine(EngineConfig(device="cpu", dtype="bfloat16", quantization=mode, num_kv_blocks=64, max_model_len=40))
+    first = LLMEngine(EngineConfig(device="cpu", dtype="bfloat16", quantization=mode, num_kv_blocks=64,
+                                   max_model_len=40))
     kind, source = ("i8", "int8 gptq") if mode == "int8" else ("u4", "int4")
     assert {(lw.gate_up.quantized.kind, lw.gate_up.quantized.source) for lw in first.model.layers} == {(kind, source)}
     cached = list((tmp_path / "quantized").glob(f"{mode}-*.safetensors"))
