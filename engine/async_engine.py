@@ -1,8 +1,9 @@
 """Async face of the engine: one background thread runs the core loop; callers await outputs.
 
 Each request gets a ``RequestStream``. The engine thread never blocks on a consumer: when a
-client falls behind, its pending outputs are merged into one, so memory per request stays
-bounded by its own text and a slow socket cannot stall the batch.
+client falls behind, its pending outputs are merged into one (a failure stays apart, after the
+text before it), so memory per request stays bounded by its own text and a slow socket cannot stall
+the batch.
 """
 
 from __future__ import annotations
@@ -31,13 +32,19 @@ class RequestStream:
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id  # the caller's id (echoed back), not the engine's
         self.loop = loop
-        self.pending: dict[int, RequestOutput] = {}  # sample index -> outputs not yet taken, merged
+        # sample index -> outputs not yet taken: the generated ones merged, an error kept apart after them
+        self.pending: dict[int, list[RequestOutput]] = {}
         self.failure: BaseException | None = None
         self.event = asyncio.Event()
 
     def put(self, output: RequestOutput) -> None:  # runs on the event loop
-        earlier = self.pending.get(output.index)
-        self.pending[output.index] = output if earlier is None else earlier.merge(output)
+        queued = self.pending.setdefault(output.index, [])
+        # Folding a failure into the tokens before it would drop them, and a consumer that fell behind by
+        # a few steps would answer 500 where a prompt one got its text and then the protocol's error event.
+        if queued and queued[-1].finish_reason != "error" and output.finish_reason != "error":
+            queued[-1] = queued[-1].merge(output)
+        else:
+            queued.append(output)
         self.event.set()
 
     def fail(self, exc: BaseException) -> None:
@@ -49,7 +56,7 @@ class RequestStream:
         # together with outputs must not be lost when the event is cleared).
         while True:
             if self.pending:
-                outs = [self.pending[i] for i in sorted(self.pending)]
+                outs = [out for i in sorted(self.pending) for out in self.pending[i]]
                 self.pending = {}
                 self.event.clear()
                 return outs

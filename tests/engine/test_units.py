@@ -173,3 +173,24 @@ def test_a_prompt_deep_into_a_long_context_still_moves_under_the_cap():
     seq.num_computed_tokens = 40_000  # as if deep into a long cached context (only the count is read)
     assert scheduler._prefill_limit(seq, 256, 16.0, capped=True) == 4
     assert scheduler._prefill_limit(seq, 256, 0.0, capped=True) == 0  # the step's cap is spent
+
+
+async def test_a_failure_behind_unread_outputs_keeps_them():
+    """A consumer that fell behind gets its pending outputs merged; a failure that arrives meanwhile must come
+    after them, not swallow them (the bridges would then answer 500 instead of the text and an error event)."""
+    import asyncio
+
+    from engine.async_engine import RequestStream
+    from engine.request import RequestOutput
+
+    stream = RequestStream("client-id", asyncio.get_running_loop())
+    stream.put(RequestOutput("r1", 0, [11], "Once", num_prompt_tokens=5, num_output_tokens=1, token_texts=["Once"]))
+    stream.put(RequestOutput("r1", 0, [12], " upon", num_prompt_tokens=5, num_output_tokens=2, token_texts=[" upon"]))
+    stream.put(RequestOutput("r1", 0, [], "", num_prompt_tokens=5, num_output_tokens=2, finished=True,
+                             finish_reason="error", error="inference failed: boom", error_kind="inference"))
+    stream.put(RequestOutput("r1", 1, [21], "A", num_prompt_tokens=5, num_output_tokens=1))  # another sample
+    outs = await stream.get()
+    assert [(o.index, o.new_token_ids, o.text_delta, o.finish_reason) for o in outs] == [
+        (0, [11, 12], "Once upon", None), (0, [], "", "error"), (1, [21], "A", None)]
+    assert outs[0].texts_per_token() == ["Once", " upon"]
+    assert not stream.pending and not stream.event.is_set()
