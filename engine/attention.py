@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine.resident import Prefault
 
 
 @dataclass(slots=True)
@@ -69,6 +72,25 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.kv = lazily_zeroed((num_layers, 2 * num_kv_heads, num_blocks * block_size, head_dim), dtype, device)
+
+    def prefault_in_background(self, blocks_per_span: int = 256) -> Prefault | None:
+        """Fault the CPU pool in on idle CPU time (engine/resident.py), blocks in the order the block manager
+        hands them out (lowest first), each layer's K and V heads for a run of blocks before the next run."""
+        if self.kv.device.type != "cpu" or self.kv.numel() == 0:
+            return None
+        planes = self.kv.shape[0] * self.kv.shape[1]  # one [slots, D] plane per layer and K/V head
+        block_bytes = self.block_size * self.kv.shape[-1] * self.kv.element_size()
+        num_blocks = self.num_blocks
+        plane_bytes = num_blocks * block_bytes
+
+        def spans() -> Iterator[tuple[int, int]]:  # numbers only: the thread must not keep the pool alive
+            for first in range(0, num_blocks, blocks_per_span):
+                count = min(blocks_per_span, num_blocks - first)
+                for plane in range(planes):
+                    yield plane * plane_bytes + first * block_bytes, count * block_bytes
+
+        size = self.kv.numel() * self.kv.element_size()
+        return Prefault(self.kv, spans(), f"KV cache ({size / (1 << 30):.2f} GiB)")
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from engine.attention import PagedKVCache
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -28,7 +29,7 @@ from engine.lora import LoraAdapter, LoraManager, read_adapter
 from engine.model_runner import ModelRunner, PromptLogits
 from engine.prompts import PromptEncoder, read_chat_template
 from engine.protocol import EngineStats, ModelInfo
-from engine.models import model_class
+from engine.models import LlamaForCausalLM, model_class
 from engine.models.weights import resolve_activations, resolve_quantization
 from engine.quant import cache as quant_cache
 from engine.quant.calibration import calibrate, sample_on_engine
@@ -71,8 +72,9 @@ def _available_memory_bytes() -> int | None:
 
 
 def _check_kv_fits(nbytes: int, device: torch.device) -> None:
-    """The CPU KV pool is mapped, not written, at start (attention.lazily_zeroed), so a budget larger than
-    the machine's memory would not fail here but under load, killed by the OS. Refuse it now instead."""
+    """The CPU KV pool is mapped, not written, at start (attention.lazily_zeroed), and faulted in afterwards
+    (engine/resident.py), so a budget larger than the machine's memory would not fail here but seconds or
+    hours later, killed by the OS. Refuse it now instead."""
     available = _available_memory_bytes() if device.type == "cpu" else None
     if available is not None and nbytes > available:
         raise ValueError(f"the KV cache budget ({nbytes / (1 << 30):.1f} GiB) is more than this machine's available "
@@ -122,6 +124,8 @@ class LLMEngine:
                 self.dtype = torch.bfloat16  # the packed bf16 kernels: bf16 is this CPU's fast dtype
             else:
                 self.dtype = resolve_dtype(config.dtype, self.device)
+            # The pool first, so its pages are faulted in while the model loads (one core is idle meanwhile)
+            kv_cache = self._make_kv_cache(model_cls, hf_config)
             gguf = gguf_source(config.model)
             self.quantization = resolve_quantization(config.quantization, gguf is not None, kernels, self.dtype,
                                                      self.device)
@@ -155,11 +159,7 @@ class LLMEngine:
             logger.warning("model uses a %d-token sliding window: context capped at %d tokens", window, window)
             self.max_model_len = window
 
-        num_blocks = config.num_kv_blocks or int(
-            config.kv_cache_space_gib * (1 << 30) // (self.model.kv_bytes_per_token() * config.block_size))
-        if num_blocks < 2:
-            raise ValueError("the KV cache budget holds fewer than 2 blocks; raise --kv-cache-space")
-        _check_kv_fits(num_blocks * config.block_size * self.model.kv_bytes_per_token(), self.device)
+        num_blocks = kv_cache.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.lora_manager = (LoraManager(hf_config, config.max_loras, config.max_lora_rank, self.dtype, self.device,
                                          self.model.projections(), self.model.kernels)
@@ -167,8 +167,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, self.lora_manager,
                                    attention_cost_per_key=self.model.attention_cost_per_key())
-        self.runner = ModelRunner(self.model, self.model.make_kv_cache(num_blocks, config.block_size),
-                                  self.lora_manager)
+        self.runner = ModelRunner(self.model, kv_cache, self.lora_manager)
         self.eos_token_ids = self._eos_ids(model_dir)
         self._argmax = self.model.kernels.argmax if self.model.kernels is not None else None  # greedy picks
         self._draw = self.model.kernels.sample if self.model.kernels is not None else None  # random draws
@@ -209,10 +208,24 @@ class LLMEngine:
         blocks = len(starts) * (-(-(max(map(len, starts)) + length + 1) // block))
         config = dataclasses.replace(self.config, quantization="none", max_num_seqs=len(starts), num_kv_blocks=blocks,
                                      max_model_len=None, enable_prefix_caching=False, max_loras=0,
-                                     linear_activations="bf16")  # what the calibration needs, whatever serving asked
+                                     linear_activations="bf16", kv_cache_prefault=False)  # what the calibration needs
         with _log_level(logging.WARNING, "engine.llm_engine", "engine.models.weights"):
             helper = LLMEngine(config)
         return sample_on_engine(helper, starts, length, seed)  # the helper and its KV mapping go with this frame
+
+    def _make_kv_cache(self, model_cls: type[LlamaForCausalLM], hf_config: Any) -> PagedKVCache:
+        """The KV pool the budget holds, refused before any weight loads where it cannot fit; on the CPU its
+        pages are faulted in on idle CPU time from now on (engine/resident.py), where no step waits for them."""
+        config = self.config
+        layers, kv_heads, head_dim = model_cls.kv_geometry(hf_config)
+        per_token = PagedKVCache.bytes_per_token(layers, kv_heads, head_dim, self.dtype)
+        num_blocks = config.num_kv_blocks or int(config.kv_cache_space_gib * (1 << 30) // (per_token * config.block_size))
+        if num_blocks < 2:
+            raise ValueError("the KV cache budget holds fewer than 2 blocks; raise --kv-cache-space")
+        _check_kv_fits(num_blocks * config.block_size * per_token, self.device)
+        cache = PagedKVCache(layers, num_blocks, config.block_size, kv_heads, head_dim, self.dtype, self.device)
+        self.kv_prefault = cache.prefault_in_background() if config.kv_cache_prefault else None
+        return cache
 
     def _stored_weights(self, model_dir, gguf, hf_config):
         """(quantized weights already made, the cache file to save new ones to) for this run's mode."""

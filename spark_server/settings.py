@@ -68,6 +68,9 @@ class Settings:
     max_waiting: int = _opt(1024, "most requests waiting for a running slot before new ones are refused")
     kv_cache_space: float = _opt(2.0, "KV cache budget in GiB")
     num_kv_blocks: int | None = _opt(None, "KV cache blocks (overrides --kv-cache-space)")
+    kv_cache_prefault: bool = _opt(True, "CPU: after start, make the KV cache's memory resident on idle CPU time "
+                                         "only, so steps do not fault its pages in (--no-kv-cache-prefault: on "
+                                         "first use)")
     block_size: int = _opt(16, "tokens per KV cache block")
     enable_prefix_caching: bool = _opt(True, "reuse the KV cache of previously seen prompt prefixes")
     spark_http_markers: bool = _opt(True, "Spark HTTP answers as the document's example writes them: newlines as "
@@ -181,6 +184,7 @@ class Settings:
             long_prefill_token_threshold=self.long_prefill_token_threshold, block_size=self.block_size,
             kv_cache_space_gib=self.kv_cache_space, max_logprobs=self.max_logprobs, seed=self.seed,
             chat_template=self.chat_template, num_kv_blocks=self.num_kv_blocks,
+            kv_cache_prefault=self.kv_cache_prefault,
             enable_prefix_caching=self.enable_prefix_caching, max_waiting=self.max_waiting,
             num_threads=self.num_threads, native_kernels=self.native_kernels, max_loras=self.max_loras if self.lora_enabled else 0,
             max_lora_rank=self.max_lora_rank, num_speculative_tokens=self.num_speculative_tokens,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -66,10 +66,8 @@ class LlamaForCausalLM:
         calibrated input statistics for int8's error-compensating rounding (engine/quant/gptq.py)."""
         cfg = hf_model.config
         self.config = cfg
-        self.num_layers = cfg.num_hidden_layers
+        self.num_layers, self.num_kv_heads, self.head_dim = self.kv_geometry(cfg)
         self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self.dtype = dtype
         self.device = device
@@ -185,6 +183,12 @@ class LlamaForCausalLM:
         attention costs 65% more on top of its linears."""
         per_layer = sum(lin.in_features * lin.out_features for lin in self.layers[0].linears())
         return 2 * self.num_heads * self.head_dim / per_layer
+
+    @staticmethod
+    def kv_geometry(cfg: Any) -> tuple[int, int, int]:
+        """(layers, KV heads, head dim) of a model config: the KV pool's shape, known before any weight loads."""
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         return PagedKVCache(self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim,

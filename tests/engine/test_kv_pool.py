@@ -1,10 +1,12 @@
-"""The KV pool is zeros that cost nothing at start: the OS zeroes its pages on first touch."""
+"""The KV pool is zeros that cost nothing at start (the OS zeroes its pages on first touch), made resident
+afterwards on idle CPU time only (engine/resident.py)."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import mmap
 import os
-import resource
 
 import pytest
 import torch
@@ -12,24 +14,31 @@ import torch
 from engine.attention import PagedKVCache, lazily_zeroed
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
+def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
+    """(resident, all) pages of the mapping under ``t``, by mincore(2)."""
+    page = mmap.PAGESIZE
+    start = t.data_ptr() & ~(page - 1)
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    pages = -(-length // page)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    assert libc.mincore(start, length, vec) == 0, os.strerror(ctypes.get_errno())
+    return sum(b & 1 for b in vec), pages
 
 
 def test_a_gigabyte_pool_is_zero_and_untouched_until_used():
-    before = _rss_bytes()
     cache = PagedKVCache(num_layers=16, num_blocks=8192, block_size=16, num_kv_heads=2, head_dim=64,
                          dtype=torch.bfloat16, device=torch.device("cpu"))
     assert cache.kv.numel() * cache.kv.element_size() == 2 ** 30
-    assert _rss_bytes() - before < 64 * 2 ** 20  # not written at start (torch.zeros would add the whole GiB)
+    assert _resident_pages(cache.kv)[0] == 0  # not written at start (torch.zeros would write the whole GiB)
     gc.collect()  # the tensor alone keeps its mapping alive
     assert cache.kv.shape == (16, 4, 8192 * 16, 64) and cache.kv.dtype == torch.bfloat16 and cache.kv.is_contiguous()
     assert cache.kv.data_ptr() % 64 == 0
-    assert not cache.kv[3, :, 5000:6000].any() and not cache.kv[-1, -1, -16:].any()
     cache.kv[2, 1, 77] = 1.5
     assert float(cache.kv[2, 1, 77, 0]) == 1.5 and float(cache.kv[2, 1, 70:90].float().sum()) == 1.5 * 64
-    assert _rss_bytes() - before < 64 * 2 ** 20  # reading and writing a few slots touched only their pages
+    assert _resident_pages(cache.kv)[0] == 1  # writing one slot touched only its page
+    assert not cache.kv[3, :, 5000:6000].any() and not cache.kv[-1, -1, -16:].any()
 
 
 def test_lazily_zeroed_gives_torch_zeros_meaning():
@@ -65,3 +74,40 @@ def test_the_pool_is_private_memory_not_shmem():
                 assert perms == "rw-p", line
                 return
     pytest.fail("the pool's mapping is not in /proc/self/maps")
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux's SCHED_IDLE and MADV_POPULATE_WRITE")
+def test_prefault_makes_the_whole_pool_resident_on_idle_time_and_keeps_its_contents():
+    # 1,001 blocks: each layer's K/V plane starts mid-page, so spans must round to pages and still cover the end
+    cache = PagedKVCache(num_layers=3, num_blocks=1001, block_size=16, num_kv_heads=2, head_dim=64,
+                         dtype=torch.bfloat16, device=torch.device("cpu"))
+    cache.kv[0, 0, 5] = 2.0
+    cache.kv[-1, -1, -1] = -3.0  # the last slot of the last plane
+    resident, pages = _resident_pages(cache.kv)
+    assert resident < pages // 10
+    prefault = cache.prefault_in_background(blocks_per_span=64)
+    assert prefault.wait(timeout=120) and prefault.stopped is None
+    assert prefault.policy == os.SCHED_IDLE  # it never takes a core a step wants
+    if _resident_pages(cache.kv)[0] != pages:
+        pytest.fail(f"{pages - _resident_pages(cache.kv)[0]} of {pages} pages still not resident")
+    assert float(cache.kv[0, 0, 5].float().sum()) == 2.0 * 64 and float(cache.kv[-1, -1, -1, 0]) == -3.0
+    assert float(cache.kv.float().abs().sum()) == 5.0 * 64  # populating wrote nothing
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux's SCHED_IDLE and MADV_POPULATE_WRITE")
+def test_prefault_stops_when_its_pool_is_dropped():
+    cache = PagedKVCache(num_layers=16, num_blocks=8192, block_size=16, num_kv_heads=2, head_dim=64,
+                         dtype=torch.bfloat16, device=torch.device("cpu"))  # 1 GiB
+    prefault = cache.prefault_in_background(blocks_per_span=8)
+    del cache
+    gc.collect()
+    assert not prefault.wait(timeout=60)  # it ended without finishing: the thread holds no reference to the pool
+    assert not prefault.running
+
+
+def test_the_engine_prefaults_its_pool_unless_told_not_to():
+    from spark_server import settings as settings_mod
+
+    assert settings_mod.resolve({}, environ={}).engine_config().kv_cache_prefault
+    assert not settings_mod.resolve({"kv_cache_prefault": False}, environ={}).engine_config().kv_cache_prefault
+    assert not settings_mod.resolve({}, environ={"SPARK_KV_CACHE_PREFAULT": "0"}).engine_config().kv_cache_prefault
