@@ -45,6 +45,7 @@ class Prefault:
         self._thread = threading.Thread(target=self._run, args=(weakref.ref(tensor), iter(spans)),
                                         name="kv-prefault", daemon=True)
         self._thread.start()
+        logger.info("%s: made resident on idle CPU time from now on (--no-kv-cache-prefault: on first use)", what)
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once the whole pass is done."""
