@@ -16,6 +16,7 @@ call is missing, it stops and pages are faulted on first use, as before.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import mmap
@@ -37,6 +38,7 @@ class Prefault:
 
     def __init__(self, tensor: torch.Tensor, spans: Iterable[tuple[int, int]], what: str) -> None:
         self.done = threading.Event()
+        self._cancelled = threading.Event()
         self.policy: int | None = None  # the thread's scheduling policy, once it has set it
         self.stopped: str | None = None  # why it stopped early, if it did
         self.seconds: float | None = None
@@ -44,6 +46,7 @@ class Prefault:
         self._what = what
         self._thread = threading.Thread(target=self._run, args=(weakref.ref(tensor), iter(spans)),
                                         name="kv-prefault", daemon=True)
+        _passes.add(self)
         self._thread.start()
         logger.info("%s: made resident on idle CPU time from now on (--no-kv-cache-prefault: on first use)", what)
 
@@ -55,6 +58,11 @@ class Prefault:
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
+
+    def cancel(self, timeout: float = 10.0) -> None:
+        """Stop after the span in progress (milliseconds) and wait for the thread."""
+        self._cancelled.set()
+        self._thread.join(timeout)
 
     def _stop(self, why: str) -> None:
         self.stopped = why
@@ -76,6 +84,8 @@ class Prefault:
         page = mmap.PAGESIZE
         started = time.monotonic()
         for offset, length in spans:
+            if self._cancelled.is_set():
+                return
             tensor = tensor_ref()
             if tensor is None:
                 return  # the pool was dropped: nothing left to make resident
@@ -90,3 +100,14 @@ class Prefault:
         self.seconds = time.monotonic() - started
         logger.info("%s: resident after %.1fs", self._what, self.seconds)
         self.done.set()
+
+
+_passes: weakref.WeakSet[Prefault] = weakref.WeakSet()
+
+
+@atexit.register
+def _cancel_all() -> None:
+    """Before the interpreter finalizes: a daemon thread still running then is torn down mid-call, and a
+    process exiting during a pass died of SIGABRT ("terminate called without an active exception")."""
+    for prefault in list(_passes):
+        prefault.cancel()

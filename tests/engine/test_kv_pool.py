@@ -111,3 +111,26 @@ def test_the_engine_prefaults_its_pool_unless_told_not_to():
     assert settings_mod.resolve({}, environ={}).engine_config().kv_cache_prefault
     assert not settings_mod.resolve({"kv_cache_prefault": False}, environ={}).engine_config().kv_cache_prefault
     assert not settings_mod.resolve({}, environ={"SPARK_KV_CACHE_PREFAULT": "0"}).engine_config().kv_cache_prefault
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux's SCHED_IDLE and MADV_POPULATE_WRITE")
+def test_a_pass_in_progress_is_cancelled_before_the_interpreter_finalizes():
+    """A daemon thread still running when Python finalizes is torn down mid-call: a process that exited during
+    a pass once died of SIGABRT. The pass is cancelled and joined at exit (this hook runs after that one)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import atexit\n"
+        "state = {}\n"
+        "atexit.register(lambda: print('running at exit:', state['pass'].running, flush=True))\n"
+        "import torch\n"
+        "from engine.attention import PagedKVCache\n"
+        "cache = PagedKVCache(num_layers=16, num_blocks=8192, block_size=16, num_kv_heads=2, head_dim=64,\n"
+        "                     dtype=torch.bfloat16, device=torch.device('cpu'))\n"
+        "state['pass'] = cache.prefault_in_background(blocks_per_span=8)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "running at exit: False" in out.stdout, out.stdout
