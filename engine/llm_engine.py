@@ -126,6 +126,7 @@ class LLMEngine:
                 self.dtype = resolve_dtype(config.dtype, self.device)
             # The pool first, so its pages are faulted in while the model loads (one core is idle meanwhile)
             kv_cache = self._make_kv_cache(model_cls, hf_config)
+            self.kv_prefault = kv_cache.prefault_in_background() if config.kv_cache_prefault else None
             gguf = gguf_source(config.model)
             self.quantization = resolve_quantization(config.quantization, gguf is not None, kernels, self.dtype,
                                                      self.device)
@@ -214,8 +215,7 @@ class LLMEngine:
         return sample_on_engine(helper, starts, length, seed)  # the helper and its KV mapping go with this frame
 
     def _make_kv_cache(self, model_cls: type[LlamaForCausalLM], hf_config: Any) -> PagedKVCache:
-        """The KV pool the budget holds, refused before any weight loads where it cannot fit; on the CPU its
-        pages are faulted in on idle CPU time from now on (engine/resident.py), where no step waits for them."""
+        """The KV pool the budget holds, refused before any weight loads where it cannot fit."""
         config = self.config
         layers, kv_heads, head_dim = model_cls.kv_geometry(hf_config)
         per_token = PagedKVCache.bytes_per_token(layers, kv_heads, head_dim, self.dtype)
@@ -223,9 +223,7 @@ class LLMEngine:
         if num_blocks < 2:
             raise ValueError("the KV cache budget holds fewer than 2 blocks; raise --kv-cache-space")
         _check_kv_fits(num_blocks * config.block_size * per_token, self.device)
-        cache = PagedKVCache(layers, num_blocks, config.block_size, kv_heads, head_dim, self.dtype, self.device)
-        self.kv_prefault = cache.prefault_in_background() if config.kv_cache_prefault else None
-        return cache
+        return PagedKVCache(layers, num_blocks, config.block_size, kv_heads, head_dim, self.dtype, self.device)
 
     def _stored_weights(self, model_dir, gguf, hf_config):
         """(quantized weights already made, the cache file to save new ones to) for this run's mode."""

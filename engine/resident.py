@@ -4,7 +4,7 @@ The KV pool is an anonymous mapping whose pages the OS zeroes on first touch (at
 start-up costs nothing. But every fresh page is then faulted inside a model step, by the kernel writing
 the step's K and V, while the other thread waits at the step's barrier; and a FIFO free list reaches
 every page of the pool before it reuses one. On a 2-core virtual machine (AMD EPYC) a first touch costs
-~1.3-2 ms a MiB (the host backs the memory then too), ~45 us for each token's 23 KB of KV with the
+~1.2-2 ms a MiB (the host backs the memory then too), ~45 us for each token's 23 KB of KV with the
 embedded model: ~6% of a 32-stream load's samples were in clear_page alone.
 
 So after start a thread asks the kernel to fault the pool in (madvise MADV_POPULATE_WRITE, Linux 5.14+:
@@ -89,8 +89,9 @@ class Prefault:
             tensor = tensor_ref()
             if tensor is None:
                 return  # the pool was dropped: nothing left to make resident
-            start = (tensor.data_ptr() + offset) & ~(page - 1)
-            end = tensor.data_ptr() + offset + length
+            first = tensor.data_ptr() + offset
+            start = first & ~(page - 1)
+            end = first + length
             # ctypes releases the GIL for the call; the tensor reference keeps the mapping alive through it
             if madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
                 self._stop(f"madvise(MADV_POPULATE_WRITE): {os.strerror(ctypes.get_errno())}")

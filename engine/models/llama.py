@@ -190,10 +190,6 @@ class LlamaForCausalLM:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim
 
-    def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
-        return PagedKVCache(self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim,
-                            self.dtype, self.device)
-
     def kv_bytes_per_token(self) -> int:
         return PagedKVCache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
