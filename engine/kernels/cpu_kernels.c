@@ -77,6 +77,40 @@ static inline __m512 exp_clamped_v(__m512 x) {
 }
 
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+
+/* f32_to_bf16 on 16 lanes (round to nearest even, NaN kept NaN and quiet), each result in the low half
+ * of its 32-bit lane. Integer arithmetic rather than vcvtneps2bf16, which flushes denormals to zero. */
+static inline __m512i f32_to_bf16_v(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+/* One row of silu_mul in bf16: round(round(silu(gate)) * up), as the scalar loop in cpu_kernels_impl.h
+ * computes it but with exp_clamped_v (its fused multiply-adds round differently from exp_clamped's
+ * separate ones: within 2 ulp of expf, like it). The compiler's vectorisation of the scalar loop (its
+ * clamps as masks, the rounding's NaN branch) ran at 0.31 ns a value on 2 AMD EPYC cores; this at 0.22. */
+static inline __attribute__((always_inline)) void silu_mul16_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o,
+                                                                  __mmask16 live) {
+    const __m256i gh = _mm256_maskz_loadu_epi16(live, g), uh = _mm256_maskz_loadu_epi16(live, u);
+    const __m512 gv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(gh), 16));
+    const __m512 uv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(uh), 16));
+    const __m512 e = exp_clamped_v(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    const __m512 silu_rounded = _mm512_castsi512_ps(_mm512_slli_epi32(f32_to_bf16_v(silu), 16));
+    _mm256_mask_storeu_epi16(o, live, _mm512_cvtepi32_epi16(f32_to_bf16_v(_mm512_mul_ps(silu_rounded, uv))));
+}
+
+static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) silu_mul16_bf16(g + i, u + i, o + i, (__mmask16)0xffff);
+    if (i < n) silu_mul16_bf16(g + i, u + i, o + i, (__mmask16)((1u << (n - i)) - 1));
+}
+#define SILU_MUL_ROW_BF16 silu_mul_row_bf16
+#endif /* AVX512BW and VL */
 #endif
 
 /* Asks for the next KV block's rows while this one is worked on: the blocks of a sequence lie
@@ -171,7 +205,11 @@ static inline __attribute__((always_inline)) void qk_scores_bf16(
 #define ROUND bf16_round
 #define LOAD16 load16_bf16
 #define QK_RAW_BF16 1 /* this instantiation's q rows are bf16: the scores may use qk_scores_bf16 */
+#if defined(SILU_MUL_ROW_BF16)
+#define SILU_MUL_ROW SILU_MUL_ROW_BF16
+#endif
 #include "cpu_kernels_impl.h"
+#undef SILU_MUL_ROW
 #undef QK_RAW_BF16
 #undef LOAD16
 #undef SFX

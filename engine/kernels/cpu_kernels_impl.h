@@ -31,11 +31,15 @@ void FN(silu_mul)(const T *gate_up, T *out, int64_t rows, int64_t inter, int num
         const T *g = gate_up + r * 2 * inter;
         const T *u = g + inter;
         T *o = out + r * inter;
+#if defined(SILU_MUL_ROW)
+        SILU_MUL_ROW(g, u, o, inter);
+#else
 #pragma omp simd
         for (int64_t i = 0; i < inter; i++) {
             const float gv = LOAD(g[i]);
             o[i] = STORE(ROUND(gv / (1.0f + exp_clamped(-gv))) * LOAD(u[i]));
         }
+#endif
     }
 }
 
