@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from benchmarks.bench_kernels import cpu_model
-from benchmarks.common import token_requests
+from benchmarks.common import token_requests, wait_for_kv_pool
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 
@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(max_num_seqs=max(args.streams, 1)))
+    wait_for_kv_pool(engine)
     for request in token_requests("d", args.streams, args.context, args.steps + 20, temperature=0.0):
         engine.add_request(request)
     while engine.scheduler.waiting or any(s.num_computed_tokens < len(s.token_ids) - 1

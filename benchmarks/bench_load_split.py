@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from benchmarks.bench_kernels import best_of, cpu_model
-from benchmarks.common import token_requests
+from benchmarks.common import token_requests, wait_for_kv_pool
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 
@@ -185,6 +185,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(max_num_seqs=max(64, args.streams)))
+    wait_for_kv_pool(engine)
     for request in token_requests("warm", 2, args.prompt_tokens, 4, first=10_000):  # kernels built, pages touched
         engine.add_request(request)
     while engine.has_unfinished():
