@@ -42,7 +42,6 @@ class Prefault:
         self.policy: int | None = None  # the thread's scheduling policy, once it has set it
         self.stopped: str | None = None  # why it stopped early, if it did
         self.seconds: float | None = None
-        self.bytes_done = 0  # of the spans, so far
         self._what = what
         self._thread = threading.Thread(target=self._run, args=(weakref.ref(tensor), iter(spans)),
                                         name="kv-prefault", daemon=True)
@@ -97,7 +96,6 @@ class Prefault:
                 self._stop(f"madvise(MADV_POPULATE_WRITE): {os.strerror(ctypes.get_errno())}")
                 return
             del tensor
-            self.bytes_done += length
         self.seconds = time.monotonic() - started
         logger.info("%s: resident after %.1fs", self._what, self.seconds)
         self.done.set()
