@@ -4,7 +4,8 @@ gaps must stay even: p99 gap under 3x their median gap (chunked prefill, capped 
     python -m benchmarks.bench_interactivity [--temperature 0]
 
 `--temperature 0` makes the streams greedy: they then speculate (prompt lookup), so a decode step carries
-their draft rows too, and the long-prefill cap grows with those rows (engine/scheduler.py).
+their draft rows too and costs more, while the long-prefill cap still counts decoding streams
+(engine/scheduler.py): the bar must hold both ways.
 """
 
 from __future__ import annotations
