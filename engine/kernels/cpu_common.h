@@ -33,6 +33,13 @@ static inline uint16_t f32_to_bf16(float f) {
 static inline __m512 load16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+/* load16_bf16 of the lanes in `live` only (the others 0.0f, their memory not read): a row's ragged tail. */
+static inline __m512 maskz_load16_bf16(__mmask16 live, const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p)), 16));
+}
+#endif
 #endif
 
 /* cpu_linear.c: y = x @ W^T (+ bias) over one packed weight (the contract is at its definition). */

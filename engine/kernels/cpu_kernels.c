@@ -95,9 +95,7 @@ static inline __m512i f32_to_bf16_v(__m512 v) {
  * clamps as masks, the rounding's NaN branch) ran at 0.31 ns a value on 2 AMD EPYC cores; this at 0.22. */
 static inline __attribute__((always_inline)) void silu_mul16_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o,
                                                                   __mmask16 live) {
-    const __m256i gh = _mm256_maskz_loadu_epi16(live, g), uh = _mm256_maskz_loadu_epi16(live, u);
-    const __m512 gv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(gh), 16));
-    const __m512 uv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(uh), 16));
+    const __m512 gv = maskz_load16_bf16(live, g), uv = maskz_load16_bf16(live, u);
     const __m512 e = exp_clamped_v(_mm512_sub_ps(_mm512_setzero_ps(), gv));
     const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
     const __m512 silu_rounded = _mm512_castsi512_ps(_mm512_slli_epi32(f32_to_bf16_v(silu), 16));
