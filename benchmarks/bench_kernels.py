@@ -149,14 +149,17 @@ def attention_table(kern) -> list[dict]:
 def prefill_attention_table(kern) -> list[dict]:
     """Prefill attention of one engine step (30 layers), the fused kernel against the torch path it
     replaced (engine/attention.py, still the path without the kernels), on chunks as the scheduler
-    makes them: whole short prompts, and a 512-token chunk of a prompt with context before it."""
+    makes them: whole short prompts, a 512-token chunk of a prompt with context before it, and the
+    16-token chunk a long prompt gets beside decoding streams (the long-prefill cap's floor). Each layer
+    has its own cache, as in the engine, so a long context's K and V come from memory, not the L2."""
     H, Hkv, D, block, layers = 9, 3, 64, 16, 30
     gen = torch.Generator().manual_seed(2)
     rows = []
     for label, chunks in (("2 prompts x 230", [(230, 230)] * 2), ("8 prompts x 50", [(50, 50)] * 8),
-                          ("512 of 1,000", [(512, 1000)]), ("512 of 2,000", [(512, 2000)])):
+                          ("512 of 1,000", [(512, 1000)]), ("512 of 2,000", [(512, 2000)]),
+                          ("16 of 1,000", [(16, 1000)]), ("16 of 2,000", [(16, 2000)])):
         blocks = sum(-(-ctx // block) for _, ctx in chunks)
-        cache = torch.randn(2 * Hkv, blocks * block, D, generator=gen).to(torch.bfloat16)
+        caches = [torch.randn(2 * Hkv, blocks * block, D, generator=gen).to(torch.bfloat16) for _ in range(layers)]
         order = torch.randperm(blocks, generator=gen).tolist()
         width = max(-(-ctx // block) for _, ctx in chunks)
         spans, tables, torch_spans, start = [], [], [], 0
@@ -177,11 +180,11 @@ def prefill_attention_table(kern) -> list[dict]:
         q = qkv[:, : H * D].view(start, H, D)
 
         def fused():
-            for _ in range(layers):
+            for cache in caches:
                 kern.prefill_attention(qkv, cache, spans_t, tables_t, block, H, Hkv, D, out)
 
         def plain():
-            for _ in range(layers):
+            for cache in caches:
                 prefill_attention(q, new_kv, cache, torch_spans, out.view(start, H, D))
 
         fused_t = plain_t = math.inf

@@ -20,6 +20,9 @@
  * first, then its even one: the order Intel's manual gives vdpbf16ps, and on the Xeon (model 207) both
  * paths give the same bits. */
 
+#ifndef PF_PACK_AHEAD
+#define PF_PACK_AHEAD 2 /* groups of 16 keys the packing prefetches ahead */
+#endif
 #define PF_PACK_KEYS 256 /* keys per packing job (a multiple of 32) */
 /* Most bytes of packed K/V a call shares between its tiles. Over it (many chunks over long cached
  * contexts: each new turn of many conversations at once), every tile packs its own keys into its
@@ -57,6 +60,38 @@ static inline const uint16_t *paged_row(const uint16_t *head, const int64_t *tab
     return head + (table[key / block_size] * block_size + key % block_size) * D;
 }
 
+/* dst[j * 16 + i] = src[i * stride + j] for i, j < 16: a 16 x 16 block of 32-bit pairs transposed in
+ * registers (32-bit, then 64-bit interleaves within 128-bit lanes, then two rounds of lane shuffles),
+ * where element-wise stores had cost more than the attention they feed at chunks of a few tokens. */
+static inline void transpose16_epi32(const uint32_t *src, int64_t stride, uint32_t *dst) {
+    __m512i r[16], t[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(src + i * stride);
+#pragma GCC unroll 8
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    /* r[4a + c], 128-bit lane l: rows 4a .. 4a + 3 of column 4l + c */
+#pragma GCC unroll 4
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        const __m512i s0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), s1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee);
+        const __m512i s2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        const __m512i s3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
+        _mm512_store_si512(dst + (c + 0) * 16, _mm512_shuffle_i32x4(s0, s2, 0x88));
+        _mm512_store_si512(dst + (c + 4) * 16, _mm512_shuffle_i32x4(s0, s2, 0xdd));
+        _mm512_store_si512(dst + (c + 8) * 16, _mm512_shuffle_i32x4(s1, s3, 0x88));
+        _mm512_store_si512(dst + (c + 12) * 16, _mm512_shuffle_i32x4(s1, s3, 0xdd));
+    }
+}
+
 /* Keys [key0, key1) of a context of `keys` (key0 and key1 multiples of 32, key1 at most the padded
  * length) packed once per sequence and KV head, for every query tile of the step to share:
  *   kp [groups of 16 keys][D/2][16]: K in pair-rows (lane i = key i's inputs 2j, 2j+1);
@@ -65,30 +100,45 @@ static inline const uint16_t *paged_row(const uint16_t *head, const int64_t *tab
 static void prefill_pack_kv(const uint16_t *k_head, const uint16_t *v_head, const int64_t *table, int64_t block_size,
                             int64_t keys, int64_t key0, int64_t key1, int64_t D, uint32_t *kp, uint16_t *vp) {
     const int64_t pairs = D / 2;
-    for (int64_t g = key0 / 16; g < key1 / 16; g++) {
-        uint32_t *dst = kp + g * pairs * 16;
-        for (int64_t i = 0; i < 16; i++) {
-            const int64_t key = g * 16 + i;
-            if (key < keys) {
-                const uint32_t *src = (const uint32_t *)paged_row(k_head, table, block_size, key, D);
-                for (int64_t j = 0; j < pairs; j++) dst[j * 16 + i] = src[j];
-            } else {
-                for (int64_t j = 0; j < pairs; j++) dst[j * 16 + i] = 0;
-            }
-        }
-    }
-    /* lane 2t of the result: key 2i's dim t; lane 2t + 1: key 2i + 1's */
+    const int contiguous_groups = block_size % 16 == 0; /* a group's 16 rows lie in one block, one after another */
+    /* lane 2t of a V result: key 2i's dim t; lane 2t + 1: key 2i + 1's */
     static const uint16_t interleave[32] __attribute__((aligned(64))) = {
         0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
     const __m512i idx = _mm512_load_si512(interleave);
     const __m512i zero = _mm512_setzero_si512();
-    for (int64_t i = key0 / 2; i < key1 / 2; i++) {
-        const uint16_t *v0 = 2 * i < keys ? paged_row(v_head, table, block_size, 2 * i, D) : NULL;
-        const uint16_t *v1 = 2 * i + 1 < keys ? paged_row(v_head, table, block_size, 2 * i + 1, D) : NULL;
-        for (int64_t c = 0; c < D / 16; c++) {
-            const __m512i a = v0 ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v0 + c * 16))) : zero;
-            const __m512i b = v1 ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v1 + c * 16))) : zero;
-            _mm512_store_si512(vp + (i * (D / 16) + c) * 32, _mm512_permutex2var_epi16(a, idx, b));
+    for (int64_t g = key0 / 16; g < key1 / 16; g++) {
+        /* The blocks come in table order, not address order, so the hardware's stream prefetch stops at
+         * each block's end: ask for the rows PF_PACK_AHEAD groups on (a long context's K and V are in
+         * DRAM, and waiting on them had been most of the packing's time). */
+        const int64_t ahead = g + PF_PACK_AHEAD;
+        if (contiguous_groups && ahead * 16 + 16 <= keys && ahead < key1 / 16) {
+            const char *ka = (const char *)paged_row(k_head, table, block_size, ahead * 16, D);
+            const char *va = (const char *)paged_row(v_head, table, block_size, ahead * 16, D);
+            for (int64_t b = 0; b < 16 * D * 2; b += 64) _mm_prefetch(ka + b, _MM_HINT_T0), _mm_prefetch(va + b, _MM_HINT_T0);
+        }
+        uint32_t *dst = kp + g * pairs * 16;
+        if (contiguous_groups && g * 16 + 16 <= keys) {
+            const uint32_t *src = (const uint32_t *)paged_row(k_head, table, block_size, g * 16, D);
+            for (int64_t c = 0; c < pairs; c += 16) transpose16_epi32(src + c, pairs, dst + c * 16);
+        } else {
+            for (int64_t i = 0; i < 16; i++) {
+                const int64_t key = g * 16 + i;
+                if (key < keys) {
+                    const uint32_t *src = (const uint32_t *)paged_row(k_head, table, block_size, key, D);
+                    for (int64_t j = 0; j < pairs; j++) dst[j * 16 + i] = src[j];
+                } else {
+                    for (int64_t j = 0; j < pairs; j++) dst[j * 16 + i] = 0;
+                }
+            }
+        }
+        for (int64_t i = g * 8; i < g * 8 + 8; i++) {
+            const uint16_t *v0 = 2 * i < keys ? paged_row(v_head, table, block_size, 2 * i, D) : NULL;
+            const uint16_t *v1 = 2 * i + 1 < keys ? paged_row(v_head, table, block_size, 2 * i + 1, D) : NULL;
+            for (int64_t c = 0; c < D / 16; c++) {
+                const __m512i a = v0 ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v0 + c * 16))) : zero;
+                const __m512i b = v1 ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v1 + c * 16))) : zero;
+                _mm512_store_si512(vp + (i * (D / 16) + c) * 32, _mm512_permutex2var_epi16(a, idx, b));
+            }
         }
     }
 }
