@@ -6,7 +6,8 @@ Runs the shape of `../shared/peers/compare.py`'s closed loop in process: each of
 next request when its last one finishes, `--requests` in all, distinct synthetic prompts, greedy, ignore_eos,
 on the engine's defaults. Every step is timed and its batch recorded, and the report gives
 
-- the wall split: steps that prefill (with the decode rows they carry) against decode-only steps;
+- the wall split: steps that prefill (with the decode rows they carry) against decode-only steps; a decoding
+  sequence computes a row for its last token and one for each token of its draft, and each counts;
 - the work: multiply-adds of the linears (every scheduled token through every projection), of the head (a
   row for each token that needs logits) and of attention (each query against the keys before it), and the
   bytes a step must read (weights, the KV of decoding rows);
@@ -39,7 +40,8 @@ class StepWork:
     """One engine step: what it computed and how long it took."""
 
     prefill_tokens: int = 0
-    decode_rows: int = 0
+    decode_rows: int = 0  # every row a decoding sequence computes: its last token and its draft's tokens
+    draft_rows: int = 0
     logits_rows: int = 0
     prefill_query_keys: int = 0  # sum over the prompt tokens of the keys each attends to
     decode_keys: int = 0  # sum over the decoding rows of their context lengths
@@ -149,10 +151,12 @@ def run_load(engine: LLMEngine, streams: int, requests: int, prompt_tokens: int,
             current.prefill_tokens += n
             current.prefill_query_keys += n * start + n * (n + 1) // 2
             current.logits_rows += start + n >= len(seq.token_ids)
-        for seq in batch.decodes:
-            current.decode_rows += 1
-            current.decode_keys += seq.num_computed_tokens + 1
-            current.logits_rows += 1
+        for seq in batch.decodes:  # a draft row costs what a decode row does, kept or not
+            rows = 1 + len(seq.draft_token_ids)
+            current.decode_rows += rows
+            current.draft_rows += rows - 1
+            current.decode_keys += rows * (seq.num_computed_tokens + 1) + rows * (rows - 1) // 2
+            current.logits_rows += rows
         return batch
 
     scheduler.schedule = recording_schedule
@@ -215,7 +219,12 @@ def main() -> None:
     for name, group in (("steps that prefill", prefill_steps), ("decode-only steps", decode_steps)):
         seconds = sum(s.seconds for s in group)
         print(f"{name}: {len(group)}, {seconds:.2f} s ({100 * seconds / wall:.0f}% of the wall), "
-              f"{sum(s.prefill_tokens for s in group)} prompt tokens, {sum(s.decode_rows for s in group)} decode rows")
+              f"{sum(s.prefill_tokens for s in group)} prompt tokens, {sum(s.decode_rows for s in group)} decode rows "
+              f"({sum(s.draft_rows for s in group)} of them drafts)")
+    speculator = engine.speculator
+    if speculator is not None and speculator.num_drafted:
+        print(f"drafts: {speculator.num_drafted} tokens drafted, {100 * speculator.num_accepted / speculator.num_drafted:.0f}%"
+              " kept (the run's and the warm-up's)")
     print(f"ceiling: {overlapped_s:.3f} s with each step's arithmetic and bytes overlapped "
           f"({output_tokens / overlapped_s:.0f} output tok/s); {phased_s:.3f} s with its phases in sequence "
           f"({output_tokens / phased_s:.0f} output tok/s)")

@@ -272,8 +272,10 @@ void FN(decode_attention)(const T *qkv, int64_t qkv_stride, const T *cache, cons
     const int parallel = work >= 512 && num_threads > 1;
     const int64_t heads_per_task = parallel && batch * num_kv_heads < 4 * num_threads ? 1 : G;
     const int64_t tasks_per_group = num_heads / heads_per_task;
-    /* the rows' groups: first[g] .. first[g + 1] - 1 */
-    int64_t *first = (int64_t *)malloc((size_t)(batch + 1) * sizeof(int64_t));
+    /* the rows' groups: first[g] .. first[g + 1] - 1 (on the stack up to 256 rows: this runs every layer) */
+    int64_t first_on_stack[257];
+    int64_t *first = batch < 257 ? first_on_stack : (int64_t *)malloc((size_t)(batch + 1) * sizeof(int64_t));
+    if (!first) return;
     int64_t groups = 0;
     for (int64_t b = 0; b < batch; b++) {
         const int joins = b > 0 && block_tables[b * max_blocks] == block_tables[(b - 1) * max_blocks]
@@ -318,7 +320,7 @@ void FN(decode_attention)(const T *qkv, int64_t qkv_stride, const T *cache, cons
             }
         }
     }
-    free(first);
+    if (first != first_on_stack) free(first);
 }
 
 /* Prefill chunks: span s is q_len consecutive queries of one sequence (flat rows q_start ...), the last at
