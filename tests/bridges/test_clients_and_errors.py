@@ -127,8 +127,9 @@ def test_client_hanging_up_on_a_non_streaming_call_aborts_it(live_server, path, 
     aborted_before = core.num_aborted
     if path == "/v1/completions":
         body = {**body, "model": _model(live_server)}
-    if body is None:
-        body = spark_request("Write a very long story about the sea.", max_tokens=4000, temperature=1.0, top_k=6)
+    if body is None:  # Spark has no ignore_eos: greedy, whose answer here runs to max_tokens (sampled, it
+        # could end within the second the client waits, and the call would not be cut off)
+        body = spark_request("Write a very long story about the sea.", max_tokens=4000, temperature=0)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(live_server.http_url + path, json=body, timeout=httpx.Timeout(10, read=1.0))
     live_server.wait_idle(timeout=10)  # far sooner than 3,000 tokens would take
