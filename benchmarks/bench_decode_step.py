@@ -12,7 +12,8 @@ bounds (``greedy_head_bounds``), and around ``ModelRunner.run``. What the report
 - rest of the runner: building the step's tensors, the final norm, the greedy picks' exact recompute;
 - engine outside the runner: scheduling, detokenizing, stop checks, the outputs.
 
-A profiling aid, not a bar: no verdict. Context grows by `--steps` tokens over the run.
+A profiling aid, not a bar: no verdict. Context grows by `--steps` tokens over the run. Speculation is
+off, so every step is one row a stream (`bench_load_split` counts draft rows in a served load).
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300, help="prompt tokens of each stream")
     ap.add_argument("--steps", type=int, default=100)
     args = ap.parse_args()
-    engine = LLMEngine(EngineConfig(max_num_seqs=max(args.streams, 1)))
+    # One row a stream: with prompt-lookup drafts a greedy stream would take several tokens a step and
+    # finish its budget within the first steps, and the later steps would time an idle engine.
+    engine = LLMEngine(EngineConfig(max_num_seqs=max(args.streams, 1), num_speculative_tokens=0))
     wait_for_kv_pool(engine)
     for request in token_requests("d", args.streams, args.context, args.steps + 20, temperature=0.0):
         engine.add_request(request)
