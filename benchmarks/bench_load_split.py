@@ -1,10 +1,11 @@
 """Where a serving load's time goes, against what its arithmetic and bytes could take on this CPU.
 
     python -m benchmarks.bench_load_split [--streams 32] [--requests 64] [--prompt-tokens 230] [--max-tokens 128]
+                                          [--loadgen-texts]
 
 Runs the shape of `../shared/peers/compare.py`'s closed loop in process: each of `--streams` clients sends its
-next request when its last one finishes, `--requests` in all, distinct synthetic prompts, greedy, ignore_eos,
-on the engine's defaults. Every step is timed and its batch recorded, and the report gives
+next request when its last one finishes, `--requests` in all, distinct synthetic prompts (or, with
+`--loadgen-texts`, compare.py's own texts as chat messages), greedy, ignore_eos, on the engine's defaults. Every step is timed and its batch recorded, and the report gives
 
 - the wall split: steps that prefill (with the decode rows they carry) against decode-only steps; a decoding
   sequence computes a row for its last token and one for each token of its draft, and each counts;
@@ -24,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -33,6 +36,11 @@ from benchmarks.bench_kernels import best_of, cpu_model
 from benchmarks.common import token_requests, wait_for_kv_pool
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.request import ChatMessage, ChatPrompt, GenerationRequest
+from engine.sampling_params import SamplingParams
+
+# compare.py's load generator, beside the checkout: its texts are what the peers are measured on
+LOADGEN = Path(__file__).resolve().parents[2] / "shared" / "peers" / "loadgen.py"
 
 
 @dataclass
@@ -137,7 +145,22 @@ def ceilings(steps: list[StepWork], costs: ModelCosts, peaks: Peaks) -> tuple[fl
     return overlapped, phased
 
 
-def run_load(engine: LLMEngine, streams: int, requests: int, prompt_tokens: int, max_tokens: int) -> list[StepWork]:
+def loadgen_requests(requests: int, prompt_tokens: int, max_tokens: int) -> list[GenerationRequest]:
+    """compare.py's own requests: loadgen's texts (seeds 0 ...) as chat messages, greedy, ignore_eos, min_tokens
+    = max_tokens, as loadgen sends them. Their answers repeat their prompts less than the synthetic token
+    prompts' do, so fewer drafts hold."""
+    spec = importlib.util.spec_from_file_location("loadgen", LOADGEN)
+    if spec is None or spec.loader is None or not LOADGEN.exists():
+        raise SystemExit(f"--loadgen-texts needs {LOADGEN} (../shared beside the checkout)")
+    loadgen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loadgen)
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    return [GenerationRequest(f"load-{i}", ChatPrompt([ChatMessage("user", loadgen.build_prompt(prompt_tokens, i))]),
+                              params) for i in range(requests)]
+
+
+def run_load(engine: LLMEngine, streams: int, requests: int, prompt_tokens: int, max_tokens: int,
+             loadgen_texts: bool = False) -> list[StepWork]:
     """The closed loop; returns every step's work and time."""
     scheduler = engine.scheduler
     schedule = scheduler.schedule
@@ -160,7 +183,8 @@ def run_load(engine: LLMEngine, streams: int, requests: int, prompt_tokens: int,
         return batch
 
     scheduler.schedule = recording_schedule
-    pending = token_requests("load", requests, prompt_tokens, max_tokens, temperature=0.0)
+    pending = (loadgen_requests(requests, prompt_tokens, max_tokens) if loadgen_texts
+               else token_requests("load", requests, prompt_tokens, max_tokens, temperature=0.0))
     pending.reverse()
     for _ in range(min(streams, len(pending))):
         engine.add_request(pending.pop())
@@ -187,6 +211,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=230)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--loadgen-texts", action="store_true",
+                    help="compare.py's prompts (../shared/peers/loadgen.py) instead of synthetic token ids")
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(max_num_seqs=max(64, args.streams)))
     wait_for_kv_pool(engine)
@@ -195,7 +221,7 @@ def main() -> None:
     while engine.has_unfinished():
         engine.step()
     costs = model_costs(engine)
-    steps = run_load(engine, args.streams, args.requests, args.prompt_tokens, args.max_tokens)
+    steps = run_load(engine, args.streams, args.requests, args.prompt_tokens, args.max_tokens, args.loadgen_texts)
     if engine.runner.model.kernels is None:
         print("no native kernels here (SPARK_NATIVE_KERNELS=0 or no compiler): no peak to compare against")
         return
