@@ -109,7 +109,8 @@ static void prefill_pack_kv(const uint16_t *k_head, const uint16_t *v_head, cons
     for (int64_t g = key0 / 16; g < key1 / 16; g++) {
         /* The blocks come in table order, not address order, so the hardware's stream prefetch stops at
          * each block's end: ask for the rows PF_PACK_AHEAD groups on (a long context's K and V are in
-         * DRAM, and waiting on them had been most of the packing's time). */
+         * DRAM, and waiting on them had been most of the packing's time). K's and V's lines alternate and
+         * go to L1: prefetch_block (L2, one block after the other) ran 5-15% slower here. */
         const int64_t ahead = g + PF_PACK_AHEAD;
         if (contiguous_groups && ahead * 16 + 16 <= keys && ahead < key1 / 16) {
             const char *ka = (const char *)paged_row(k_head, table, block_size, ahead * 16, D);
