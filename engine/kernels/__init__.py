@@ -40,7 +40,7 @@ HEADERS = tuple(KERNELS_DIR / name for name in ("cpu_common.h", "cpu_kernels_imp
                                                  "cpu_linear_fma.h", "cpu_prefill_attention.h", "cpu_forward.h",
                                                  "cpu_sampling.h", "cpu_greedy_head.h"))
 SOURCES = UNITS + HEADERS
-ABI_VERSION = 9
+ABI_VERSION = 10
 CFLAGS = ["-O3", "-fPIC", "-fopenmp", "-ffp-contract=off", "-std=c11"]
 NATIVE = "-march=native"  # this CPU's full instruction set (AVX-512 where it has it)
 DISABLE_ENV = "SPARK_NATIVE_KERNELS"

@@ -14,29 +14,36 @@
  * stores a step where both bounds were 12.6 MB.
  *
  * Layout (repacked once at load): per tile of 16 tokens and block b of 32 inputs, 8 quad-rows of 64 bytes
- * (token i's inputs 4j .. 4j + 3 at bytes 4i .. 4i + 3 of quad-row j: one 32-bit lane of vpdpbusd each), and
- * per tile, block: d[16] (fp32), -128 x sum_k q (int32: vpdpbusd takes x as unsigned, q_x + 128, so the
- * sums start from it and end as the signed dot products), A[16].
+ * (token i's inputs 4j .. 4j + 3 at bytes 4i .. 4i + 3 of quad-row j: one 32-bit lane of vpdpbusd each), each
+ * code stored as q + 128 (vpdpbusd's unsigned operand), and per tile, block: d[16], A[16] (fp32). x is the
+ * signed operand: each row's block sum starts from -128 x sum q_x (one broadcast a row and block), so it ends
+ * as the signed dot product. (With x unsigned instead, the correction was -128 x sum q per token, a third of
+ * the meta's bytes and a vector load per tile and block; the head ran 1.18-1.30x slower at 8-44 rows, AMD
+ * EPYC. Feeding x to vpdpbusd as an embedded {1to16} broadcast was no faster than a register broadcast
+ * shared by two tiles.)
  */
+#define GH_META 32 /* floats of meta per tile and block: d[16], A[16] */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define GREEDY_HEAD_FAST 1
 #define GH_ROWS 8 /* rows of x a pass over a tile's codes: 8 int32 + 8 fp32 + 8 bound accumulators */
 
-/* Row r of x (bf16, K inputs) quantized per block of 32: xq (K bytes, q + 128), scale[b], amax[b]. */
-static void greedy_head_quantize_row(const uint16_t *xr, int64_t K, uint8_t *xq, float *scale, float *amax) {
+/* Row r of x (bf16, K inputs) quantized per block of 32: xq (K signed bytes), scale[b], amax[b], and
+ * start[b] = -128 x the block's sum of codes (what the head's stored + 128 adds, taken back). */
+static void greedy_head_quantize_row(const uint16_t *xr, int64_t K, int8_t *xq, float *scale, float *amax,
+                                     int32_t *start) {
     for (int64_t b = 0; b < K / 32; b++) {
         const __m512 v0 = load16_bf16(xr + b * 32), v1 = load16_bf16(xr + b * 32 + 16);
         const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         const float s = a / 127.f, inv = a > 0.f ? 127.f / a : 0.f;
         const __m512 iv = _mm512_set1_ps(inv), lim = _mm512_set1_ps(127.f), neg = _mm512_set1_ps(-127.f);
-        const __m512i off = _mm512_set1_epi32(128);
-        const __m512i q0 = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v0, iv), neg), lim)), off);
-        const __m512i q1 = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v1, iv), neg), lim)), off);
-        _mm_storeu_si128((__m128i *)(xq + b * 32), _mm512_cvtusepi32_epi8(q0));
-        _mm_storeu_si128((__m128i *)(xq + b * 32 + 16), _mm512_cvtusepi32_epi8(q1));
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v0, iv), neg), lim));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v1, iv), neg), lim));
+        _mm_storeu_si128((__m128i *)(xq + b * 32), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(xq + b * 32 + 16), _mm512_cvtsepi32_epi8(q1));
         scale[b] = s;
         amax[b] = a;
+        start[b] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
     }
 }
 
@@ -53,11 +60,11 @@ static inline __mmask16 banned_lanes(const int64_t *ban_off, const int64_t *ban_
  * broadcast input quad (loads per vpdpbusd 0.75 instead of 1.125 at 8 rows against one). With ASK, the next
  * tiles' codes and meta are asked for, a share a block (struct lookahead, cpu_linear.h). */
 static inline __attribute__((always_inline)) void greedy_head_tile_rows(
-    const int RB, const int NT, const int ASK, const uint8_t *xq, const float *scale, const float *amax, int64_t r0,
-    int64_t K, const int8_t *codes, const float *meta, int64_t n0, int64_t N, float *hi, float *best16,
-    const int64_t *ban_off, const int64_t *ban_ids, const struct lookahead *next_codes,
+    const int RB, const int NT, const int ASK, const int8_t *xq, const float *scale, const float *amax,
+    const int32_t *xstart, int64_t r0, int64_t K, const uint8_t *codes, const float *meta, int64_t n0, int64_t N,
+    float *hi, float *best16, const int64_t *ban_off, const int64_t *ban_ids, const struct lookahead *next_codes,
     const struct lookahead *next_meta) {
-    const int64_t blocks = K / 32, tile_codes = blocks * 8 * 64, tile_meta = blocks * 48;
+    const int64_t blocks = K / 32, tile_codes = blocks * 8 * 64, tile_meta = blocks * GH_META;
     __m512 acc[GH_ROWS][2], bnd[GH_ROWS][2];
 #pragma GCC unroll 8
     for (int r = 0; r < RB; r++)
@@ -69,11 +76,11 @@ static inline __attribute__((always_inline)) void greedy_head_tile_rows(
             prefetch_share(next_meta, b);
         }
         __m512i dot[GH_ROWS][2];
-#pragma GCC unroll 2
-        for (int t = 0; t < NT; t++) {
-            const __m512i start = _mm512_loadu_si512(meta + t * tile_meta + b * 48 + 16); /* -128 sum q */
 #pragma GCC unroll 8
-            for (int r = 0; r < RB; r++) dot[r][t] = start;
+        for (int r = 0; r < RB; r++) {
+            const __m512i start = _mm512_set1_epi32(xstart[(r0 + r) * blocks + b]); /* -128 sum q_x */
+#pragma GCC unroll 2
+            for (int t = 0; t < NT; t++) dot[r][t] = start;
         }
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
@@ -86,14 +93,14 @@ static inline __attribute__((always_inline)) void greedy_head_tile_rows(
                 memcpy(&quad, xq + (r0 + r) * K + b * 32 + 4 * j, sizeof quad);
                 const __m512i xv = _mm512_set1_epi32(quad);
 #pragma GCC unroll 2
-                for (int t = 0; t < NT; t++) dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], xv, w[t]);
+                for (int t = 0; t < NT; t++) dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], w[t], xv);
             }
         }
 #pragma GCC unroll 2
         for (int t = 0; t < NT; t++) {
-            const float *mb = meta + t * tile_meta + b * 48;
+            const float *mb = meta + t * tile_meta + b * GH_META;
             const __m512 d = _mm512_loadu_ps(mb);
-            const __m512 l1 = _mm512_loadu_ps(mb + 32);
+            const __m512 l1 = _mm512_loadu_ps(mb + 16);
 #pragma GCC unroll 8
             for (int r = 0; r < RB; r++) {
                 const int64_t rb = (r0 + r) * blocks + b;
@@ -128,16 +135,17 @@ static inline __attribute__((always_inline)) void greedy_head_tile_rows(
  * once, which the hardware prefetcher kept too little ahead of (AMD EPYC, 2 cores, the embedded model's
  * head: 2-5 rows 1.06-1.57x, 8-32 rows 1.1-1.3x, 64 unchanged). One row does not ask: it ran 12-16% slower
  * when it did. */
-static void greedy_head_tiles(int NT, const uint8_t *xq, const float *scale, const float *amax, int64_t M, int64_t K,
-                              const int8_t *codes, const float *meta, int64_t n0, int64_t N, float *hi, float *best16,
+static void greedy_head_tiles(int NT, const int8_t *xq, const float *scale, const float *amax, const int32_t *xstart,
+                              int64_t M, int64_t K, const uint8_t *codes, const float *meta, int64_t n0, int64_t N,
+                              float *hi, float *best16,
                               const int64_t *ban_off, const int64_t *ban_ids, struct lookahead next_codes,
                               struct lookahead next_meta) {
     const int64_t blocks = K / 32, rows_a_pass = NT == 2 ? 4 : GH_ROWS, full = M / rows_a_pass;
     const int rest_asks = full == 0 && M >= 2; /* the rows' only pass */
     next_codes.parts = next_meta.parts = (full > 0 ? full : 1) * blocks;
 #define GH_PASS(RB, NTC, ASK)                                                                                    \
-    greedy_head_tile_rows(RB, NTC, ASK, xq, scale, amax, r, K, codes, meta, n0, N, hi, best16, ban_off, ban_ids, \
-                          &next_codes, &next_meta)
+    greedy_head_tile_rows(RB, NTC, ASK, xq, scale, amax, xstart, r, K, codes, meta, n0, N, hi, best16, ban_off, \
+                          ban_ids, &next_codes, &next_meta)
     /* the rows left after the full passes, in one pass of M - r rows; ASK a compile-time choice in each
      * (rest_asks never holds for one row) */
 #define GH_REST_1(ASK)                    \
@@ -192,21 +200,23 @@ int spark_greedy_head_fast(void) {
  * row's largest approximate logit minus its bound. Row r's banned tokens, ban_ids[ban_off[r] .. ban_off[r + 1]],
  * are -inf in hi and left out of best. codes, meta: the repacked head (see the header). Returns 0, or -1
  * where this build has no VNNI path or scratch could not be had. */
-int spark_greedy_head_bounds(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const int8_t *codes,
+int spark_greedy_head_bounds(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *codes,
                              const float *meta, int64_t N, float *hi, float *best, const int64_t *ban_off,
                              const int64_t *ban_ids, int num_threads) {
 #if defined(GREEDY_HEAD_FAST)
     if (M <= 0 || N <= 0) return 0;
     if (K % 32) return -1;
     const int64_t blocks = K / 32, tiles = (N + 15) / 16;
-    uint8_t *xq = malloc((size_t)(M * K));
+    int8_t *xq = malloc((size_t)(M * K));
     float *scale = malloc((size_t)(M * blocks) * sizeof(float)), *amax = malloc((size_t)(M * blocks) * sizeof(float));
-    if (!xq || !scale || !amax) {
-        free(xq), free(scale), free(amax);
+    int32_t *xstart = malloc((size_t)(M * blocks) * sizeof(int32_t));
+    if (!xq || !scale || !amax || !xstart) {
+        free(xq), free(scale), free(amax), free(xstart);
         return -1;
     }
     for (int64_t r = 0; r < M; r++) {
-        greedy_head_quantize_row(x + r * ldx, K, xq + r * K, scale + r * blocks, amax + r * blocks);
+        greedy_head_quantize_row(x + r * ldx, K, xq + r * K, scale + r * blocks, amax + r * blocks,
+                                 xstart + r * blocks);
         best[r] = -INFINITY;
     }
     int failed = 0;
@@ -216,15 +226,15 @@ int spark_greedy_head_bounds(const uint16_t *x, int64_t M, int64_t K, int64_t ld
         float *best16 = aligned_alloc(64, (size_t)(M * 16) * sizeof(float));
         if (best16)
             for (int64_t i = 0; i < M * 16; i++) best16[i] = -INFINITY;
-        const int64_t tile_codes = blocks * 8 * 64, tile_meta = blocks * 48 * (int64_t)sizeof(float);
+        const int64_t tile_codes = blocks * 8 * 64, tile_meta = blocks * GH_META * (int64_t)sizeof(float);
         const uint8_t *codes_end = (const uint8_t *)codes + tiles * tile_codes;
         const uint8_t *meta_end = (const uint8_t *)meta + tiles * tile_meta;
 #pragma omp for schedule(guided)
         for (int64_t t2 = 0; t2 < (tiles + 1) / 2; t2++) {
             const int64_t t = 2 * t2;
             if (best16)
-                greedy_head_tiles(t + 1 < tiles ? 2 : 1, xq, scale, amax, M, K, codes + t * blocks * 8 * 64,
-                                  meta + t * blocks * 48, t * 16, N, hi, best16, ban_off, ban_ids,
+                greedy_head_tiles(t + 1 < tiles ? 2 : 1, xq, scale, amax, xstart, M, K, codes + t * blocks * 8 * 64,
+                                  meta + t * blocks * GH_META, t * 16, N, hi, best16, ban_off, ban_ids,
                                   lookahead_of((const uint8_t *)codes + (t + 2) * tile_codes, 2 * tile_codes,
                                                codes_end),
                                   lookahead_of((const uint8_t *)meta + (t + 2) * tile_meta, 2 * tile_meta, meta_end));
@@ -240,7 +250,7 @@ int spark_greedy_head_bounds(const uint16_t *x, int64_t M, int64_t K, int64_t ld
         }
         free(best16);
     }
-    free(xq), free(scale), free(amax);
+    free(xq), free(scale), free(amax), free(xstart);
     return failed ? -1 : 0;
 #else
     (void)x, (void)M, (void)K, (void)ldx, (void)codes, (void)meta, (void)N, (void)hi, (void)best, (void)ban_off,
@@ -255,7 +265,7 @@ int spark_greedy_head_bounds(const uint16_t *x, int64_t M, int64_t K, int64_t ld
  * the vector order: the bound covers any fp32 evaluation). The first maximum wins, a NaN over any number
  * (torch.argmax's rules). In Python these few dot products were ~10 small torch ops: ~0.37 ms of a
  * 32-row decode step on a 2-core AMD EPYC, most of it dispatch. */
-void spark_greedy_exact(const uint16_t *x, int64_t rows, int64_t K, int64_t ldx, const int8_t *codes,
+void spark_greedy_exact(const uint16_t *x, int64_t rows, int64_t K, int64_t ldx, const uint8_t *codes,
                         const float *meta, const int64_t *idx, const int64_t *count, int64_t cap, int64_t *out) {
     const int64_t blocks = K / 32;
 #pragma omp parallel for schedule(static) if (rows >= 8)
@@ -268,11 +278,11 @@ void spark_greedy_exact(const uint16_t *x, int64_t rows, int64_t K, int64_t ldx,
             const int64_t n = idx[r * cap + c], tile = n / 16, lane = n % 16;
             float logit = 0.f;
             for (int64_t b = 0; b < blocks; b++) {
-                const int8_t *q = codes + (tile * blocks + b) * 8 * 64 + lane * 4; /* quad j at + j * 64 */
-                const float d = meta[(tile * blocks + b) * 48 + lane];
+                const uint8_t *q = codes + (tile * blocks + b) * 8 * 64 + lane * 4; /* quad j at + j * 64 */
+                const float d = meta[(tile * blocks + b) * GH_META + lane];
                 const float *xb = xf + b * 32;
 #pragma omp simd reduction(+ : logit)
-                for (int64_t k = 0; k < 32; k++) logit += xb[k] * ((float)q[(k / 4) * 64 + k % 4] * d);
+                for (int64_t k = 0; k < 32; k++) logit += xb[k] * ((float)((int)q[(k / 4) * 64 + k % 4] - 128) * d);
             }
             if (logit != logit) { /* NaN: torch.argmax answers the first one */
                 pick = n;

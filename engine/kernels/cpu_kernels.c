@@ -302,6 +302,6 @@ void apply_token_bitmask(float *logits, int64_t vocab, const int32_t *mask, int6
     }
 }
 
-int spark_kernels_abi_version(void) { return 9; }
+int spark_kernels_abi_version(void) { return 10; }
 int spark_kernels_max_head_dim(void) { return MAX_HEAD_DIM; }
 int spark_kernels_max_group(void) { return MAX_GROUP; }

@@ -41,18 +41,18 @@ class GreedyHead:
         self.out_features = n
         blocks = k // BLOCK
         tiles = -(-n // TILE)
-        padded = torch.zeros(tiles * TILE, k, dtype=torch.int8)
-        padded[:n] = codes
-        # per token and block of 32: d (the group's scale), sum of codes, sum of |codes|
+        # codes stored as q + 128: vpdpbusd's unsigned operand (x, quantized per row, is the signed one)
+        padded = torch.full((tiles * TILE, k), 128, dtype=torch.uint8)
+        padded[:n] = (codes.to(torch.int16) + 128).to(torch.uint8)
+        # per token and block of 32: d (the group's scale) and A = d * sum of |codes|
         d = scales.repeat_interleave(quantized.group // BLOCK, dim=1)  # build(): group is a multiple of 32
         blocked = codes.view(n, blocks, BLOCK).to(torch.int32)
-        meta = torch.zeros(tiles * TILE, blocks, 3, dtype=torch.float32)
+        meta = torch.zeros(tiles * TILE, blocks, 2, dtype=torch.float32)
         meta[:n, :, 0] = d
-        meta[:n, :, 1] = (-128 * blocked.sum(-1)).to(torch.int32).view(torch.float32)  # int32 bits
-        meta[:n, :, 2] = d * blocked.abs().sum(-1).float()
-        # codes: [tile, block, quad j, token i, 4 inputs]; meta: [tile, block, (d | -128 sum q | A), 16]
+        meta[:n, :, 1] = d * blocked.abs().sum(-1).float()
+        # codes: [tile, block, quad j, token i, 4 inputs]; meta: [tile, block, (d | A), 16]
         self.codes = (padded.view(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous())
-        self.meta = meta.view(tiles, TILE, blocks, 3).permute(0, 2, 3, 1).contiguous()
+        self.meta = meta.view(tiles, TILE, blocks, 2).permute(0, 2, 3, 1).contiguous()
         self._hi = torch.empty(0, n)
 
     @classmethod
