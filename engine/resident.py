@@ -12,6 +12,16 @@ what a first write would do, without writing), in the order the free list hands 
 runs under SCHED_IDLE: it gets a core only when no other thread wants it, and any waking thread (a
 step's OpenMP worker) preempts it at once, so it never competes with a step. Where the policy or the
 call is missing, it stops and pages are faulted on first use, as before.
+
+Each span is first marked for transparent huge pages (MADV_HUGEPAGE, where the kernel's THP mode is
+`madvise` or `always`), so the pool it populates is mostly 2 MiB pages. Decode attention reads a sequence's
+KV as 2 KB blocks scattered over gigabytes, one 4 KiB page each, and nearly every block was a TLB miss:
+on 2 MiB pages the decode-attention kernel took 7-9% less time on a running engine's own block tables
+(32 x ~310 keys, 30 layers, AMD EPYC) and a 16-query prefill chunk over 1,000 keys 7-11% less. The mark
+goes on a span only as the pass reaches it, never on the whole pool at start: a region the engine writes
+before the pass gets there stays in 4 KiB pages, so a first request does not wait for 2 MiB pages to be
+zeroed (180 of them for one block of the embedded model, one per layer and K/V head). The pass itself takes
+longer in huge pages (a 2 GiB pool: 4.6-6.0 s against 3.3-3.6 s of otherwise idle CPU on that machine).
 """
 
 from __future__ import annotations
@@ -31,6 +41,26 @@ import torch
 logger = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # <linux/mman.h>
+MADV_HUGEPAGE = 14
+HUGE_PAGE = 2 << 20  # x86-64 and arm64 with 4 KiB base pages
+
+
+def huge_page_bytes(start: int, end: int) -> int | None:
+    """Bytes of [start, end) backed by transparent huge pages (AnonHugePages of /proc/self/smaps, summed over
+    the mappings that lie inside it); None where there is no smaps."""
+    total, inside = 0, False
+    try:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):  # a mapping's first line: lo-hi perms ...
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = start <= lo and hi <= end
+                elif inside and head == "AnonHugePages:":
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return total
 
 
 class Prefault:
@@ -81,6 +111,7 @@ class Prefault:
             return
         madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         page = mmap.PAGESIZE
+        huge = True  # until a kernel built without THP refuses the mark (in THP mode `never` it is accepted, and inert)
         started = time.monotonic()
         for offset, length in spans:
             if self._cancelled.is_set():
@@ -88,16 +119,31 @@ class Prefault:
             tensor = tensor_ref()
             if tensor is None:
                 return  # the pool was dropped: nothing left to make resident
+            base = tensor.data_ptr() & ~(page - 1)
+            limit = -(-(tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page) * page
             first = tensor.data_ptr() + offset
             start = first & ~(page - 1)
             end = first + length
+            if huge:  # the whole 2 MiB pages around the span, within the mapping
+                lo, hi = max(base, start & ~(HUGE_PAGE - 1)), min(limit, -(-end // HUGE_PAGE) * HUGE_PAGE)
+                if madvise(lo, hi - lo, MADV_HUGEPAGE) != 0:
+                    huge = False
+                    logger.info("%s: in 4 KiB pages (madvise(MADV_HUGEPAGE): %s)", self._what,
+                                os.strerror(ctypes.get_errno()))
             # ctypes releases the GIL for the call; the tensor reference keeps the mapping alive through it
             if madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
                 self._stop(f"madvise(MADV_POPULATE_WRITE): {os.strerror(ctypes.get_errno())}")
                 return
             del tensor
         self.seconds = time.monotonic() - started
-        logger.info("%s: resident after %.1fs", self._what, self.seconds)
+        tensor = tensor_ref()
+        in_huge = None
+        if tensor is not None:
+            in_huge = huge_page_bytes(tensor.data_ptr() & ~(page - 1),
+                                      tensor.data_ptr() + tensor.numel() * tensor.element_size() + page)
+            del tensor
+        logger.info("%s: resident after %.1fs%s", self._what, self.seconds,
+                    f", {in_huge / (1 << 30):.2f} GiB of it in 2 MiB pages" if in_huge is not None else "")
         self.done.set()
 
 

@@ -134,3 +134,48 @@ def test_a_pass_in_progress_is_cancelled_before_the_interpreter_finalizes():
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-2000:]
     assert "running at exit: False" in out.stdout, out.stdout
+
+
+def _thp_mode() -> str | None:
+    """The kernel's transparent-huge-page mode (the bracketed word), or None where it has none."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _thp_eligible(start: int, end: int) -> list[bool]:
+    """THPeligible of each mapping inside [start, end), from /proc/self/smaps."""
+    flags, inside = [], False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = start <= lo and hi <= end
+            elif inside and head == "THPeligible:":
+                flags.append(line.split()[1] == "1")
+    return flags
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise" or not hasattr(os, "SCHED_IDLE"),
+                    reason="needs Linux with transparent huge pages in `madvise` mode")
+def test_the_prefault_pass_asks_for_huge_pages_as_it_goes_and_not_before(caplog):
+    """Scattered 2 KB KV blocks on 4 KiB pages miss the TLB nearly every block; the pass marks each span for
+    2 MiB pages just before populating it, and never the pool at start (a first request would wait for its
+    huge pages to be zeroed)."""
+    import logging
+
+    cache = PagedKVCache(num_layers=4, num_blocks=4096, block_size=16, num_kv_heads=2, head_dim=64,
+                         dtype=torch.bfloat16, device=torch.device("cpu"))  # 64 MiB, 16 planes of 4 MiB
+    start = cache.kv.data_ptr()
+    end = start + cache.kv.numel() * cache.kv.element_size() + mmap.PAGESIZE
+    assert _thp_eligible(start, end) == [False]  # one plain mapping until the pass reaches it
+    with caplog.at_level(logging.INFO, logger="engine.resident"):
+        prefault = cache.prefault_in_background(blocks_per_span=1024)
+        assert prefault.wait(timeout=120) and prefault.stopped is None
+    flags = _thp_eligible(start, end)
+    assert flags and all(flags), flags  # every span marked (the pass covers the whole pool)
+    assert "in 2 MiB pages" in caplog.text
+    assert not cache.kv.float().abs().sum()  # populating wrote nothing
