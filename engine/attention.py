@@ -60,6 +60,11 @@ def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     if count == 0:
         return torch.zeros(shape, dtype=dtype)
     pages = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # 4 KiB pages on first touch even where THP is `always`: the
+        try:  # prefault pass (engine/resident.py) asks for 2 MiB pages span by span, ahead of the engine
+            pages.madvise(mmap.MADV_NOHUGEPAGE)
+        except OSError:  # a kernel without THP
+            pass
     return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)  # the tensor keeps the mapping alive
 
 
