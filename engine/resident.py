@@ -45,10 +45,10 @@ MADV_HUGEPAGE = 14
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 with 4 KiB base pages
 
 
-def huge_page_bytes(start: int, end: int) -> int | None:
-    """Bytes of [start, end) backed by transparent huge pages (AnonHugePages of /proc/self/smaps, summed over
-    the mappings that lie inside it); None where there is no smaps."""
-    total, inside = 0, False
+def mapping_fields(start: int, end: int, field: str) -> list[str] | None:
+    """The value of ``field`` (e.g. "AnonHugePages") of each mapping lying inside [start, end), from
+    /proc/self/smaps; None where there is no smaps."""
+    values, inside, key = [], False, field + ":"
     try:
         with open("/proc/self/smaps") as smaps:
             for line in smaps:
@@ -56,11 +56,17 @@ def huge_page_bytes(start: int, end: int) -> int | None:
                 if "-" in head and not head.endswith(":"):  # a mapping's first line: lo-hi perms ...
                     lo, hi = (int(x, 16) for x in head.split("-"))
                     inside = start <= lo and hi <= end
-                elif inside and head == "AnonHugePages:":
-                    total += int(line.split()[1]) * 1024
+                elif inside and head == key:
+                    values.append(line.split()[1])
     except (OSError, ValueError):
         return None
-    return total
+    return values
+
+
+def huge_page_bytes(start: int, end: int) -> int | None:
+    """Bytes of [start, end) backed by transparent huge pages; None where there is no smaps."""
+    sizes = mapping_fields(start, end, "AnonHugePages")
+    return None if sizes is None else sum(int(kb) * 1024 for kb in sizes)
 
 
 class Prefault:
@@ -111,6 +117,13 @@ class Prefault:
             return
         madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         page = mmap.PAGESIZE
+        tensor = tensor_ref()
+        if tensor is None:
+            return
+        data = tensor.data_ptr()
+        # the mapping's bounds, in numbers: the thread must not keep the pool alive between spans
+        base, limit = data & ~(page - 1), -(-(data + tensor.numel() * tensor.element_size()) // page) * page
+        del tensor
         huge = True  # until a kernel built without THP refuses the mark (in THP mode `never` it is accepted, and inert)
         started = time.monotonic()
         for offset, length in spans:
@@ -119,11 +132,8 @@ class Prefault:
             tensor = tensor_ref()
             if tensor is None:
                 return  # the pool was dropped: nothing left to make resident
-            base = tensor.data_ptr() & ~(page - 1)
-            limit = -(-(tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page) * page
-            first = tensor.data_ptr() + offset
-            start = first & ~(page - 1)
-            end = first + length
+            start = (data + offset) & ~(page - 1)
+            end = data + offset + length
             if huge:  # the whole 2 MiB pages around the span, within the mapping
                 lo, hi = max(base, start & ~(HUGE_PAGE - 1)), min(limit, -(-end // HUGE_PAGE) * HUGE_PAGE)
                 if madvise(lo, hi - lo, MADV_HUGEPAGE) != 0:
@@ -136,12 +146,9 @@ class Prefault:
                 return
             del tensor
         self.seconds = time.monotonic() - started
-        tensor = tensor_ref()
-        in_huge = None
-        if tensor is not None:
-            in_huge = huge_page_bytes(tensor.data_ptr() & ~(page - 1),
-                                      tensor.data_ptr() + tensor.numel() * tensor.element_size() + page)
-            del tensor
+        tensor = tensor_ref()  # alive while smaps is read, so the range is still the pool's
+        in_huge = huge_page_bytes(base, limit) if tensor is not None else None
+        del tensor
         logger.info("%s: resident after %.1fs%s", self._what, self.seconds,
                     f", {in_huge / (1 << 30):.2f} GiB of it in 2 MiB pages" if in_huge is not None else "")
         self.done.set()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.attention import PagedKVCache, lazily_zeroed
+from engine.resident import mapping_fields
 
 
 def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
@@ -146,17 +147,10 @@ def _thp_mode() -> str | None:
 
 
 def _thp_eligible(start: int, end: int) -> list[bool]:
-    """THPeligible of each mapping inside [start, end), from /proc/self/smaps."""
-    flags, inside = [], False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split(maxsplit=1)[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = start <= lo and hi <= end
-            elif inside and head == "THPeligible:":
-                flags.append(line.split()[1] == "1")
-    return flags
+    """THPeligible of each mapping inside [start, end)."""
+    flags = mapping_fields(start, end, "THPeligible")
+    assert flags is not None, "no /proc/self/smaps"
+    return [flag == "1" for flag in flags]
 
 
 @pytest.mark.skipif(_thp_mode() not in ("madvise", "always") or not hasattr(os, "SCHED_IDLE"),
