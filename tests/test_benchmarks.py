@@ -58,3 +58,33 @@ def test_the_load_split_counts_the_load_and_its_ceiling_is_not_above_the_run():
     overlapped, phased = (float(v) for v in re.search(r"ceiling: ([\d.]+) s .*; ([\d.]+) s", text).groups())
     wall = float(re.search(r"measured: ([\d.]+) s", text).group(1))
     assert 0 < overlapped <= phased <= 1.5 * wall, text
+
+
+def test_the_layers_ab_leaves_the_loads_answers_as_they_are(monkeypatch):
+    """bench_layers_ab runs each sampled step's layers several more times before the engine's real call, so it
+    must put back everything those runs move: the answers of a greedy load with it in place are the answers
+    without it. Two copies of the engine's own build stand in for the variants (no compile here); had the
+    residual stream not been restored, every sampled step would run the layers on their own output (tried:
+    the answers differ from the first step on). Each build's time is a time of this run."""
+    from benchmarks.bench_layers_ab import Build, LayersAB
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from tests.engine.helpers import chat, run_all, tokens_of
+
+    engine = LLMEngine(EngineConfig(max_num_seqs=4, kv_cache_space_gib=0.25))
+    kernels = engine.runner.model.kernels
+    if kernels is None:
+        pytest.skip("no C compiler: the fused CPU kernels are not built")
+    prompts = ["Name three colours.", "Count from one to five.", "What is the capital of France?"]
+
+    def answers(prefix: str) -> list[list[int]]:
+        outs = run_all(engine, [chat(f"{prefix}{i}", p, temperature=0, max_tokens=12) for i, p in enumerate(prompts)])
+        return [tokens_of(outs[f"{prefix}{i}"]) for i in range(len(prompts))]
+
+    plain = answers("plain")
+    builds = [Build("engine's build", kernels.forward_layers), Build("again", kernels.forward_layers)]
+    ab = LayersAB(builds, every=1, reps=2)
+    monkeypatch.setattr(kernels, "forward_layers", ab)
+    assert answers("ab") == plain
+    assert ab.sampled["prefill"] >= 1 and ab.sampled["decode"] >= 1
+    assert all(build.seconds[kind] > 0 for build in builds for kind in ("prefill", "decode"))

@@ -73,10 +73,12 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def build_library(cc: str, march: str = NATIVE, directory: Path | None = None) -> Path:
-    """Compile the kernels (once: the file name carries a hash of sources, flags and CPU)."""
+def build_library(cc: str, march: str = NATIVE, directory: Path | None = None,
+                  extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile the kernels (once: the file name carries a hash of sources, flags and CPU). ``extra_flags``:
+    a variant build (benchmarks/bench_layers_ab.py's -D switches); the engine's own build has none."""
     source = b"".join(p.read_bytes() for p in SOURCES)
-    flags = [*CFLAGS, march]
+    flags = [*CFLAGS, march, *extra_flags]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     # -march=native code is only valid on this CPU model: its flags are part of the key
     key = hashlib.sha256(source + " ".join(flags).encode() + version.encode() + platform.machine().encode()

@@ -34,7 +34,24 @@ struct spark_forward_step {
     float eps, scale;
 };
 
+/* Profiling builds only (benchmarks/bench_layers_ab.py --split): defined to 1, one of these leaves a group of
+ * kernels out of the layer loop, so the time a step takes without them says what they cost in it. The
+ * engine's own builds leave them 0, and the compiler drops the tests. */
+#ifndef SPARK_SKIP_LINEARS
+#define SPARK_SKIP_LINEARS 0
+#endif
+#ifndef SPARK_SKIP_DECODE_ATTENTION
+#define SPARK_SKIP_DECODE_ATTENTION 0
+#endif
+#ifndef SPARK_SKIP_PREFILL_ATTENTION
+#define SPARK_SKIP_PREFILL_ATTENTION 0
+#endif
+#ifndef SPARK_SKIP_ELEMENTWISE /* the norms, RoPE with the KV cache write, SiLU */
+#define SPARK_SKIP_ELEMENTWISE 0
+#endif
+
 static void forward_linear(const struct spark_linear_desc *l, int64_t x, int64_t rows, int64_t y, int num_threads) {
+    if (SPARK_SKIP_LINEARS) return;
     spark_linear((int)l->fmt, (const uint16_t *)(intptr_t)x, rows, l->in_features, l->in_features,
                  (const uint8_t *)(intptr_t)l->weight, l->out_features, l->group, (const float *)(intptr_t)l->bias,
                  (void *)(intptr_t)y, l->out_features, 0, (int)l->int8_activations, 0, num_threads);
@@ -63,21 +80,24 @@ void spark_forward_layers(const struct spark_layer_desc *layers, int64_t num_lay
                           const struct spark_forward_step *s, int num_threads) {
     const int64_t rows = s->tokens, H = s->num_heads, Hkv = s->num_kv_heads, D = s->head_dim;
     uint16_t *x = PTR(uint16_t *, s->x), *h = PTR(uint16_t *, s->h);
-    add_rms_norm_bf16(x, NULL, PTR(const uint16_t *, layers[0].input_norm), h, rows, s->hidden, s->eps, num_threads);
+    if (!SPARK_SKIP_ELEMENTWISE)
+        add_rms_norm_bf16(x, NULL, PTR(const uint16_t *, layers[0].input_norm), h, rows, s->hidden, s->eps,
+                          num_threads);
     for (int64_t i = 0; i < num_layers; i++) {
         const struct spark_layer_desc *lw = layers + i;
         uint16_t *layer_kv = PTR(uint16_t *, s->kv) + i * s->kv_layer_stride;
         forward_linear(&lw->qkv, s->h, rows, s->qkv, num_threads);
-        rope_cache_write_bf16(PTR(uint16_t *, s->qkv), PTR(const int64_t *, s->positions),
-                              PTR(const uint16_t *, s->cos), PTR(const uint16_t *, s->sin_signed), layer_kv,
-                              PTR(const int64_t *, s->slot_mapping), rows, H, Hkv, D, s->num_slots, num_threads);
-        if (s->decodes)
+        if (!SPARK_SKIP_ELEMENTWISE)
+            rope_cache_write_bf16(PTR(uint16_t *, s->qkv), PTR(const int64_t *, s->positions),
+                                  PTR(const uint16_t *, s->cos), PTR(const uint16_t *, s->sin_signed), layer_kv,
+                                  PTR(const int64_t *, s->slot_mapping), rows, H, Hkv, D, s->num_slots, num_threads);
+        if (s->decodes && !SPARK_SKIP_DECODE_ATTENTION)
             decode_attention_bf16(PTR(const uint16_t *, s->qkv), lw->qkv.out_features, layer_kv,
                                   PTR(const int64_t *, s->decode_block_tables), s->decode_max_blocks,
                                   PTR(const int64_t *, s->decode_context_lens), s->block_size, s->decodes, H, Hkv,
                                   D, s->num_slots, s->scale, s->decode_max_len, PTR(float *, s->scratch),
                                   PTR(uint16_t *, s->attn), num_threads);
-        if (s->num_spans)
+        if (s->num_spans && !SPARK_SKIP_PREFILL_ATTENTION)
             prefill_attention_bf16(PTR(const uint16_t *, s->qkv), lw->qkv.out_features, layer_kv,
                                    PTR(const int64_t *, s->prefill_spans), s->num_spans,
                                    PTR(const int64_t *, s->prefill_block_tables), s->prefill_max_blocks,
@@ -86,12 +106,15 @@ void spark_forward_layers(const struct spark_layer_desc *layers, int64_t num_lay
         const int64_t n = i + 1 == num_layers ? keep_last_rows(s, x, PTR(uint16_t *, s->attn)) : rows;
         if (n == 0) break;
         forward_linear(&lw->o, s->attn, n, s->proj, num_threads);
-        add_rms_norm_bf16(x, PTR(const uint16_t *, s->proj), PTR(const uint16_t *, lw->post_norm), h, n, s->hidden,
-                          s->eps, num_threads);
+        if (!SPARK_SKIP_ELEMENTWISE)
+            add_rms_norm_bf16(x, PTR(const uint16_t *, s->proj), PTR(const uint16_t *, lw->post_norm), h, n,
+                              s->hidden, s->eps, num_threads);
         forward_linear(&lw->gate_up, s->h, n, s->gate_up, num_threads);
-        silu_mul_bf16(PTR(const uint16_t *, s->gate_up), PTR(uint16_t *, s->act), n, s->intermediate, num_threads);
+        if (!SPARK_SKIP_ELEMENTWISE)
+            silu_mul_bf16(PTR(const uint16_t *, s->gate_up), PTR(uint16_t *, s->act), n, s->intermediate,
+                          num_threads);
         forward_linear(&lw->down, s->act, n, s->proj, num_threads);
-        if (i + 1 < num_layers)
+        if (i + 1 < num_layers && !SPARK_SKIP_ELEMENTWISE)
             add_rms_norm_bf16(x, PTR(const uint16_t *, s->proj), PTR(const uint16_t *, layers[i + 1].input_norm), h, n,
                               s->hidden, s->eps, num_threads);
     }
