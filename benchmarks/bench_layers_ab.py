@@ -31,11 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from benchmarks.bench_kernels import cpu_model
-from benchmarks.bench_load_split import run_load
-from benchmarks.common import token_requests, wait_for_kv_pool
-from engine.config import EngineConfig
+from benchmarks.bench_load_split import add_load_arguments, run_load, warmed_engine
 from engine.kernels import CpuKernels, ForwardStep, build_library, find_compiler, open_library
-from engine.llm_engine import LLMEngine
 
 SPLIT = [("without the linears", "-DSPARK_SKIP_LINEARS=1"),
          ("without decode attention", "-DSPARK_SKIP_DECODE_ATTENTION=1"),
@@ -127,12 +124,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="NAME=FLAGS")
     ap.add_argument("--split", action="store_true", help="add the builds that leave one group of kernels out")
-    ap.add_argument("--streams", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--prompt-tokens", type=int, default=230)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--loadgen-texts", action="store_true",
-                    help="compare.py's prompts (../shared/peers/loadgen.py) instead of synthetic token ids")
+    add_load_arguments(ap)
     ap.add_argument("--every", type=int, default=5, help="sample every N-th step")
     ap.add_argument("--reps", type=int, default=5, help="runs per build of each sampled step")
     args = ap.parse_args()
@@ -141,16 +133,11 @@ def main() -> None:
         ap.error("nothing to compare: give --variant NAME=FLAGS or --split")
     if args.every < 1 or args.reps < 1:
         ap.error("--every and --reps are at least 1")
-    engine = LLMEngine(EngineConfig(max_num_seqs=max(64, args.streams)))
+    engine = warmed_engine(args.streams, args.prompt_tokens)
     kernels = engine.runner.model.kernels
     if kernels is None:
         raise SystemExit("no native kernels here (no compiler, or SPARK_NATIVE_KERNELS=0): nothing to compare")
     builds = variant_builds(kernels, variants)
-    wait_for_kv_pool(engine)
-    for request in token_requests("warm", 2, args.prompt_tokens, 4, first=10_000):
-        engine.add_request(request)
-    while engine.has_unfinished():
-        engine.step()
     ab = LayersAB(builds, args.every, args.reps)
     kernels.forward_layers = ab  # this instance only: the engine's calls go through the comparison
     try:

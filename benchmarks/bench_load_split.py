@@ -205,21 +205,33 @@ def run_load(engine: LLMEngine, streams: int, requests: int, prompt_tokens: int,
     return steps
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_load_arguments(ap: argparse.ArgumentParser) -> None:
+    """The closed loop's shape (run_load), as this bench and bench_layers_ab take it."""
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=230)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--loadgen-texts", action="store_true",
                     help="compare.py's prompts (../shared/peers/loadgen.py) instead of synthetic token ids")
-    args = ap.parse_args()
-    engine = LLMEngine(EngineConfig(max_num_seqs=max(64, args.streams)))
+
+
+def warmed_engine(streams: int, prompt_tokens: int) -> LLMEngine:
+    """An engine on its defaults for ``streams`` streams, its KV pool resident and two short requests run
+    (kernels built, pages touched), as a server that has been up a while."""
+    engine = LLMEngine(EngineConfig(max_num_seqs=max(64, streams)))
     wait_for_kv_pool(engine)
-    for request in token_requests("warm", 2, args.prompt_tokens, 4, first=10_000):  # kernels built, pages touched
+    for request in token_requests("warm", 2, prompt_tokens, 4, first=10_000):
         engine.add_request(request)
     while engine.has_unfinished():
         engine.step()
+    return engine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_load_arguments(ap)
+    args = ap.parse_args()
+    engine = warmed_engine(args.streams, args.prompt_tokens)
     costs = model_costs(engine)
     steps = run_load(engine, args.streams, args.requests, args.prompt_tokens, args.max_tokens, args.loadgen_texts)
     if engine.runner.model.kernels is None:
