@@ -21,6 +21,8 @@
 
 #include "cpu_common.h"
 
+#include <unistd.h>
+
 int spark_prefill_attention_fma = 0; /* see cpu_common.h */
 
 #define MAX_HEAD_DIM 256
@@ -31,6 +33,11 @@ int spark_prefill_attention_fma = 0; /* see cpu_common.h */
  * below 8 a barrier costs about what a second thread saves. */
 #define ELEMENTWISE_PARALLEL_ROWS 8
 #define LORA_CHUNK 2048 /* outputs per pass of the LoRA expand (its fp32 accumulator lives on the stack) */
+/* 0: decode attention's draft rows prefetch their own K and V as first rows do (the A/B build of
+ * benchmarks/bench_layers_ab.py --variant). */
+#ifndef SPARK_DRAFT_ROWS_CACHED
+#define SPARK_DRAFT_ROWS_CACHED 1
+#endif
 
 static inline float f32_load(float v) { return v; }
 static inline float f32_store(float v) { return v; }
@@ -125,7 +132,18 @@ struct kv_lookahead {
     const int64_t *table;
     int64_t blocks;
     int v_with_scores; /* ask for this task's V during its scores' pass rather than during its pass over V */
+    int kv_cached;     /* this row's K and V are in the core's L2 already (the row before read them): ask for none */
 };
+
+/* The core's L2 in bytes (glibc reads it from cpuid), 512 KB where it does not say; asked once. */
+static int64_t l2_cache_bytes(void) {
+    static int64_t bytes = 0;
+    if (!bytes) {
+        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        bytes = l2 > 0 ? l2 : 512 * 1024;
+    }
+    return bytes;
+}
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define QK_BF16_DOT 1
@@ -159,7 +177,7 @@ static inline __m512 qk_row(const __m512bh *q, const uint16_t *k_row, int64_t nb
  * sum. K rows are read as stored (no widening to fp32), and 16 keys' sums are reduced together. */
 static inline __attribute__((always_inline)) void qk_scores_bf16(
     const uint16_t *q_raw, int64_t G, const int64_t D, float scale, const uint16_t *k_head, const uint16_t *v_early,
-    const int64_t *table, int64_t ctx, int64_t block_size, float *scores, int64_t stride) {
+    int k_ahead, const int64_t *table, int64_t ctx, int64_t block_size, float *scores, int64_t stride) {
     const int64_t nb = D / 32;
     __m512bh qb[MAX_GROUP][MAX_HEAD_DIM / 32];
     float t[MAX_GROUP][16][16] __attribute__((aligned(64)));
@@ -172,8 +190,8 @@ static inline __attribute__((always_inline)) void qk_scores_bf16(
         const uint16_t *kb = k_head + table[bi] * block_size * D;
         /* K two blocks ahead (one ahead is too close to cover DRAM latency), and where asked this block's V
          * for the pass after the softmax; a block's rows are contiguous, whole blocks are fetched */
-        if (bi == 0 && blocks > 1) prefetch_block(k_head + table[1] * block_size * D, block_size * D * 2);
-        if (bi + 2 < blocks) prefetch_block(k_head + table[bi + 2] * block_size * D, block_size * D * 2);
+        if (k_ahead && bi == 0 && blocks > 1) prefetch_block(k_head + table[1] * block_size * D, block_size * D * 2);
+        if (k_ahead && bi + 2 < blocks) prefetch_block(k_head + table[bi + 2] * block_size * D, block_size * D * 2);
         if (v_early) prefetch_block(v_early + table[bi] * block_size * D, block_size * D * 2);
         int64_t j = 0;
         for (; j + 16 <= n; j += 16) {

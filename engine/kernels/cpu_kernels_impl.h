@@ -139,7 +139,8 @@ static inline __attribute__((always_inline)) void FN(attend_avx512)(
     int scored = 0;
 #if defined(QK_RAW_BF16) && defined(QK_BF16_DOT)
     if (D % 32 == 0) {
-        qk_scores_bf16(q_raw, G, D, scale, k_head, ahead->v_with_scores ? (const uint16_t *)v_head : NULL, table,
+        qk_scores_bf16(q_raw, G, D, scale, k_head, ahead->v_with_scores && !ahead->kv_cached ? (const uint16_t *)v_head : NULL,
+                       !ahead->kv_cached, table,
                        ctx, block_size, scores, stride);
         scored = 1;
     }
@@ -163,7 +164,7 @@ static inline __attribute__((always_inline)) void FN(attend_avx512)(
     }
     /* V's first two blocks come in while the softmax runs (the pass over V asks for the rest as it goes),
      * unless the scores' pass has asked for all of it */
-    const int v_asked = scored && ahead->v_with_scores;
+    const int v_asked = (scored && ahead->v_with_scores) || ahead->kv_cached; /* V is asked for, or needs no asking */
     const int64_t block_bytes = block_size * D * (int64_t)sizeof(T); /* one block of one head's K or V */
     for (int64_t a = 0; a < 2 && a * block_size < ctx && !v_asked; a++)
         prefetch_block(v_head + table[a] * block_size * D, block_bytes);
@@ -286,6 +287,10 @@ void FN(decode_attention)(const T *qkv, int64_t qkv_stride, const T *cache, cons
         for (groups = 0; groups < batch; groups++) first[groups] = groups;
     first[groups] = batch;
     const int64_t tasks = groups * tasks_per_group;
+    /* A draft row's K and V (one KV head's) are in L2 from the row before when they fill at most half of it:
+     * it asks for none of them. Its prefetch loops had been about a third of its instructions: in a load at
+     * 32 streams, decode attention ~7% faster in all (engine/README.md). Past that size, it asks as a first row does. */
+    const int64_t cached_kv_bytes = SPARK_DRAFT_ROWS_CACHED ? l2_cache_bytes() / 2 : 0;
     int64_t claimed = 0; /* tasks are claimed one ahead, so each knows whose K to prefetch during its P @ V */
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
@@ -307,7 +312,8 @@ void FN(decode_attention)(const T *qkv, int64_t qkv_stride, const T *cache, cons
                 const int64_t *table = block_tables + b * max_blocks;
                 float *scores = scratch + (b * num_heads + head) * max_context;
                 T *o = out + (b * num_heads + head) * D;
-                struct kv_lookahead ahead = {NULL, NULL, 0, heads_per_task == 1};
+                const int cached = b > first[grp] && 2 * context_lens[b] * D * (int64_t)sizeof(T) <= cached_kv_bytes;
+                struct kv_lookahead ahead = {NULL, NULL, 0, heads_per_task == 1, cached};
                 if (next < tasks && b + 1 == first[grp + 1]) { /* the group's last row: the next task's K */
                     const int64_t nb = first[next / tasks_per_group];
                     const int64_t nkvh = (next % tasks_per_group) * heads_per_task / G;
@@ -447,7 +453,7 @@ void FN(prefill_attention)(const T *qkv, int64_t qkv_stride, const T *cache, con
                 continue;
             }
 #endif
-            const struct kv_lookahead no_lookahead = {NULL, NULL, 0, 0};
+            const struct kv_lookahead no_lookahead = {NULL, NULL, 0, 0, 0};
             for (int64_t i = 0; i < nq; i++) {
                 const T *qr = qkv + (q_start + i0 + i) * qkv_stride + kvh * G * D;
                 for (int64_t e = 0; e < G * D; e++) q[e] = LOAD(qr[e]) * scale;
