@@ -174,7 +174,8 @@ static inline __m512 qk_row(const __m512bh *q, const uint16_t *k_row, int64_t nb
 
 /* Attention scores of G query heads over a paged bf16 context, for D a multiple of 32: each q.k is
  * AVX512-BF16 dot products of the raw bf16 rows (every product exact in fp32), times scale after the
- * sum. K rows are read as stored (no widening to fp32), and 16 keys' sums are reduced together. */
+ * sum. K rows are read as stored (no widening to fp32), and 16 keys' sums are reduced together. K is asked
+ * for ahead where k_ahead (not where it is in cache already), and V along with it where v_early is given. */
 static inline __attribute__((always_inline)) void qk_scores_bf16(
     const uint16_t *q_raw, int64_t G, const int64_t D, float scale, const uint16_t *k_head, const uint16_t *v_early,
     int k_ahead, const int64_t *table, int64_t ctx, int64_t block_size, float *scores, int64_t stride) {

@@ -139,9 +139,8 @@ static inline __attribute__((always_inline)) void FN(attend_avx512)(
     int scored = 0;
 #if defined(QK_RAW_BF16) && defined(QK_BF16_DOT)
     if (D % 32 == 0) {
-        qk_scores_bf16(q_raw, G, D, scale, k_head, ahead->v_with_scores && !ahead->kv_cached ? (const uint16_t *)v_head : NULL,
-                       !ahead->kv_cached, table,
-                       ctx, block_size, scores, stride);
+        const uint16_t *v_early = ahead->v_with_scores && !ahead->kv_cached ? (const uint16_t *)v_head : NULL;
+        qk_scores_bf16(q_raw, G, D, scale, k_head, v_early, !ahead->kv_cached, table, ctx, block_size, scores, stride);
         scored = 1;
     }
 #else
@@ -288,8 +287,8 @@ void FN(decode_attention)(const T *qkv, int64_t qkv_stride, const T *cache, cons
     first[groups] = batch;
     const int64_t tasks = groups * tasks_per_group;
     /* A draft row's K and V (one KV head's) are in L2 from the row before when they fill at most half of it:
-     * it asks for none of them. Its prefetch loops had been about a third of its instructions: in a load at
-     * 32 streams, decode attention ~7% faster in all (engine/README.md). Past that size, it asks as a first row does. */
+     * it asks for none of them. Its prefetch loops had been about a third of its instructions (in a 32-stream
+     * load, decode attention 6.5% faster: engine/README.md). Past that size it asks as a first row does. */
     const int64_t cached_kv_bytes = SPARK_DRAFT_ROWS_CACHED ? l2_cache_bytes() / 2 : 0;
     int64_t claimed = 0; /* tasks are claimed one ahead, so each knows whose K to prefetch during its P @ V */
 #pragma omp parallel num_threads(num_threads) if (parallel)
