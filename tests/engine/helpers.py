@@ -42,11 +42,16 @@ def text_of(outs: list[RequestOutput]) -> str:
 
 @contextmanager
 def kernels_for_every_batch() -> Iterator[None]:
-    """Engines built inside keep their quantized linears on the packed kernels at every batch size: the
+    """Engines built inside keep their linears on the packed kernels at every batch size they probe: the
     start-up probe that, on a CPU with AMX tiles, hands large batches to a two-term oneDNN matmul sees no
-    matrix unit. For tests of the kernels themselves, which must run the same code on every machine."""
+    matrix unit, and bf16 weights keep the kernels up to the largest probed row count instead of the one
+    their timing against oneDNN gives (which a busy machine can bring down to a few rows, taking a
+    prefill chunk out of the one-call loop). For tests of the kernels themselves, which must run the same
+    code on every machine."""
     from engine.models import weights
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(weights, "_has_matrix_unit", lambda: False)
+        patch.setattr(weights, "_kernel_row_limit", lambda lin, fallback=None, probes=weights._ROW_PROBES, *args,
+                      **kwargs: probes[-1])
         yield
