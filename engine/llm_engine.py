@@ -36,7 +36,7 @@ from engine.quant.calibration import calibrate, sample_on_engine
 from engine.request import ChatPrompt, GenerationRequest, Prompt, RequestOutput, TokenLogprob
 from engine.sampler import sample, takes_plain_argmax
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import LONG_PREFILL_SHARE, Scheduler
 from engine.sequence import Sequence
 from engine.speculation import NgramProposer, accepted_prefix
 from engine.structured import CompiledGrammar, Constraint, GrammarCompiler, MaskApplier, PreparedMasks
@@ -167,7 +167,8 @@ class LLMEngine:
                              if config.max_loras > 0 else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, self.lora_manager,
-                                   attention_cost_per_key=self.model.attention_cost_per_key())
+                                   attention_cost_per_key=self.model.attention_cost_per_key(),
+                                   decode_cost_per_key=self.model.decode_cost_per_key())
         self.runner = ModelRunner(self.model, kv_cache, self.lora_manager)
         self.eos_token_ids = self._eos_ids(model_dir)
         self._argmax = self.model.kernels.argmax if self.model.kernels is not None else None  # greedy picks
@@ -193,6 +194,11 @@ class LLMEngine:
         logger.info("engine ready in %.1fs: %s on %s/%s, %d KV blocks of %d tokens, fused CPU kernels %s",
                     time.monotonic() - started, name, self.device, self.model_info.dtype, num_blocks,
                     config.block_size, "on" if self.model.kernels is not None else "off")
+        if config.long_prefill_token_threshold and self.scheduler.decode_cost_per_key:
+            logger.info("long prompts beside decoding streams: up to %.1fx those streams' cost a step, a stream "
+                        "costing a row plus 1/%.0f of one per key of its context (%s)", LONG_PREFILL_SHARE,
+                        1 / self.scheduler.decode_cost_per_key,
+                        "measured" if self.model.builder.rates is not None else "the default figure")
         if self.speculator is not None:
             logger.info("greedy requests speculate: up to %d tokens a step from earlier %d-%d-token matches in "
                         "prompt or answer (--num-speculative-tokens 0: off)", config.num_speculative_tokens,

@@ -34,18 +34,24 @@ class ScheduledBatch:
         return sum(1 + len(s.draft_token_ids) for s in self.decodes) + sum(n for _, n in self.prefills)
 
 
-# Prompt tokens of a long prefill per decoding stream per step (times the square of the long prompts
-# pending, Scheduler.schedule), each token counted with its attention over the keys before it
-# (Scheduler.attention_cost_per_key). Measured on a
-# 2-core AMD EPYC with tokens alone (2026-11-23; `bench_interactivity`: 16 streams, a 2,000-token prompt
-# arrives; `compare.py --prompt-tokens 1000 --concurrency 24`): 1 -> gap p99/median 1.32, TTFT p50 10.2 s;
-# 2 -> 2.24, 7.0 s; 4 -> 3.48 (over the bar of 3). On the Intel Xeon (model 207) 2 gave 2.40-3.24: the
-# chunks at the end of the 2,000-token prompt cost ~3x a decode step, two thirds of it their attention.
-# Counting that attention there: 1.23-1.40, the long prompt's TTFT 6.0-6.8 s (5.1-6.6 before), and at
-# 1,000 tokens, 24 streams, 76.4 tok/s and TTFT p50 9.5 s (67.1 and 11.0 s before). Squaring the
-# pending count (Intel Xeon, in-process, 24 streams): TTFT p50 4.87 -> 2.69 s at ~500 tokens, ~11 -> 6.2 s
-# at ~1,000, 41 -> 16.7 s at ~2,000, throughput level; one arrival's share is unchanged.
-LONG_PREFILL_PER_DECODE = 2
+# A long prompt's prefill per step while others decode, as a multiple of what their decode rows cost
+# (Scheduler._decode_cost: a row per decoding sequence plus its attention over its context), times the
+# square of the long prompts pending; each prompt token counted with its attention over the keys before it
+# (Scheduler.attention_cost_per_key). History, each step measured with `bench_interactivity` (16 streams
+# decode, a 2,000-token prompt arrives; bar: p99 token gap under 3x the median) against the TTFT of
+# `compare.py --prompt-tokens 1000 --concurrency 24`:
+# - Counted in tokens per decoding stream (2-core AMD EPYC, 2026-11-23): 1 -> gap p99/median 1.32, TTFT
+#   p50 10.2 s; 2 -> 2.24, 7.0 s; 4 -> 3.48 (over the bar). On the Intel Xeon (model 207) 2 gave 2.40-3.24:
+#   the chunks at the end of the 2,000-token prompt cost ~3x a decode step, two thirds of it their
+#   attention; weighing that attention: 1.23-1.40. Squaring the pending count (Intel Xeon, 24 streams):
+#   TTFT p50 4.87 -> 2.69 s at ~500 tokens, ~11 -> 6.2 s at ~1,000, throughput level.
+# - Counting each stream's attention over its context too (AMD EPYC, session 55): a stream 1,000 tokens in
+#   makes a decode step ~3.5x dearer than one 100 tokens in, so 2 tokens a stream had left a prompt
+#   arriving beside long-context streams ~1.3x a decode step's cost, far under the bar. 1.2 of the decode
+#   cost gives the same cap as 2 a stream at the interactivity bench's ~300-token contexts (p99/median
+#   1.57-1.65 against 1.39-1.53, alternating; greedy streams 1.45 against 1.57) and ~2x it at ~1,000
+#   (in-process closed loop, 24 streams, 48 requests: TTFT p50 1.69-1.73 -> 1.37 s, throughput level).
+LONG_PREFILL_SHARE = 1.2
 
 
 def _order(seq: Sequence) -> tuple[int, float]:
@@ -55,15 +61,15 @@ def _order(seq: Sequence) -> tuple[int, float]:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  long_prefill_token_threshold: int = 0, lora_manager: LoraManager | None = None,
-                 attention_cost_per_key: float = 0.0) -> None:
+                 attention_cost_per_key: float = 0.0, decode_cost_per_key: float = 0.0) -> None:
         self.block_manager = block_manager
         self.lora_manager = lora_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # While sequences decode, a step prefills long prompts at most max(threshold,
-        # LONG_PREFILL_PER_DECODE x num_decoding x (long prompts pending)^2) tokens in all (0: no cap),
-        # weighed by their attention (below). With one pending, such a step costs about twice a
-        # decode-only one, at the prompt's start as at its end, so a long prompt arriving keeps the
+        # While sequences decode, a step prefills long prompts at most max(threshold, LONG_PREFILL_SHARE x
+        # the decode rows' cost x (long prompts pending)^2) tokens in all (0: no cap), weighed by their
+        # attention (below). With one pending, such a step costs about twice a decode-only one, at the
+        # prompt's start as at its end and at short contexts as at long ones, so a long prompt arriving keeps the
         # running streams' token gaps within the interactivity bar. A short prompt (at most half the step budget) is prefilled
         # whole in one step, as vLLM does: one bounded bump for the running streams, and arrivals ramp
         # up without being trickled through the cap.
@@ -73,6 +79,10 @@ class Scheduler:
         # only). Late chunks of a long prompt attend over more keys, so they get fewer tokens and a step
         # costs about the same at the prompt's end as at its start.
         self.attention_cost_per_key = attention_cost_per_key
+        # A decoding row's attention over one key of its context, in the same units (a fraction of a token's
+        # linears): it reads the key's K and V from memory, so this follows the machine's bytes against its
+        # arithmetic (LLMEngine measures it at start; 0: decode rows counted as rows alone).
+        self.decode_cost_per_key = decode_cost_per_key
         self.short_prompt_tokens = max_num_batched_tokens // 2
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -133,7 +143,7 @@ class Scheduler:
             pending = sum(1 for s in self.running if s.num_uncomputed_tokens > 1 and self._is_long(s))
             pending += sum(1 for s in self.waiting if self._is_long(s))
             prefill_budget = max(self.long_prefill_token_threshold,
-                                 LONG_PREFILL_PER_DECODE * num_decoding * max(1, pending) ** 2)
+                                 LONG_PREFILL_SHARE * self._decode_cost() * max(1, pending) ** 2)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -194,6 +204,14 @@ class Scheduler:
             self._add(batch, seq, n)
             budget -= n
         return batch
+
+    def _decode_cost(self) -> float:
+        """What this step's decoding sequences cost, in prompt tokens' linears: a row each and its attention
+        over its context. Their draft rows are left out: a draft row costs far less than a sequence's first row
+        at the batch sizes where a long prompt is capped, and counting each as one row took greedy streams' gap
+        ratio in bench_interactivity over the bar (3.1)."""
+        k = self.decode_cost_per_key
+        return sum(1 + k * seq.num_computed_tokens for seq in self.running if seq.num_uncomputed_tokens == 1)
 
     def _prefill_limit(self, seq: Sequence, budget: int, prefill_budget: float, capped: bool) -> int:
         """Prompt tokens ``seq`` may prefill this step: short prompts are bounded by the step's budget

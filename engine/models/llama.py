@@ -25,6 +25,15 @@ from engine.quant.formats import QuantizedWeight
 if TYPE_CHECKING:
     from engine.lora import LoraBatch
 
+# decode_cost_per_key where the linears' rates were not measured (torch's path, a GPU): the 2-core AMD
+# EPYC's measured figure, with which the long-prefill cap was calibrated (engine/scheduler.py)
+DEFAULT_DECODE_COST_PER_KEY = 1 / 400
+# and at most this, so that a mismeasured start cannot hand a long prompt a whole step beside streams
+MAX_DECODE_COST_PER_KEY = 1 / 100
+# Decode attention reads its keys' K and V in blocks scattered through the pool, between its own
+# arithmetic: at about this share of the weights' one-row stream rate (AMD EPYC: 31-34 GB/s against
+# 55-57; Intel Xeon, session 39: ~65% of a plain read)
+KV_READ_SHARE = 0.6
 
 
 @dataclass(slots=True)
@@ -183,6 +192,19 @@ class LlamaForCausalLM:
         attention costs 65% more on top of its linears."""
         per_layer = sum(lin.in_features * lin.out_features for lin in self.layers[0].linears())
         return 2 * self.num_heads * self.head_dim / per_layer
+
+    def decode_cost_per_key(self) -> float:
+        """A decoding sequence's attention over one key of its context, as a fraction of a token's linears.
+        Its first row reads the key's K and V in every layer from memory, so this is those bytes at
+        KV_READ_SHARE of the weights' one-row stream rate against the token's multiply-adds at a batch's
+        arithmetic rate, both rates measured at start (LinearBuilder.tune). SmolLM2-135M on a 2-core AMD EPYC: ~1 / 400, so a sequence
+        1,000 tokens in costs a step 3.5 rows' worth. Where nothing was measured (torch's path), that figure."""
+        rates = self.builder.rates
+        if rates is None:
+            return DEFAULT_DECODE_COST_PER_KEY
+        macs_per_token = self.num_layers * sum(lin.in_features * lin.out_features for lin in self.layers[0].linears())
+        key_seconds = self.kv_bytes_per_token() / (KV_READ_SHARE * rates.stream_bytes_per_s)
+        return min(MAX_DECODE_COST_PER_KEY, key_seconds / (macs_per_token / rates.batch_macs_per_s))
 
     @staticmethod
     def kv_geometry(cfg: Any) -> tuple[int, int, int]:

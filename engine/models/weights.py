@@ -24,6 +24,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -50,6 +51,14 @@ _PATH_PROBE_ROWS = (1, 8, 32)
 _PATH_MARGIN = 1.05
 
 AnyLinear = Linear | PackedLinear | ReferenceLinear
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredRates:
+    """What the packed linears reached at start on this machine (LinearBuilder.tune)."""
+
+    stream_bytes_per_s: float  # one-row passes over every packed weight: bound by memory
+    batch_macs_per_s: float  # _INT8_PROBE_ROWS rows through the largest layer projection: bound by arithmetic
 
 
 def resolve_quantization(mode: str, is_gguf: bool, kernels: CpuKernels | None, dtype: torch.dtype,
@@ -103,6 +112,7 @@ class LinearBuilder:
         self.made: dict[str, QuantizedWeight] = {}  # int8/int4 weights quantized now (to be cached)
         self._reported = time.monotonic()  # the last progress line (_report_progress)
         self.built: list[AnyLinear] = []
+        self.rates: MeasuredRates | None = None  # set by tune() where the packed kernels run
         self.pack_bf16 = (mode == "none" and kernels is not None and kernels.linear_isa == 2
                           and dtype == torch.bfloat16 and device.type == "cpu" and not reference)
 
@@ -204,13 +214,16 @@ class LinearBuilder:
         activations = self._choose_activations(packed)
         quantized_fallback = self._attach_quantized_fallbacks(packed)
         gbps, read_gbps = _stream_rate(packed)
+        layers, _ = _split_repeated(packed)
+        batch_macs = _batch_rate(max(layers or packed, key=lambda lin: lin.out_features * lin.in_features))
+        self.rates = MeasuredRates(gbps * 1e9, batch_macs)
         total = sum(lin.packed.data.numel() for lin in packed)
         sources = sorted({lin.quantized.source if lin.quantized is not None else "bf16" for lin in packed})
         limits = sorted({lin.max_kernel_rows for lin in with_fallback if lin.max_kernel_rows is not None})
         limit = f", up to {' / '.join(map(str, limits))} rows (oneDNN above)" if with_fallback else ""
         return (f"linears: {len(packed)} packed ({', '.join(sources)}; {total / 1e6:.0f} MB){limit}; {path}; {activations}; "
                 f"{quantized_fallback}one-row pass {gbps:.1f} GB/s = {100 * gbps / read_gbps:.0f}% of a plain read "
-                f"({read_gbps:.1f} GB/s)")
+                f"({read_gbps:.1f} GB/s); {_INT8_PROBE_ROWS} rows {batch_macs / 1e9:.0f} G multiply-adds/s")
 
     def _attach_quantized_fallbacks(self, packed: list[PackedLinear]) -> str:
         """Where oneDNN's bf16 matmul (AMX tiles) beats the packed kernels at large batches by a clear
@@ -365,6 +378,14 @@ def _activation_times(lin: PackedLinear) -> tuple[float, float]:
     x = torch.randn(_INT8_PROBE_ROWS, lin.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     times = [_best_time(lambda: lin.kernels.linear(x, lin.packed, int8_activations=int8)) for int8 in (False, True)]
     return times[0], times[1]
+
+
+def _batch_rate(lin: PackedLinear) -> float:
+    """Multiply-adds a second of one prefill-sized batch through ``lin`` on the kernel that runs it."""
+    x = torch.randn(_INT8_PROBE_ROWS, lin.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    seconds = _best_time(lambda: lin.kernels.linear(x, lin.packed, lin._bias32, int8_activations=lin.int8_activations),
+                         reps=3)
+    return _INT8_PROBE_ROWS * lin.in_features * lin.out_features / seconds
 
 
 def _stream_rate(packed: list[PackedLinear]) -> tuple[float, float]:

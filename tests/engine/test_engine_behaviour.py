@@ -132,3 +132,23 @@ def test_priority_orders_admission(llm_engine):
 def test_the_long_prompt_cap_weighs_attention_by_the_models_sizes(llm_engine):
     """SmolLM2-135M: per key, 2 x 9 heads x 64 dims of attention against 3.54M projection weights a layer."""
     assert llm_engine.scheduler.attention_cost_per_key == pytest.approx(1 / 3072, rel=0.01)
+
+
+def test_a_decoding_streams_cost_per_key_comes_from_the_rates_measured_at_start(llm_engine):
+    """A key of a decoding stream's context costs its K and V bytes (30 layers x 2 x 3 heads x 64 x 2 bytes)
+    at a share of the weights' measured stream rate, against a token's 106M multiply-adds at the measured
+    batch rate; where the kernels ran, both rates are this machine's, and the cost lands within reason."""
+    from engine.models.llama import KV_READ_SHARE, MAX_DECODE_COST_PER_KEY
+
+    model = llm_engine.model
+    rates = model.builder.rates
+    k = llm_engine.scheduler.decode_cost_per_key
+    if rates is None:  # torch's path: the default figure
+        from engine.models.llama import DEFAULT_DECODE_COST_PER_KEY
+        assert k == DEFAULT_DECODE_COST_PER_KEY
+        return
+    assert model.kv_bytes_per_token() == 30 * 2 * 3 * 64 * 2
+    macs = 30 * (576 * 960 + 576 * 576 + 576 * 3072 + 1536 * 576)
+    expected = (model.kv_bytes_per_token() / (KV_READ_SHARE * rates.stream_bytes_per_s)) / (macs / rates.batch_macs_per_s)
+    assert k == pytest.approx(min(expected, MAX_DECODE_COST_PER_KEY))
+    assert 1 / 10_000 < k <= MAX_DECODE_COST_PER_KEY

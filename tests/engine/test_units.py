@@ -9,7 +9,7 @@ from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.errors import InvalidRequestError
 from engine.request import GenerationRequest, TokensPrompt
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import LONG_PREFILL_SHARE, Scheduler
 from engine.sequence import Sequence
 
 
@@ -113,10 +113,11 @@ def _decoding(scheduler: Scheduler, n: int) -> None:
 
 
 def test_the_long_prompt_cap_grows_with_the_square_of_the_long_prompts_waiting():
-    """Among 8 decoding streams one long prompt is trickled (cap 2 x 8 tokens a step, the running
-    streams' gaps stay even); two waiting get four times that and three nine times, and a longer queue
-    the whole step beside the decodes, so a queue's wait does not pile up."""
-    for waiting, expected in ((1, 16), (2, 64), (3, 144), (6, 256 - 8)):
+    """Among 8 decoding streams one long prompt is trickled (LONG_PREFILL_SHARE x 8 rows' worth a step, the
+    running streams' gaps stay even); two waiting get four times that and three nine times, and a longer
+    queue the whole step beside the decodes, so a queue's wait does not pile up."""
+    one = LONG_PREFILL_SHARE * 8
+    for waiting, expected in ((1, int(one)), (2, int(4 * one)), (3, int(9 * one)), (6, 256 - 8)):
         scheduler = Scheduler(BlockManager(num_blocks=512, block_size=16), max_num_seqs=64,
                               max_num_batched_tokens=256, long_prefill_token_threshold=4)
         _decoding(scheduler, 8)
@@ -127,12 +128,32 @@ def test_the_long_prompt_cap_grows_with_the_square_of_the_long_prompts_waiting()
         assert sum(n for _, n in batch.prefills) == expected
 
 
+def test_the_long_prompt_cap_counts_each_decoding_streams_context():
+    """A decoding stream costs a step its row and its attention over its context (decode_cost_per_key of a
+    token's linears per key), so beside streams deep into long contexts a long prompt gets a larger share:
+    a step with it still costs about LONG_PREFILL_SHARE more than the decode rows alone. Draft rows do not
+    count; with no cost per key, every stream counts as one row wherever it is."""
+    for per_key, context, drafts in ((0.0, 400, 0), (1 / 100, 8, 0), (1 / 100, 400, 0), (1 / 100, 400, 3)):
+        scheduler = Scheduler(BlockManager(num_blocks=512, block_size=16), max_num_seqs=64,
+                              max_num_batched_tokens=256, long_prefill_token_threshold=4,
+                              decode_cost_per_key=per_key)
+        _decoding(scheduler, 8)
+        for seq in scheduler.running:
+            seq.num_computed_tokens = context  # only the count is read; the token list stays short
+            seq.token_ids[:] = list(range(context)) + [1]
+            seq.draft_token_ids = list(range(drafts))
+        scheduler.add(_seq(list(range(5000, 5200))))  # long: over 256 / 2
+        batch = scheduler.schedule()
+        assert len(batch.decodes) == 8
+        assert sum(n for _, n in batch.prefills) == int(LONG_PREFILL_SHARE * 8 * (1 + per_key * context))
+
+
 def test_the_long_prompt_cap_counts_each_chunks_attention():
     """Under the cap a chunk costs its tokens plus their attention over the keys before them (per key, a
     fraction of a token's linears, from the model's sizes): a long prompt's chunks shrink as its context
     grows, each the most that fits the cap, so a step costs about the same at the prompt's end as at its
     start. With no weight on attention every chunk is the cap's size."""
-    cap = 2 * 8  # LONG_PREFILL_PER_DECODE x 8 decoding streams
+    cap = LONG_PREFILL_SHARE * 8  # 8 decoding streams, a row each
     for per_key in (0.0, 1 / 500):
         scheduler = Scheduler(BlockManager(num_blocks=512, block_size=16), max_num_seqs=64,
                               max_num_batched_tokens=256, long_prefill_token_threshold=4,
@@ -157,7 +178,7 @@ def test_the_long_prompt_cap_counts_each_chunks_attention():
         sizes = [n for _, n in chunks]
         assert sum(sizes) == 600
         if per_key == 0:
-            assert sizes[:-1] == [cap] * (len(sizes) - 1)
+            assert sizes[:-1] == [int(cap)] * (len(sizes) - 1)
         else:
             assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-2] > 0  # shrinking, never stalled
             for keys, n in chunks[:-1]:  # each the largest that fits (the last takes what is left)
