@@ -46,11 +46,12 @@ class ScheduledBatch:
 #   attention; weighing that attention: 1.23-1.40. Squaring the pending count (Intel Xeon, 24 streams):
 #   TTFT p50 4.87 -> 2.69 s at ~500 tokens, ~11 -> 6.2 s at ~1,000, throughput level.
 # - Counting each stream's attention over its context too (AMD EPYC, session 55): a stream 1,000 tokens in
-#   makes a decode step ~3.5x dearer than one 100 tokens in, so 2 tokens a stream had left a prompt
-#   arriving beside long-context streams ~1.3x a decode step's cost, far under the bar. 1.2 of the decode
-#   cost gives the same cap as 2 a stream at the interactivity bench's ~300-token contexts (p99/median
-#   1.57-1.65 against 1.39-1.53, alternating; greedy streams 1.45 against 1.57) and ~2x it at ~1,000
-#   (in-process closed loop, 24 streams, 48 requests: TTFT p50 1.69-1.73 -> 1.37 s, throughput level).
+#   makes a decode step ~3.5x dearer than one 100 tokens in, so under 2 tokens a stream a step with the
+#   chunk of a prompt arriving beside long-context streams cost only ~1.3x a decode-only one, far under
+#   the bar. 1.2 of the decode cost gives about the cap of 2 a stream at the interactivity bench's
+#   ~300-token contexts (p99/median 1.36-1.83 against 1.39-1.53; greedy streams 1.32-1.45 against
+#   1.42-1.57) and ~2x it at ~1,000 (in-process closed loop, 24 streams, 48 requests, alternating: TTFT
+#   p50 1.69-1.77 -> 1.36-1.37 s, throughput level). The README's "The prefill policy" has the table.
 LONG_PREFILL_SHARE = 1.2
 
 
@@ -67,12 +68,12 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # While sequences decode, a step prefills long prompts at most max(threshold, LONG_PREFILL_SHARE x
-        # the decode rows' cost x (long prompts pending)^2) tokens in all (0: no cap), weighed by their
-        # attention (below). With one pending, such a step costs about twice a decode-only one, at the
-        # prompt's start as at its end and at short contexts as at long ones, so a long prompt arriving keeps the
-        # running streams' token gaps within the interactivity bar. A short prompt (at most half the step budget) is prefilled
-        # whole in one step, as vLLM does: one bounded bump for the running streams, and arrivals ramp
-        # up without being trickled through the cap.
+        # the decoding sequences' cost x (long prompts pending)^2) tokens in all (0: no cap), weighed by
+        # their attention (below). With one pending, such a step costs about twice a decode-only one, at the
+        # prompt's start as at its end and beside short contexts as beside long ones, so a long prompt
+        # arriving keeps the running streams' token gaps within the interactivity bar. A short prompt (at
+        # most half the step budget) is prefilled whole in one step, as vLLM does: one bounded bump for the
+        # running streams, and arrivals ramp up without being trickled through the cap.
         self.long_prefill_token_threshold = long_prefill_token_threshold
         # The cap counts a capped chunk's cost, not only its tokens: each token's linears plus its attention
         # over the keys before it (this fraction of the linears per key, from the model's sizes; 0: tokens

@@ -197,8 +197,9 @@ class LlamaForCausalLM:
         """A decoding sequence's attention over one key of its context, as a fraction of a token's linears.
         Its first row reads the key's K and V in every layer from memory, so this is those bytes at
         KV_READ_SHARE of the weights' one-row stream rate against the token's multiply-adds at a batch's
-        arithmetic rate, both rates measured at start (LinearBuilder.tune). SmolLM2-135M on a 2-core AMD EPYC: ~1 / 400, so a sequence
-        1,000 tokens in costs a step 3.5 rows' worth. Where nothing was measured (torch's path), that figure."""
+        arithmetic rate, both rates measured at start (LinearBuilder.tune). SmolLM2-135M on a 2-core AMD
+        EPYC: 1/333-1/398 in five starts, so a sequence 1,000 tokens in costs a step ~3.5 rows' worth.
+        Where nothing was measured (torch's path), DEFAULT_DECODE_COST_PER_KEY."""
         rates = self.builder.rates
         if rates is None:
             return DEFAULT_DECODE_COST_PER_KEY
