@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 # decode_cost_per_key where the linears' rates were not measured (torch's path, a GPU): the 2-core AMD
 # EPYC's measured figure, with which the long-prefill cap was calibrated (engine/scheduler.py)
 DEFAULT_DECODE_COST_PER_KEY = 1 / 400
-# and at most this, so that a mismeasured start cannot hand a long prompt a whole step beside streams
-MAX_DECODE_COST_PER_KEY = 1 / 100
+# and at most this (about twice the AMD EPYC's), so that a start measured while the machine was busy
+# cannot hand a long prompt more of a step than the interactivity bar allows beside long-context streams
+MAX_DECODE_COST_PER_KEY = 1 / 200
 # Decode attention reads its keys' K and V in blocks scattered through the pool, between its own
 # arithmetic: at about this share of the weights' one-row stream rate (AMD EPYC: 31-34 GB/s against
 # 55-57; Intel Xeon, session 39: ~65% of a plain read)
