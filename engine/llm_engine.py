@@ -168,7 +168,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, self.lora_manager,
                                    attention_cost_per_key=self.model.attention_cost_per_key(),
-                                   decode_cost_per_key=self.model.decode_cost_per_key())
+                                   decode_cost_per_key=self.model.decode_cost_per_key(),
+                                   decode_step_cost=self.model.decode_step_cost())
         self.runner = ModelRunner(self.model, kv_cache, self.lora_manager)
         self.eos_token_ids = self._eos_ids(model_dir)
         self._argmax = self.model.kernels.argmax if self.model.kernels is not None else None  # greedy picks

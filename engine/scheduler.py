@@ -34,25 +34,25 @@ class ScheduledBatch:
         return sum(1 + len(s.draft_token_ids) for s in self.decodes) + sum(n for _, n in self.prefills)
 
 
-# A long prompt's prefill per step while others decode, as a multiple of what their decode rows cost
-# (Scheduler._decode_cost: a row per decoding sequence plus its attention over its context), times the
-# square of the long prompts pending; each prompt token counted with its attention over the keys before it
-# (Scheduler.attention_cost_per_key). History, each step measured with `bench_interactivity` (16 streams
-# decode, a 2,000-token prompt arrives; bar: p99 token gap under 3x the median) against the TTFT of
-# `compare.py --prompt-tokens 1000 --concurrency 24`:
+# A long prompt's prefill per step while others decode, as a multiple of what the decoding sequences cost
+# (Scheduler._decode_cost: the step's pass over the weights, a row per sequence and its attention over its
+# context), times the square of the long prompts pending; each prompt token counted with its attention
+# over the keys before it (Scheduler.attention_cost_per_key). History, each step measured with
+# `bench_interactivity` (16 streams decode, a 2,000-token prompt arrives; bar: p99 token gap under 3x the
+# median) against the TTFT of `compare.py --prompt-tokens 1000 --concurrency 24`:
 # - Counted in tokens per decoding stream (2-core AMD EPYC, 2026-11-23): 1 -> gap p99/median 1.32, TTFT
 #   p50 10.2 s; 2 -> 2.24, 7.0 s; 4 -> 3.48 (over the bar). On the Intel Xeon (model 207) 2 gave 2.40-3.24:
 #   the chunks at the end of the 2,000-token prompt cost ~3x a decode step, two thirds of it their
 #   attention; weighing that attention: 1.23-1.40. Squaring the pending count (Intel Xeon, 24 streams):
 #   TTFT p50 4.87 -> 2.69 s at ~500 tokens, ~11 -> 6.2 s at ~1,000, throughput level.
-# - Counting each stream's attention over its context too (AMD EPYC, session 55): a stream 1,000 tokens in
-#   makes a decode step ~3.5x dearer than one 100 tokens in, so under 2 tokens a stream a step with the
-#   chunk of a prompt arriving beside long-context streams cost only ~1.3x a decode-only one, far under
-#   the bar. 1.2 of the decode cost gives about the cap of 2 a stream at the interactivity bench's
-#   ~300-token contexts (p99/median 1.36-1.83 against 1.39-1.53; greedy streams 1.32-1.45 against
-#   1.42-1.57) and ~2x it at ~1,000 (in-process closed loop, 24 streams, 48 requests, alternating: TTFT
-#   p50 1.69-1.77 -> 1.36-1.37 s, throughput level). The README's "The prefill policy" has the table.
-LONG_PREFILL_SHARE = 1.2
+# - Counting what the decoding streams cost (AMD EPYC, session 55): a stream 1,000 tokens in makes a decode
+#   step ~3.5x dearer than one 100 tokens in, so under 2 tokens a stream a step with the chunk of a prompt
+#   arriving beside long-context streams cost only ~1.3x a decode-only one, far under the bar. With the
+#   streams' cost counted, 1.0 of it makes such a step ~2x a decode-only one beside short contexts and
+#   ~2.4x beside 1,500-token ones (p99/median 1.9-2.0 and 2.4; 1.2 of it without the weights' pass had
+#   given 2.4-3.8 there, over the bar once), and at ~1,000 tokens x 24 streams (in process, alternating)
+#   TTFT p50 1.69-1.77 -> 1.24-1.32 s at the same throughput. The README's "The prefill policy" has the table.
+LONG_PREFILL_SHARE = 1.0
 
 
 def _order(seq: Sequence) -> tuple[int, float]:
@@ -62,7 +62,8 @@ def _order(seq: Sequence) -> tuple[int, float]:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  long_prefill_token_threshold: int = 0, lora_manager: LoraManager | None = None,
-                 attention_cost_per_key: float = 0.0, decode_cost_per_key: float = 0.0) -> None:
+                 attention_cost_per_key: float = 0.0, decode_cost_per_key: float = 0.0,
+                 decode_step_cost: float = 0.0) -> None:
         self.block_manager = block_manager
         self.lora_manager = lora_manager
         self.max_num_seqs = max_num_seqs
@@ -84,6 +85,8 @@ class Scheduler:
         # linears): it reads the key's K and V from memory, so this follows the machine's bytes against its
         # arithmetic (LLMEngine measures it at start; 0: decode rows counted as rows alone).
         self.decode_cost_per_key = decode_cost_per_key
+        # and what a decode step costs before any row (it streams every weight once; 0: nothing)
+        self.decode_step_cost = decode_step_cost
         self.short_prompt_tokens = max_num_batched_tokens // 2
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -207,12 +210,14 @@ class Scheduler:
         return batch
 
     def _decode_cost(self) -> float:
-        """What this step's decoding sequences cost, in prompt tokens' linears: a row each and its attention
-        over its context. Their draft rows are left out: a draft row costs far less than a sequence's first row
-        at the batch sizes where a long prompt is capped, and counting each as one row took greedy streams' gap
-        ratio in bench_interactivity over the bar (3.1)."""
+        """What this step's decoding sequences cost, in prompt tokens' linears: the step's own (its pass over
+        the weights), then a row each and its attention over its context. Their draft rows are left out: a
+        draft row costs far less than a sequence's first row at the batch sizes where a long prompt is
+        capped, and counting each as one row took greedy streams' gap ratio in bench_interactivity over the
+        bar (3.1)."""
         k = self.decode_cost_per_key
-        return sum(1 + k * seq.num_computed_tokens for seq in self.running if seq.num_uncomputed_tokens == 1)
+        return self.decode_step_cost + sum(1 + k * seq.num_computed_tokens for seq in self.running
+                                           if seq.num_uncomputed_tokens == 1)
 
     def _prefill_limit(self, seq: Sequence, budget: int, prefill_budget: float, capped: bool) -> int:
         """Prompt tokens ``seq`` may prefill this step: short prompts are bounded by the step's budget

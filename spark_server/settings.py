@@ -56,8 +56,8 @@ class Settings:
     max_num_seqs: int = _opt(64, "most sequences decoded together in one step")
     max_num_batched_tokens: int = _opt(512, "token budget of one engine step (prefill is chunked to fit)")
     long_prefill_token_threshold: int = _opt(16, "while other sequences decode, long prompts (over half of "
-                                                 "--max-num-batched-tokens) prefill at most max(this, 1.2 x what "
-                                                 "the decoding streams cost a step x long prompts pending^2) "
+                                                 "--max-num-batched-tokens) prefill at most max(this, what the "
+                                                 "decoding streams cost a step x long prompts pending^2) "
                                                  "tokens per step, keeping token gaps even (0: no cap)")
     num_speculative_tokens: int = _opt(5, "prompt-lookup speculation (vLLM's ngram method) for greedy requests: "
                                           "up to this many tokens that followed an earlier occurrence of the "

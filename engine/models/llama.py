@@ -19,18 +19,21 @@ from engine.attention import AttentionMetadata, PagedKVCache, paged_attention, p
 from engine.kernels import CpuKernels, ForwardStep, LayerDesc, LinearDesc, load_cpu_kernels
 from engine.models.greedy_head import GreedyHead, GreedyPicks
 from engine.models.linear import Linear, PackedLinear, ReferenceLinear
-from engine.models.weights import LinearBuilder
+from engine.models.weights import LinearBuilder, MeasuredRates
 from engine.quant.formats import QuantizedWeight
 
 if TYPE_CHECKING:
     from engine.lora import LoraBatch
 
-# decode_cost_per_key where the linears' rates were not measured (torch's path, a GPU): the 2-core AMD
-# EPYC's measured figure, with which the long-prefill cap was calibrated (engine/scheduler.py)
-DEFAULT_DECODE_COST_PER_KEY = 1 / 400
-# and at most this (about twice the AMD EPYC's), so that a start measured while the machine was busy
-# cannot hand a long prompt more of a step than the interactivity bar allows beside long-context streams
-MAX_DECODE_COST_PER_KEY = 1 / 200
+# decode_cost_per_key and decode_step_cost where the linears' rates were not measured (torch's path, a
+# GPU): the 2-core AMD EPYC's measured figures, with which the long-prefill cap was calibrated
+# (engine/scheduler.py)
+DEFAULT_DECODE_COST_PER_KEY = 1 / 360
+DEFAULT_DECODE_STEP_COST = 7.0
+# and at most this (the AMD EPYC measured 1/288-1/433 over its starts), so that a start timed while a
+# neighbour took the memory bandwidth cannot hand a long prompt more of a step than the interactivity bar
+# allows beside long-context streams
+MAX_DECODE_COST_PER_KEY = 1 / 250
 # Decode attention reads its keys' K and V in blocks scattered through the pool, between its own
 # arithmetic: at about this share of the weights' one-row stream rate (AMD EPYC: 31-34 GB/s against
 # 55-57; Intel Xeon, session 39: ~65% of a plain read)
@@ -194,19 +197,32 @@ class LlamaForCausalLM:
         per_layer = sum(lin.in_features * lin.out_features for lin in self.layers[0].linears())
         return 2 * self.num_heads * self.head_dim / per_layer
 
+    def _token_seconds(self, rates: MeasuredRates) -> float:
+        """A token's linears (every layer's projections) at the measured batch rate."""
+        macs_per_token = self.num_layers * sum(lin.in_features * lin.out_features for lin in self.layers[0].linears())
+        return macs_per_token / rates.batch_macs_per_s
+
+    def decode_step_cost(self) -> float:
+        """What a decode step costs before any row, as a fraction of a token's linears: it streams every
+        weight once (at the measured one-row rate). SmolLM2-135M's 98 MB of GGUF blocks on a 2-core AMD EPYC:
+        ~7 tokens' linears. Where nothing was measured, DEFAULT_DECODE_STEP_COST."""
+        rates = self.builder.rates
+        if rates is None:
+            return DEFAULT_DECODE_STEP_COST
+        return rates.weight_bytes / rates.stream_bytes_per_s / self._token_seconds(rates)
+
     def decode_cost_per_key(self) -> float:
         """A decoding sequence's attention over one key of its context, as a fraction of a token's linears.
         Its first row reads the key's K and V in every layer from memory, so this is those bytes at
         KV_READ_SHARE of the weights' one-row stream rate against the token's multiply-adds at a batch's
         arithmetic rate, both rates measured at start (LinearBuilder.tune). SmolLM2-135M on a 2-core AMD
-        EPYC: 1/333-1/398 in five starts, so a sequence 1,000 tokens in costs a step ~3.5 rows' worth.
+        EPYC: 1/288-1/433 over its starts, so a sequence 1,000 tokens in costs a step ~3.5 rows' worth.
         Where nothing was measured (torch's path), DEFAULT_DECODE_COST_PER_KEY."""
         rates = self.builder.rates
         if rates is None:
             return DEFAULT_DECODE_COST_PER_KEY
-        macs_per_token = self.num_layers * sum(lin.in_features * lin.out_features for lin in self.layers[0].linears())
         key_seconds = self.kv_bytes_per_token() / (KV_READ_SHARE * rates.stream_bytes_per_s)
-        return min(MAX_DECODE_COST_PER_KEY, key_seconds / (macs_per_token / rates.batch_macs_per_s))
+        return min(MAX_DECODE_COST_PER_KEY, key_seconds / self._token_seconds(rates))
 
     @staticmethod
     def kv_geometry(cfg: Any) -> tuple[int, int, int]:

@@ -48,6 +48,7 @@ _ROW_PROBES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _QUANTIZED_ROW_PROBES = (1, 4, 16, 64, 256, 512)
 _QUANTIZED_FALLBACK_MARGIN = 1.25
 _PATH_PROBE_ROWS = (1, 8, 32)
+_RATE_REPS = 7  # passes each rate takes the best of (MeasuredRates: the one-row pass is ~2 ms here)
 _PATH_MARGIN = 1.05
 
 AnyLinear = Linear | PackedLinear | ReferenceLinear
@@ -59,6 +60,7 @@ class MeasuredRates:
 
     stream_bytes_per_s: float  # one-row passes over every packed weight: bound by memory
     batch_macs_per_s: float  # _INT8_PROBE_ROWS rows through the largest layer projection: bound by arithmetic
+    weight_bytes: int  # what a one-row pass streams: every packed weight, once
 
 
 def resolve_quantization(mode: str, is_gguf: bool, kernels: CpuKernels | None, dtype: torch.dtype,
@@ -216,8 +218,8 @@ class LinearBuilder:
         gbps, read_gbps = _stream_rate(packed)
         layers, _ = _split_repeated(packed)
         batch_macs = _batch_rate(max(layers or packed, key=lambda lin: lin.out_features * lin.in_features))
-        self.rates = MeasuredRates(gbps * 1e9, batch_macs)
         total = sum(lin.packed.data.numel() for lin in packed)
+        self.rates = MeasuredRates(gbps * 1e9, batch_macs, total)
         sources = sorted({lin.quantized.source if lin.quantized is not None else "bf16" for lin in packed})
         limits = sorted({lin.max_kernel_rows for lin in with_fallback if lin.max_kernel_rows is not None})
         limit = f", up to {' / '.join(map(str, limits))} rows (oneDNN above)" if with_fallback else ""
@@ -384,7 +386,7 @@ def _batch_rate(lin: PackedLinear) -> float:
     """Multiply-adds a second of one prefill-sized batch through ``lin`` on the kernel that runs it."""
     x = torch.randn(_INT8_PROBE_ROWS, lin.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     seconds = _best_time(lambda: lin.kernels.linear(x, lin.packed, lin._bias32, int8_activations=lin.int8_activations),
-                         reps=3)
+                         reps=_RATE_REPS)
     return _INT8_PROBE_ROWS * lin.in_features * lin.out_features / seconds
 
 
@@ -397,7 +399,8 @@ def _stream_rate(packed: list[PackedLinear]) -> tuple[float, float]:
     total = sum(lin.packed.data.numel() for lin in packed)
     calls = kern.linear_calls([(inputs[lin.in_features], lin.packed, out) for lin, out in zip(packed, outs)],
                               packed[0].int8_activations)
-    elapsed = _best_time(lambda: kern.run_linear_calls(calls), reps=3)
+    # the best of several: a neighbour's memory traffic had brought single passes down by up to a fifth
+    elapsed = _best_time(lambda: kern.run_linear_calls(calls), reps=_RATE_REPS)
     buffer = torch.ones(total // 8 + 1, dtype=torch.int64)
     read = _best_time(lambda: kern.read_sum(buffer), reps=3)
     return total / elapsed / 1e9, buffer.numel() * 8 / read / 1e9

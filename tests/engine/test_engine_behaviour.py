@@ -143,9 +143,10 @@ def test_a_decoding_streams_cost_per_key_comes_from_the_rates_measured_at_start(
     model = llm_engine.model
     rates = model.builder.rates
     k = llm_engine.scheduler.decode_cost_per_key
-    if rates is None:  # torch's path: the default figure
-        from engine.models.llama import DEFAULT_DECODE_COST_PER_KEY
+    if rates is None:  # torch's path: the default figures
+        from engine.models.llama import DEFAULT_DECODE_COST_PER_KEY, DEFAULT_DECODE_STEP_COST
         assert k == DEFAULT_DECODE_COST_PER_KEY
+        assert llm_engine.scheduler.decode_step_cost == DEFAULT_DECODE_STEP_COST
         return
     assert model.kv_bytes_per_token() == 30 * 2 * 3 * 64 * 2
     macs = 30 * (576 * 960 + 576 * 576 + 576 * 3072 + 1536 * 576)
@@ -153,3 +154,8 @@ def test_a_decoding_streams_cost_per_key_comes_from_the_rates_measured_at_start(
     expected = key_seconds / (macs / rates.batch_macs_per_s)
     assert k == pytest.approx(min(expected, MAX_DECODE_COST_PER_KEY))
     assert 1 / 10_000 < k <= MAX_DECODE_COST_PER_KEY
+    # and a decode step's pass over the weights: their bytes at the stream rate, in tokens' linears
+    step = llm_engine.scheduler.decode_step_cost
+    assert step == pytest.approx(rates.weight_bytes / rates.stream_bytes_per_s / (macs / rates.batch_macs_per_s))
+    assert rates.weight_bytes == sum(lin.packed.data.numel() for lin in model.builder.built if hasattr(lin, "packed"))
+    assert 0.5 < step < 100

@@ -129,14 +129,16 @@ def test_the_long_prompt_cap_grows_with_the_square_of_the_long_prompts_waiting()
 
 
 def test_the_long_prompt_cap_counts_each_decoding_streams_context():
-    """A decoding stream costs a step its row and its attention over its context (decode_cost_per_key of a
-    token's linears per key), so beside streams deep into long contexts a long prompt gets a larger share:
-    a step with it still costs about LONG_PREFILL_SHARE more than the decode rows alone. Draft rows do not
-    count; with no cost per key, every stream counts as one row wherever it is."""
-    for per_key, context, drafts in ((0.0, 400, 0), (1 / 100, 8, 0), (1 / 100, 400, 0), (1 / 100, 400, 3)):
+    """A decode step costs its pass over the weights (decode_step_cost), and each decoding stream its row and
+    its attention over its context (decode_cost_per_key of a token's linears per key), so beside streams
+    deep into long contexts a long prompt gets a larger share: a step with it still costs about
+    LONG_PREFILL_SHARE more than a decode-only one. Draft rows do not count; with no cost per key, every
+    stream counts as one row wherever it is."""
+    for per_key, context, drafts, step in ((0.0, 400, 0, 0.0), (1 / 100, 8, 0, 0.0), (1 / 100, 400, 0, 0.0),
+                                           (1 / 100, 400, 3, 0.0), (1 / 100, 400, 0, 7.0)):
         scheduler = Scheduler(BlockManager(num_blocks=512, block_size=16), max_num_seqs=64,
                               max_num_batched_tokens=256, long_prefill_token_threshold=4,
-                              decode_cost_per_key=per_key)
+                              decode_cost_per_key=per_key, decode_step_cost=step)
         _decoding(scheduler, 8)
         for seq in scheduler.running:
             seq.num_computed_tokens = context  # only the count is read; the token list stays short
@@ -145,7 +147,7 @@ def test_the_long_prompt_cap_counts_each_decoding_streams_context():
         scheduler.add(_seq(list(range(5000, 5200))))  # long: over 256 / 2
         batch = scheduler.schedule()
         assert len(batch.decodes) == 8
-        assert sum(n for _, n in batch.prefills) == int(LONG_PREFILL_SHARE * 8 * (1 + per_key * context))
+        assert sum(n for _, n in batch.prefills) == int(LONG_PREFILL_SHARE * (step + 8 * (1 + per_key * context)))
 
 
 def test_the_long_prompt_cap_counts_each_chunks_attention():
@@ -153,22 +155,23 @@ def test_the_long_prompt_cap_counts_each_chunks_attention():
     fraction of a token's linears, from the model's sizes): a long prompt's chunks shrink as its context
     grows, each the most that fits the cap, so a step costs about the same at the prompt's end as at its
     start. With no weight on attention every chunk is the cap's size."""
-    cap = LONG_PREFILL_SHARE * 8  # 8 decoding streams, a row each
+    cap = LONG_PREFILL_SHARE * 10  # 10 decoding streams, a row each
     for per_key in (0.0, 1 / 500):
         scheduler = Scheduler(BlockManager(num_blocks=512, block_size=16), max_num_seqs=64,
                               max_num_batched_tokens=256, long_prefill_token_threshold=4,
                               attention_cost_per_key=per_key)
-        _decoding(scheduler, 8)
+        _decoding(scheduler, 10)
         long = _seq(list(range(1000, 1600)))  # 600 tokens: long (over 256 / 2)
         scheduler.add(long)
         chunks = []
         while long.num_computed_tokens < len(long.token_ids):
             batch = scheduler.schedule()
-            assert len(batch.decodes) == 8
-            for seq, n in batch.prefills:
+            streams = [seq for seq in batch.decodes if seq is not long]  # a 1-token last chunk runs as a decode
+            assert len(streams) == 10
+            for seq, n in batch.prefills + [(long, 1)] * (long in batch.decodes):
                 chunks.append((seq.num_computed_tokens, n))
                 seq.num_computed_tokens += n
-            for seq in batch.decodes:
+            for seq in streams:
                 seq.num_computed_tokens += 1
                 seq.append_token(1)
 
