@@ -196,10 +196,11 @@ class LLMEngine:
                     time.monotonic() - started, name, self.device, self.model_info.dtype, num_blocks,
                     config.block_size, "on" if self.model.kernels is not None else "off")
         if config.long_prefill_token_threshold and self.scheduler.decode_cost_per_key:
-            logger.info("long prompts beside decoding streams: up to %.1fx those streams' cost a step, a stream "
-                        "costing a row plus 1/%.0f of one per key of its context (%s)", LONG_PREFILL_SHARE,
+            logger.info("long prompts beside decoding streams: up to %.1fx what those streams cost a step, in "
+                        "tokens' linears: the weights' pass %.1f, a row each and 1/%.0f of one per key of its "
+                        "context (%s)", LONG_PREFILL_SHARE, self.scheduler.decode_step_cost,
                         1 / self.scheduler.decode_cost_per_key,
-                        "measured" if self.model.builder.rates is not None else "the default figure")
+                        "measured" if self.model.builder.rates is not None else "the default figures")
         if self.speculator is not None:
             logger.info("greedy requests speculate: up to %d tokens a step from earlier %d-%d-token matches in "
                         "prompt or answer (--num-speculative-tokens 0: off)", config.num_speculative_tokens,
