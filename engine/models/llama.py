@@ -194,13 +194,15 @@ class LlamaForCausalLM:
         multiply-adds of q.k and p.v over every head and layer against those of every projection (the
         head aside: a prompt's rows skip it). SmolLM2-135M: 1 / 3,072, so at 2,000 keys a prompt token's
         attention costs 65% more on top of its linears."""
-        per_layer = sum(lin.in_features * lin.out_features for lin in self.layers[0].linears())
-        return 2 * self.num_heads * self.head_dim / per_layer
+        return 2 * self.num_heads * self.head_dim / self._layer_macs()
+
+    def _layer_macs(self) -> int:
+        """Multiply-adds of one token through one layer's projections."""
+        return sum(lin.in_features * lin.out_features for lin in self.layers[0].linears())
 
     def _token_seconds(self, rates: MeasuredRates) -> float:
         """A token's linears (every layer's projections) at the measured batch rate."""
-        macs_per_token = self.num_layers * sum(lin.in_features * lin.out_features for lin in self.layers[0].linears())
-        return macs_per_token / rates.batch_macs_per_s
+        return self.num_layers * self._layer_macs() / rates.batch_macs_per_s
 
     def decode_step_cost(self) -> float:
         """What a decode step costs before any row, as a fraction of a token's linears: it streams every
