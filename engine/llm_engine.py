@@ -200,7 +200,7 @@ class LLMEngine:
                         "tokens' linears: the weights' pass %.1f, a row each and 1/%.0f of one per key of its "
                         "context (%s)", LONG_PREFILL_SHARE, self.scheduler.decode_step_cost,
                         1 / self.scheduler.decode_cost_per_key,
-                        "measured" if self.model.builder.rates is not None else "the default figures")
+                        "measured" if self.model.decode_costs_measured else "the default figures")
         if self.speculator is not None:
             logger.info("greedy requests speculate: up to %d tokens a step from earlier %d-%d-token matches in "
                         "prompt or answer (--num-speculative-tokens 0: off)", config.num_speculative_tokens,

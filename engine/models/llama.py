@@ -204,6 +204,11 @@ class LlamaForCausalLM:
         """A token's linears (every layer's projections) at the measured batch rate."""
         return self.num_layers * self._layer_macs() / rates.batch_macs_per_s
 
+    @property
+    def decode_costs_measured(self) -> bool:
+        """Whether decode_step_cost and decode_cost_per_key come from rates measured at start."""
+        return self.builder.rates is not None
+
     def decode_step_cost(self) -> float:
         """What a decode step costs before any row, as a fraction of a token's linears: it streams every
         weight once (at the measured one-row rate). SmolLM2-135M's 98 MB of GGUF blocks on a 2-core AMD EPYC:

@@ -215,10 +215,10 @@ class LinearBuilder:
                 lin.max_kernel_rows = _kernel_row_limit(lin)
         activations = self._choose_activations(packed)
         quantized_fallback = self._attach_quantized_fallbacks(packed)
-        gbps, read_gbps = _stream_rate(packed)
+        total = sum(lin.packed.data.numel() for lin in packed)  # bytes: the packed weights are uint8
+        gbps, read_gbps = _stream_rate(packed, total)
         layers, _ = _split_repeated(packed)
         batch_macs = _batch_rate(max(layers or packed, key=lambda lin: lin.out_features * lin.in_features))
-        total = sum(lin.packed.data.numel() for lin in packed)
         self.rates = MeasuredRates(gbps * 1e9, batch_macs, total)
         sources = sorted({lin.quantized.source if lin.quantized is not None else "bf16" for lin in packed})
         limits = sorted({lin.max_kernel_rows for lin in with_fallback if lin.max_kernel_rows is not None})
@@ -390,13 +390,12 @@ def _batch_rate(lin: PackedLinear) -> float:
     return _INT8_PROBE_ROWS * lin.in_features * lin.out_features / seconds
 
 
-def _stream_rate(packed: list[PackedLinear]) -> tuple[float, float]:
-    """GB/s of one-row passes over every packed weight (one C call for the pass, as bench_kernels times
-    it), and of a plain read of as many bytes."""
+def _stream_rate(packed: list[PackedLinear], total: int) -> tuple[float, float]:
+    """GB/s of one-row passes over every packed weight (``total`` bytes; one C call for the pass, as
+    bench_kernels times it), and of a plain read of as many bytes."""
     kern = packed[0].kernels
     inputs = {lin.in_features: torch.ones(1, lin.in_features, dtype=torch.bfloat16) for lin in packed}
     outs = [torch.empty(1, lin.out_features, dtype=torch.bfloat16) for lin in packed]
-    total = sum(lin.packed.data.numel() for lin in packed)
     calls = kern.linear_calls([(inputs[lin.in_features], lin.packed, out) for lin, out in zip(packed, outs)],
                               packed[0].int8_activations)
     # the best of several: a neighbour's memory traffic had brought single passes down by up to a fifth

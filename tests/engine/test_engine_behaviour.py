@@ -142,6 +142,7 @@ def test_a_decoding_streams_cost_per_key_comes_from_the_rates_measured_at_start(
 
     model = llm_engine.model
     rates = model.builder.rates
+    assert model.decode_costs_measured == (rates is not None)
     k = llm_engine.scheduler.decode_cost_per_key
     if rates is None:  # torch's path: the default figures
         from engine.models.llama import DEFAULT_DECODE_COST_PER_KEY, DEFAULT_DECODE_STEP_COST
