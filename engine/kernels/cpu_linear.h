@@ -146,49 +146,109 @@ static inline int u4_code(const uint8_t *block, int k, int i) {
     return (block[(pr % 8) * 32 + 2 * i + (k & 1)] >> (pr < 8 ? 0 : 4)) & 15;
 }
 
-/* ---- portable path: one tile, rows [r0, r1), plain C ---- */
+/* ---- portable path: one tile, rows [r0, r1), plain C written to vectorise ----
+ * Each group's stored values are decoded to fp32 once per GENERIC_INPUTS inputs (w[k][i]: input k, output i,
+ * not yet scaled) and shared by up to GENERIC_ROWS rows, whose inner loop runs over the tile's 16 outputs:
+ * compilers make vector multiply-adds of it for whatever the target has (AVX2, NEON, SSE). Every product is
+ * exact in fp32 (a bf16 input times an integer code or a bf16), and each group's sum is scaled once, as on
+ * the fast paths. Built for AVX2 (-march=haswell) on a 2-core AMD EPYC, a 3,072 x 576 Q4_1-shaped projection:
+ * 1 / 8 / 32 / 256 rows in 0.17 / 0.40 / 1.3 / 10.5 ms, where decoding each value at its use, per row, one
+ * row at a time took 0.33 / 2.5 / 10.4 / 81 ms (the AVX512-BF16 path: 0.014-0.017 / 0.04 / 0.13 / 1.0). */
+#define GENERIC_ROWS 16
+#define GENERIC_INPUTS 32
+
+/* Inputs [k0, k0 + n) of one tile group (k0 even; u4: k0 a multiple of 32 and n == 32) into w. */
+static void decode_inputs(int fmt, const uint8_t *blk, int64_t k0, int64_t n, float w[GENERIC_INPUTS][TILE_N]) {
+    if (fmt == WFMT_U4) { /* a 32-input block: pair-row p holds inputs 2p, 2p+1 (low nibbles), 16+2p, 17+2p (high) */
+        const uint8_t *block = blk + (k0 / 32) * 256;
+        for (int p = 0; p < 8; p++) {
+            const uint8_t *row = block + p * 32;
+            for (int i = 0; i < TILE_N; i++) {
+                w[2 * p][i] = (float)(row[2 * i] & 15);
+                w[2 * p + 1][i] = (float)(row[2 * i + 1] & 15);
+                w[16 + 2 * p][i] = (float)(row[2 * i] >> 4);
+                w[17 + 2 * p][i] = (float)(row[2 * i + 1] >> 4);
+            }
+        }
+        return;
+    }
+    for (int64_t k = 0; k < n; k += 2) { /* pair-rows: output i's inputs (2j, 2j+1) at 2i, 2i+1 */
+        const int64_t j = (k0 + k) / 2;
+        if (fmt == WFMT_BF16) {
+            const uint16_t *row = (const uint16_t *)blk + j * 2 * TILE_N;
+            for (int i = 0; i < TILE_N; i++) {
+                w[k][i] = bf16_to_f32(row[2 * i]);
+                w[k + 1][i] = bf16_to_f32(row[2 * i + 1]);
+            }
+        } else {
+            const int8_t *row = (const int8_t *)blk + j * 2 * TILE_N;
+            for (int i = 0; i < TILE_N; i++) {
+                w[k][i] = (float)row[2 * i];
+                w[k + 1][i] = (float)row[2 * i + 1];
+            }
+        }
+    }
+}
+
+/* part[r] += x row r's n inputs (row stride ldx) times w, for R rows at once: with one row a pass the
+ * sums were two vector chains, each add waiting for the last (~8 G multiply-adds a second a core). */
+#define GENERIC_PASS 4
+static inline __attribute__((always_inline)) void generic_rows(const int R, const uint16_t *x, int64_t ldx,
+                                                               int64_t n, const float w[GENERIC_INPUTS][TILE_N],
+                                                               float part[][TILE_N]) {
+    float a[GENERIC_PASS][TILE_N];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < TILE_N; i++) a[r][i] = part[r][i];
+    for (int64_t k = 0; k < n; k++) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const float xk = bf16_to_f32(x[r * ldx + k]);
+#pragma omp simd
+            for (int i = 0; i < TILE_N; i++) a[r][i] += xk * w[k][i];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < TILE_N; i++) part[r][i] = a[r][i];
+}
+
 static void tile_generic(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_t K, int64_t ldx,
                          const uint8_t *tile, int64_t G, const float *sums, const float *bias, int64_t n0,
                          int64_t N, void *y, int64_t ldy, int y_f32) {
     const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
-    for (int64_t r = r0; r < r1; r++) {
-        const uint16_t *xr = x + r * ldx;
-        float acc[TILE_N] = {0};
+    float w[GENERIC_INPUTS][TILE_N], part[GENERIC_ROWS][TILE_N], acc[GENERIC_ROWS][TILE_N];
+    for (int64_t rc = r0; rc < r1; rc += GENERIC_ROWS) {
+        const int64_t nr = r1 - rc < GENERIC_ROWS ? r1 - rc : GENERIC_ROWS;
+        memset(acc, 0, sizeof acc);
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *blk = tile + g * gbytes;
-            float part[TILE_N] = {0};
-            for (int64_t j = 0; j < G / 2; j++) {
-                const float x0 = bf16_to_f32(xr[g * G + 2 * j]), x1 = bf16_to_f32(xr[g * G + 2 * j + 1]);
-                float w0[TILE_N], w1[TILE_N];
-                for (int i = 0; i < TILE_N; i++) {
-                    if (fmt == WFMT_BF16) {
-                        const uint16_t *row = (const uint16_t *)blk + j * 2 * TILE_N;
-                        w0[i] = bf16_to_f32(row[2 * i]);
-                        w1[i] = bf16_to_f32(row[2 * i + 1]);
-                    } else if (fmt == WFMT_U4) {
-                        const uint8_t *block = blk + (j / 16) * 256; /* the 32-input block of pair j */
-                        w0[i] = (float)u4_code(block, (int)(2 * (j % 16)), i);
-                        w1[i] = (float)u4_code(block, (int)(2 * (j % 16) + 1), i);
-                    } else {
-                        const int8_t *row = (const int8_t *)blk + j * 2 * TILE_N;
-                        w0[i] = (float)row[2 * i];
-                        w1[i] = (float)row[2 * i + 1];
-                    }
-                }
-                for (int i = 0; i < TILE_N; i++) part[i] += x0 * w0[i] + x1 * w1[i];
+            memset(part, 0, sizeof part);
+            for (int64_t k0 = 0; k0 < G; k0 += GENERIC_INPUTS) {
+                const int64_t n = G - k0 < GENERIC_INPUTS ? G - k0 : GENERIC_INPUTS;
+                decode_inputs(fmt, blk, k0, n, w);
+                int64_t r = 0;
+                for (; r + GENERIC_PASS <= nr; r += GENERIC_PASS) /* GENERIC_PASS rows: independent sums */
+                    generic_rows(GENERIC_PASS, x + (rc + r) * ldx + g * G + k0, ldx, n, w, part + r);
+                for (; r < nr; r++)
+                    generic_rows(1, x + (rc + r) * ldx + g * G + k0, ldx, n, w, part + r);
             }
             if (fmt == WFMT_BF16) {
-                for (int i = 0; i < TILE_N; i++) acc[i] += part[i];
+                for (int64_t r = 0; r < nr; r++)
+                    for (int i = 0; i < TILE_N; i++) acc[r][i] += part[r][i];
             } else if (fmt == WFMT_U4) {
-                const uint16_t *d = (const uint16_t *)(blk + G * TILE_N / 2), *m = d + TILE_N;
-                const float s = sums[r * groups + g];
-                for (int i = 0; i < TILE_N; i++) acc[i] += half_to_f32(d[i]) * part[i] + half_to_f32(m[i]) * s;
+                const uint16_t *dh = (const uint16_t *)(blk + G * TILE_N / 2), *mh = dh + TILE_N;
+                float d[TILE_N], m[TILE_N];
+                for (int i = 0; i < TILE_N; i++) d[i] = half_to_f32(dh[i]), m[i] = half_to_f32(mh[i]);
+                for (int64_t r = 0; r < nr; r++) {
+                    const float s = sums[(rc + r) * groups + g];
+                    for (int i = 0; i < TILE_N; i++) acc[r][i] += d[i] * part[r][i] + m[i] * s;
+                }
             } else {
                 const float *d = (const float *)(blk + G * TILE_N);
-                for (int i = 0; i < TILE_N; i++) acc[i] += d[i] * part[i];
+                for (int64_t r = 0; r < nr; r++)
+                    for (int i = 0; i < TILE_N; i++) acc[r][i] += d[i] * part[r][i];
             }
         }
-        store_row(acc, bias, n0, N, y, ldy, r, y_f32);
+        for (int64_t r = 0; r < nr; r++) store_row(acc[r], bias, n0, N, y, ldy, rc + r, y_f32);
     }
 }
 
