@@ -37,13 +37,16 @@ KERNELS_DIR = Path(__file__).parent
 # The compilation units, compiled side by side (the linears take most of the time), then linked.
 UNITS = (KERNELS_DIR / "cpu_kernels.c", KERNELS_DIR / "cpu_linear.c")
 HEADERS = tuple(KERNELS_DIR / name for name in ("cpu_common.h", "cpu_kernels_impl.h", "cpu_linear.h",
-                                                 "cpu_linear_fma.h", "cpu_prefill_attention.h", "cpu_forward.h",
-                                                 "cpu_sampling.h", "cpu_greedy_head.h"))
+                                                 "cpu_linear_fma.h", "cpu_linear_avx2.h", "cpu_prefill_attention.h",
+                                                 "cpu_forward.h", "cpu_sampling.h", "cpu_greedy_head.h"))
 SOURCES = UNITS + HEADERS
 ABI_VERSION = 10
 CFLAGS = ["-O3", "-fPIC", "-fopenmp", "-ffp-contract=off", "-std=c11"]
 NATIVE = "-march=native"  # this CPU's full instruction set (AVX-512 where it has it)
 DISABLE_ENV = "SPARK_NATIVE_KERNELS"
+# another -march target instead of this CPU's (e.g. x86-64-v3: what a CPU with AVX2 but no AVX-512 runs),
+# to see and test that build's paths on this machine
+MARCH_ENV = "SPARK_KERNELS_MARCH"
 # the linear kernels' fast paths, by their C enum value (cpu_linear.h): AVX512-BF16 dot products, fp32 FMAs
 LINEAR_PATHS = ("dot", "fma")
 PEAK_KINDS = ("dot", "fma", "vnni")  # spark_dot_peak's kinds: the linears' two paths, the greedy head's int8
@@ -197,9 +200,11 @@ class CpuKernels:
         self._dot_peak = lib.spark_dot_peak
         self._dot_peak.argtypes = [_INT, _I64, _INT]
         self._dot_peak.restype = ctypes.c_double
-        # 2: AVX512-BF16 dot products; 0: the portable C path only (correct everywhere, slower)
+        # 2: AVX512-BF16 dot products (and AVX-512F FMAs); 1: AVX2 FMAs; 0: the portable C path only (correct
+        # everywhere, slower)
         self.linear_isa = lib.spark_linear_isa()
-        # the fast paths for bf16 activations this build has ("dot": AVX512-BF16, "fma": fp32 FMAs on AVX-512F)
+        # the fast paths for bf16 activations this build has ("dot": AVX512-BF16, "fma": fp32 FMAs on AVX-512F,
+        # or on AVX2 where the build has no AVX-512)
         paths = lib.spark_linear_paths()
         self.linear_paths = tuple(name for bit, name in enumerate(LINEAR_PATHS) if paths >> bit & 1)
         self._set_linear_path = lib.spark_linear_set_path
@@ -459,8 +464,11 @@ def load_cpu_kernels() -> CpuKernels | None:
             logger.warning("no C compiler found: the CPU forward runs on plain torch ops (slower at small batch)")
             _failed = True
             return None
+        march = os.environ.get(MARCH_ENV)
+        if march:
+            logger.info("fused CPU kernels built for -march=%s (%s), not this CPU's own", march, MARCH_ENV)
         try:
-            _loaded = open_library(build_library(cc))
+            _loaded = open_library(build_library(cc, f"-march={march}" if march else NATIVE))
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
             logger.warning("fused CPU kernels unavailable (%s): the CPU forward runs on plain torch ops", exc)
             _failed = True

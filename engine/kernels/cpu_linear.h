@@ -842,6 +842,9 @@ static void tiles_q8_fast(int NT, const int8_t *xq, const float *xs, int64_t r0,
         q8_rows(1, xq, xs, r0, r1, K, tile0, tile_bytes, G, sums, bias, n0, N, y, ldy, y_f32, next);
 }
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define LINEAR_ISA 1
+#include "cpu_linear_avx2.h"
 #else
 #define LINEAR_ISA 0
 #endif
@@ -897,6 +900,15 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
         }
     }
 #endif
+#if defined(LINEAR_AVX2)
+    if (!portable && !act_int8) {
+        xf = (float *)malloc((size_t)(M * K) * sizeof(float));
+        if (!xf) {
+            free(sums);
+            return;
+        }
+    }
+#endif
     if (act_int8) {
         xq = (int8_t *)malloc((size_t)(M * K));
         xs = (float *)malloc((size_t)(M * (K / QBLOCK) * QFIELDS) * sizeof(float));
@@ -913,6 +925,8 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
 #if defined(LINEAR_FMA)
     const int64_t P = FMA_PANEL_WIDTH(M), panels = xf ? (M + P - 1) / P : 0;
     for (int64_t p = 0; prep_here && p < panels; p++) widen_panel(x, p, M, ldx, K, P, xf);
+#elif defined(LINEAR_AVX2)
+    if (xf && prep_here) avx2_widen_rows(x, 0, M, ldx, K, xf);
 #endif
     /* Few tiles (small N) are not worth a second thread's wake-up. */
     const int threads = tiles * M < 8 ? 1 : num_threads;
@@ -927,6 +941,11 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
     if (panels && !prep_here) {
 #pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < panels; p++) widen_panel(x, p, M, ldx, K, P, xf);
+    }
+#elif defined(LINEAR_AVX2)
+    if (xf && !prep_here) {
+#pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < M; r++) avx2_widen_rows(x, r, r + 1, ldx, K, xf);
     }
 #endif
     if (!prep_here && (sums || xq || xf)) {
@@ -956,6 +975,14 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                 tile_generic_q8(xq, xs, c0, c1, K, w + t * tile_bytes, G, sums, bias, t * TILE_N, N, y, ldy, y_f32);
             continue;
         }
+#if defined(LINEAR_AVX2)
+        if (xf) {
+#pragma omp for schedule(guided)
+            for (int64_t t = 0; t < tiles; t++)
+                avx2_tile(fmt, xf, c0, c1, K, w + t * tile_bytes, G, sums, bias, t * TILE_N, N, y, ldy, y_f32);
+            continue;
+        }
+#endif
 #if defined(LINEAR_FMA)
         if (xf) {
 #pragma omp for schedule(guided)
@@ -1027,7 +1054,7 @@ int spark_linear_int8_act_fast(void) {
 #endif
 }
 
-/* Which fast path this build has: 2 = AVX512-BF16, 0 = portable C only. */
+/* Which fast path this build has: 2 = AVX512-BF16 (and AVX-512F FMAs), 1 = AVX2 FMAs, 0 = portable C only. */
 int spark_linear_isa(void) { return LINEAR_ISA; }
 
 /* The fast paths this build has, as bits: 1 << LINEAR_PATH_DOT (AVX512-BF16), 1 << LINEAR_PATH_FMA (AVX-512F). */
@@ -1036,7 +1063,7 @@ int spark_linear_paths(void) {
 #if LINEAR_ISA == 2
     paths |= 1 << LINEAR_PATH_DOT;
 #endif
-#if defined(LINEAR_FMA)
+#if defined(LINEAR_FMA) || defined(LINEAR_AVX2)
     paths |= 1 << LINEAR_PATH_FMA;
 #endif
     return paths;

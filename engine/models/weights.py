@@ -67,7 +67,7 @@ def resolve_quantization(mode: str, is_gguf: bool, kernels: CpuKernels | None, d
                          device: torch.device = torch.device("cpu")) -> str:
     if mode not in QUANTIZATION_CHOICES:
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, not {mode!r}")
-    fast = kernels is not None and kernels.linear_isa == 2 and dtype == torch.bfloat16
+    fast = kernels is not None and kernels.linear_isa >= 1 and dtype == torch.bfloat16  # AVX-512 or AVX2
     if mode == "auto":
         return "gguf" if is_gguf and fast else "none"
     if mode == "none":
@@ -82,7 +82,7 @@ def resolve_quantization(mode: str, is_gguf: bool, kernels: CpuKernels | None, d
     if dtype != torch.bfloat16:
         raise ValueError(f"--quantization {mode} computes in bfloat16: use --dtype bfloat16 or auto")
     if not kernels.linear_paths:
-        logger.warning("--quantization %s: this CPU has no AVX-512, so the quantized linears run on the "
+        logger.warning("--quantization %s: this CPU has neither AVX-512 nor AVX2, so the quantized linears run on the "
                        "portable C path (slower than --quantization none here)", mode)
     return mode
 
@@ -291,7 +291,7 @@ def choose_linear_path(packed: list[PackedLinear], margin: float = _PATH_MARGIN)
     if not paths:
         return "linear kernels: portable C"
     if len(paths) == 1:
-        return f"linear kernels: {LINEAR_PATH_NAMES[kern.linear_path]}"
+        return f"linear kernels: {LINEAR_PATH_NAMES[kern.linear_path]}{' (AVX2)' if kern.linear_isa == 1 else ''}"
     layers, _ = _split_repeated(packed)
     probe = max(layers or packed, key=lambda lin: lin.out_features * lin.in_features)
     gen = torch.Generator().manual_seed(0)
