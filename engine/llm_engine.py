@@ -107,8 +107,8 @@ def _in_background(work: Callable[[], Any]) -> Future:
 def _packed_kernels_run(kernels: CpuKernels | None, quantization: str, is_gguf: bool) -> bool:
     """Whether the linears will run on the packed kernels, which take bf16 activations (``--dtype auto``
     then means bf16). With AVX-512 they run every mode. With AVX2 alone they run the quantized weights
-    (the GGUF file's own blocks by default): against torch's fp32 linears held to AVX2, 1.3-2.9x at 1 row,
-    level to 2x at 8, but 0.5-0.9x at 32-512 rows;
+    (the GGUF file's own blocks by default): against torch's fp32 linears held to AVX2, 4-bit weights ran
+    1.5-2.8x at 1-8 rows, 0.9-1.2x at 32-128 and 0.85-0.9x at 512 (the head 1.1-2.8x throughout);
     bf16 weights stay with torch's fp32 there (torch's bf16 matmul has no fast AVX2 path)."""
     if kernels is None or kernels.linear_isa == 0:
         return False

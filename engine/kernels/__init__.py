@@ -76,12 +76,19 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def build_library(cc: str, march: str = NATIVE, directory: Path | None = None,
+def kernel_march() -> str:
+    """The -march flag the engine's kernels are built with: this CPU's own, or ``SPARK_KERNELS_MARCH``'s target."""
+    march = os.environ.get(MARCH_ENV)
+    return f"-march={march}" if march else NATIVE
+
+
+def build_library(cc: str, march: str | None = None, directory: Path | None = None,
                   extra_flags: tuple[str, ...] = ()) -> Path:
-    """Compile the kernels (once: the file name carries a hash of sources, flags and CPU). ``extra_flags``:
+    """Compile the kernels (once: the file name carries a hash of sources, flags and CPU). ``march``: by
+    default the engine's (``kernel_march``), so that variant builds compare like with like. ``extra_flags``:
     a variant build (benchmarks/bench_layers_ab.py's -D switches); the engine's own build has none."""
     source = b"".join(p.read_bytes() for p in SOURCES)
-    flags = [*CFLAGS, march, *extra_flags]
+    flags = [*CFLAGS, march or kernel_march(), *extra_flags]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     # -march=native code is only valid on this CPU model: its flags are part of the key
     key = hashlib.sha256(source + " ".join(flags).encode() + version.encode() + platform.machine().encode()
@@ -464,11 +471,10 @@ def load_cpu_kernels() -> CpuKernels | None:
             logger.warning("no C compiler found: the CPU forward runs on plain torch ops (slower at small batch)")
             _failed = True
             return None
-        march = os.environ.get(MARCH_ENV)
-        if march:
-            logger.info("fused CPU kernels built for -march=%s (%s), not this CPU's own", march, MARCH_ENV)
+        if kernel_march() != NATIVE:
+            logger.info("fused CPU kernels built for %s (%s), not this CPU's own", kernel_march(), MARCH_ENV)
         try:
-            _loaded = open_library(build_library(cc, f"-march={march}" if march else NATIVE))
+            _loaded = open_library(build_library(cc))
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
             logger.warning("fused CPU kernels unavailable (%s): the CPU forward runs on plain torch ops", exc)
             _failed = True

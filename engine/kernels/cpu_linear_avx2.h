@@ -12,6 +12,10 @@
  * Every product x * code (or x * bf16) is exact in fp32; each group's sum is folded once with its scale
  * (and the u4 min times the row's sum of the group's inputs), as on the AVX-512 paths. Only the order of
  * fp32 additions differs from dequantize-then-fp32-matmul.
+ *
+ * Decoding takes as many instructions as the FMAs of a pass, so a batch of several passes decodes each
+ * tile once into a per-thread buffer of fp32 codes (avx2_decode_tile), and its passes load them instead:
+ * the same values into the same chains in the same order, so the same bits as a pass that decodes.
  */
 
 #define LINEAR_AVX2 1
@@ -27,11 +31,14 @@ static inline __m256 avx2_u4_codes(__m256i v, int shift) {
     return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(15)));
 }
 
-/* RB rows of xf (row-major, K a row) from row r0 against one tile, over all of K, into y. */
-static inline __attribute__((always_inline)) void avx2_rows(const int RB, int fmt, const float *xf, int64_t r0,
-                                                            int64_t K, const uint8_t *tile, int64_t G,
-                                                            const float *sums, const float *bias, int64_t n0,
-                                                            int64_t N, void *y, int64_t ldy, int y_f32) {
+/* RB rows of xf (row-major, K a row) from row r0 against one tile, over all of K, into y. With DEC, the
+ * tile's values come from wq (avx2_decode_tile's fp32 codes: input k's 16 outputs at wq + 16 k) instead of
+ * being decoded here; the scales and mins still come from the tile. */
+static inline __attribute__((always_inline)) void avx2_rows(const int RB, const int DEC, int fmt, const float *xf,
+                                                            int64_t r0, int64_t K, const uint8_t *tile,
+                                                            const float *wq, int64_t G, const float *sums,
+                                                            const float *bias, int64_t n0, int64_t N, void *y,
+                                                            int64_t ldy, int y_f32) {
     enum { CH = AVX2_CHAINS };
     const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
     const float *xr = xf + r0 * K;
@@ -52,13 +59,16 @@ static inline __attribute__((always_inline)) void avx2_rows(const int RB, int fm
                 const int64_t kb = k0 + b * 32;
                 for (int c = 0; c < 8; c++) {
                     const uint8_t *src = blk + b * 256 + c * 32;
-                    const __m256i v0 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
-                    const __m256i v1 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 16)));
+                    const __m256i v0 = DEC ? _mm256_setzero_si256()
+                                           : _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
+                    const __m256i v1 = DEC ? _mm256_setzero_si256()
+                                           : _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 16)));
                     const int64_t kk[4] = {kb + 2 * c, kb + 2 * c + 1, kb + 16 + 2 * c, kb + 17 + 2 * c};
                     const int shift[4] = {0, 8, 4, 12};
 #pragma GCC unroll 4
                     for (int q = 0; q < 4; q++) {
-                        const __m256 w0 = avx2_u4_codes(v0, shift[q]), w1 = avx2_u4_codes(v1, shift[q]);
+                        const __m256 w0 = DEC ? _mm256_load_ps(wq + kk[q] * TILE_N) : avx2_u4_codes(v0, shift[q]);
+                        const __m256 w1 = DEC ? _mm256_load_ps(wq + kk[q] * TILE_N + 8) : avx2_u4_codes(v1, shift[q]);
 #pragma GCC unroll 4
                         for (int r = 0; r < RB; r++) {
                             const __m256 xv = _mm256_broadcast_ss(xr + r * K + kk[q]);
@@ -75,7 +85,13 @@ static inline __attribute__((always_inline)) void avx2_rows(const int RB, int fm
                     const int64_t j = j0 + jj;
                     if (j == G / 2) break; /* an odd count of pair-rows */
                     __m256 w[2][2];      /* [half][input 2j, 2j+1] */
-                    if (fmt == WFMT_BF16) {
+                    if (DEC) {
+#pragma GCC unroll 2
+                        for (int h = 0; h < 2; h++) {
+                            w[h][0] = _mm256_load_ps(wq + (k0 + 2 * j) * TILE_N + 8 * h);
+                            w[h][1] = _mm256_load_ps(wq + (k0 + 2 * j + 1) * TILE_N + 8 * h);
+                        }
+                    } else if (fmt == WFMT_BF16) {
                         const uint8_t *row = blk + j * 64;
 #pragma GCC unroll 2
                         for (int h = 0; h < 2; h++) {
@@ -143,14 +159,85 @@ static inline __attribute__((always_inline)) void avx2_rows(const int RB, int fm
     }
 }
 
+/* A tile's stored values as fp32, unscaled (u4, i8: the codes; bf16: the weights), exactly as avx2_rows
+ * decodes them in registers: input k's 16 outputs at wq + 16 k. */
+static void avx2_decode_tile(int fmt, const uint8_t *tile, int64_t K, int64_t G, float *wq) {
+    const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
+    const __m256i high_half = _mm256_set1_epi32((int)0xffff0000u);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *blk = tile + g * gbytes;
+        const int64_t k0 = g * G;
+        if (fmt == WFMT_U4) {
+            for (int64_t b = 0; b < G / 32; b++)
+                for (int c = 0; c < 8; c++) {
+                    const uint8_t *src = blk + b * 256 + c * 32;
+                    const __m256i v0 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
+                    const __m256i v1 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 16)));
+                    const int64_t kb = k0 + b * 32;
+                    const int64_t kk[4] = {kb + 2 * c, kb + 2 * c + 1, kb + 16 + 2 * c, kb + 17 + 2 * c};
+                    const int shift[4] = {0, 8, 4, 12};
+                    for (int q = 0; q < 4; q++) {
+                        _mm256_store_ps(wq + kk[q] * TILE_N, avx2_u4_codes(v0, shift[q]));
+                        _mm256_store_ps(wq + kk[q] * TILE_N + 8, avx2_u4_codes(v1, shift[q]));
+                    }
+                }
+            continue;
+        }
+        for (int64_t j = 0; j < G / 2; j++)
+            for (int h = 0; h < 2; h++) {
+                float *lo = wq + (k0 + 2 * j) * TILE_N + 8 * h, *hi = lo + TILE_N;
+                if (fmt == WFMT_BF16) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + j * 64 + h * 32));
+                    _mm256_store_ps(lo, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+                    _mm256_store_ps(hi, _mm256_castsi256_ps(_mm256_and_si256(v, high_half)));
+                } else {
+                    const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + j * 32 + h * 16)));
+                    _mm256_store_ps(lo, _mm256_cvtepi32_ps(_mm256_madd_epi16(v, _mm256_set1_epi32(1))));
+                    _mm256_store_ps(hi, _mm256_cvtepi32_ps(_mm256_madd_epi16(v, _mm256_set1_epi32(1 << 16))));
+                }
+            }
+    }
+}
+
+/* The calling thread's buffer for a tile's fp32 codes (K x 16 floats), grown as needed and kept: the
+ * OpenMP threads live as long as the process. NULL where it cannot be had (the passes then decode). */
+static float *avx2_codes_buffer(int64_t K) {
+    static _Thread_local float *buffer = NULL;
+    static _Thread_local int64_t capacity = 0;
+    if (K > capacity) {
+        float *grown = (float *)aligned_alloc(32, (size_t)K * TILE_N * sizeof(float));
+        if (!grown) return NULL;
+        free(buffer);
+        buffer = grown, capacity = K;
+    }
+    return buffer;
+}
+
+/* Passes from which a tile is decoded once for all of them (measured on an AMD EPYC Zen 4 with the build
+ * held to AVX2: from two passes on, the decoded passes were faster at every projection shape). */
+#define AVX2_DECODED_PASSES 2
+
 /* Rows [r0, r1) against one tile. */
 static void avx2_tile(int fmt, const float *xf, int64_t r0, int64_t r1, int64_t K, const uint8_t *tile, int64_t G,
                       const float *sums, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32) {
+    float *wq = r1 - r0 >= AVX2_DECODED_PASSES * AVX2_ROWS ? avx2_codes_buffer(K) : NULL;
     int64_t r = r0;
-    for (; r + AVX2_ROWS <= r1; r += AVX2_ROWS) avx2_rows(AVX2_ROWS, fmt, xf, r, K, tile, G, sums, bias, n0, N, y, ldy, y_f32);
+    if (wq) {
+        avx2_decode_tile(fmt, tile, K, G, wq);
+        for (; r + AVX2_ROWS <= r1; r += AVX2_ROWS)
+            avx2_rows(AVX2_ROWS, 1, fmt, xf, r, K, tile, wq, G, sums, bias, n0, N, y, ldy, y_f32);
+        switch (r1 - r) {
+        case 2: avx2_rows(2, 1, fmt, xf, r, K, tile, wq, G, sums, bias, n0, N, y, ldy, y_f32); break;
+        case 1: avx2_rows(1, 1, fmt, xf, r, K, tile, wq, G, sums, bias, n0, N, y, ldy, y_f32); break;
+        default: break;
+        }
+        return;
+    }
+    for (; r + AVX2_ROWS <= r1; r += AVX2_ROWS)
+        avx2_rows(AVX2_ROWS, 0, fmt, xf, r, K, tile, NULL, G, sums, bias, n0, N, y, ldy, y_f32);
     switch (r1 - r) {
-    case 2: avx2_rows(2, fmt, xf, r, K, tile, G, sums, bias, n0, N, y, ldy, y_f32); break;
-    case 1: avx2_rows(1, fmt, xf, r, K, tile, G, sums, bias, n0, N, y, ldy, y_f32); break;
+    case 2: avx2_rows(2, 0, fmt, xf, r, K, tile, NULL, G, sums, bias, n0, N, y, ldy, y_f32); break;
+    case 1: avx2_rows(1, 0, fmt, xf, r, K, tile, NULL, G, sums, bias, n0, N, y, ldy, y_f32); break;
     default: break;
     }
 }

@@ -12,9 +12,8 @@ above ``max_kernel_rows`` (measured at start) go to oneDNN instead.
 
 ``TwoTermBf16Linear``: a quantized weight's oneDNN fallback, exact to ~2^-17 of each weight.
 
-``ReferenceLinear``: the meaning of a quantized weight (dequantize to fp32, multiply in fp32), for
-tests and for comparing paths; also the large-batch fallback on CPUs without AVX-512, where torch's
-fp32 matmul is the fastest one.
+``ReferenceLinear``: the slow meaning of a quantized weight (dequantize to fp32, multiply in fp32),
+for tests and for comparing paths.
 """
 
 from __future__ import annotations
@@ -108,8 +107,7 @@ class TwoTermBf16Linear:
 
 class PackedLinear:
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, kernels: CpuKernels,
-                 quantized: QuantizedWeight | None = None,
-                 fallback: Linear | TwoTermBf16Linear | ReferenceLinear | None = None,
+                 quantized: QuantizedWeight | None = None, fallback: Linear | TwoTermBf16Linear | None = None,
                  max_kernel_rows: int | None = None) -> None:
         self.packed = packed
         self.bias = bias
@@ -117,7 +115,7 @@ class PackedLinear:
         self._bias_ptr = self._bias32.data_ptr() if self._bias32 is not None else None
         self.kernels = kernels
         self.quantized = quantized  # None: packed from bf16 weights (then ``fallback`` holds them)
-        self.fallback = fallback  # torch (oneDNN, or fp32 on AVX2 CPUs), for batches over max_kernel_rows
+        self.fallback = fallback  # oneDNN, for batches over max_kernel_rows
         self.max_kernel_rows = max_kernel_rows
         # --linear-activations int8: 4-bit weights take x in int8 blocks (engine/quant/activations.py)
         self.int8_activations = False

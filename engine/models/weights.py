@@ -6,9 +6,7 @@
          samples itself (engine/quant/gptq.py, calibration.py); once at load, then cached on disk.
   int4:  4-bit groups of 32 with fp16 scale and min, quantized once at load and cached on disk.
   gguf:  a GGUF model's own Q4_0 / Q4_1 / Q8_0 blocks, as the file holds them (other types dequantized).
-  auto:  gguf for a GGUF model where the kernels have a fast path (AVX-512, or AVX2: there batches
-         over a row count measured at start go to torch's fp32 matmul on the dequantized weights);
-         none otherwise.
+  auto:  gguf for a GGUF model where the kernels have a fast path (AVX-512, or AVX2); none otherwise.
 
 And what 4-bit weights (int4, GGUF Q4_0 / Q4_1) multiply (``--linear-activations``):
   bf16:  the activations as they are; products exact in fp32 (AVX512-BF16). The default: it computes
@@ -230,32 +228,39 @@ class LinearBuilder:
                 f"({read_gbps:.1f} GB/s); {_INT8_PROBE_ROWS} rows {batch_macs / 1e9:.0f} G multiply-adds/s")
 
     def _attach_quantized_fallbacks(self, packed: list[PackedLinear]) -> str:
-        """Where torch's matmul beats the packed kernels at large batches by a clear margin, the layers'
-        quantized projections get a fallback (``quantized_fallback_kind``) above the measured row count.
-        Returns a phrase for the log (empty where there was nothing to decide)."""
+        """Where oneDNN's bf16 matmul (AMX tiles) beats the packed kernels at large batches by a clear
+        margin even at twice the work, the layers' quantized projections get a two-term bf16 fallback
+        (``TwoTermBf16Linear``) above the measured row count. Returns a phrase for the log (empty where
+        there was nothing to decide)."""
         layers, _ = _split_repeated([lin for lin in packed if lin.quantized is not None and lin.fallback is None])
         # (the one-off matrix, the head, keeps its kernel: logits of a few rows a step)
         if not layers or self.reference:
             return ""
         if layers[0].int8_activations:
             return "no oneDNN fallback with int8 activations; "  # it would compute with bf16 ones
-        kind = quantized_fallback_kind(layers[0].kernels)
-        if kind is None:
+        if not _has_matrix_unit():
+            # Without AMX tiles oneDNN's bf16 matmul runs on the same AVX512-BF16 dot products as the packed
+            # kernels: at twice the work it measured 1.8x slower at every size (AMD EPYC), so no probe. On an
+            # AVX2 CPU torch's fp32 matmul on the dequantized weights is no clear win either (the kernels
+            # 0.85-1.2x its speed at 32-512 rows, 1.5-2.8x below; Zen 4 held to AVX2), and one arithmetic at
+            # every batch keeps a row's bits independent of the rows beside it (a seeded request repeated
+            # over a cached prefix prefills fewer rows).
             return ""
         probe = max(layers, key=lambda lin: lin.out_features * lin.in_features)
-        fallback = _build_quantized_fallback(kind, probe)
+        assert probe.quantized is not None
+        fallback = TwoTermBf16Linear.build(probe.quantized, probe.bias)
         if fallback is None:
             return ""
         largest = _QUANTIZED_ROW_PROBES[-1]
         # One quick look at the largest batch first: where the packed kernels hold there, nothing smaller is
         # worth probing.
         if _kernel_row_limit(probe, fallback, (largest,), _QUANTIZED_FALLBACK_MARGIN, rounds=1) == largest:
-            return f"no {kind} fallback (not {_QUANTIZED_FALLBACK_MARGIN}x faster at {largest} rows); "
+            return f"no oneDNN fallback (two-term bf16 not {_QUANTIZED_FALLBACK_MARGIN}x faster at {largest} rows); "
         rows = _kernel_row_limit(probe, fallback, _QUANTIZED_ROW_PROBES, _QUANTIZED_FALLBACK_MARGIN)
         if rows >= largest:
-            return f"no {kind} fallback (not {_QUANTIZED_FALLBACK_MARGIN}x faster up to {rows} rows); "
-        attach_quantized_fallbacks(layers, rows, kind, {id(probe): fallback})
-        return f"{kind} above {rows} rows; "
+            return f"no oneDNN fallback (two-term bf16 not {_QUANTIZED_FALLBACK_MARGIN}x faster up to {rows} rows); "
+        attach_two_term_fallbacks(layers, rows, {id(probe): fallback})
+        return f"two-term bf16 oneDNN above {rows} rows; "
 
     def _choose_activations(self, packed: list[PackedLinear]) -> str:
         """Sets the 4-bit linears' activation mode (int8 or bf16); returns a phrase for the log."""
@@ -323,49 +328,20 @@ def _has_matrix_unit() -> bool:
     return bool(probe()) if probe is not None else False
 
 
-TWO_TERM_BF16 = "two-term bf16 oneDNN"
-FP32_DEQUANTIZED = "fp32 dequantized torch"
-
-
-def quantized_fallback_kind(kernels: CpuKernels) -> str | None:
-    """What may take quantized linears' large batches on this CPU:
-    - AMX tiles: oneDNN's bf16 matmul on two bf16 terms a weight (``TwoTermBf16Linear``), several times
-      the AVX512-BF16 dot products' rate even at twice the work.
-    - an AVX2 build (no AVX-512): torch's fp32 matmul on the dequantized weights (``ReferenceLinear``,
-      the weights' own meaning). The packed kernels decode codes for every row pass, and at 32-512 rows
-      ran 0.5-0.9x torch's fp32 sgemm there.
-    - AVX-512 without AMX: nothing. oneDNN's bf16 matmul runs on the same dot products as the packed
-      kernels, and at twice the work measured 1.8x slower at every size (AMD EPYC), so no probe."""
-    if kernels.linear_isa == 1:
-        return FP32_DEQUANTIZED
-    return TWO_TERM_BF16 if _has_matrix_unit() else None
-
-
-def _build_quantized_fallback(kind: str, lin: PackedLinear) -> TwoTermBf16Linear | ReferenceLinear | None:
-    assert lin.quantized is not None
-    if kind == FP32_DEQUANTIZED:
-        return ReferenceLinear(lin.quantized, lin.bias)
-    return TwoTermBf16Linear.build(lin.quantized, lin.bias)
-
-
-def attach_quantized_fallbacks(layers: list[PackedLinear], rows: int, kind: str = TWO_TERM_BF16,
-                               built: dict[int, TwoTermBf16Linear | ReferenceLinear] | None = None) -> None:
-    """Batches of more than ``rows`` rows through these quantized linears go to ``kind``'s fallback from now
-    on (``built``: fallbacks already made, by ``id`` of their linear)."""
+def attach_two_term_fallbacks(layers: list[PackedLinear], rows: int,
+                              built: dict[int, TwoTermBf16Linear] | None = None) -> None:
+    """Batches of more than ``rows`` rows through these quantized linears go to a two-term bf16 oneDNN
+    matmul from now on (``built``: fallbacks already made, by ``id`` of their linear)."""
     built = built or {}
     for lin in layers:
-        fallback = built.get(id(lin)) or _build_quantized_fallback(kind, lin)
+        assert lin.quantized is not None
+        fallback = built.get(id(lin)) or TwoTermBf16Linear.build(lin.quantized, lin.bias)
         if fallback is None:
-            raise RuntimeError(f"no {kind} fallback here (torch has no oneDNN bf16 weight packing)")
+            raise RuntimeError("torch here has no oneDNN bf16 weight packing: no two-term fallback")
         lin.fallback = fallback
         lin.max_kernel_rows = rows
-    logger.info("quantized linears: %s takes batches over %d rows (%.0f MB more)", kind, rows,
-                4 * sum(lin.out_features * lin.in_features for lin in layers) / 1e6)
-
-
-def attach_two_term_fallbacks(layers: list[PackedLinear], rows: int,
-                              built: dict[int, TwoTermBf16Linear | ReferenceLinear] | None = None) -> None:
-    attach_quantized_fallbacks(layers, rows, TWO_TERM_BF16, built)
+    logger.info("quantized linears: oneDNN bf16 (two terms a weight) takes batches over %d rows (%.0f MB more)",
+                rows, 4 * sum(lin.out_features * lin.in_features for lin in layers) / 1e6)
 
 
 def _best_time(fn: Callable[[], object], reps: int = 5) -> float:

@@ -304,8 +304,7 @@ def test_start_up_probe_decides_the_quantized_fallback(monkeypatch, measured_lim
         return max((rows for rows in probes if rows <= measured_limit), default=0)
 
     monkeypatch.setattr(weights_module, "_kernel_row_limit", measured)
-    # the probe runs where AMX is (on any build: an AVX2 one would otherwise probe its fp32 fallback)
-    monkeypatch.setattr(weights_module, "quantized_fallback_kind", lambda kernels: weights_module.TWO_TERM_BF16)
+    monkeypatch.setattr(weights_module, "_has_matrix_unit", lambda: True)  # the probe runs where AMX is
     builder = weights_module.LinearBuilder("int4", torch.bfloat16, torch.device("cpu"), kernels)
     gen = torch.Generator().manual_seed(2)
     layers = [builder.build([f"l{i}"], [torch.randn(64, 128, generator=gen)], None) for i in range(3)]
@@ -318,15 +317,13 @@ def test_start_up_probe_decides_the_quantized_fallback(monkeypatch, measured_lim
         assert layers[0].takes(64) and not layers[0].takes(65)
         assert len(probed) == 2  # the quick look at the largest batch, then the search
     else:
-        assert f"no {weights_module.TWO_TERM_BF16} fallback" in summary
+        assert "no oneDNN fallback" in summary
         assert all(lin.fallback is None and lin.takes(4096) for lin in layers)
         assert probed == [(512,)]  # the quick look sufficed
 
 
 def test_no_fallback_probe_without_a_matrix_unit(monkeypatch) -> None:
     """Without AMX the probe is skipped (oneDNN's bf16 matmul runs on the same dot products there)."""
-    if kernels.linear_isa != 2:
-        pytest.skip("an AVX2 build probes its fp32 fallback (test_linear_kernels_avx2.py)")
     monkeypatch.setattr(weights_module, "_has_matrix_unit", lambda: False)
     monkeypatch.setattr(weights_module, "_kernel_row_limit", lambda *a, **k: pytest.fail("probed"))
     builder = weights_module.LinearBuilder("int4", torch.bfloat16, torch.device("cpu"), kernels)

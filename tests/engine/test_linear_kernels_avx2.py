@@ -13,10 +13,6 @@ import pytest
 import torch
 
 from engine.kernels import CpuKernels, _cpu_flags, build_library, find_compiler, open_library
-from engine.models import weights as weights_module
-from engine.models.linear import PackedLinear, ReferenceLinear
-from engine.quant.formats import quantize_int4
-from engine.quant.packing import pack_quantized
 from tests.engine.test_linear_kernels import SHAPES, _reference, _tolerance, _weights
 from tests.engine.threads import kernel_threads
 
@@ -78,48 +74,3 @@ def test_avx2_zero_rows_is_an_empty_answer(avx2_kernels: CpuKernels) -> None:
     y = avx2_kernels.linear(torch.empty(0, 256, dtype=torch.bfloat16), packed, None, torch.empty(0, 48))
     assert y.shape == (0, 48)
 
-
-def test_avx2_large_batches_go_to_torchs_fp32_matmul_on_the_dequantized_weights(avx2_kernels: CpuKernels) -> None:
-    """Above the row count where the start-up probe finds torch's fp32 matmul clearly faster, a quantized
-    layer's batches take it; its answers are the weights' meaning (dequantize, then fp32) either way."""
-    gen = torch.Generator().manual_seed(5)
-    layers = [PackedLinear(pack_quantized(q), None, avx2_kernels, quantized=q)
-              for q in (quantize_int4(torch.randn(64, 128, generator=gen) * 0.05) for _ in range(2))]
-    assert weights_module.quantized_fallback_kind(avx2_kernels) == weights_module.FP32_DEQUANTIZED
-    weights_module.attach_quantized_fallbacks(layers, 8, weights_module.FP32_DEQUANTIZED)
-    calls = []
-    for lin in layers:
-        assert isinstance(lin.fallback, ReferenceLinear)
-        inner = lin.fallback
-        lin.fallback = lambda x, inner=inner: calls.append(x.shape[0]) or inner(x)
-    for rows in (1, 8, 9, 40):
-        x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
-        for lin in layers:
-            w = lin.quantized.dequantize()
-            got = lin(x).float()
-            want = _reference(x, w, None)
-            assert ((got - want).abs() <= want.abs() * 2 ** -8 + _tolerance(x, w)).all(), rows
-    assert calls == [9, 9, 40, 40]  # up to 8 rows on the packed kernel, more on torch's fp32 matmul
-
-
-def test_avx2_start_up_probe_decides_the_fp32_fallback(avx2_kernels: CpuKernels, monkeypatch) -> None:
-    """The probe runs on an AVX2 build (no AMX needed): the layers take the fallback above the measured
-    limit, the one-off matrix (the head) keeps its kernel."""
-    probed = []
-
-    def measured(lin, fallback, probes, margin, rounds=3):
-        assert isinstance(fallback, ReferenceLinear)
-        probed.append(probes)
-        return max((rows for rows in probes if rows <= 16), default=0)
-
-    monkeypatch.setattr(weights_module, "_kernel_row_limit", measured)
-    monkeypatch.setattr(weights_module, "_has_matrix_unit", lambda: False)
-    builder = weights_module.LinearBuilder("int4", torch.bfloat16, torch.device("cpu"), avx2_kernels)
-    gen = torch.Generator().manual_seed(2)
-    layers = [builder.build([f"l{i}"], [torch.randn(64, 128, generator=gen)], None) for i in range(3)]
-    head = builder.build(["head"], [torch.randn(96, 128, generator=gen)], None)
-    summary = builder.tune()
-    assert f"{weights_module.FP32_DEQUANTIZED} above 16 rows" in summary
-    assert all(isinstance(lin.fallback, ReferenceLinear) and lin.max_kernel_rows == 16 for lin in layers)
-    assert head.fallback is None
-    assert len(probed) == 2
