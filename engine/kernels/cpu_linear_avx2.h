@@ -220,28 +220,31 @@ static float *avx2_codes_buffer(int64_t K) {
 #define AVX2_DECODED_PASSES 2
 #endif
 
+/* Rows [r0, r1) in passes of AVX2_ROWS, then the rest; DEC constant at each call, as avx2_rows needs. */
+static inline __attribute__((always_inline)) void avx2_passes(const int DEC, int fmt, const float *xf, int64_t r0,
+                                                              int64_t r1, int64_t K, const uint8_t *tile,
+                                                              const float *wq, int64_t G, const float *sums,
+                                                              const float *bias, int64_t n0, int64_t N, void *y,
+                                                              int64_t ldy, int y_f32) {
+    int64_t r = r0;
+    for (; r + AVX2_ROWS <= r1; r += AVX2_ROWS)
+        avx2_rows(AVX2_ROWS, DEC, fmt, xf, r, K, tile, wq, G, sums, bias, n0, N, y, ldy, y_f32);
+    switch (r1 - r) {
+    case 2: avx2_rows(2, DEC, fmt, xf, r, K, tile, wq, G, sums, bias, n0, N, y, ldy, y_f32); break;
+    case 1: avx2_rows(1, DEC, fmt, xf, r, K, tile, wq, G, sums, bias, n0, N, y, ldy, y_f32); break;
+    default: break;
+    }
+}
+
 /* Rows [r0, r1) against one tile. */
 static void avx2_tile(int fmt, const float *xf, int64_t r0, int64_t r1, int64_t K, const uint8_t *tile, int64_t G,
                       const float *sums, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32) {
     float *wq = r1 - r0 >= AVX2_DECODED_PASSES * AVX2_ROWS ? avx2_codes_buffer(K) : NULL;
-    int64_t r = r0;
     if (wq) {
         avx2_decode_tile(fmt, tile, K, G, wq);
-        for (; r + AVX2_ROWS <= r1; r += AVX2_ROWS)
-            avx2_rows(AVX2_ROWS, 1, fmt, xf, r, K, tile, wq, G, sums, bias, n0, N, y, ldy, y_f32);
-        switch (r1 - r) {
-        case 2: avx2_rows(2, 1, fmt, xf, r, K, tile, wq, G, sums, bias, n0, N, y, ldy, y_f32); break;
-        case 1: avx2_rows(1, 1, fmt, xf, r, K, tile, wq, G, sums, bias, n0, N, y, ldy, y_f32); break;
-        default: break;
-        }
-        return;
-    }
-    for (; r + AVX2_ROWS <= r1; r += AVX2_ROWS)
-        avx2_rows(AVX2_ROWS, 0, fmt, xf, r, K, tile, NULL, G, sums, bias, n0, N, y, ldy, y_f32);
-    switch (r1 - r) {
-    case 2: avx2_rows(2, 0, fmt, xf, r, K, tile, NULL, G, sums, bias, n0, N, y, ldy, y_f32); break;
-    case 1: avx2_rows(1, 0, fmt, xf, r, K, tile, NULL, G, sums, bias, n0, N, y, ldy, y_f32); break;
-    default: break;
+        avx2_passes(1, fmt, xf, r0, r1, K, tile, wq, G, sums, bias, n0, N, y, ldy, y_f32);
+    } else {
+        avx2_passes(0, fmt, xf, r0, r1, K, tile, NULL, G, sums, bias, n0, N, y, ldy, y_f32);
     }
 }
 
