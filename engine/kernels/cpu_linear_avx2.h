@@ -31,6 +31,20 @@ static inline __m256 avx2_u4_codes(__m256i v, int shift) {
     return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(15)));
 }
 
+/* Half h (outputs 8h..8h+7) of pair-row j of a bf16 or i8 group as fp32: w[0] input 2j, w[1] input 2j+1. */
+static inline __attribute__((always_inline)) void avx2_pair_half(int fmt, const uint8_t *blk, int64_t j, int h,
+                                                                 __m256 w[2]) {
+    if (fmt == WFMT_BF16) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + j * 64 + h * 32));
+        w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        w[1] = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+    } else {
+        const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + j * 32 + h * 16)));
+        w[0] = _mm256_cvtepi32_ps(_mm256_madd_epi16(v, _mm256_set1_epi32(1)));
+        w[1] = _mm256_cvtepi32_ps(_mm256_madd_epi16(v, _mm256_set1_epi32(1 << 16)));
+    }
+}
+
 /* RB rows of xf (row-major, K a row) from row r0 against one tile, over all of K, into y. With DEC, the
  * tile's values come from wq (avx2_decode_tile's fp32 codes: input k's 16 outputs at wq + 16 k) instead of
  * being decoded here; the scales and mins still come from the tile. */
@@ -45,7 +59,6 @@ static inline __attribute__((always_inline)) void avx2_rows(const int RB, const 
     __m256 acc[AVX2_ROWS][2];
 #pragma GCC unroll 4
     for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    const __m256i high_half = _mm256_set1_epi32((int)0xffff0000u);
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = tile + g * gbytes;
         const int64_t k0 = g * G;
@@ -91,22 +104,9 @@ static inline __attribute__((always_inline)) void avx2_rows(const int RB, const 
                             w[h][0] = _mm256_load_ps(wq + (k0 + 2 * j) * TILE_N + 8 * h);
                             w[h][1] = _mm256_load_ps(wq + (k0 + 2 * j + 1) * TILE_N + 8 * h);
                         }
-                    } else if (fmt == WFMT_BF16) {
-                        const uint8_t *row = blk + j * 64;
-#pragma GCC unroll 2
-                        for (int h = 0; h < 2; h++) {
-                            const __m256i v = _mm256_loadu_si256((const __m256i *)(row + h * 32));
-                            w[h][0] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-                            w[h][1] = _mm256_castsi256_ps(_mm256_and_si256(v, high_half));
-                        }
                     } else {
-                        const uint8_t *row = blk + j * 32;
 #pragma GCC unroll 2
-                        for (int h = 0; h < 2; h++) {
-                            const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + h * 16)));
-                            w[h][0] = _mm256_cvtepi32_ps(_mm256_madd_epi16(v, _mm256_set1_epi32(1)));
-                            w[h][1] = _mm256_cvtepi32_ps(_mm256_madd_epi16(v, _mm256_set1_epi32(1 << 16)));
-                        }
+                        for (int h = 0; h < 2; h++) avx2_pair_half(fmt, blk, j, h, w[h]);
                     }
                     const int c0 = (2 * jj) % CH, c1 = (2 * jj + 1) % CH;
 #pragma GCC unroll 4
@@ -163,7 +163,6 @@ static inline __attribute__((always_inline)) void avx2_rows(const int RB, const 
  * decodes them in registers: input k's 16 outputs at wq + 16 k. */
 static void avx2_decode_tile(int fmt, const uint8_t *tile, int64_t K, int64_t G, float *wq) {
     const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
-    const __m256i high_half = _mm256_set1_epi32((int)0xffff0000u);
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = tile + g * gbytes;
         const int64_t k0 = g * G;
@@ -185,16 +184,10 @@ static void avx2_decode_tile(int fmt, const uint8_t *tile, int64_t K, int64_t G,
         }
         for (int64_t j = 0; j < G / 2; j++)
             for (int h = 0; h < 2; h++) {
-                float *lo = wq + (k0 + 2 * j) * TILE_N + 8 * h, *hi = lo + TILE_N;
-                if (fmt == WFMT_BF16) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + j * 64 + h * 32));
-                    _mm256_store_ps(lo, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-                    _mm256_store_ps(hi, _mm256_castsi256_ps(_mm256_and_si256(v, high_half)));
-                } else {
-                    const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + j * 32 + h * 16)));
-                    _mm256_store_ps(lo, _mm256_cvtepi32_ps(_mm256_madd_epi16(v, _mm256_set1_epi32(1))));
-                    _mm256_store_ps(hi, _mm256_cvtepi32_ps(_mm256_madd_epi16(v, _mm256_set1_epi32(1 << 16))));
-                }
+                __m256 w[2];
+                avx2_pair_half(fmt, blk, j, h, w);
+                _mm256_store_ps(wq + (k0 + 2 * j) * TILE_N + 8 * h, w[0]);
+                _mm256_store_ps(wq + (k0 + 2 * j + 1) * TILE_N + 8 * h, w[1]);
             }
     }
 }
