@@ -133,6 +133,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.engine.close_grammars()
 
     def is_healthy(self) -> bool:
         """Alive, and no single model step has been running for longer than ``stuck_after_s``."""
@@ -171,7 +172,7 @@ class AsyncEngine:
         self.engine.check_params(request.params)  # the cheap checks first
         grammar = None
         if request.params.constraint is not None:  # compiled off the engine thread, once per grammar text
-            grammar = await asyncio.to_thread(self.engine.compile_constraint, request.params.constraint)
+            grammar = await self.engine.grammars().compile_async(request.params.constraint)
         if request.deadline is None and self.limits.default_timeout_s:
             request.deadline = request.arrival_time + self.limits.default_timeout_s
         ids = await asyncio.to_thread(self.engine.encode_prompt, request.prompt, request.params.truncate_prompt_tokens)

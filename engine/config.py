@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from engine.constraint_budget import ConstraintBudget
 
 
 @dataclass(slots=True)
@@ -36,3 +38,4 @@ class EngineConfig:
     num_speculative_tokens: int = 5
     prompt_lookup_min: int = 4
     prompt_lookup_max: int = 8
+    constraint_budget: ConstraintBudget = field(default_factory=ConstraintBudget)  # structured output's limits

@@ -23,6 +23,7 @@ from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.device import resolve_device, resolve_dtype
 from engine.errors import EngineOverloadedError, InvalidRequestError, LoraUnavailableError, PromptTooLongError
 from engine.gguf_parse import shared_gguf_readers
+from engine.grammar_worker import first_line
 from engine.kernels import CpuKernels, load_cpu_kernels
 from engine.model_loader import EMBEDDED_MODEL_NAME, gguf_source, resolve_model_dir
 from engine.lora import LoraAdapter, LoraManager, read_adapter
@@ -42,6 +43,9 @@ from engine.speculation import NgramProposer, accepted_prefix
 from engine.structured import CompiledGrammar, Constraint, GrammarCompiler, MaskApplier, PreparedMasks
 
 logger = logging.getLogger(__name__)
+
+
+_GRAMMAR_LIMITS = ("LexerTooComplex", "ParserTooComplex")  # llguidance's stop reasons for its own limits
 
 
 def record_prompt_logprobs(chunk: PromptLogits) -> None:
@@ -301,10 +305,17 @@ class LLMEngine:
         except Exception:  # structured output then fails at its first request, with the reason
             logger.warning("structured output is unavailable", exc_info=True)
 
+    def close_grammars(self) -> None:
+        """End the grammar compile threads and their worker processes."""
+        with self._grammars_lock:
+            if self._grammars is not None:
+                self._grammars.close()
+
     def grammars(self) -> GrammarCompiler:
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size, self.eos_token_ids)
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size, self.eos_token_ids,
+                                                 self.config.constraint_budget)
                 self._masks = MaskApplier(self._grammars, self.config.num_threads, self.model.kernels)
             return self._grammars
 
@@ -472,6 +483,13 @@ class LLMEngine:
         can_stop = seq.num_output_tokens >= p.min_tokens
         if can_stop and not p.ignore_eos and token in self.eos_token_ids:
             return self._finish(seq, "stop", new_tokens=[token], text=stops.flush())
+        if seq.matcher is not None and seq.matcher.stop_reason() in _GRAMMAR_LIMITS:
+            # A limit of the grammar library hit while filling this token's mask (the mask then allows only
+            # the end, which must not pass for a complete answer): the grammar is what cannot be served, so
+            # later requests naming it are refused at once rather than handed a copy that fails the same way.
+            reason = f"cannot be used: {first_line(seq.matcher.get_error())}"
+            self.grammars().forget(p.constraint, reason)
+            return self._finish(seq, "error", error_kind="invalid", error=f"'{p.constraint.field}' {reason}")
         if can_stop and token in p.stop_token_ids:
             return self._finish(seq, "stop", new_tokens=[token], text=stops.flush(), stop_reason=token)
         delta = seq.detokenizer.add_tokens([token])

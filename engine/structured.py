@@ -2,28 +2,34 @@
 tag) compiled once by a grammar library (llguidance), cached by its text, and applied as a token
 bitmask per row inside the batched sampler, so constrained and free rows share one step.
 
-Compilation happens off the engine thread (``AsyncEngine.generate``); the engine thread only creates a
+A constraint is a client's program for a compiler that recurses: it is checked against its budget
+(``engine/constraint_budget.py``) and tried in a worker process (``engine/grammar_worker.py``) before
+the server compiles it, off the engine thread and the event loop. The engine thread only creates a
 matcher per sequence (a copy of the compiled one), fills masks and advances matchers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import queue
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
+from engine.constraint_budget import ConstraintBudget, ConstraintTooLarge, check_constraint
 from engine.errors import InvalidRequestError
+from engine.grammar_worker import GrammarWorker, WorkerFailed, first_line, start_compile_thread
 
 logger = logging.getLogger(__name__)
 
 ConstraintKind = Literal["json", "json_object", "regex", "grammar", "choice", "structural_tag"]
 BACKENDS = ("llguidance",)  # the choice of --structured-output-backend (and vLLM's --guided-decoding-backend)
-CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped
+CACHE_SIZE = 256  # compiled grammars (and refusals) kept by count, beside the byte budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,122 +48,242 @@ class Constraint:
 
 
 class CompiledGrammar:
-    """A validated grammar and a matcher at its start; each sequence gets a copy."""
+    """A validated grammar and a matcher at its start; each sequence gets a copy. ``nbytes``: what it holds
+    in memory, as measured where it was first compiled."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, nbytes: int = 0) -> None:
         self._matcher = matcher
+        self.nbytes = nbytes
 
     def new_matcher(self) -> Any:
         return self._matcher.deep_copy()
 
 
-class GrammarCompiler:
-    """llguidance behind one method: ``compile(constraint)``, cached and thread-safe."""
+class ConstraintRefused(Exception):
+    """A compile that failed for every request naming the same constraint; ``reason`` completes
+    "'<field>' ..." and is turned into each waiter's InvalidRequestError with its own field."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(eq=False)
+class _Job:
+    key: Constraint
+    future: Future = field(default_factory=Future)
+    waiters: int = 1
+    worker: GrammarWorker | None = None  # while the job runs in a worker process
+
+
+class GrammarCompiler:
+    """A constraint's compiled grammar, once per text: checked against its budget, tried in a worker
+    process, then built here on a compile thread of the same stack. Compiles run on their own bounded
+    pool (``budget.workers``), one per distinct text at a time however many requests wait on it, and a
+    compile nobody waits for any more is dropped (or its worker ended). Kept compiled grammars are
+    bounded in bytes; a refusal is remembered as a refusal."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
+                 budget: ConstraintBudget | None = None) -> None:
         import llguidance
 
         self._ll = llguidance
-        self.tokenizer = grammar_tokenizer(tokenizer, eos_token_ids)
+        self.budget = budget or ConstraintBudget()
+        spec = tokenizer_spec(tokenizer)
+        self.tokenizer = llguidance.LLTokenizer(spec, n_vocab=len(tokenizer), eos_token=list(eos_token_ids))
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
+        self._setup = json.dumps({"tokenizer": spec, "n_vocab": len(tokenizer), "eos": list(eos_token_ids)})
         self._cache: OrderedDict[Constraint, CompiledGrammar] = OrderedDict()
+        self._cached_bytes = 0
+        self._refused: OrderedDict[Constraint, str] = OrderedDict()
+        self._running: dict[Constraint, _Job] = {}
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
         self.num_compiled = 0
 
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_bytes
+
     def compile(self, constraint: Constraint) -> CompiledGrammar:
-        """The compiled grammar of a constraint; InvalidRequestError naming its field and the library's reason."""
+        """The compiled grammar of a constraint, waiting for it; InvalidRequestError naming its field."""
+        job = self._submit(constraint)
+        try:
+            return job.future.result()
+        except ConstraintRefused as exc:
+            raise _invalid(constraint, exc.reason) from None
+
+    async def compile_async(self, constraint: Constraint) -> CompiledGrammar:
+        """``compile`` for the event loop: a caller that goes away (cancelled) stops waiting, and the
+        compile itself stops once nobody waits for it."""
+        job = self._submit(constraint)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(job.future))
+        except ConstraintRefused as exc:
+            raise _invalid(constraint, exc.reason) from None
+        except asyncio.CancelledError:
+            self._release(job)
+            raise
+
+    def forget(self, constraint: Constraint, reason: str) -> None:
+        """A compiled grammar failed while matching (a lexer or parser limit): drop it and refuse its text
+        from now on, so no later request gets a grammar in a failed state."""
+        key = _without_field(constraint)
+        with self._lock:
+            hit = self._cache.pop(key, None)
+            if hit is not None:
+                self._cached_bytes -= hit.nbytes
+            self._remember_refusal(key, reason)
+
+    def close(self) -> None:
+        """Stop the compile threads and their workers (a server shutting down)."""
+        with self._lock:
+            jobs = list(self._running.values())
+            threads, self._threads = self._threads, []
+        for job in jobs:
+            if job.worker is not None:
+                job.worker.stop()
+        for _ in threads:
+            self._queue.put(None)
+
+    # ---- the pool ------------------------------------------------------------------------------
+
+    def _submit(self, constraint: Constraint) -> _Job:
         key = _without_field(constraint)  # the same grammar from another field is the same compiled one
         with self._lock:
             hit = self._cache.get(key)
+            refused = self._refused.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return hit
-        grammar = self._grammar(constraint)
+            running = self._running.get(key)
+            if hit is None and refused is None and running is not None:
+                running.waiters += 1
+                return running
+        job = _Job(key)
+        if hit is not None:
+            job.future.set_result(hit)
+            return job
+        if refused is not None:
+            job.future.set_exception(ConstraintRefused(refused))
+            return job
         try:
-            matcher = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0)
-        except Exception as exc:  # the library raises plain exceptions for grammars it cannot build
-            raise InvalidRequestError(f"'{constraint.field}' cannot be used: {_first_line(str(exc))}",
-                                      parameter=constraint.field) from None
-        if matcher.is_error():
-            raise InvalidRequestError(f"'{constraint.field}' cannot be used: {_first_line(matcher.get_error())}",
-                                      parameter=constraint.field)
-        compiled = CompiledGrammar(matcher)
+            check_constraint(key.kind, key.value, self.budget)
+        except ConstraintTooLarge as exc:
+            job.future.set_exception(ConstraintRefused(str(exc)))
+            return job
         with self._lock:
-            self._cache[key] = compiled
-            self.num_compiled += 1
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return compiled
+            running = self._running.get(key)
+            if running is not None:  # another request queued the same text meanwhile
+                running.waiters += 1
+                return running
+            self._running[key] = job
+            self._start_threads()
+        self._queue.put(job)
+        return job
 
-    def _grammar(self, c: Constraint) -> str:
-        M = self._ll.LLMatcher
-        if c.kind in ("regex", "grammar") and not c.value.strip():
-            raise InvalidRequestError(f"'{c.field}' is empty", parameter=c.field)
+    def _release(self, job: _Job) -> None:
+        with self._lock:
+            job.waiters -= 1
+            if job.waiters > 0 or job.future.done():
+                return
+            self._running.pop(job.key, None)
+            worker = job.worker
+        job.future.cancel()
+        if worker is not None:  # it is compiling for nobody: end it (the next job starts a fresh worker)
+            worker.stop()
+
+    def _start_threads(self) -> None:
+        while len(self._threads) < self.budget.workers:
+            worker = GrammarWorker(self._setup)
+            thread = start_compile_thread(self._serve, f"grammar-compile-{len(self._threads)}", worker)
+            self._threads.append(thread)
+
+    def _serve(self, worker: GrammarWorker) -> None:
+        while (job := self._queue.get()) is not None:
+            with self._lock:
+                if job.future.cancelled() or self._running.get(job.key) is not job:
+                    continue
+                job.worker = worker
+            try:
+                outcome: CompiledGrammar | ConstraintRefused = self._build(job.key, worker)
+            except Exception as exc:  # the worker could not start: structured output is down, not the server
+                logger.exception("grammar compile failed")
+                outcome = ConstraintRefused(f"could not be compiled: {exc}")
+            with self._lock:
+                job.worker = None
+                if self._running.get(job.key) is job:
+                    del self._running[job.key]
+                if isinstance(outcome, CompiledGrammar):
+                    self._keep(job.key, outcome)
+                elif not job.future.cancelled():
+                    self._remember_refusal(job.key, outcome.reason)
+            if job.future.cancelled():
+                continue
+            if isinstance(outcome, CompiledGrammar):
+                job.future.set_result(outcome)
+            else:
+                job.future.set_exception(outcome)
+        worker.stop()
+
+    def _build(self, key: Constraint, worker: GrammarWorker) -> CompiledGrammar | ConstraintRefused:
+        budget = self.budget
         try:
-            if c.kind in ("json", "json_object"):
-                schema = json.loads(c.value) if c.kind == "json" else {"type": "object"}
-                if not isinstance(schema, (dict, bool)):
-                    raise ValueError("a JSON schema must be an object")
-                options: dict[str, Any] = {"whitespace_flexible": c.whitespace_pattern is not None}
-                if c.whitespace_pattern:
-                    options["whitespace_pattern"] = c.whitespace_pattern
-                return M.grammar_from_json_schema(schema, defaults=options)
-            if c.kind == "regex":
-                return M.grammar_from_regex(c.value)
-            if c.kind == "choice":
-                options = json.loads(c.value)
-                if not options or not all(isinstance(o, str) and o for o in options):
-                    raise ValueError("choices must be a non-empty list of non-empty strings")
-                return M.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
-            if c.kind == "grammar":  # Lark as written, or GBNF / xgrammar-style EBNF (root ::= ...) converted
-                from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+            trial = worker.trial(key.kind, key.value, key.whitespace_pattern, budget.compile_timeout_s)
+        except (ValueError, WorkerFailed) as exc:
+            return ConstraintRefused(str(exc))
+        if trial.nbytes > budget.max_compiled_bytes:
+            return ConstraintRefused(f"compiles to {trial.nbytes / (1 << 20):.0f} MiB; at most "
+                                     f"{budget.max_compiled_bytes / (1 << 20):.0f} MiB are kept for one constraint "
+                                     "(--max-constraint-compiled-mb)")
+        matcher = self._ll.LLMatcher(self.tokenizer, trial.grammar, log_level=0)
+        if matcher.is_error():
+            return ConstraintRefused(f"cannot be used: {first_line(matcher.get_error())}")
+        self.num_compiled += 1
+        return CompiledGrammar(matcher, max(trial.nbytes, len(trial.grammar)))
 
-                try:
-                    return M.grammar_from_lark(any_to_lark(c.value))
-                except GbnfToLarkError as exc:
-                    raise ValueError(str(exc)) from None
-            if c.kind == "structural_tag":
-                return self._structural_tag(json.loads(c.value))
-        except InvalidRequestError:
-            raise
-        except (ValueError, TypeError, KeyError, AssertionError) as exc:
-            raise InvalidRequestError(f"'{c.field}' cannot be used: {exc}", parameter=c.field) from None
-        raise InvalidRequestError(f"'{c.field}': unknown constraint kind {c.kind!r}", parameter=c.field)
+    def _keep(self, key: Constraint, compiled: CompiledGrammar) -> None:  # under the lock
+        self._cache[key] = compiled
+        self._cached_bytes += compiled.nbytes
+        while self._cache and (self._cached_bytes > self.budget.cache_bytes or len(self._cache) > CACHE_SIZE):
+            _, dropped = self._cache.popitem(last=False)
+            self._cached_bytes -= dropped.nbytes
 
-    def _structural_tag(self, spec: dict[str, Any]) -> str:
-        """vLLM's structural tag: {"structures": [{"begin", "schema", "end"}], "triggers": [...]} -> text with
-        tagged, schema-constrained segments wherever a trigger starts one."""
-        tags = []
-        for s in spec["structures"]:
-            trigger = next((t for t in spec.get("triggers", []) if s["begin"].startswith(t)), s["begin"])
-            tags.append(self._ll.StructTag(trigger=trigger, begin=s["begin"], grammar=s.get("schema") or {},
-                                           end=s.get("end", "")))
-        return self._ll.StructTag.to_grammar(tags, assume_special=False)
+    def _remember_refusal(self, key: Constraint, reason: str) -> None:  # under the lock
+        self._refused[key] = reason
+        while len(self._refused) > CACHE_SIZE:
+            self._refused.popitem(last=False)
 
 
-def grammar_tokenizer(hf_tokenizer: Any, eos_token_ids: list[int]) -> Any:
-    """llguidance's view of the tokenizer: each token's bytes, and the tokens that end an answer.
+def tokenizer_spec(hf_tokenizer: Any) -> str:
+    """The tokenizer as llguidance reads it (its tokenizer.json text).
 
     A byte-level BPE (GPT-2 style: a ByteLevel pre-tokenizer) is decoded byte-level. Some converted
     tokenizers (transformers' GGUF loader) put SentencePiece-style ByteFallback decoders in front of
     it, which would make llguidance read the byte tokens as literal characters ("Ġ", "Ċ") and let a raw
     newline into a JSON string; the decoder is set to plain ByteLevel for them."""
-    import llguidance
-
     spec = json.loads(hf_tokenizer.backend_tokenizer.to_str())
     pre = spec.get("pre_tokenizer") or {}
     pres = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     if spec.get("model", {}).get("type") == "BPE" and any(p.get("type") == "ByteLevel" for p in pres):
         spec["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
-    return llguidance.LLTokenizer(json.dumps(spec), n_vocab=len(hf_tokenizer), eos_token=list(eos_token_ids))
+    return json.dumps(spec)
+
+
+def grammar_tokenizer(hf_tokenizer: Any, eos_token_ids: list[int]) -> Any:
+    """llguidance's view of the tokenizer: each token's bytes, and the tokens that end an answer."""
+    import llguidance
+
+    return llguidance.LLTokenizer(tokenizer_spec(hf_tokenizer), n_vocab=len(hf_tokenizer),
+                                  eos_token=list(eos_token_ids))
 
 
 def _without_field(c: Constraint) -> Constraint:
     return Constraint(c.kind, c.value, c.whitespace_pattern)
 
 
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else "invalid"
+def _invalid(constraint: Constraint, reason: str) -> InvalidRequestError:
+    return InvalidRequestError(f"'{constraint.field}' {reason}", parameter=constraint.field)
 
 
 class MaskApplier:

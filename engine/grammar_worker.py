@@ -1,0 +1,251 @@
+"""A client's constraint is compiled first in a worker process, where a crash or a stall of the grammar
+library costs the worker, not the server.
+
+The worker turns a constraint into the library's grammar text, builds a matcher from it and fills its
+first token mask (the same calls the server makes), on a thread with the same stack the server's compile
+threads get, and answers the grammar text and how much memory the matcher took. The server then builds
+its own matcher from that text: the library is deterministic, so what the worker survived within its
+deadline the server survives too. A worker that dies or overruns its deadline is replaced.
+
+The wire: one JSON line each way. The first line to the worker is its tokenizer; then one job per line."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+# Compile threads, here and in the server, get this much stack: only what a compile touches becomes
+# resident, and the depth budget keeps every accepted constraint far inside it.
+COMPILE_STACK_BYTES = 256 << 20
+
+
+class WorkerFailed(Exception):
+    """The worker died, overran its deadline or was stopped; the message completes "'<field>' ..."."""
+
+
+@dataclass(frozen=True, slots=True)
+class Trial:
+    grammar: str  # the grammar library's text of the constraint
+    nbytes: int  # memory one compiled copy holds (the worker's resident growth while it built one)
+
+
+def grammar_text(kind: str, value: str, whitespace_pattern: str | None) -> str:
+    """The grammar library's text for a constraint; ValueError with the reason for a bad one."""
+    import llguidance
+
+    M = llguidance.LLMatcher
+    if kind in ("regex", "grammar") and not value.strip():
+        raise ValueError("is empty")
+    try:
+        if kind in ("json", "json_object"):
+            schema = json.loads(value) if kind == "json" else {"type": "object"}
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("a JSON schema must be an object")
+            options: dict[str, Any] = {"whitespace_flexible": whitespace_pattern is not None}
+            if whitespace_pattern:
+                options["whitespace_pattern"] = whitespace_pattern
+            return M.grammar_from_json_schema(schema, defaults=options)
+        if kind == "regex":
+            return M.grammar_from_regex(value)
+        if kind == "choice":
+            choices = json.loads(value)
+            if not choices or not all(isinstance(o, str) and o for o in choices):
+                raise ValueError("choices must be a non-empty list of non-empty strings")
+            return M.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in choices))
+        if kind == "grammar":  # Lark as written, or GBNF / xgrammar-style EBNF (root ::= ...) converted
+            from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+
+            try:
+                return M.grammar_from_lark(any_to_lark(value))
+            except GbnfToLarkError as exc:
+                raise ValueError(str(exc)) from None
+        if kind == "structural_tag":
+            return _structural_tag(json.loads(value))
+    except (ValueError, TypeError, KeyError, AssertionError, RecursionError) as exc:
+        raise ValueError(f"cannot be used: {exc}") from None
+    raise ValueError(f"has an unknown constraint kind {kind!r}")
+
+
+def _structural_tag(spec: dict[str, Any]) -> str:
+    """vLLM's structural tag: {"structures": [{"begin", "schema", "end"}], "triggers": [...]} -> text with
+    tagged, schema-constrained segments wherever a trigger starts one."""
+    import llguidance
+
+    tags = []
+    for s in spec["structures"]:
+        trigger = next((t for t in spec.get("triggers", []) if s["begin"].startswith(t)), s["begin"])
+        tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=s.get("schema") or {},
+                                         end=s.get("end", "")))
+    return llguidance.StructTag.to_grammar(tags, assume_special=False)
+
+
+def first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "invalid"
+
+
+def build_matcher(ll: Any, tokenizer: Any, grammar: str, executor: Any) -> Any:
+    """A matcher of ``grammar`` with its first mask filled (the lexer's start state built), or ValueError
+    with the library's reason."""
+    import llguidance.numpy as lnp  # numpy, not torch: the worker stays small
+
+    matcher = ll.LLMatcher(tokenizer, grammar, log_level=0)
+    if not matcher.is_error():
+        mask = lnp.allocate_token_bitmask(1, tokenizer.vocab_size)
+        lnp.fill_next_token_bitmask_par(executor, [(matcher, 0)], mask)
+    if matcher.is_error():
+        raise ValueError(f"cannot be used: {first_line(matcher.get_error())}")
+    return matcher
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _serve() -> None:
+    """The worker's loop: tokenizer first, then one job a line until stdin closes."""
+    import llguidance
+
+    setup = json.loads(sys.stdin.readline())
+    tokenizer = llguidance.LLTokenizer(setup["tokenizer"], n_vocab=setup["n_vocab"], eos_token=setup["eos"])
+    executor = llguidance.LLExecutor(1)
+    # One compile before the first measured one, so what every compile sets up once is not charged to it.
+    run_with_stack(lambda: build_matcher(llguidance, tokenizer, llguidance.LLMatcher.grammar_from_regex("a"),
+                                         executor))
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        answer: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                grammar = grammar_text(job["kind"], job["value"], job.get("whitespace_pattern"))
+                before = _resident_bytes()
+                matcher = build_matcher(llguidance, tokenizer, grammar, executor)
+                answer.update(ok=True, grammar=grammar, nbytes=max(0, _resident_bytes() - before))
+                del matcher
+            except ValueError as exc:
+                answer.update(ok=False, error=str(exc))
+
+        run_with_stack(work)
+        print(json.dumps(answer), flush=True)
+
+
+def start_compile_thread(target: Any, name: str, *args: Any) -> threading.Thread:
+    """A started daemon thread with COMPILE_STACK_BYTES of stack (the size is process-wide state while a
+    thread is made, hence the lock)."""
+    with _STACK_LOCK:
+        old = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(old)
+    return thread
+
+
+def run_with_stack(work: Any) -> None:
+    start_compile_thread(work, "grammar-compile").join()
+
+
+_STACK_LOCK = threading.Lock()
+_CLOSED, _TIMED_OUT = object(), object()  # why no line came from a worker
+
+
+class GrammarWorker:
+    """The server's handle on one worker process, started at the first job and after each failure.
+    Used by one compile thread at a time; ``stop`` may come from any thread (a request gone away)."""
+
+    def __init__(self, setup_line: str) -> None:
+        self._setup = setup_line
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+
+    def trial(self, kind: str, value: str, whitespace_pattern: str | None, timeout_s: float) -> Trial:
+        """Compile in the worker; ValueError for a constraint the library refuses, WorkerFailed when the
+        worker dies, is stopped or overruns ``timeout_s``."""
+        proc = self._started()
+        job = json.dumps({"kind": kind, "value": value, "whitespace_pattern": whitespace_pattern})
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(job.encode() + b"\n")
+            proc.stdin.flush()
+        except OSError:
+            self.stop()
+            raise WorkerFailed("could not be compiled: the compiler failed on it") from None
+        reply = self._read_line(proc, timeout_s)
+        if not isinstance(reply, bytes):
+            self.stop()
+            if reply is _TIMED_OUT:
+                raise WorkerFailed(f"took longer than {timeout_s:g} s to compile (--constraint-compile-timeout)")
+            raise WorkerFailed("could not be compiled: the compiler failed on it (too complex)")
+        answer = json.loads(reply)
+        if not answer["ok"]:
+            raise ValueError(answer["error"])
+        return Trial(answer["grammar"], int(answer["nbytes"]))
+
+    def _started(self) -> subprocess.Popen[bytes]:
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._proc = subprocess.Popen([sys.executable, "-m", "engine.grammar_worker"], stdin=subprocess.PIPE,
+                                              stdout=subprocess.PIPE, cwd=_project_root(), env=_worker_env())
+                assert self._proc.stdin is not None
+                self._proc.stdin.write(self._setup.encode() + b"\n")
+                self._proc.stdin.flush()
+                ready = self._read_line(self._proc, 120.0)
+                if not isinstance(ready, bytes):
+                    self._proc.kill()
+                    raise RuntimeError("the grammar worker did not start")
+            return self._proc
+
+    @staticmethod
+    def _read_line(proc: subprocess.Popen[bytes], timeout_s: float) -> bytes | object:
+        """One line from the worker, or _CLOSED (it ended) or _TIMED_OUT (``timeout_s`` passed)."""
+        assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        chunks: list[bytes] = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return _TIMED_OUT
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return _CLOSED
+            chunks.append(chunk)
+            if chunk.endswith(b"\n"):
+                return b"".join(chunks)
+
+    def stop(self) -> None:
+        """End the worker (a job in it ends with it); the next job starts a fresh one."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc is not None:
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+
+
+def _project_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_project_root(), env.get("PYTHONPATH")) if p)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+if __name__ == "__main__":
+    _serve()
