@@ -129,6 +129,9 @@ class Settings:
     native_kernels: bool = _opt(True, "CPU: fused C kernels between the linear layers, compiled once with the "
                                       "machine's C compiler (--no-native-kernels: plain torch ops)")
     max_logprobs: int = _opt(20, "most logprobs a request may ask for (top_logprobs, logprobs, prompt_logprobs)")
+    max_logprob_entries: int = _opt(1_000_000, "most logprob entries one request's answers may hold: (prompt tokens "
+                                               "x (prompt_logprobs + 1) + max_tokens x (top_logprobs + 1)) x n, "
+                                               "summed over its prompts; ~100 bytes of JSON each (400 beyond)")
     seed: int | None = _opt(None, "seeds the samples of requests that bring no seed: a run can be repeated exactly")
     chat_template: str | None = _opt(None, "a Jinja chat template, or a file holding one, replacing the model's")
     trust_request_chat_template: bool = _opt(False, "accept a request's own `chat_template` (vLLM's flag; off: a "
