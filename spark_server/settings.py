@@ -102,6 +102,13 @@ class Settings:
     lora_disk_budget_gb: float = _opt(4.0, "disk budget of the LoRA pack cache (least recently used evicted)")
     lora_download_timeout: float = _opt(300.0, "seconds a LoRA pack download may take in all")
     api_key: str | None = _opt(None, "require `Authorization: Bearer <key>` on the HTTP endpoints (off by default)")
+    allow_unauthenticated_admin: bool = _opt(False, "let the adapter endpoints (/v1/load_lora_adapter, "
+                                                    "/v1/unload_lora_adapter, POST /v1/lora/packs) answer without "
+                                                    "--api-key, for a lab: anyone who reaches the server may then "
+                                                    "change its adapters (without either they answer 403)")
+    allowed_hosts: str | None = _opt(None, "comma-separated Host header values answered (name, name:port, or "
+                                           "*.domain for its subdomains); other hosts get 400 and refused "
+                                           "WebSocket handshakes, against DNS rebinding (off by default: any)")
     spark_auth: str | None = _opt(None, "Spark WebSocket HMAC key pair KEY:SECRET (repeatable; env: comma-separated); "
                                         "off when unset", repeatable=True)
     request_timeout: float = _opt(600.0, "deadline in seconds for requests that do not set their own (Triton/MindIE "
@@ -187,6 +194,10 @@ class Settings:
     @property
     def origins(self) -> list[str]:
         return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
+
+    @property
+    def hosts(self) -> list[str]:
+        return [h.strip().lower() for h in (self.allowed_hosts or "").split(",") if h.strip()]
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
