@@ -8,6 +8,7 @@ too large or its reference chains too deep; what passes is then compiled in a wo
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +23,8 @@ class ConstraintBudget:
     max_source_bytes: int = 256 << 10  # --max-constraint-kb: the schema / grammar / regex / choices text
     max_depth: int = 128  # --max-constraint-depth: nesting plus reference or rule chains, followed
     compile_timeout_s: float = 10.0  # --constraint-compile-timeout: one compile, in the worker
-    max_compiled_bytes: int = 64 << 20  # --max-constraint-compiled-mb: what one compiled grammar holds
-    cache_bytes: int = 256 << 20  # --constraint-cache-mb: compiled grammars kept for reuse, in all
+    max_compiled_bytes: int = 32 << 20  # --max-constraint-compiled-mb: what one compiled grammar holds
+    cache_bytes: int = 64 << 20  # --constraint-cache-mb: compiled grammars kept for reuse, in all
     workers: int = 1  # --constraint-compile-workers: compiles at once (each its own worker process)
 
 
@@ -45,7 +46,7 @@ def check_constraint(kind: str, value: str, budget: ConstraintBudget) -> None:
         schemas = [s["schema"] for s in structures or [] if isinstance(s, dict) and isinstance(s.get("schema"), dict)]
         depth = max([json_depth(spec)] + [json_depth(schema) for schema in schemas])
     elif kind == "grammar":
-        depth = grammar_depth(value)
+        depth = max([grammar_depth(value)] + [json_depth(schema) for schema in _embedded_json(value)])
     elif kind == "regex":
         depth = bracket_depth(value)
     else:
@@ -113,6 +114,24 @@ def _pointer(root: Any, pointer: str) -> Any:
         else:
             return None
     return node
+
+
+_JSON_RULE = re.compile(r"%json\s*")
+
+
+def _embedded_json(text: str) -> list[Any]:
+    """The JSON schemas a Lark grammar embeds with llguidance's ``%json {...}``."""
+    decoder = json.JSONDecoder()
+    schemas = []
+    for m in _JSON_RULE.finditer(text):
+        try:
+            schemas.append(decoder.raw_decode(text, m.end())[0])
+        except RecursionError:
+            raise ConstraintTooLarge("embeds a JSON schema nested too deeply to compile "
+                                     "(--max-constraint-depth)") from None
+        except ValueError:
+            continue  # not JSON: the compiler names the error
+    return schemas
 
 
 _RULE_START = re.compile(r"^\s*[?!]?([A-Za-z_][\w.\-]*)(?:\{[^}]*\})?(?:\.-?\d+)?\s*(?:::=|:)", re.MULTILINE)

@@ -23,7 +23,8 @@ import torch
 
 from engine.constraint_budget import ConstraintBudget, ConstraintTooLarge, check_constraint
 from engine.errors import InvalidRequestError
-from engine.grammar_worker import GrammarWorker, WorkerFailed, first_line, start_compile_thread
+from engine.grammar_worker import (GrammarWorker, WorkerFailed, first_line, release_freed_memory,
+                                   start_compile_thread)
 
 logger = logging.getLogger(__name__)
 
@@ -210,14 +211,17 @@ class GrammarCompiler:
             except Exception as exc:  # the worker could not start: structured output is down, not the server
                 logger.exception("grammar compile failed")
                 outcome = ConstraintRefused(f"could not be compiled: {exc}")
+            dropped = False
             with self._lock:
                 job.worker = None
                 if self._running.get(job.key) is job:
                     del self._running[job.key]
                 if isinstance(outcome, CompiledGrammar):
-                    self._keep(job.key, outcome)
+                    dropped = self._keep(job.key, outcome)
                 elif not job.future.cancelled():
                     self._remember_refusal(job.key, outcome.reason)
+            if dropped:
+                release_freed_memory()
             if job.future.cancelled():
                 continue
             if isinstance(outcome, CompiledGrammar):
@@ -242,12 +246,16 @@ class GrammarCompiler:
         self.num_compiled += 1
         return CompiledGrammar(matcher, max(trial.nbytes, len(trial.grammar)))
 
-    def _keep(self, key: Constraint, compiled: CompiledGrammar) -> None:  # under the lock
+    def _keep(self, key: Constraint, compiled: CompiledGrammar) -> bool:  # under the lock
+        """Cache ``compiled``, dropping the least recently used past the budget; True when any was dropped."""
         self._cache[key] = compiled
         self._cached_bytes += compiled.nbytes
+        dropped = False
         while self._cache and (self._cached_bytes > self.budget.cache_bytes or len(self._cache) > CACHE_SIZE):
-            _, dropped = self._cache.popitem(last=False)
-            self._cached_bytes -= dropped.nbytes
+            _, old = self._cache.popitem(last=False)
+            self._cached_bytes -= old.nbytes
+            dropped = True
+        return dropped
 
     def _remember_refusal(self, key: Constraint, reason: str) -> None:  # under the lock
         self._refused[key] = reason

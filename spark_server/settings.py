@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.constraint_budget import ConstraintBudget
 
 ENV_PREFIX = "SPARK_"
+_CONSTRAINT = ConstraintBudget()  # structured output's limits keep their defaults there
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -155,15 +156,19 @@ class Settings:
     tool_call_parser: str = _opt("hermes", "how tool calls are written and read back: hermes "
                                            "(<tool_call>{json}</tool_call>, what ChatML models are trained on)",
                                  choices=["hermes"])
-    max_constraint_kb: int = _opt(256, "largest structured-output constraint a request may send (a JSON schema, "
-                                       "grammar, regex or choice list), in KiB (400 beyond)")
-    max_constraint_depth: int = _opt(128, "deepest nesting of a constraint, $ref and rule chains followed (400 "
-                                          "beyond): its compiler recurses")
-    constraint_compile_timeout: float = _opt(10.0, "seconds one constraint may take to compile (400 beyond)")
-    max_constraint_compiled_mb: int = _opt(64, "most memory one compiled constraint may hold, in MiB (400 beyond)")
-    constraint_cache_mb: int = _opt(256, "memory of the compiled constraints kept for reuse, in MiB (least "
-                                         "recently used dropped)")
-    constraint_compile_workers: int = _opt(1, "constraints compiled at once, each in its own worker process")
+    max_constraint_kb: int = _opt(_CONSTRAINT.max_source_bytes >> 10, "largest structured-output constraint a "
+                                  "request may send (a JSON schema, grammar, regex or choice list), in KiB (400 "
+                                  "beyond)")
+    max_constraint_depth: int = _opt(_CONSTRAINT.max_depth, "deepest nesting of a constraint, $ref and rule chains "
+                                                            "followed (400 beyond): its compiler recurses")
+    constraint_compile_timeout: float = _opt(_CONSTRAINT.compile_timeout_s, "seconds one constraint may take to "
+                                                                            "compile (400 beyond)")
+    max_constraint_compiled_mb: int = _opt(_CONSTRAINT.max_compiled_bytes >> 20, "most memory one compiled "
+                                           "constraint may hold, in MiB (400 beyond)")
+    constraint_cache_mb: int = _opt(_CONSTRAINT.cache_bytes >> 20, "memory of the compiled constraints kept for "
+                                    "reuse, in MiB (least recently used dropped)")
+    constraint_compile_workers: int = _opt(_CONSTRAINT.workers, "constraints compiled at once, each in its own "
+                                                                "worker process")
     enable_auto_tool_choice: bool = _opt(True, "vLLM's flag: tool_choice auto parses calls out of free answers "
                                                "(--no-enable-auto-tool-choice refuses auto with a 400)")
     log_level: str = _opt("info", "debug, info, warning or error",
@@ -232,7 +237,6 @@ def parse_lora_modules(value: str | None) -> dict[str, str]:
                                  '{"name": ..., "path": ...}') from None
             constraint_budget=self.constraint_budget(),
         else:
-            modules.update(parse_pairs(item, "=", "--lora-modules", "NAME=PATH"))
     def constraint_budget(self) -> ConstraintBudget:
         return ConstraintBudget(
             max_source_bytes=self.max_constraint_kb << 10, max_depth=self.max_constraint_depth,
@@ -240,6 +244,7 @@ def parse_lora_modules(value: str | None) -> dict[str, str]:
             max_compiled_bytes=self.max_constraint_compiled_mb << 20, cache_bytes=self.constraint_cache_mb << 20,
             workers=max(1, self.constraint_compile_workers))
 
+            modules.update(parse_pairs(item, "=", "--lora-modules", "NAME=PATH"))
     return modules
 
 

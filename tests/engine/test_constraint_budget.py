@@ -27,6 +27,11 @@ def lark_chain(n: int) -> str:
     return "start: r0\n" + "\n".join(f"r{i}: r{i + 1}" for i in range(n)) + f'\nr{n}: "a"'
 
 
+def slow_choices(n: int = 13000, tag: str = "c") -> str:
+    """A choice list llguidance takes a good fraction of a second to compile, on any machine."""
+    return json.dumps([f"{tag}{i:05d}x{(i * 7919) % 100003}" for i in range(n)])
+
+
 def big_enum(n: int, tag: str = "v") -> str:
     return json.dumps({"enum": [f"{tag}{i:05d}-{(i * 7919) % 100003:06d}-{(i * 104729) % 99991:05d}"
                                 for i in range(n)]})
@@ -123,16 +128,16 @@ def test_a_crash_of_the_compiler_costs_the_worker_not_the_server(compiler_with):
 
 
 def test_a_compile_past_its_deadline_is_refused_and_the_next_one_served(compiler_with):
-    compiler = compiler_with(compile_timeout_s=0.01)
-    with pytest.raises(InvalidRequestError, match="took longer than 0.01 s.*--constraint-compile-timeout"):
-        compiler.compile(Constraint("json", big_enum(6000), field="guided_json"))
+    compiler = compiler_with(compile_timeout_s=0.05)
+    with pytest.raises(InvalidRequestError, match="took longer than 0.05 s.*--constraint-compile-timeout"):
+        compiler.compile(Constraint("choice", slow_choices(), field="guided_choice"))
     slow_ok = compiler_with(compile_timeout_s=30)
     assert slow_ok.compile(Constraint("regex", "[0-9]+")) is not None
 
 
 def test_one_compile_serves_every_request_naming_the_same_text(compiler_with):
     compiler = compiler_with()
-    constraint = Constraint("json", big_enum(3000, "same"), field="response_format")
+    constraint = Constraint("choice", slow_choices(tag="same"), field="guided_choice")
     results: list[object] = []
     threads = [threading.Thread(target=lambda: results.append(compiler.compile(constraint))) for _ in range(6)]
     for t in threads:
@@ -145,11 +150,12 @@ def test_one_compile_serves_every_request_naming_the_same_text(compiler_with):
 
 def test_a_compile_nobody_waits_for_is_stopped(compiler_with):
     compiler = compiler_with(compile_timeout_s=60)
-    slow = Constraint("json", big_enum(7000, "gone"), field="guided_json")
+    compiler.compile(Constraint("regex", "warm"))  # the worker is up
+    slow = Constraint("choice", slow_choices(tag="gone"), field="guided_choice")
 
     async def leave_early() -> None:
         task = asyncio.create_task(compiler.compile_async(slow))
-        await asyncio.sleep(0.2)  # in the worker by now
+        await asyncio.sleep(0.1)  # in the worker by now
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -159,8 +165,9 @@ def test_a_compile_nobody_waits_for_is_stopped(compiler_with):
     while compiler._running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not compiler._running
-    assert compiler.num_compiled == 0  # stopped, not finished and kept
-    assert compiler.compile(Constraint("regex", "(yes|no)")) is not None
+    assert compiler.num_compiled == 1  # stopped, not finished and kept
+    assert compiler.compile(Constraint("regex", "(yes|no)")) is not None  # the pool serves the next one
+    assert compiler.num_compiled == 2
 
 
 def test_one_compiled_grammar_over_its_memory_budget_is_refused(compiler_with):
@@ -196,3 +203,13 @@ def test_a_grammar_that_failed_while_matching_is_never_served_again(compiler_wit
     with pytest.raises(InvalidRequestError, match="'guided_regex' cannot be used: lexer too complex"):
         compiler.compile(constraint)
     assert compiler.cached_bytes == 0
+
+
+def test_a_schema_embedded_in_a_grammar_is_measured_too():
+    # tool_choice required / named compiles the calls as Lark with the parameters' schema under %json
+    lark = f'start: call\ncall: "<tool_call>" args "</tool_call>"\nargs: %json {json.dumps(ref_chain(2000))}\n'
+    with pytest.raises(ConstraintTooLarge, match="--max-constraint-depth"):
+        check_constraint("grammar", lark, ConstraintBudget())
+    with pytest.raises(ConstraintTooLarge, match="--max-constraint-depth"):
+        check_constraint("grammar", "start: %json " + "[" * 5000 + "]" * 5000, ConstraintBudget())
+    check_constraint("grammar", 'start: %json {"type": "object"}', ConstraintBudget())
