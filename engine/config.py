@@ -30,6 +30,10 @@ class EngineConfig:
     max_loras: int = 0  # resident LoRA adapter slots (0: LoRA off)
     max_lora_rank: int = 16
     max_logprobs: int = 20  # most logprobs a request may ask for (top_logprobs, prompt_logprobs)
+    # stop strings one request may bring, and their characters in all: the matcher's tables and the text it
+    # holds back grow with them (engine/detokenizer.py)
+    max_stop_strings: int = 64
+    max_stop_chars: int = 4096
     seed: int | None = None  # seeds the samples of requests that bring no seed (reproducible runs)
     chat_template: str | None = None  # a Jinja template (or a file holding one) replacing the model's
     # prompt-lookup speculation for greedy requests (engine/speculation.py; vLLM's "ngram" method): up to

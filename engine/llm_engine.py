@@ -19,7 +19,7 @@ import torch
 from engine.attention import PagedKVCache
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.detokenizer import IncrementalDetokenizer, StopAutomaton, StopStringMatcher
 from engine.device import resolve_device, resolve_dtype
 from engine.errors import EngineOverloadedError, InvalidRequestError, LoraUnavailableError, PromptTooLongError
 from engine.gguf_parse import shared_gguf_readers
@@ -321,7 +321,8 @@ class LLMEngine:
 
     def check_params(self, params: SamplingParams) -> None:
         """What a request names must fit this engine: token ids in the vocabulary (one bad id must fail its
-        own request at the door, not a model step shared with others), logprobs within --max-logprobs."""
+        own request at the door, not a model step shared with others), logprobs within --max-logprobs, stop
+        strings within --max-stop-strings and --max-stop-chars."""
         for name in ("stop_token_ids", "banned_token_ids", "allowed_token_ids"):
             self.prompts.check_in_vocab(getattr(params, name), name)
         limit = self.config.max_logprobs
@@ -330,6 +331,15 @@ class LLMEngine:
             if value > limit:
                 raise InvalidRequestError(f"'{name}' is {value}; this server returns at most {limit} "
                                           "(--max-logprobs)", parameter=name)
+        # Stop strings are matched on the engine thread, for every token of every sample: their number and
+        # size are bounded before admission, so no request can make that work (or its tables) large.
+        stops, chars = len(params.stop), sum(len(s) for s in params.stop)
+        if stops > self.config.max_stop_strings:
+            raise InvalidRequestError(f"'stop' has {stops} strings; this server takes at most "
+                                      f"{self.config.max_stop_strings} (--max-stop-strings)", parameter="stop")
+        if chars > self.config.max_stop_chars:
+            raise InvalidRequestError(f"'stop' has {chars} characters in all; this server takes at most "
+                                      f"{self.config.max_stop_chars} (--max-stop-chars)", parameter="stop")
 
     # ---- the core loop -------------------------------------------------------------------------
 
@@ -361,6 +371,7 @@ class LLMEngine:
         if request.params.prompt_logprobs is not None:  # every prompt position must be computed: no cached prefix
             salt += f"|prompt-logprobs:{request.request_id}"
         p = request.params
+        stops = StopAutomaton(p.stop) if p.stop else None  # one automaton for the n samples
         seqs = []
         for index in range(p.n):
             # The n samples share the prompt's KV: siblings wait until the first one's prompt blocks
@@ -369,7 +380,7 @@ class LLMEngine:
             seq = Sequence(request, ids, IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens,
                                                             p.spaces_between_special_tokens),
                            self.max_model_len, cache_salt=salt, index=index, seed=seed,
-                           stop_matcher=StopStringMatcher(p.stop, p.include_stop_str_in_output),
+                           stop_matcher=StopStringMatcher(p.stop, p.include_stop_str_in_output, stops),
                            wait_for=seqs[0] if seqs else None, lora_adapter=adapter,
                            matcher=grammar.new_matcher() if grammar is not None else None)
             seqs.append(seq)

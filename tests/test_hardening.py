@@ -250,3 +250,23 @@ async def test_an_overloaded_fan_out_leaves_nothing_running(live_server):
         live_server.wait_idle(timeout=3.0)
     finally:
         core.config.max_waiting = old
+
+
+async def test_stop_strings_over_the_budget_are_refused_naming_stop(live_server):
+    """--max-stop-strings (64) and --max-stop-chars (4,096 in all): every stop string is matched against
+    every token of every sample, so their number and size are bounded before admission."""
+    m = _model(live_server)
+    async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as client:
+        resp = await client.post("/generate", json={"text": "hi", "sampling_params": {
+            "max_new_tokens": 2, "stop": [f"s{i}" for i in range(65)]}})
+        assert resp.status_code == 400 and "--max-stop-strings" in resp.text, resp.text
+        resp = await client.post("/v1/completions", json={"model": m, "prompt": "hi", "max_tokens": 2,
+                                                          "stop": ["x" * 2048, "y" * 2049]})
+        assert resp.status_code == 400 and "--max-stop-chars" in resp.text, resp.text
+        assert resp.json()["error"]["param"] == "stop"
+        resp = await client.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2,
+                                                                                   "stop": ["x" * 1000] * 5}})
+        assert resp.status_code == 422 and "--max-stop-chars" in resp.text, resp.text
+        resp = await client.post("/v1/completions", json={"model": m, "prompt": "hi", "max_tokens": 2,
+                                                          "stop": [f"s{i}" for i in range(64)]})
+        assert resp.status_code == 200, resp.text
