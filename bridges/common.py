@@ -12,7 +12,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 
 import schemas
@@ -147,7 +147,21 @@ async def ending_with_error_event(events: AsyncIterator[bytes],
         yield error_event(bridge_error_from(exc))
 
 
+def client_identity(connection: HTTPConnection, key: str | None = None) -> str | None:
+    """Who a request comes from, for the scheduler's fair share of the running slots between clients: the
+    name of the credential that let it in where credentials tell clients apart (a Spark signing key), else
+    the peer's IP address (not the port: one client's many connections are one client). The one --api-key
+    is shared by every client, so it names none."""
+    if key:
+        return f"key:{key}"
+    peer = connection.client
+    return f"addr:{peer.host}" if peer is not None and peer.host else None
+
+
 def _generate(request: Request, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    if req.client is None:
+        req.client = client_identity(request)
+
     async def outputs() -> AsyncIterator[RequestOutput]:
         await resolve_lora(request.app.state.lora_resolver, req)
         async with aclosing(engine_of(request).generate(req)) as stream:

@@ -69,6 +69,10 @@ class GenerationRequest:
     priority: int = 5  # 1 (most urgent) .. 5, as Triton / MindIE (their default: 5)
     deadline: float | None = None  # time.monotonic() after which the request is ended
     arrival_time: float = field(default_factory=time.monotonic)
+    # who sent it, as an opaque name the serving layer chooses (a credential's name, else the peer's
+    # address): when the running slots are full, the scheduler admits waiting requests round-robin across
+    # these names within a priority, so one client's queue cannot starve another (None: one anonymous client)
+    client: str | None = None
 
 
 @dataclass(slots=True)

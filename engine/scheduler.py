@@ -1,15 +1,18 @@
 """Continuous batching: which sequences run this step, and how many tokens each computes.
 
 Each step the running sequences go first (a decode costs one token), then waiting ones are
-admitted FCFS within priority while the per-step token budget, ``max_num_seqs`` and free KV
-blocks allow. Prompts are prefilled in chunks that fit the budget, so a long prompt never
-freezes the running streams. When KV blocks run out the lowest-priority, latest sequence is
-preempted: its blocks are freed and it is recomputed later.
+admitted in priority order while the per-step token budget, ``max_num_seqs`` and free KV
+blocks allow; within a priority, round-robin across clients (first come, first served for one
+client), so a client that queues many requests cannot starve one that arrives after. Prompts
+are prefilled in chunks that fit the budget, so a long prompt never freezes the running streams.
+When KV blocks run out the lowest-priority, latest sequence is preempted: its blocks are freed
+and it is recomputed later.
 """
 
 from __future__ import annotations
 
 import math
+from bisect import insort
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -59,6 +62,10 @@ def _order(seq: Sequence) -> tuple[int, float]:
     return (seq.priority, seq.arrival_time)
 
 
+def _wait_order(seq: Sequence) -> tuple[int, int, float]:
+    return (seq.priority, seq.fair_tag, seq.arrival_time)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  long_prefill_token_threshold: int = 0, lora_manager: LoraManager | None = None,
@@ -88,21 +95,51 @@ class Scheduler:
         # and what a decode step costs before any row (it streams every weight once; 0: nothing)
         self.decode_step_cost = decode_step_cost
         self.short_prompt_tokens = max_num_batched_tokens // 2
-        self.waiting: list[Sequence] = []
+        self.waiting: list[Sequence] = []  # in _wait_order
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Fair share of the running slots (start-time fair queuing, one unit per sequence): a sequence's
+        # fair_tag is max(the priority's virtual time, its client's previous tag + 1), and the wait queue is
+        # ordered by (priority, tag, arrival). Virtual time is the largest tag admitted so far, so a client
+        # arriving behind another's long queue is tagged next and the two then alternate; one client's
+        # sequences keep their arrival order. Each add and each admission costs O(1) here (plus the queue's
+        # ordered insert), whatever the number of clients or waiting sequences.
+        self._virtual_time: dict[int, int] = {}  # priority -> largest fair_tag admitted
+        self._clients: dict[tuple[int, str | None], list[int]] = {}  # (priority, client) -> [last tag, waiting]
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
-        self.waiting.sort(key=_order)
+        tail = self._clients.get((seq.priority, seq.client))
+        now = self._virtual_time.get(seq.priority, 0)
+        seq.fair_tag = max(now, tail[0] + 1) if tail is not None else now
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        key = (seq.priority, seq.client)
+        tail = self._clients.get(key)
+        if tail is None:
+            self._clients[key] = [seq.fair_tag, 1]
+        else:
+            tail[0] = max(tail[0], seq.fair_tag)
+            tail[1] += 1
+        insort(self.waiting, seq, key=_wait_order)
+
+    def _dequeue(self, seq: Sequence, admitted: bool) -> None:
+        self.waiting.remove(seq)
+        key = (seq.priority, seq.client)
+        tail = self._clients[key]
+        tail[1] -= 1
+        if not tail[1]:  # nothing of it waits: it comes back at the virtual time, no credit kept
+            del self._clients[key]
+        if admitted and seq.fair_tag > self._virtual_time.get(seq.priority, 0):
+            self._virtual_time[seq.priority] = seq.fair_tag
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished or aborted) and free its blocks at once."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
-            self.waiting.remove(seq)
+            self._dequeue(seq, admitted=False)
         self.block_manager.free(seq)
         self._release_lora(seq)
         seq.status = SequenceStatus.FINISHED
@@ -127,8 +164,7 @@ class Scheduler:
         self.block_manager.free(seq)
         self._release_lora(seq)
         seq.reset_for_recompute()
-        self.waiting.append(seq)
-        self.waiting.sort(key=_order)
+        self._enqueue(seq)  # with its tag: back at the head of its client's queue
         self.num_preemptions += 1
 
     def schedule(self) -> ScheduledBatch:
@@ -197,7 +233,7 @@ class Scheduler:
                 bm.free(seq)  # keep its cached prefix evictable while it waits
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
                 break
-            self.waiting.remove(seq)
+            self._dequeue(seq, admitted=True)
             if seq.lora_name is not None:
                 seq.lora_slot = self.lora_manager.acquire(seq.lora_adapter)
             seq.status = SequenceStatus.RUNNING

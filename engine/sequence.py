@@ -37,6 +37,8 @@ class Sequence:
         self.priority = request.priority
         self.deadline = request.deadline
         self.arrival_time = request.arrival_time
+        self.client = request.client  # fair share between clients while waiting (engine/scheduler.py)
+        self.fair_tag = 0  # the scheduler's place for it in the wait queue, among its priority's
         self.cache_salt = cache_salt  # separates prefix-cache entries (e.g. per LoRA adapter)
         self.lora_name = request.lora.name if request.lora is not None else None
         self.lora_adapter = lora_adapter  # loaded before admission: scheduling does no disk I/O

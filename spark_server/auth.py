@@ -128,23 +128,24 @@ def check_origin(origin: str | None, allowed: list[str]) -> None:
 
 
 def verify_websocket(headers: dict[str, str], query: dict[str, str], path: str, api_key: str | None,
-                     keys: dict[str, str], replay: ReplayGuard | None = None) -> None:
+                     keys: dict[str, str], replay: ReplayGuard | None = None) -> str | None:
     """The Spark WebSocket's handshake check. With ``--api-key`` the key is accepted as
     ``Authorization: Bearer KEY`` or, for browsers (which cannot set headers on a WebSocket), as the
     ``api_key`` query parameter; with ``--spark-auth`` a signed URL is accepted. With both, either
-    credential opens the socket. Raises AuthError; returns None when the socket may open."""
+    credential opens the socket. Raises AuthError; when the socket may open, returns the Spark key that
+    signed the URL (it names the client), or None."""
     if not api_key and not keys:
-        return
+        return None
     if api_key:
         expected = f"Bearer {api_key}"
         if hmac.compare_digest(headers.get("authorization", "").encode(), expected.encode()) or \
                 hmac.compare_digest(query.get("api_key", "").encode(), api_key.encode()):
-            return
+            return None
         if not keys or "authorization" not in query:
             given = headers.get("authorization") or query.get("api_key")
             raise AuthError(401, "invalid API key" if given else
                             "missing credential: send Authorization: Bearer <key> or the api_key query parameter")
-    verify_spark(query, path, keys, request_host=headers.get("host", ""), replay=replay)
+    return verify_spark(query, path, keys, request_host=headers.get("host", ""), replay=replay)
 
 
 class ApiKeyMiddleware:

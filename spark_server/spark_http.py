@@ -7,7 +7,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from bridges.common import unless_disconnected
+from bridges.common import client_identity, unless_disconnected
 from spark_server import spark_protocol as sp
 from spark_server.errors import SparkCode, SparkError, http_status_for, spark_error_from
 from spark_server.spark_service import SparkService
@@ -31,7 +31,7 @@ async def _answer(request: Request) -> JSONResponse:
     raw = await request.body()
     trace_id = None
     try:
-        session = await service.open_session(raw, sid)
+        session = await service.open_session(raw, sid, client=client_identity(request))
         trace_id = session.trace_id
         text: list[str] = []
         usage = None

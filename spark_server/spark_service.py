@@ -29,21 +29,23 @@ class SparkService:
         self.max_items = max_items  # --max-request-items
         self.on_result = on_result  # (protocol, code or "aborted") of every finished session, for metrics
 
-    async def open_session(self, raw: str | bytes, sid: str) -> sp.SparkSession:
-        """Parse, validate and lower one request; raises SparkError with the protocol's code."""
+    async def open_session(self, raw: str | bytes, sid: str, client: str | None = None) -> sp.SparkSession:
+        """Parse, validate and lower one request; raises SparkError with the protocol's code. ``client``: who
+        sent it (``bridges.common.client_identity``), for the engine's fair share between clients."""
         try:
-            return await self._open_session(raw, sid)
+            return await self._open_session(raw, sid, client)
         except Exception as exc:
             if self.on_result is not None:
                 self.on_result("spark", int(spark_error_from(exc).code))
             raise
 
-    async def _open_session(self, raw: str | bytes, sid: str) -> sp.SparkSession:
+    async def _open_session(self, raw: str | bytes, sid: str, client: str | None) -> sp.SparkSession:
         body = sp.decode_body(raw, self.max_items)
         trace_id = sp.trace_id_of(body)
         try:
             sp.validate_body(body)
             request, adjust = sp.lower(body, sid)
+            request.client = client
             question_tokens, dropped = await asyncio.to_thread(
                 sp.fit_history, request, adjust, self.engine, self.history_limit)
             await resolve_lora(self.lora_resolver, request)  # before admission, with the session's own code

@@ -9,6 +9,7 @@ from contextlib import aclosing
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from bridges.common import client_identity
 from spark_server import spark_protocol as sp
 from spark_server.auth import AuthError, check_origin, denial, verify_websocket
 from spark_server.errors import SparkCode, SparkError, spark_error_from
@@ -40,8 +41,8 @@ async def spark_websocket(ws: WebSocket) -> None:
     request_timeout: float = ws.app.state.settings.ws_request_timeout
     try:  # refused at the handshake, before any engine work
         check_origin(ws.headers.get("origin"), ws.app.state.settings.origins)
-        verify_websocket(dict(ws.headers), dict(ws.query_params), ws.url.path, ws.app.state.settings.api_key,
-                         ws.app.state.spark_keys, ws.app.state.spark_replay)
+        key = verify_websocket(dict(ws.headers), dict(ws.query_params), ws.url.path, ws.app.state.settings.api_key,
+                               ws.app.state.spark_keys, ws.app.state.spark_replay)
     except AuthError as err:
         await ws.send_denial_response(denial(err))
         return
@@ -58,7 +59,7 @@ async def spark_websocket(ws: WebSocket) -> None:
         raw = message.get("text")
         if raw is None:
             raw = message.get("bytes") or b""
-        session = await service.open_session(raw, sid)
+        session = await service.open_session(raw, sid, client=client_identity(ws, key))
         await _stream(ws, service, session)
     except SparkError as err:
         await _send_error(ws, sid, err)
