@@ -126,7 +126,12 @@ class Settings:
                                                  "leaves it out")
     max_request_items: int = _opt(16384, "most entries in any one JSON array or object of a request (token ids, "
                                          "messages, stop strings, bad words...), refused before any per-item work")
-    max_seqs_per_request: int = _opt(64, "most sequences one request may start: prompts x n (x best_of)")
+    max_seqs_per_request: int | None = _opt(None, "most sequences one request may start: prompts x n (x best_of); "
+                                                   "default: half of --max-num-seqs (at least 1), so one request "
+                                                   "never holds every running slot; at most --max-num-seqs")
+    max_stop_strings: int = _opt(64, "most stop strings one request may bring (400 beyond): each is matched "
+                                     "against every token of every sample")
+    max_stop_chars: int = _opt(4096, "most characters of all of one request's stop strings together (400 beyond)")
     max_frame_mb: float = _opt(4.5, "largest WebSocket frame, in MiB (the spec allows 4 MB of text)")
     stuck_step_timeout: float = _opt(60.0, "a model step running longer than this turns /health red")
     ssl_certfile: str | None = _opt(None, "TLS certificate (PEM): serve https:// and wss://")
@@ -176,6 +181,17 @@ class Settings:
     config: str | None = _opt(None, "config file with any of these settings: TOML, or YAML (.yaml / .yml) as vLLM's "
                                     "--config")
 
+    def __post_init__(self) -> None:
+        # One request may hold at most half of the running slots by default, so another client always gets
+        # one; more than all of them is a mistake in the settings, refused at start.
+        if self.max_seqs_per_request is None:
+            self.max_seqs_per_request = max(1, self.max_num_seqs // 2)
+        elif self.max_seqs_per_request > self.max_num_seqs:
+            raise ValueError(f"--max-seqs-per-request {self.max_seqs_per_request} is more than --max-num-seqs "
+                             f"{self.max_num_seqs}: one request could never start that many sequences")
+        elif self.max_seqs_per_request < 1:
+            raise ValueError("--max-seqs-per-request must be at least 1")
+
     @property
     def lora_enabled(self) -> bool:
         return bool(self.lora_allowed_urls or self.lora or self.lora_modules or self.lora_shared_dir)
@@ -215,6 +231,7 @@ class Settings:
             chat_template=self.chat_template, num_kv_blocks=self.num_kv_blocks,
             kv_cache_prefault=self.kv_cache_prefault,
             enable_prefix_caching=self.enable_prefix_caching, max_waiting=self.max_waiting,
+            max_stop_strings=self.max_stop_strings, max_stop_chars=self.max_stop_chars,
             num_threads=self.num_threads, native_kernels=self.native_kernels, max_loras=self.max_loras if self.lora_enabled else 0,
             max_lora_rank=self.max_lora_rank, num_speculative_tokens=self.num_speculative_tokens,
             prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,

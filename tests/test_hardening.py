@@ -240,16 +240,16 @@ async def test_an_overloaded_fan_out_leaves_nothing_running(live_server):
     """Refused with 429 part-way (the wait queue is full): the prompts already admitted are aborted."""
     m = _model(live_server)
     core = live_server.engine.engine
-    old = core.config.max_waiting
-    core.config.max_waiting = 0  # room for max_num_seqs (32) running sequences, none waiting
+    old = core.config.max_waiting, core.config.max_num_seqs
+    core.config.max_waiting, core.config.max_num_seqs = 0, 16  # room for 16 sequences, none waiting
     try:
         async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as client:
-            resp = await client.post("/v1/completions", json={"model": m, "prompt": [f"story {i}" for i in range(4)],
+            resp = await client.post("/v1/completions", json={"model": m, "prompt": [f"story {i}" for i in range(2)],
                                                               "n": 16, "max_tokens": 1000, "ignore_eos": True})
         assert resp.status_code == 429, resp.text
         live_server.wait_idle(timeout=3.0)
     finally:
-        core.config.max_waiting = old
+        core.config.max_waiting, core.config.max_num_seqs = old
 
 
 async def test_stop_strings_over_the_budget_are_refused_naming_stop(live_server):

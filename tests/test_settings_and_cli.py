@@ -36,6 +36,19 @@ def test_bad_values_are_named(tmp_path):
         settings_mod.resolve({"config": str(cfg)}, {})
 
 
+def test_one_request_may_start_at_most_half_the_running_slots_by_default():
+    """--max-seqs-per-request defaults to half of --max-num-seqs (at least 1), so another client always
+    gets a slot; more than --max-num-seqs is refused at start, naming both flags."""
+    assert settings_mod.resolve({}, {}).max_seqs_per_request == 32
+    assert settings_mod.resolve({"max_num_seqs": 7}, {}).max_seqs_per_request == 3
+    assert settings_mod.resolve({"max_num_seqs": 1}, {}).max_seqs_per_request == 1
+    assert settings_mod.resolve({"max_num_seqs": 8, "max_seqs_per_request": 8}, {}).max_seqs_per_request == 8
+    with pytest.raises(ValueError, match="--max-seqs-per-request 9 is more than --max-num-seqs 8"):
+        settings_mod.resolve({}, {"SPARK_MAX_NUM_SEQS": "8", "SPARK_MAX_SEQS_PER_REQUEST": "9"})
+    engine = settings_mod.resolve({"max_stop_strings": 5, "max_stop_chars": 50}, {}).engine_config()
+    assert (engine.max_stop_strings, engine.max_stop_chars) == (5, 50)
+
+
 def test_help_documents_vllm_style_flags():
     out = subprocess.run([sys.executable, "-m", "spark_server", "serve", "--help"], capture_output=True,
                          text=True, check=True).stdout
