@@ -156,11 +156,6 @@ class Settings:
                                                   "guided_*, SGLang json_schema/regex/ebnf, TGI grammar): llguidance "
                                                   "(vLLM calls it guidance); auto picks it",
                                           choices=["auto", "llguidance", "guidance"])
-    guided_decoding_backend: str | None = _opt(None, "vLLM's older name for --structured-output-backend",
-                                               choices=["auto", "llguidance", "guidance"])
-    tool_call_parser: str = _opt("hermes", "how tool calls are written and read back: hermes "
-                                           "(<tool_call>{json}</tool_call>, what ChatML models are trained on)",
-                                 choices=["hermes"])
     max_constraint_kb: int = _opt(_CONSTRAINT.max_source_bytes >> 10, "largest structured-output constraint a "
                                   "request may send (a JSON schema, grammar, regex or choice list), in KiB (400 "
                                   "beyond)")
@@ -174,6 +169,11 @@ class Settings:
                                     "reuse, in MiB (least recently used dropped)")
     constraint_compile_workers: int = _opt(_CONSTRAINT.workers, "constraints compiled at once, each in its own "
                                                                 "worker process")
+    guided_decoding_backend: str | None = _opt(None, "vLLM's older name for --structured-output-backend",
+                                               choices=["auto", "llguidance", "guidance"])
+    tool_call_parser: str = _opt("hermes", "how tool calls are written and read back: hermes "
+                                           "(<tool_call>{json}</tool_call>, what ChatML models are trained on)",
+                                 choices=["hermes"])
     enable_auto_tool_choice: bool = _opt(True, "vLLM's flag: tool_choice auto parses calls out of free answers "
                                                "(--no-enable-auto-tool-choice refuses auto with a 400)")
     log_level: str = _opt("info", "debug, info, warning or error",
@@ -235,7 +235,15 @@ class Settings:
             num_threads=self.num_threads, native_kernels=self.native_kernels, max_loras=self.max_loras if self.lora_enabled else 0,
             max_lora_rank=self.max_lora_rank, num_speculative_tokens=self.num_speculative_tokens,
             prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
+            constraint_budget=self.constraint_budget(),
         )
+
+    def constraint_budget(self) -> ConstraintBudget:
+        return ConstraintBudget(
+            max_source_bytes=self.max_constraint_kb << 10, max_depth=self.max_constraint_depth,
+            compile_timeout_s=self.constraint_compile_timeout,
+            max_compiled_bytes=self.max_constraint_compiled_mb << 20, cache_bytes=self.constraint_cache_mb << 20,
+            workers=max(1, self.constraint_compile_workers))
 
 
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's names
@@ -252,15 +260,7 @@ def parse_lora_modules(value: str | None) -> dict[str, str]:
             except (ValueError, KeyError, TypeError):
                 raise ValueError(f"--lora-modules {item!r}: expected NAME=PATH or "
                                  '{"name": ..., "path": ...}') from None
-            constraint_budget=self.constraint_budget(),
         else:
-    def constraint_budget(self) -> ConstraintBudget:
-        return ConstraintBudget(
-            max_source_bytes=self.max_constraint_kb << 10, max_depth=self.max_constraint_depth,
-            compile_timeout_s=self.constraint_compile_timeout,
-            max_compiled_bytes=self.max_constraint_compiled_mb << 20, cache_bytes=self.constraint_cache_mb << 20,
-            workers=max(1, self.constraint_compile_workers))
-
             modules.update(parse_pairs(item, "=", "--lora-modules", "NAME=PATH"))
     return modules
 
