@@ -1,8 +1,11 @@
 """One client must not stall the server: a steady Spark stream runs beside each abusive request, and
 we report the stream's largest gap between frames while the abuse is in flight, the server's peak
-RSS against its idle RSS, and how fast the abuse was answered (and with which code).
+RSS against its idle RSS, and how fast the abuse was answered (and with which code). Then the attack
+corpus (tests/fuzz/attacks.py), one row per attack beside a steady streamed completion: the answer,
+seconds, the victim's largest gap, and the server's (and its grammar worker's) peak RSS against idle.
 
-Bars: largest gap under 1 s, peak RSS under 1.5x idle, every abusive request answered with its
+Bars: largest gap under 1 s (the corpus: 1 s plus the victim's own largest gap alone), peak RSS under
+1.5x idle (the corpus: RSS back within 10% after each attack), every abusive request answered with its
 documented code within 2 s.
 
     python -m benchmarks.bench_abuse
@@ -25,6 +28,7 @@ import httpx
 import websockets
 
 from benchmarks.common import print_table, save, verdict
+from tests.fuzz import attacks as attack_corpus
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_GAP_S, MAX_RSS_RATIO, MAX_ANSWER_S = 1.0, 1.5, 2.0
@@ -168,8 +172,8 @@ def main() -> int:
     port = _free_port()
     base, ws_url = f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/turing/v3/gpt"
     proc = subprocess.Popen([sys.executable, "-m", "spark_server", "serve", "--port", str(port),
-                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=dict(os.environ))
+                             "--log-level", "warning", *attack_corpus.SERVER_ARGS], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=dict(os.environ))
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -184,7 +188,7 @@ def main() -> int:
         cases = abuses()
         rss = RssSampler(proc.pid)
 
-        async def run() -> tuple[int, list[dict[str, Any]]]:
+        async def run() -> tuple[int, list[dict[str, Any]], float, list[attack_corpus.Outcome]]:
             frames: list[float] = []
             stop = asyncio.Event()
             warm = asyncio.create_task(steady_stream(ws_url, frames, stop))  # warm up, then read idle RSS
@@ -193,9 +197,18 @@ def main() -> int:
             stop.set()
             await warm
             idle = await _settled_rss(proc.pid)
-            return idle, [await measure(c, base, ws_url, rss) for c in cases]
+            results = [await measure(c, base, ws_url, rss) for c in cases]
+            victim = attack_corpus.Victim(base)
+            await victim.start()
+            alone = time.perf_counter()
+            await asyncio.sleep(3.0)
+            baseline = victim.largest_gap(alone, time.perf_counter())
+            outcomes = [await attack_corpus.run_attack(a, base, ws_url, proc.pid, victim)
+                        for a in attack_corpus.corpus()]
+            await victim.stop()
+            return idle, results, baseline, outcomes
 
-        idle, results = asyncio.run(run())
+        idle, results, baseline_gap, outcomes = asyncio.run(run())
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -211,7 +224,25 @@ def main() -> int:
     print_table(f"Abuse beside a steady Spark stream (idle RSS {idle / (1 << 20):.0f} MiB)",
                 ["abusive request", "code", "answered in s", "largest gap s", "frames", "peak RSS MiB", "x idle"],
                 rows)
-    save("abuse", {"idle_rss": idle, "results": [dict(name=c.name, **r) for c, r in zip(cases, results)]})
+    corpus_rows = []
+    for o in outcomes:
+        a = o.attack
+        corpus_rows.append([a.name, a.budget, o.reply.status, f"{o.answer_s:.2f}", f"{o.victim_gap_s:.3f}",
+                            f"{o.rss_peak / (1 << 20):.0f}", f"{o.rss_peak / idle:.2f}",
+                            f"{o.rss_after / o.rss_before:.3f}"])
+        checks[f"{a.name}: answered {'/'.join(map(str, a.expect_status))}"] = (
+            o.reply.status in a.expect_status and a.expect_text.lower() in o.reply.text.lower())
+        checks[f"{a.name}: victim's largest gap under 1 s + {baseline_gap:.2f} s"] = o.victim_gap_s < 1 + baseline_gap
+        checks[f"{a.name}: RSS back within 10%"] = o.rss_after <= 1.1 * o.rss_before
+    print_table(f"The attack corpus beside a steady streamed completion (its largest gap alone {baseline_gap:.3f} s)",
+                ["attack", "budget", "answer", "answered in s", "victim's largest gap s", "peak RSS MiB",
+                 "peak / idle", "after / before"], corpus_rows)
+    save("abuse", {"idle_rss": idle, "results": [dict(name=c.name, **r) for c, r in zip(cases, results)],
+                   "corpus_baseline_gap_s": baseline_gap,
+                   "corpus": [{"name": o.attack.name, "budget": o.attack.budget, "status": o.reply.status,
+                               "message": o.reply.text[:200], "answer_s": o.answer_s, "victim_gap_s": o.victim_gap_s,
+                               "rss_before": o.rss_before, "rss_peak": o.rss_peak, "rss_after": o.rss_after}
+                              for o in outcomes]})
     return verdict(checks)
 
 

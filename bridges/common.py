@@ -94,7 +94,15 @@ def bridge_error_from(exc: BaseException) -> BridgeError:
 
 
 async def read_json(request: Request, schema: str) -> dict[str, Any]:
-    body = parse_body(await request.body(), request.app.state.settings.max_request_items)
+    raw = await request.body()
+    max_items = request.app.state.settings.max_request_items
+    if len(raw) > schemas.OFF_LOOP_BYTES:
+        return await asyncio.to_thread(_checked_body, raw, max_items, schema)
+    return _checked_body(raw, max_items, schema)
+
+
+def _checked_body(raw: bytes, max_items: int, schema: str) -> dict[str, Any]:
+    body = parse_body(raw, max_items)
     if not isinstance(body, dict):
         raise BridgeError(400, "request body must be a JSON object")
     check(schema, body)

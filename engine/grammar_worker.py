@@ -172,7 +172,7 @@ _CLOSED, _TIMED_OUT = object(), object()  # why no line came from a worker
 
 class GrammarWorker:
     """The server's handle on one worker process, started at the first job and after each failure.
-    Used by one compile thread at a time; ``stop`` may come from any thread (a request gone away)."""
+    Owned by one compile thread; only ``stop`` may come from another (a request gone away)."""
 
     def __init__(self, setup_line: str) -> None:
         self._setup = setup_line
@@ -189,11 +189,11 @@ class GrammarWorker:
             proc.stdin.write(job.encode() + b"\n")
             proc.stdin.flush()
         except OSError:
-            self.stop()
+            self.close()
             raise WorkerFailed("could not be compiled: the compiler failed on it") from None
         reply = self._read_line(proc, timeout_s)
         if not isinstance(reply, bytes):
-            self.stop()
+            self.close()
             if reply is _TIMED_OUT:
                 raise WorkerFailed(f"took longer than {timeout_s:g} s to compile (--constraint-compile-timeout)")
             raise WorkerFailed("could not be compiled: the compiler failed on it (too complex)")
@@ -235,16 +235,28 @@ class GrammarWorker:
                 return b"".join(chunks)
 
     def stop(self) -> None:
-        """End the worker (a job in it ends with it); the next job starts a fresh one."""
+        """End the worker process; safe from any thread (a request gone away). A job in it ends with it:
+        its compile thread reads the end and cleans up (``close``)."""
         with self._lock:
-            proc, self._proc = self._proc, None
+            proc = self._proc
         if proc is not None and proc.poll() is None:
             proc.kill()
-            proc.wait()
-        if proc is not None:
-            for pipe in (proc.stdin, proc.stdout):
-                if pipe is not None:
+
+    def close(self) -> None:
+        """Drop the worker process and its pipes; only the compile thread that owns this handle calls it."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                try:
                     pipe.close()
+                except OSError:  # unflushed bytes to a worker that is gone
+                    pass
 
 
 def _project_root() -> str:

@@ -228,7 +228,7 @@ class GrammarCompiler:
                 job.future.set_result(outcome)
             else:
                 job.future.set_exception(outcome)
-        worker.stop()
+        worker.close()
 
     def _build(self, key: Constraint, worker: GrammarWorker) -> CompiledGrammar | ConstraintRefused:
         budget = self.budget

@@ -47,9 +47,22 @@ def first_error(name: str, instance: Any) -> ValidationError | None:
     return best_match(specific or errors)
 
 
+# The validator's message quotes the offending value whole ("[...12,000 items...] is too long"): kept to
+# this many characters, its start and its end, so a refusal is never larger than a line.
+MAX_MESSAGE_CHARS = 300
+
+# Bodies larger than this are parsed and validated on a worker thread: validating a list of thousands of
+# items takes a tenth of a second, which on the event loop would pause every other client's stream.
+OFF_LOOP_BYTES = 64 << 10
+
+
 def describe(error: ValidationError) -> str:
-    """A message that names the JSON path of the offending field."""
-    return f"{error.json_path}: {error.message}"
+    """A message that names the JSON path of the offending field (the quoted value shortened)."""
+    message = error.message
+    if len(message) > MAX_MESSAGE_CHARS:
+        half = MAX_MESSAGE_CHARS // 2
+        message = f"{message[:half]} ... {message[-half:]}"
+    return f"{error.json_path}: {message}"
 
 
 def available() -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator, Callable
 
 from engine.protocol import EngineClient
 from lora_store.resolver import LoraResolver, resolve_lora
+import schemas
 from schemas.json_body import MAX_ITEMS
 from spark_server import spark_protocol as sp
 from spark_server.errors import SparkCode, spark_error_from
@@ -40,10 +41,15 @@ class SparkService:
             raise
 
     async def _open_session(self, raw: str | bytes, sid: str, client: str | None) -> sp.SparkSession:
-        body = sp.decode_body(raw, self.max_items)
+        off_loop = len(raw) > schemas.OFF_LOOP_BYTES  # see schemas.OFF_LOOP_BYTES
+        body = await asyncio.to_thread(sp.decode_body, raw, self.max_items) if off_loop else \
+            sp.decode_body(raw, self.max_items)
         trace_id = sp.trace_id_of(body)
         try:
-            sp.validate_body(body)
+            if off_loop:
+                await asyncio.to_thread(sp.validate_body, body)
+            else:
+                sp.validate_body(body)
             request, adjust = sp.lower(body, sid)
             request.client = client
             question_tokens, dropped = await asyncio.to_thread(
