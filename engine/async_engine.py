@@ -168,7 +168,7 @@ class AsyncEngine:
             if not ref.name or not ref.path:
                 raise LoraUnavailableError(f"adapter {ref.name or ref.url!r} was not resolved to a local adapter",
                                            code="unresolved")
-            adapter = await asyncio.to_thread(self.engine.load_adapter, ref.name, ref.path)
+            adapter = await asyncio.to_thread(self.engine.load_adapter, ref.name, ref.path, ref.identity)
         self.engine.check_params(request.params)  # the cheap checks first
         grammar = None
         if request.params.constraint is not None:  # compiled off the engine thread, once per grammar text
@@ -218,6 +218,12 @@ class AsyncEngine:
 
     def check_adapter(self, path: str, name: str) -> None:
         self.engine.check_adapter(path, name)
+
+    def register_adapter(self, path: str, name: str, identity: str) -> None:
+        self.engine.register_adapter(path, name, identity)
+
+    def forget_adapter(self, identity: str) -> None:
+        self.engine.forget_adapter(identity)
 
     @property
     def num_active_requests(self) -> int:

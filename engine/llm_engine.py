@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import random
 import threading
 import time
@@ -46,6 +47,19 @@ logger = logging.getLogger(__name__)
 
 
 _GRAMMAR_LIMITS = ("LexerTooComplex", "ParserTooComplex")  # llguidance's stop reasons for its own limits
+
+
+def _path_identity(path: str) -> str:
+    """An adapter directory's identity for callers that bring none (the engine used directly): the
+    directory with its files' sizes and modification times, so rewritten weights are read again."""
+    parts = [os.path.realpath(path)]
+    for file in ("adapter_config.json", "adapter_model.safetensors"):
+        try:
+            st = os.stat(os.path.join(path, file))
+            parts.append(f"{st.st_size}:{st.st_mtime_ns}")
+        except OSError:
+            parts.append("-")
+    return "path:" + "|".join(parts)
 
 
 def record_prompt_logprobs(chunk: PromptLogits) -> None:
@@ -196,7 +210,12 @@ class LLMEngine:
         self._masks: MaskApplier | None = None
         self._grammars_lock = threading.Lock()
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences still running
-        self._adapters: OrderedDict[str, LoraAdapter] = OrderedDict()  # read and checked, by name
+        # Read and checked adapters, by identity (LoraRef.identity), never by name: names are chosen by
+        # people, so a cache by name would hand one tenant's weights to the next request naming them.
+        # Session packs share a bounded LRU among themselves; the operator's registered adapters are
+        # pinned (register_adapter) and never evicted by them.
+        self._adapters: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self._pinned: dict[str, tuple[LoraAdapter, int]] = {}  # identity -> (adapter, registrations)
         self._adapters_lock = threading.Lock()
         name = config.served_model_name or (EMBEDDED_MODEL_NAME if config.model in (None, "", "embedded")
                                             else model_dir.name)
@@ -358,7 +377,9 @@ class LLMEngine:
             if not request.lora.name or not request.lora.path:
                 raise LoraUnavailableError("the LoRA reference was not resolved to a local adapter", code="unresolved")
             if adapter is None:
-                adapter = self.load_adapter(request.lora.name, request.lora.path)
+                adapter = self.load_adapter(request.lora.name, request.lora.path, request.lora.identity)
+            elif not adapter.key:  # read by the caller itself: keyed by its files, as load_adapter does
+                adapter.key = request.lora.identity or _path_identity(request.lora.path)
         ids = (prompt_token_ids if prompt_token_ids is not None
                else self.encode_prompt(request.prompt, request.params.truncate_prompt_tokens))
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
@@ -367,7 +388,9 @@ class LLMEngine:
                                      len(ids), capacity - 1)
         if request.params.constraint is not None and grammar is None:
             grammar = self.compile_constraint(request.params.constraint)
-        salt = f"lora:{request.lora.name}" if request.lora else ""
+        # the prefix cache is per adapter identity: KV computed under one adapter's weights is never
+        # reused under another's that happens to carry the same name
+        salt = f"lora:{adapter.key}" if request.lora is not None and adapter is not None else ""
         if request.params.prompt_logprobs is not None:  # every prompt position must be computed: no cached prefix
             salt += f"|prompt-logprobs:{request.request_id}"
         p = request.params
@@ -552,25 +575,62 @@ class LLMEngine:
                              error_kind="timeout") for s in expired]
 
     def check_adapter(self, path: str, name: str) -> None:
-        """Validate an adapter against the served model without loading it into a slot."""
-        self.load_adapter(name, path)
-
-    def load_adapter(self, name: str, path: str) -> LoraAdapter:
-        """Read and check an adapter (cached by name): done before admission, off the engine thread, so
-        the scheduler only copies tensors into a slot. Thread-safe."""
+        """Validate an adapter against the served model (nothing is cached: no identity is known yet)."""
         if self.lora_manager is None:
             raise LoraUnavailableError("LoRA adapters are not enabled on this server", code="disabled")
+        read_adapter(path, name, self.lora_manager.config, self.lora_manager.max_rank)
+
+    def load_adapter(self, name: str, path: str, identity: str | None = None) -> LoraAdapter:
+        """Read and check an adapter, cached by ``identity`` (LoraRef.identity; without one, the
+        directory and its files' sizes and times): done before admission, off the engine thread, so the
+        scheduler only copies tensors into a slot. Thread-safe."""
+        if self.lora_manager is None:
+            raise LoraUnavailableError("LoRA adapters are not enabled on this server", code="disabled")
+        key = identity or _path_identity(path)
         with self._adapters_lock:
-            adapter = self._adapters.get(name)
-            if adapter is not None:
-                self._adapters.move_to_end(name)
-                return adapter
+            cached = self._cached_adapter(key)
+            if cached is not None:
+                return cached
         adapter = read_adapter(path, name, self.lora_manager.config, self.lora_manager.max_rank)
+        adapter.key = key
         with self._adapters_lock:
-            self._adapters[name] = adapter
+            cached = self._cached_adapter(key)  # read meanwhile by another thread: one copy is kept
+            if cached is not None:
+                return cached
+            self._adapters[key] = adapter
             while len(self._adapters) > 2 * self.lora_manager.max_loras:  # running requests keep theirs
                 self._adapters.popitem(last=False)
         return adapter
+
+    def _cached_adapter(self, key: str) -> LoraAdapter | None:
+        pinned = self._pinned.get(key)
+        if pinned is not None:
+            return pinned[0]
+        adapter = self._adapters.get(key)
+        if adapter is not None:
+            self._adapters.move_to_end(key)
+        return adapter
+
+    def register_adapter(self, path: str, name: str, identity: str) -> None:
+        """An operator's adapter (--lora, /v1/load_lora_adapter): read, checked and pinned in the cache
+        until ``forget_adapter`` (session packs never evict it). Registrations of one identity count."""
+        adapter = self.load_adapter(name, path, identity)
+        with self._adapters_lock:
+            held = self._pinned.get(identity)
+            self._pinned[identity] = (held[0], held[1] + 1) if held is not None else (adapter, 1)
+            self._adapters.pop(identity, None)
+
+    def forget_adapter(self, identity: str) -> None:
+        """One registration of ``identity`` ends; with the last, its weights leave the cache (running
+        requests keep the adapter they were admitted with, and its slot is reused once they finish)."""
+        with self._adapters_lock:
+            held = self._pinned.get(identity)
+            if held is None:
+                return
+            if held[1] > 1:
+                self._pinned[identity] = (held[0], held[1] - 1)
+            else:
+                del self._pinned[identity]
 
     # ---- introspection -------------------------------------------------------------------------
 

@@ -49,6 +49,8 @@ class LoraAdapter:
     scaling: float
     # (layer, module) -> (A [r, in], B [out, r]), fp32 on CPU
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # what the adapter's slot is kept under (LoraRef.identity): never the name, which people choose
+    key: str = ""
 
 
 def module_shapes(config) -> dict[str, tuple[int, int]]:
@@ -238,29 +240,34 @@ class LoraManager:
             self.b_compact.append(compact)
         self.fused: list[dict[str, tuple[Any, Linear | None, int]]] = []
         self._pack()
-        self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident adapters, least recently used first
+        # resident adapters by identity (LoraAdapter.key), least recently used first: two adapters that
+        # share a display name are different keys, so they never share a slot's weights
+        self.slot_of: OrderedDict[str, int] = OrderedDict()
         self.pins = [0] * max_loras
         self.free_slots = list(range(max_loras))
         self.num_loads = 0
 
-    def can_acquire(self, name: str) -> bool:
-        return name in self.slot_of or bool(self.free_slots) or any(
+    def can_acquire(self, key: str) -> bool:
+        """Whether the adapter of identity ``key`` can be given a slot now."""
+        return key in self.slot_of or bool(self.free_slots) or any(
             self.pins[s] == 0 for s in self.slot_of.values())
 
     def acquire(self, adapter: LoraAdapter) -> int:
         """Pin the adapter's slot, writing it in (and evicting an unpinned one) when needed. The adapter
         was read and checked before admission: no disk I/O here."""
-        name = adapter.name
-        if name in self.slot_of:
-            slot = self.slot_of[name]
-            self.slot_of.move_to_end(name)
+        if not adapter.key:
+            raise ValueError(f"LoRA {adapter.name}: an adapter needs its identity (key) to take a slot")
+        key = adapter.key
+        if key in self.slot_of:
+            slot = self.slot_of[key]
+            self.slot_of.move_to_end(key)
         else:
             slot = self._take_slot()
             self._write(slot, adapter)
             self._pack()
-            self.slot_of[name] = slot
+            self.slot_of[key] = slot
             self.num_loads += 1
-            logger.info("LoRA %s loaded into slot %d (rank %d)", name, slot, adapter.rank)
+            logger.info("LoRA %s (%s) loaded into slot %d (rank %d)", adapter.name, key, slot, adapter.rank)
         self.pins[slot] += 1
         return slot
 
@@ -271,9 +278,9 @@ class LoraManager:
     def _take_slot(self) -> int:
         if self.free_slots:
             return self.free_slots.pop(0)
-        for name, slot in self.slot_of.items():  # least recently used first
+        for key, slot in self.slot_of.items():  # least recently used first
             if self.pins[slot] == 0:
-                del self.slot_of[name]
+                del self.slot_of[key]
                 return slot
         raise LoraUnavailableError("every LoRA slot is in use; raise --max-loras", code="busy")
 

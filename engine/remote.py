@@ -56,6 +56,12 @@ def adapter_name(ref: LoraRef) -> str:
     return f"lora-{ref.md5.lower()}" if ref.md5 else str(ref.name)
 
 
+def content_named(name: str) -> bool:
+    """``lora-<md5>``: a name that states its pack's md5 (backends of this server take it for no other pack)."""
+    md5 = name.removeprefix("lora-")
+    return name.startswith("lora-") and len(md5) == 32 and all(c in "0123456789abcdef" for c in md5)
+
+
 def completion_body(model: str, prompt: str | list[int], p: SamplingParams) -> dict[str, Any]:
     """SamplingParams as vLLM-style /v1/completions fields (the OpenAI ones plus vLLM's extras, which
     SGLang and this server also read). A text prompt is the exact text of the local token ids."""
@@ -170,7 +176,8 @@ class RemoteEngine:
         self._active = 0  # requests whose caller is still reading
         self._stopping = False
         self._health_task: asyncio.Task | None = None
-        self._loaded: dict[str, set[str]] = {}  # replica URL -> adapters loaded there by this front end
+        # replica URL -> {adapter name: identity} of what this front end loaded there
+        self._loaded: dict[str, dict[str, str]] = {}
 
     # ---- start-up ------------------------------------------------------------------------------
 
@@ -276,6 +283,14 @@ class RemoteEngine:
             return
         read_adapter(path, name, config, max_rank=1 << 16)
 
+    def register_adapter(self, path: str, name: str, identity: str) -> None:
+        """Nothing is kept here: the backends load (and keep) what requests name."""
+        self.check_adapter(path, name)
+
+    def forget_adapter(self, identity: str) -> None:
+        """A name registered again gets another identity, and ``_ensure_adapter`` then replaces the
+        backends' copy; nothing to do now."""
+
     def encode_prompt_sync(self, prompt: Prompt) -> list[int]:
         return self.prompts.encode(prompt)
 
@@ -367,24 +382,38 @@ class RemoteEngine:
 
     async def _ensure_adapter(self, backend: Backend, ref: LoraRef) -> None:
         """vLLM's POST /v1/load_lora_adapter on every replica that may serve the request (a router's
-        replicas, as its GET /workers lists them; else the backend itself), once per replica."""
+        replicas, as its GET /workers lists them; else the backend itself), once per replica and
+        identity: a name registered again here (other weights) is unloaded there and loaded anew."""
         name = adapter_name(ref)
+        identity = ref.identity or f"path:{ref.path}"
         targets = sorted(backend.workers) or [backend.url]
-        missing = [t for t in targets if name not in self._loaded.setdefault(t, set())]
+        missing = [t for t in targets if self._loaded.setdefault(t, {}).get(name) != identity]
         if not missing:
             return
         assert self._client is not None and ref.path
+        client = self._client
+        body = {"lora_name": name, "lora_path": ref.path}
 
         async def load(target: str) -> None:
             try:
-                r = await self._client.post(f"{target}/v1/load_lora_adapter",
-                                            json={"lora_name": name, "lora_path": ref.path})
+                if name in self._loaded[target]:  # loaded there before with other weights: replaced
+                    await client.post(f"{target}/v1/unload_lora_adapter", json={"lora_name": name})
+                r = await client.post(f"{target}/v1/load_lora_adapter", json=body)
+                if r.status_code != 200 and "already been loaded" in r.text and not content_named(name):
+                    # "Already loaded" is believed only for a name that states its content: this server's
+                    # backends register `lora-<md5>` only for a pack whose bytes have that md5
+                    # (spark_server/fleet.py checks it), so whatever one holds under it has these weights.
+                    # Any other name is this front end's operator's: what a backend holds under it cannot
+                    # be checked from here, so it is replaced with ours. (vLLM backends take any name:
+                    # their runtime adapter loading must stay closed to tenants for the same guarantee.)
+                    await client.post(f"{target}/v1/unload_lora_adapter", json={"lora_name": name})
+                    r = await client.post(f"{target}/v1/load_lora_adapter", json=body)
             except httpx.HTTPError as exc:
                 if target == backend.url:
                     raise BackendUnavailable(backend.url, f"loading adapter {name}: {exc}") from None
                 return  # a replica that is down gets it when it is back
-            if r.status_code == 200 or "already been loaded" in r.text:
-                self._loaded[target].add(name)
+            if r.status_code == 200 or ("already been loaded" in r.text and content_named(name)):
+                self._loaded[target][name] = identity
                 return
             raise LoraUnavailableError(f"{target} refused adapter {name}: HTTP {r.status_code} {r.text[:300]}",
                                        code="incompatible" if r.status_code == 400 else "load_failed")

@@ -51,13 +51,17 @@ Prompt = Union[ChatPrompt, TextPrompt, TokensPrompt]
 
 @dataclass(slots=True, frozen=True)
 class LoraRef:
-    """A LoRA adapter: a pack to fetch (url + md5) or a name registered at start. Before the engine
-    core sees it, the resolver fills ``name`` (a unique key) and ``path`` (the unpacked adapter)."""
+    """A LoRA adapter: a pack to fetch (url + md5) or a registered name. Before the engine core sees it,
+    the resolver fills ``name`` (what logs and metrics show), ``path`` (the unpacked adapter) and
+    ``identity``: what the engine caches the adapter's weights and slot under. A name is chosen by
+    people; the identity is the content's (``md5:<pack md5>``) or one fresh per registration of a
+    directory (``dir:<uuid>``), so two adapters that share a name never share weights."""
 
     url: str | None = None
     md5: str | None = None
     name: str | None = None
     path: str | None = None
+    identity: str | None = None
 
 
 @dataclass(slots=True)

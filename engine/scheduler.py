@@ -224,7 +224,7 @@ class Scheduler:
                 break
             if seq.is_blocked:
                 continue
-            if seq.lora_name is not None and not self.lora_manager.can_acquire(seq.lora_name):
+            if seq.lora_name is not None and not self.lora_manager.can_acquire(seq.lora_key):
                 continue  # every adapter slot is pinned by running sequences: wait for one
             if not seq.block_table:
                 bm.allocate_cached_prefix(seq)

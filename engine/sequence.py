@@ -42,6 +42,7 @@ class Sequence:
         self.cache_salt = cache_salt  # separates prefix-cache entries (e.g. per LoRA adapter)
         self.lora_name = request.lora.name if request.lora is not None else None
         self.lora_adapter = lora_adapter  # loaded before admission: scheduling does no disk I/O
+        self.lora_key = lora_adapter.key if lora_adapter is not None else None  # its identity: slots go by it
         self.matcher = matcher  # structured output: the grammar's state after this sequence's output so far
         self.lora_slot = -1  # resident adapter slot while running; -1 = base model
         self.prompt_token_ids = prompt_token_ids

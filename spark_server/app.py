@@ -15,7 +15,7 @@ from bridges.registry import Operation, Protocol, Registry, discover
 from engine.model_loader import default_cache_dir
 from engine.protocol import EngineClient
 from lora_store.pack import UnpackLimits
-from lora_store.resolver import LoraResolver, store_validator
+from lora_store.resolver import RESERVED_PREFIXES, LoraResolver, reserved, store_validator
 from lora_store.store import LoraStore, StoreLimits
 from spark_server.auth import ApiKeyMiddleware, ReplayGuard, parse_key_pairs
 from spark_server.fleet import (get_pack, load_lora_adapter, model_info, publish_pack, server_info, unload_lora_adapter,
@@ -65,6 +65,10 @@ SERVER_PROTOCOL = Protocol("server", (
 def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True) -> Starlette:
     """``engine`` is started/stopped with the app when ``owns_engine``."""
 
+    taken = [name for name in settings.lora_sources() if reserved(name)]
+    if taken:
+        raise ValueError(f"--lora {taken[0]}: names starting with {' or '.join(RESERVED_PREFIXES)} are the "
+                         "server's own; choose another")
     resolver = attach_lora(settings, engine)
 
     @contextlib.asynccontextmanager
@@ -125,7 +129,7 @@ def attach_lora(settings: Settings, engine: EngineClient) -> LoraResolver | None
     store = LoraStore(cache, (settings.lora_allowed_urls or "").split(","), limits,
                       validator=store_validator(engine.check_adapter),
                       refuse_private=settings.lora_refuse_private_addresses)
-    return LoraResolver(store, engine.check_adapter)
+    return LoraResolver(store, engine.check_adapter, pin=engine.register_adapter, unpin=engine.forget_adapter)
 
 
 def uvicorn_config(app: Starlette, settings: Settings) -> "uvicorn.Config":

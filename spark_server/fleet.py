@@ -21,6 +21,10 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 
 from engine.errors import LoraUnavailableError
+from engine.remote import content_named
+from lora_store.pack import find_adapter_dir
+from lora_store.resolver import RESERVED_PREFIXES, AlreadyRegistered, directory_identity, pack_identity, reserved
+from lora_store.store import pack_key
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 
@@ -79,6 +83,35 @@ def _under(path: str, root: str) -> Path | None:
     return real if real == base or base in real.parents else None
 
 
+def _pack_verified(path: Path, md5: str, roots: list[str]) -> bool:
+    """Whether ``path`` (resolved) is the adapter of a pack entry that a LoRA store on this server's
+    ``roots`` downloaded with md5 ``md5``: ``<root>/packs/<key>/adapter[/<folder>]``, where the store wrote
+    ``READY`` (url, md5) only after checking the bytes' md5, and ``key`` is that url's and md5's. Only
+    ``<root>/packs/<key>`` itself counts, never a folder inside a pack (a pack's files cannot forge READY)."""
+    for root in roots:
+        packs = Path(os.path.realpath(root)) / "packs"
+        try:
+            rel = path.relative_to(packs).parts
+        except ValueError:
+            continue
+        if len(rel) not in (2, 3) or rel[1] != "adapter":
+            continue
+        entry = packs / rel[0]
+        try:
+            url, ready_md5 = (entry / "READY").read_text().splitlines()[:2]
+            found = Path(os.path.realpath(find_adapter_dir(entry / "adapter")))
+        except (OSError, ValueError, LoraUnavailableError):
+            continue
+        if ready_md5.lower() == md5 and pack_key(url, ready_md5) == rel[0] and found == path:
+            return True
+    return False
+
+
+def _named_md5(name: str) -> str | None:
+    """The md5 a ``lora-<md5>`` name states (None for any other name)."""
+    return name.removeprefix("lora-") if content_named(name) else None
+
+
 async def load_lora_adapter(request: Request) -> Response:
     body = await _body(request)
     if isinstance(body, Response):
@@ -89,6 +122,13 @@ async def load_lora_adapter(request: Request) -> Response:
         return _error(400, "LoRA adapters are not enabled on this server (--lora-shared-dir or "
                            "--lora-allowed-urls)")
     name = body["lora_name"]
+    # pack-<key> and lora-<md5> are the names the server gives packs itself. lora-<md5> is how a fleet's
+    # front end names a pack on its backends, so it is taken, but only for a pack of that md5: then every
+    # adapter under such a name is the pack its name says, and "already loaded" can be believed.
+    named_md5 = _named_md5(name)
+    if reserved(name) and named_md5 is None:
+        return _error(400, f"'lora_name' {name!r}: names starting with {' or '.join(RESERVED_PREFIXES)} are the "
+                           "server's own (lora-<md5> is taken only for the pack of that md5)", "lora_name")
     if name in resolver.registered:  # vLLM's answer, word for word in its meaning
         return _error(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
     try:
@@ -101,16 +141,28 @@ async def load_lora_adapter(request: Request) -> Response:
             if inside is None or not inside.is_dir():
                 return _error(400, f"'lora_path' must be an adapter directory under --lora-shared-dir "
                                    f"({settings.lora_shared_dir})", "lora_path")
-            await resolver.register(name, str(inside))
+            if named_md5 is None:
+                identity = directory_identity()
+            else:
+                roots = [settings.lora_shared_dir] + ([str(resolver.store.root)] if resolver.store else [])
+                if not _pack_verified(inside, named_md5, roots):
+                    return _error(400, f"'lora_name' {name!r} names the pack of md5 {named_md5}; 'lora_path' is "
+                                       "not a pack of that md5 that this server's LoRA store verified", "lora_name")
+                identity = pack_identity(named_md5)
+            await resolver.add(name, str(inside), identity)
         elif body.get("url") is not None:
             url, md5 = body.get("url"), body.get("md5")
             if not isinstance(url, str) or not isinstance(md5, str) or resolver.store is None:
                 return _error(400, "a pack needs 'url' and 'md5' and --lora-allowed-urls", "url")
+            if named_md5 is not None and md5.lower() != named_md5:
+                return _error(400, f"'lora_name' {name!r} names the pack of md5 {named_md5}, not {md5}", "lora_name")
             _, path = await resolver.store.fetch(url, md5)  # the allow-list, size and md5 checks apply
-            resolver.registered[name] = str(path)
+            await resolver.add(name, str(path), pack_identity(md5))
         else:
             return _error(400, "name the adapter: 'lora_path' (under --lora-shared-dir) or 'url' and 'md5'",
                           "lora_path")
+    except AlreadyRegistered:
+        return _error(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
     except LoraUnavailableError as exc:
         return _error(400, str(exc), "lora_path")
     except ValueError as exc:
@@ -124,9 +176,10 @@ async def unload_lora_adapter(request: Request) -> Response:
         return body
     resolver = request.app.state.lora_resolver
     name = body["lora_name"]
-    if resolver is None or name not in resolver.registered:
+    # forgotten at once; the engine drops the weights (requests already admitted keep the adapter they
+    # were admitted with), and a later load under this name reads the new ones
+    if resolver is None or not resolver.remove(name):
         return _error(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
-    del resolver.registered[name]  # running requests keep the adapter they were admitted with
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 

@@ -82,6 +82,10 @@ class FakeEngine:
 
     def check_adapter(self, path: str, name: str) -> None: ...
 
+    def register_adapter(self, path: str, name: str, identity: str) -> None: ...
+
+    def forget_adapter(self, identity: str) -> None: ...
+
     # ---- tokens --------------------------------------------------------------------------------
 
     def encode_prompt_sync(self, prompt: Prompt) -> list[int]:

@@ -82,7 +82,9 @@ def start_replicas() -> dict:
     logs = Path(tempfile.mkdtemp(prefix="fleet-logs-"))
     shared = Path(tempfile.mkdtemp(prefix="lora-shared-"))  # the adapter directory every engine reads
     ports = {k: free_port() for k in ("a", "b")}
-    procs = {k: _serve(ports[k], logs / f"{k}.log", "--lora-shared-dir", str(shared)) for k in ("a", "b")}
+    # the replicas are reached only by the front end here: their adapter endpoints open without a key
+    procs = {k: _serve(ports[k], logs / f"{k}.log", "--lora-shared-dir", str(shared),
+                       "--allow-unauthenticated-admin") for k in ("a", "b")}
     return {"logs": logs, "shared": shared, "ports": ports, "procs": procs}
 
 
@@ -244,6 +246,12 @@ def test_a_pushed_pack_serves_sessions_across_the_fleet(fleet, tmp_path):
     ref = json.loads(pushed.stdout)
     assert ref["url"] == f"{url['front']}/lora/packs/{ref['md5']}.tar.gz" and "KiB" in pushed.stderr  # progress bar
     assert httpx.get(ref["url"]).content == pack.read_bytes()
+    # nobody takes the pack's fleet name on a replica first: lora-<md5> is taken only for that pack, as
+    # the replica's store verified it (a directory of the shared folder is not one)
+    squat = fleet["shared"] / "squat"
+    shutil.copytree(adapter, squat, dirs_exist_ok=True)
+    r = httpx.post(url["a"] + "/v1/load_lora_adapter", json={"lora_name": f"lora-{ref['md5']}", "lora_path": str(squat)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
 
     # a wrong md5 is refused by the front end before any replica sees the session
     served_before = {k: counter(url[k], "spark:prompt_tokens_total") for k in ("a", "b")}

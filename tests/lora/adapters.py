@@ -84,3 +84,36 @@ def peft_greedy(model_dir: str, adapters: list[Path | None], prompts: list[list[
         if adapter is not None:
             base = model.unload()  # the base model again, without the adapter's layers
     return results
+
+
+def peft_first_token(model_dir: str, adapters: list[Path | None], ids: list[int]) -> list[tuple[int, float]]:
+    """PEFT's greedy first token after ``ids`` and its logprob, under each adapter (None: the base model)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    firsts = []
+    for adapter in adapters:
+        model = PeftModel.from_pretrained(base, str(adapter)).eval() if adapter is not None else base
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        token = int(logprobs.argmax())
+        firsts.append((token, float(logprobs[token])))
+        if adapter is not None:
+            base = model.unload()
+    return firsts
+
+
+def scaled_variant(source: Path, out: Path, factor: float) -> Path:
+    """A copy of a PEFT adapter with every lora_B scaled by ``factor``: other weights, other bytes, no
+    model load."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, out)
+    weights = out / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    save_file({k: (v * factor if "lora_B" in k else v).contiguous() for k, v in tensors.items()}, str(weights))
+    return out

@@ -61,27 +61,56 @@ def test_adapter_names_are_checked(replica, name):
 
 def test_load_use_and_unload(replica):
     base, shared, _, engine = replica
-    r = load(base, {"lora_name": "lora-good", "lora_path": str(shared / "good")})
+    r = load(base, {"lora_name": "good-adapter", "lora_path": str(shared / "good")})
     assert r.status_code == 200 and "added successfully" in r.text
-    again = load(base, {"lora_name": "lora-good", "lora_path": str(shared / "good")})
+    again = load(base, {"lora_name": "good-adapter", "lora_path": str(shared / "good")})
     assert again.status_code == 400 and "already been loaded" in again.text
-    for body in ({"model": "lora-good"}, {"model": engine.model_info.name, "lora_path": "lora-good"}):
+    identities = set()
+    for body in ({"model": "good-adapter"}, {"model": engine.model_info.name, "lora_path": "good-adapter"}):
         r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, **body}, headers=AUTH)
         assert r.status_code == 200, r.text
-        assert engine.requests[-1].lora.name == "lora-good"
+        assert engine.requests[-1].lora.name == "good-adapter"
         assert engine.requests[-1].lora.path == os.path.realpath(shared / "good")
-    gone = httpx.post(base + "/v1/unload_lora_adapter", json={"lora_name": "lora-good"}, headers=AUTH)
+        identities.add(engine.requests[-1].lora.identity)
+    assert len(identities) == 1 and identities.pop().startswith("dir:")  # one registration, one identity
+    gone = httpx.post(base + "/v1/unload_lora_adapter", json={"lora_name": "good-adapter"}, headers=AUTH)
     assert gone.status_code == 200
-    assert httpx.post(base + "/v1/unload_lora_adapter", json={"lora_name": "lora-good"}, headers=AUTH).status_code == 404
-    r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "model": "lora-good"}, headers=AUTH)
+    assert httpx.post(base + "/v1/unload_lora_adapter", json={"lora_name": "good-adapter"},
+                      headers=AUTH).status_code == 404
+    r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "model": "good-adapter"},
+                   headers=AUTH)
     assert r.status_code == 404
+
+
+@pytest.mark.parametrize("name", ["pack-0123", "lora-good", "lora-" + "0" * 31, "lora-" + "A" * 32])
+def test_the_servers_own_names_are_refused(replica, name):
+    base, shared, _, _ = replica
+    r = load(base, {"lora_name": name, "lora_path": str(shared / "good")})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
+
+
+def test_a_content_name_needs_a_verified_pack_of_its_md5(replica):
+    """lora-<md5> names only the pack of that md5: a directory of the operator's, a url with another md5
+    and a pack-like folder without the store's READY are all refused."""
+    base, shared, _, _ = replica
+    name = "lora-" + "0123456789abcdef" * 2
+    r = load(base, {"lora_name": name, "lora_path": str(shared / "good")})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
+    fake = shared / "packs" / ("f" * 32) / "adapter"
+    fake.mkdir(parents=True)
+    (fake.parent / "READY").write_text("http://127.0.0.1:9/packs/x.tar\n" + "0123456789abcdef" * 2 + "\n")
+    r = load(base, {"lora_name": name, "lora_path": str(fake)})  # READY's url and md5 are not that key's
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
+    r = load(base, {"lora_name": name, "url": "http://127.0.0.1:9/packs/a.tar.gz", "md5": "f" * 32})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
 
 
 def test_the_shelf_serves_only_pack_names_and_refuses_what_is_not_a_pack(replica):
     base, _, _, _ = replica
     for name in ("..%2f..%2fetc%2fpasswd", "x.tar.gz", "0" * 32 + ".exe", "0" * 32 + ".tar.gz"):
         assert httpx.get(base + "/lora/packs/" + name).status_code == 404, name
-    r = httpx.post(base + "/v1/lora/packs", content=b"not a pack at all", headers=AUTH)
+    r = httpx.post(base + "/v1/lora/packs", content=b"not a pack at all",
+                   headers={**AUTH, "Content-Type": "application/octet-stream"})
     assert r.status_code == 400 and "not a tar" in r.json()["error"]["message"]
     assert httpx.post(base + "/v1/lora/packs", content=b"x").status_code == 401
 
