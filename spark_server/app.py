@@ -17,7 +17,7 @@ from engine.protocol import EngineClient
 from lora_store.pack import UnpackLimits
 from lora_store.resolver import RESERVED_PREFIXES, LoraResolver, reserved, store_validator
 from lora_store.store import LoraStore, StoreLimits
-from spark_server.auth import ApiKeyMiddleware, ReplayGuard, parse_key_pairs
+from spark_server.auth import AdminGate, AllowedHosts, ApiKeyMiddleware, ReplayGuard, parse_key_pairs
 from spark_server.fleet import (get_pack, load_lora_adapter, model_info, publish_pack, server_info, unload_lora_adapter,
                                 version_endpoint)
 from spark_server.health import health
@@ -106,6 +106,11 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
     app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_body_mb * (1 << 20)), timeout_s=settings.body_timeout,
                        min_rate=settings.body_min_rate_kb * 1024,
                        large_bodies={"/v1/lora/packs": settings.lora_max_pack_mb << 20})
+    # outside the body limit: the adapter endpoints' permission, key and Content-Type are checked before
+    # any of a body is read
+    app.add_middleware(AdminGate, api_key=settings.api_key, allow_unauthenticated=settings.allow_unauthenticated_admin)
+    if settings.hosts:  # outermost: a request to a host not served is answered before anything else runs
+        app.add_middleware(AllowedHosts, hosts=settings.hosts)
     engine.limits.default_timeout_s = settings.request_timeout
     engine.limits.stuck_after_s = settings.stuck_step_timeout
     app.state.settings = settings

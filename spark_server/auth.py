@@ -174,3 +174,103 @@ def denial(err: AuthError) -> JSONResponse:
     return JSONResponse({"header": {"code": int(SparkCode.AUTH_FAILED), "message": err.message, "status": 2}},
                         status_code=err.status)
 
+
+
+# The endpoints that change which adapters the server serves. Each accepts one kind of body, and never one
+# a web page can send cross-origin without a CORS preflight ("simple requests": text/plain, form bodies,
+# or no Content-Type at all), so a page the operator visits cannot call them even without --api-key.
+JSON_BODY = ("application/json",)
+PACK_BODY = ("application/octet-stream", "application/gzip", "application/x-gzip", "application/x-tar",
+             "application/zip", "application/x-zip-compressed")
+ADMIN_ENDPOINTS = {"/v1/load_lora_adapter": JSON_BODY, "/v1/unload_lora_adapter": JSON_BODY,
+                   "/v1/lora/packs": PACK_BODY}
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status, headers=headers)
+
+
+class AdminGate:
+    """The adapter endpoints, closed unless the operator opened them: without --api-key they answer 403
+    (or, with --allow-unauthenticated-admin, stay open, for a lab); with it the key is checked here. Then
+    the body's Content-Type (415). All of it before a byte of the body is read, so a client without the
+    key cannot make the server receive, buffer or wait for its upload."""
+
+    def __init__(self, app, api_key: str | None, allow_unauthenticated: bool) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.open = allow_unauthenticated
+
+    async def __call__(self, scope, receive, send) -> None:
+        accepted = ADMIN_ENDPOINTS.get(scope["path"]) if scope["type"] == "http" else None
+        if accepted is None or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        refusal = None
+        if self.expected is None and not self.open:
+            refusal = _error(403, f"{scope['path']} needs the server to run with --api-key (or "
+                                  "--allow-unauthenticated-admin, for a lab)", kind="permission_error")
+        elif self.expected is not None:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = "missing Authorization header" if not given else "invalid API key"
+                refusal = _error(401, f"{message} (send Authorization: Bearer <key>)", kind="authentication_error",
+                                 headers={"WWW-Authenticate": "Bearer"})
+        if refusal is None:
+            media = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+            if media not in accepted:
+                refusal = _error(415, f"{scope['path']} takes a body of Content-Type {' or '.join(accepted[:2])}"
+                                      f"{' (or another archive type)' if len(accepted) > 2 else ''}, not "
+                                      f"{media or 'none'}")
+        if refusal is not None:
+            # Connection: close, as the body is never read: the connection cannot carry another request
+            refusal.headers["Connection"] = "close"
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def host_allowed(host: str, allowed: list[str]) -> bool:
+    """``host`` (a Host header: name or name:port) against --allowed-hosts entries: ``name`` (any port),
+    ``name:port``, ``*.domain`` (its subdomains, any port) or ``*`` (any)."""
+    host = host.strip().lower()
+    if not host:
+        return False
+    name = host[:host.index("]") + 1] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]
+    for entry in allowed:
+        if entry in ("*", host, name):
+            return True
+        if entry.startswith("*.") and name.endswith(entry[1:]):
+            return True
+    return False
+
+
+class AllowedHosts:
+    """With --allowed-hosts, every HTTP request and WebSocket handshake must name one of them in its Host
+    header: a page on a name the attacker controls, re-pointed at this server's address (DNS rebinding),
+    sends its own name and is refused (400, or a refused handshake)."""
+
+    def __init__(self, app, hosts: list[str]) -> None:
+        self.app = app
+        self.hosts = hosts
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+        if host_allowed(host, self.hosts):
+            await self.app(scope, receive, send)
+            return
+        refusal = _error(400, f"Host {host[:100]!r} is not served here (--allowed-hosts)")
+        if scope["type"] == "http":
+            await refusal(scope, receive, send)
+        elif "websocket.http.response" in scope.get("extensions", {}):
+            await receive()  # websocket.connect
+            await refusal(scope, receive, send)  # sent as the handshake's answer
+        else:
+            await receive()
+            await send({"type": "websocket.close", "code": 1008})

@@ -8,16 +8,21 @@
   registered under ``lora_name`` so every bridge can name it as its model;
 - the pack shelf: ``POST /v1/lora/packs`` (a pack's bytes, behind ``--api-key``) checks and keeps a pack
   and answers ``{url, md5}``; ``GET /lora/packs/<md5>.<ext>`` serves it to sessions and replicas.
+
+The adapter endpoints answer 403 without ``--api-key`` unless ``--allow-unauthenticated-admin``, and take
+only their own Content-Type (spark_server/auth.py ``AdminGate``, before any of the body is read).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 
 from engine.errors import LoraUnavailableError
@@ -113,6 +118,7 @@ def _named_md5(name: str) -> str | None:
 
 
 async def load_lora_adapter(request: Request) -> Response:
+    # the permission, the key and the JSON Content-Type were checked (AdminGate) before the body was read
     body = await _body(request)
     if isinstance(body, Response):
         return body
@@ -199,24 +205,78 @@ def _shelf(request: Request):
     return state.pack_shelf
 
 
+RATE_GRACE_S = 2.0  # as BodySizeLimit: the first seconds of a body are not held to --body-min-rate-kb
+
+
+def _too_slow(why: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": f"the pack {why}", "type": "invalid_request_error", "param": None,
+                                   "code": 408}}, status_code=408, headers={"Connection": "close"})
+
+
+async def _receive_pack(request: Request, dest: Path) -> tuple[str, int] | Response:
+    """Stream the body into ``dest`` while hashing it: (md5, bytes), or the refusal. The pack is never
+    held in memory. Past --lora-max-pack-mb it is refused at once (413); 408 when no byte arrives for
+    --body-timeout, when it averages under --body-min-rate-kb, or when it is not in within
+    --lora-download-timeout (a pack's transfer either way has that long)."""
+    settings = request.app.state.settings
+    limit = settings.lora_max_pack_mb << 20
+    stall = settings.body_timeout
+    total = max(settings.body_timeout, settings.lora_download_timeout)
+    min_rate = settings.body_min_rate_kb * 1024
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    digest, received = hashlib.md5(), 0
+    chunks = request.stream().__aiter__()
+    with open(dest, "wb") as out:
+        while True:
+            left = started + total - loop.time()
+            try:
+                async with asyncio.timeout(max(0.0, min(stall, left))):
+                    chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                return _too_slow(f"did not arrive in full within {total:g} s (--lora-download-timeout)"
+                                 if left <= stall else f"stopped arriving for {stall:g} s (--body-timeout)")
+            except ClientDisconnect:
+                return _error(400, "the client left before the pack arrived in full")
+            received += len(chunk)
+            if received > limit:
+                return JSONResponse({"error": {"message": f"the pack is over the {settings.lora_max_pack_mb} MiB "
+                                               "limit (--lora-max-pack-mb)", "type": "invalid_request_error",
+                                               "param": "pack", "code": 413}},
+                                    status_code=413, headers={"Connection": "close"})
+            digest.update(chunk)
+            out.write(chunk)
+            elapsed = loop.time() - started
+            if min_rate and elapsed > RATE_GRACE_S and received / elapsed < min_rate:
+                return _too_slow(f"arrives at {received / elapsed:.0f} bytes/s; at least {min_rate:.0f} are "
+                                 "required (--body-min-rate-kb)")
+    return digest.hexdigest(), received
+
+
 async def publish_pack(request: Request) -> Response:
     """POST /v1/lora/packs: the body is the pack file itself (tar.gz, tar or zip)."""
-    import asyncio
-
-    settings = request.app.state.settings
-    if not settings.api_key:  # the middleware checked the key when one is set; without one, nobody publishes
-        return _error(403, "publishing packs needs the server to run with --api-key")
-    data = await request.body()
-    if not data:
-        return _error(400, "the body must be the pack file (tar.gz, tar or zip)")
-    engine = request.app.state.engine
+    # The permission, the key and the Content-Type were checked (AdminGate) before any of the body was
+    # read; the body is not buffered ahead of this handler (BodySizeLimit's large_bodies).
+    shelf = _shelf(request)
+    staged = shelf.incoming()
     try:
-        md5, name = await asyncio.to_thread(_shelf(request).publish, data, engine.check_adapter)
+        received = await _receive_pack(request, staged)
+        if isinstance(received, Response):
+            return received
+        md5, size = received
+        if not size:
+            return _error(400, "the body must be the pack file (tar.gz, tar or zip)")
+        engine = request.app.state.engine
+        md5, name = await asyncio.to_thread(shelf.publish_file, staged, engine.check_adapter, md5)
     except LoraUnavailableError as exc:
         return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error", "param": "pack",
                                        "code": f"lora_{exc.code}"}}, status_code=400)
+    finally:
+        staged.unlink(missing_ok=True)
     url = str(request.base_url).rstrip("/") + f"/lora/packs/{name}"
-    return JSONResponse({"url": url, "md5": md5, "bytes": len(data)}, status_code=201)
+    return JSONResponse({"url": url, "md5": md5, "bytes": size}, status_code=201)
 
 
 async def get_pack(request: Request) -> Response:

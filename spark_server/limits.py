@@ -24,7 +24,9 @@ class BodySizeLimit:
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
-        # paths that take files (LoRA packs): their own size limit, and only the minimum rate as a clock
+        # paths that take files (LoRA packs), with their own size limit: only a declared Content-Length is
+        # checked here; the body goes to the handler as it arrives, which streams it to disk within that
+        # limit and its own clocks (nothing of it is held in memory, nor read before the handler's checks)
         self.large_bodies = large_bodies or {}
         self.min_rate = min_rate  # bytes/s a body must average once ``rate_grace_s`` have passed
         self.rate_grace_s = rate_grace_s
@@ -34,21 +36,25 @@ class BodySizeLimit:
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": 408}},
                             status_code=408, headers={"Connection": "close"})
 
-    def _too_large(self, limit: int) -> JSONResponse:
-        message = f"request body is over the {limit} byte limit (--max-body-mb)"
+    def _too_large(self, limit: int, path: str | None = None) -> JSONResponse:
+        where = f"of {path}" if path in self.large_bodies else "(--max-body-mb)"
+        message = f"request body is over the {limit} byte limit {where}"
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": 413}},
-                            status_code=413)
+                            status_code=413, headers={"Connection": "close"} if path in self.large_bodies else None)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         max_bytes = self.large_bodies.get(scope["path"], self.max_bytes)
-        timeout_s = None if scope["path"] in self.large_bodies else self.timeout_s
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            await self._too_large(max_bytes)(scope, receive, send)
+            await self._too_large(max_bytes, scope["path"])(scope, receive, send)
             return
+        if scope["path"] in self.large_bodies:
+            await self.app(scope, receive, send)
+            return
+        timeout_s = self.timeout_s
         # Read the whole body here (bounded), so an over-long chunked body is answered 413 before any
         # handler runs; the handler then gets it in one message, and later receives (disconnect
         # watching) go to the server.
