@@ -179,6 +179,10 @@ SCHEMA_CARRIERS: list[tuple[str, Callable[[Any], Callable[[str, str], Awaitable[
         "max_new_tokens": 8, "json_schema": json.dumps(s)}}), (400,), "json_schema"),
     ("tgi grammar", lambda s: post("/generate", {"inputs": "Hi", "parameters": {
         "max_new_tokens": 8, "grammar": {"type": "json", "value": s}}}), (400, 422), "grammar"),
+    ("triton generate grammar", lambda s: post(f"/v2/models/{MODEL}/generate", {"text_input": "Hi", "parameters": {
+        "max_new_tokens": 8, "grammar": {"type": "json", "value": s}}}), (400, 422), "grammar"),
+    ("mindie infer grammar", lambda s: post("/infer", {"inputs": "Hi", "parameters": {
+        "max_new_tokens": 8, "grammar": {"type": "json", "value": s}}}), (400, 422), "grammar"),
     ("ollama format", lambda s: post("/api/generate", {"model": MODEL, "prompt": "Hi", "stream": False, "format": s,
                                                        "options": {"num_predict": 8}}), (400,), "format"),
     ("spark response_format", lambda s: spark({"response_format": {"type": "json_schema", "json_schema": {
@@ -206,6 +210,9 @@ def corpus() -> list[Attack]:
     return crashes + [
         Attack("openai guided_regex: 400 nested groups", "constraint depth", post("/v1/completions", completion(
             guided_regex="(" * 400 + "a" + ")" * 400)), (400,), "guided_regex"),
+        Attack("tgi grammar regex: 400 nested groups", "constraint depth", post("/generate", {
+            "inputs": "Hi", "parameters": {"max_new_tokens": 8, "grammar": {
+                "type": "regex", "value": "(" * 400 + "a" + ")" * 400}}}), (400, 422), "grammar"),
         # memory: a huge enum, and one just inside the budget (compiled in the worker, kept within the cache)
         Attack("openai guided_json enum of 200 KiB (served)", "compiled bytes",
                post("/v1/completions", completion(guided_json=enum_schema(200 << 10))), (200,)),
