@@ -177,16 +177,28 @@ class GrammarWorker:
     def __init__(self, setup_line: str) -> None:
         self._setup = setup_line
         self._proc: subprocess.Popen[bytes] | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # starting and closing the process
+        self._job_lock = threading.Lock()  # which job the process runs, against a stop meant for another
+        self._job: object = None
 
-    def trial(self, kind: str, value: str, whitespace_pattern: str | None, timeout_s: float) -> Trial:
+    def trial(self, kind: str, value: str, whitespace_pattern: str | None, timeout_s: float,
+              job: object = None) -> Trial:
         """Compile in the worker; ValueError for a constraint the library refuses, WorkerFailed when the
-        worker dies, is stopped or overruns ``timeout_s``."""
+        worker dies, is stopped or overruns ``timeout_s``. ``job``: what ``stop`` names to end this one."""
+        with self._job_lock:
+            self._job = job
+        try:
+            return self._trial(kind, value, whitespace_pattern, timeout_s)
+        finally:
+            with self._job_lock:
+                self._job = None
+
+    def _trial(self, kind: str, value: str, whitespace_pattern: str | None, timeout_s: float) -> Trial:
         proc = self._started()
-        job = json.dumps({"kind": kind, "value": value, "whitespace_pattern": whitespace_pattern})
+        line = json.dumps({"kind": kind, "value": value, "whitespace_pattern": whitespace_pattern})
         try:
             assert proc.stdin is not None
-            proc.stdin.write(job.encode() + b"\n")
+            proc.stdin.write(line.encode() + b"\n")
             proc.stdin.flush()
         except OSError:
             self.close()
@@ -213,7 +225,7 @@ class GrammarWorker:
                 ready = self._read_line(self._proc, 120.0)
                 if not isinstance(ready, bytes):
                     self._proc.kill()
-                    raise RuntimeError("the grammar worker did not start")
+                    raise WorkerFailed("could not be compiled: the compiler's worker did not start")
             return self._proc
 
     @staticmethod
@@ -234,13 +246,13 @@ class GrammarWorker:
             if chunk.endswith(b"\n"):
                 return b"".join(chunks)
 
-    def stop(self) -> None:
-        """End the worker process; safe from any thread (a request gone away). A job in it ends with it:
-        its compile thread reads the end and cleans up (``close``)."""
-        with self._lock:
+    def stop(self, job: object) -> None:
+        """End the worker if it is still running ``job`` (a request gone away); safe from any thread. The
+        compile thread then reads the end and cleans up (``close``); a later job is never hit."""
+        with self._job_lock:
             proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.kill()
+            if self._job is job and proc is not None and proc.poll() is None:
+                proc.kill()
 
     def close(self) -> None:
         """Drop the worker process and its pipes; only the compile thread that owns this handle calls it."""

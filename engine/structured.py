@@ -144,7 +144,7 @@ class GrammarCompiler:
             threads, self._threads = self._threads, []
         for job in jobs:
             if job.worker is not None:
-                job.worker.stop()
+                job.worker.stop(job)
         for _ in threads:
             self._queue.put(None)
 
@@ -192,7 +192,7 @@ class GrammarCompiler:
             worker = job.worker
         job.future.cancel()
         if worker is not None:  # it is compiling for nobody: end it (the next job starts a fresh worker)
-            worker.stop()
+            worker.stop(job)
 
     def _start_threads(self) -> None:
         while len(self._threads) < self.budget.workers:
@@ -207,7 +207,7 @@ class GrammarCompiler:
                     continue
                 job.worker = worker
             try:
-                outcome: CompiledGrammar | ConstraintRefused = self._build(job.key, worker)
+                outcome: CompiledGrammar | ConstraintRefused = self._build(job, worker)
             except Exception as exc:  # the worker could not start: structured output is down, not the server
                 logger.exception("grammar compile failed")
                 outcome = ConstraintRefused(f"could not be compiled: {exc}")
@@ -230,10 +230,10 @@ class GrammarCompiler:
                 job.future.set_exception(outcome)
         worker.close()
 
-    def _build(self, key: Constraint, worker: GrammarWorker) -> CompiledGrammar | ConstraintRefused:
-        budget = self.budget
+    def _build(self, job: _Job, worker: GrammarWorker) -> CompiledGrammar | ConstraintRefused:
+        budget, key = self.budget, job.key
         try:
-            trial = worker.trial(key.kind, key.value, key.whitespace_pattern, budget.compile_timeout_s)
+            trial = worker.trial(key.kind, key.value, key.whitespace_pattern, budget.compile_timeout_s, job)
         except (ValueError, WorkerFailed) as exc:
             return ConstraintRefused(str(exc))
         if trial.nbytes > budget.max_compiled_bytes:
