@@ -40,30 +40,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-async def _settled_rss(pid: int, limit_s: float = 90.0) -> int:
+async def _settled_rss(pid: int) -> int:
     """The server's RSS once it has stopped growing: after start its KV pool is made resident on idle CPU
     time (engine/resident.py), which is the idle state abuse is measured against, not abuse's doing."""
-    deadline = time.monotonic() + limit_s
-    last = _rss_bytes(pid)
-    while time.monotonic() < deadline:
-        await asyncio.sleep(1.0)
-        now = _rss_bytes(pid)
-        if now - last < 8 << 20:
-            return now
-        last = now
-    return last
+    return await attack_corpus.settled_rss(pid, limit_s=90.0, step_bytes=8 << 20)
 
 
 class RssSampler:
-    """The server's peak RSS between start() and stop(), sampled every 5 ms."""
+    """The server's (and its grammar worker's) peak RSS between start() and stop(), sampled every 5 ms."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -72,14 +56,14 @@ class RssSampler:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self.peak = _rss_bytes(self.pid)
+        self.peak = attack_corpus.tree_rss(self.pid)
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_bytes(self.pid))
+            self.peak = max(self.peak, attack_corpus.tree_rss(self.pid))
             time.sleep(0.005)
 
     def stop(self) -> int:
