@@ -24,6 +24,7 @@ def _ms(seconds: float | None) -> float | None:
 
 class Infer(Handler):
     schema = "mindie-infer"
+    logprob_fields = textgen.LOGPROB_FIELDS
 
     def render_error(self, err: BridgeError) -> dict[str, Any]:
         return render_error(err)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -14,7 +15,7 @@ from bridges import tools
 from bridges.constraints import openai_constraint
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
-from bridges.serving import Handler, Plan, route
+from bridges.serving import Handler, JSONAnswer, Plan, route
 from bridges.tools import ToolPlan
 from engine.protocol import EngineClient
 from engine.request import (ChatPrompt, GenerationRequest, LoraRef, Prompt, RequestOutput, TextPrompt,
@@ -119,20 +120,34 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[s
 
 
 class TokenNames:
-    """How logprobs name tokens: their text, or 'token_id:{id}' (vLLM's return_tokens_as_token_ids)."""
+    """How logprobs name tokens: their text, or 'token_id:{id}' (vLLM's return_tokens_as_token_ids).
+    Each id is decoded once per answer: an answer with many logprobs names the same tokens over and
+    over, and a decode costs more than the rest of an entry's rendering."""
 
     def __init__(self, engine: EngineClient, as_ids: bool) -> None:
         self.engine = engine
         self.as_ids = as_ids
+        self._names: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
 
     def __call__(self, token_id: int) -> str:
-        return f"token_id:{token_id}" if self.as_ids else self.engine.tokenizer.decode([token_id])
+        name = self._names.get(token_id)
+        if name is None:
+            name = f"token_id:{token_id}" if self.as_ids else self.engine.tokenizer.decode([token_id])
+            self._names[token_id] = name
+        return name
+
+    def utf8(self, token_id: int) -> list[int]:
+        """The name's UTF-8 bytes (OpenAI's ``bytes``); shared, never to be changed."""
+        data = self._bytes.get(token_id)
+        if data is None:
+            data = self._bytes[token_id] = list(self(token_id).encode())
+        return data
 
 
 def chat_logprobs(name: TokenNames, entries: list[TokenLogprob]) -> dict[str, Any]:
     def item(tid: int, lp: float) -> dict[str, Any]:
-        text = name(tid)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        return {"token": name(tid), "logprob": lp, "bytes": name.utf8(tid)}
 
     return {"content": [item(e.token_id, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
                         for e in entries]}
@@ -252,8 +267,8 @@ class Completions(_OpenAIHandler):
                     choice["prompt_token_ids"] = await engine.encode_prompt(req.prompt)
                     choice["token_ids"] = c.token_ids
                 choices.append(choice)
-        return JSONResponse({"id": answer.rid, "object": "text_completion", "created": now(), "model": answer.model,
-                             "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached)})
+        return JSONAnswer({"id": answer.rid, "object": "text_completion", "created": now(), "model": answer.model,
+                           "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached)})
 
     def render_stream(self, request: Request, plan: Plan,
                       outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
@@ -290,8 +305,8 @@ async def _stream_completions(engine: EngineClient, body: dict[str, Any], reqs: 
         choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
         if reqs[i].params.logprobs and out.logprobs:
             choice["logprobs"] = completion_logprobs(name, out.logprobs, offsets.get(index, 0))
-        if out.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = prompt_logprobs_field(name, out.prompt_logprobs)
+        if out.prompt_logprobs is not None:  # a whole prompt's worth at once: rendered off the event loop
+            choice["prompt_logprobs"] = await asyncio.to_thread(prompt_logprobs_field, name, out.prompt_logprobs)
         offsets[index] = offsets.get(index, 0) + len(text)
         if out.finished:
             choice.update(finish_fields(out.finish_reason, out.stop_reason))
@@ -300,7 +315,7 @@ async def _stream_completions(engine: EngineClient, body: dict[str, Any], reqs: 
         chunk = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
         if include_usage:
             chunk["usage"] = usage(sum(prompt_tokens.values()), completion_tokens) if continuous else None
-        yield sse(chunk)
+        yield await asyncio.to_thread(sse, chunk) if out.prompt_logprobs else sse(chunk)
     if include_usage:
         yield sse({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
                    "usage": usage(sum(prompt_tokens.values()), completion_tokens)})
@@ -358,6 +373,7 @@ def _echo_prefix(body: dict[str, Any], req: GenerationRequest) -> str:
 
 class ChatCompletions(_OpenAIHandler):
     schema = "openai-chat"
+    logprob_fields = ("prompt_logprobs", "top_logprobs", "logprobs")
 
     async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
         model, lora = check_model(request, body)
@@ -397,7 +413,7 @@ class ChatCompletions(_OpenAIHandler):
             result["prompt_token_ids"] = prompt_ids
         if req.params.prompt_logprobs is not None:
             result["prompt_logprobs"] = prompt_logprobs_field(answer.names, comps[0].prompt_logprobs)
-        return JSONResponse(result)
+        return JSONAnswer(result)
 
     def render_stream(self, request: Request, plan: Plan,
                       outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
@@ -433,9 +449,12 @@ async def _stream_chat(engine: EngineClient, body: dict[str, Any], req: Generati
             if token_ids:  # vLLM: prompt ids in the first chunk; FastDeploy: in the delta
                 ids = await engine.encode_prompt(req.prompt)
                 extra["prompt_token_ids"] = delta["prompt_token_ids"] = ids
-            if out.prompt_logprobs is not None:
-                extra["prompt_logprobs"] = prompt_logprobs_field(name, out.prompt_logprobs)
-            yield chunk([{"index": out.index, "delta": delta, "logprobs": None, "finish_reason": None}], **extra)
+            first = [{"index": out.index, "delta": delta, "logprobs": None, "finish_reason": None}]
+            if out.prompt_logprobs is not None:  # a whole prompt's worth at once: rendered off the event loop
+                extra["prompt_logprobs"] = await asyncio.to_thread(prompt_logprobs_field, name, out.prompt_logprobs)
+                yield await asyncio.to_thread(chunk, first, **extra)
+            else:
+                yield chunk(first, **extra)
         if not out.text_delta and not out.finished and not (token_ids and out.new_token_ids):
             continue
         text, calls = out.text_delta, []

@@ -7,17 +7,93 @@ protocol's own error event after it (``ending_with_error_event``)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from bridges.answer_volume import RENDER_IN_THREAD_ENTRIES, check_answer_volume, collected_entries
 from bridges.common import (BridgeError, Completion, check_fan_out, collect_all, endpoint, ending_with_error_event,
                             merged, read_json, sse, start_streams)
 from engine.request import GenerationRequest, RequestOutput
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+# The most JSON values one json.dumps call serializes when an answer is rendered (~1,000 logprob
+# entries, a few milliseconds): the C encoder holds the GIL for the whole call, so one call over a
+# 60 MB answer would stall the event loop for seconds even from a worker thread.
+_PIECE_VALUES = 4096
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+
+
+def _num_values(value: Any, cap: int) -> int:
+    """How many JSON values ``value`` holds, itself included, counted up to ``cap``."""
+    n, stack = 0, [value]
+    while stack and n < cap:
+        v = stack.pop()
+        n += 1
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return n
+
+
+def json_pieces(value: Any, out: list[str]) -> None:
+    """``value`` as compact JSON (what JSONResponse writes), in pieces of at most ``_PIECE_VALUES``
+    values each: a large container is split into its members, small neighbours grouped."""
+    if _num_values(value, _PIECE_VALUES) < _PIECE_VALUES or not isinstance(value, (dict, list, tuple)) or (
+            isinstance(value, dict) and not all(isinstance(k, str) for k in value)):
+        out.append(_dumps(value))
+        return
+    if isinstance(value, dict):
+        out.append("{")
+        for i, (key, member) in enumerate(value.items()):
+            out.append(("," if i else "") + _dumps(key) + ":")
+            json_pieces(member, out)
+        out.append("}")
+        return
+    out.append("[")
+    group: list[Any] = []
+    size, first = 0, True
+
+    def flush() -> None:
+        nonlocal group, size, first
+        if group:
+            out.append(("" if first else ",") + _dumps(group)[1:-1])
+            group, size, first = [], 0, False
+
+    for member in value:
+        n = _num_values(member, _PIECE_VALUES)
+        if n >= _PIECE_VALUES:
+            flush()
+            if not first:
+                out.append(",")
+            json_pieces(member, out)
+            first = False
+            continue
+        if size + n > _PIECE_VALUES:
+            flush()
+        group.append(member)
+        size += n
+    flush()
+    out.append("]")
+
+
+class JSONAnswer(JSONResponse):
+    """A JSON answer serialized in pieces (``json_pieces``): rendered in a worker thread, a large one
+    leaves the event loop free between pieces."""
+
+    def render(self, content: Any) -> bytes:
+        out: list[str] = []
+        json_pieces(content, out)
+        return "".join(out).encode("utf-8")
 
 
 @dataclass
@@ -37,6 +113,9 @@ class Handler:
     schema: str = ""
     invalid_status: int = 400  # a body that parses but is invalid (TGI: 422)
     media_type: str = "text/event-stream"
+    # the body fields an answer-volume refusal names: (prompt logprobs, the output's top candidates, the
+    # output's logprobs)
+    logprob_fields: tuple[str, str, str] = ("prompt_logprobs", "logprobs", "logprobs")
 
     def render_error(self, err: BridgeError) -> dict[str, Any]:
         raise NotImplementedError
@@ -65,6 +144,7 @@ async def serve(request: Request, handler: Handler) -> Response:
     body = await handler.read(request)
     plan = await handler.lower(request, body)
     check_fan_out(request, len(plan.requests), max(r.params.n for r in plan.requests))
+    await check_answer_volume(request, plan.requests, handler.logprob_fields)
     if plan.stream:
         # every request admitted and its first output in before the 200: a refusal is still a 4xx
         streams = await start_streams(request, plan.requests)
@@ -72,7 +152,13 @@ async def serve(request: Request, handler: Handler) -> Response:
                                          lambda err: handler.error_event(err, plan))
         headers = {**SSE_HEADERS, **plan.headers} if handler.media_type == "text/event-stream" else plan.headers
         return StreamingResponse(events, media_type=handler.media_type, headers=headers)
-    response = await handler.render_final(request, plan, await collect_all(request, plan.requests))
+    results = await collect_all(request, plan.requests)
+    if collected_entries(plan.requests, results) > RENDER_IN_THREAD_ENTRIES:
+        # building and serializing a large answer takes seconds of CPU: not on the event loop, where it
+        # would stall every other client (their WebSockets time out)
+        response = await asyncio.to_thread(asyncio.run, handler.render_final(request, plan, results))
+    else:
+        response = await handler.render_final(request, plan, results)
     response.headers.update(plan.headers)
     return response
 

@@ -12,7 +12,7 @@ from bridges.common import BridgeError, Completion, engine_of, int_list, request
 from bridges.constraints import sglang_constraint
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
-from bridges.serving import Handler, Plan, route
+from bridges.serving import Handler, JSONAnswer, Plan, route
 from engine.request import GenerationRequest, LoraRef, RequestOutput, TextPrompt, TokensPrompt
 from engine.sampling_params import SamplingParams
 
@@ -72,6 +72,7 @@ def _meta(rid: str, c: Completion | RequestOutput, n_out: int, started: float, l
 
 class Generate(Handler):
     schema = "sglang-generate"
+    logprob_fields = ("return_logprob", "top_logprobs_num", "return_logprob")
 
     def render_error(self, err: BridgeError) -> dict[str, Any]:
         return render_error(err)
@@ -91,7 +92,7 @@ class Generate(Handler):
                 answers.append({"text": c.text, "output_ids": c.token_ids,
                                 "meta_info": _meta(req.request_id, c, len(c.token_ids), started,
                                                    c.logprobs if req.params.logprobs else None)})
-        return JSONResponse(answers if batch or len(answers) > 1 else answers[0])
+        return JSONAnswer(answers if batch or len(answers) > 1 else answers[0])
 
     async def render_stream(self, request: Request, plan: Plan,
                             outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:

@@ -23,6 +23,8 @@ DEFAULT_PRIORITY = 5
 # Accepted because the spec lists them, with no effect ("当前后处理不支持"): reported in a header when
 # set to anything but their default.
 NO_EFFECT: dict[str, object] = {"typical_p": 1.0, "watermark": False, "batch_size": 1}
+# what asks for logprobs in `parameters` (an answer-volume refusal names it): no prompt logprobs here
+LOGPROB_FIELDS = ("parameters.decoder_input_details", "parameters.top_n_tokens", "parameters.details")
 
 
 def _is_default(value: object, default: object) -> bool:

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from bridges import textgen
 from bridges.common import BridgeError, Completion, engine_of, request_id, sse
 from bridges.registry import Operation, Protocol
-from bridges.serving import Handler, Plan, route
+from bridges.serving import Handler, JSONAnswer, Plan, route
 from engine.protocol import EngineClient
 from engine.request import RequestOutput
 
@@ -42,6 +42,7 @@ class Generate(Handler):
     (stream when the body says so; a non-streaming answer is a one-element array there)."""
 
     schema = "tgi-generate"
+    logprob_fields = textgen.LOGPROB_FIELDS
     invalid_status = 422  # TGI: 422 for a body that parses but is invalid (400 only for one that is not JSON)
 
     def __init__(self, always_stream: bool = False, hf_root: bool = False) -> None:
@@ -83,7 +84,7 @@ class Generate(Handler):
                 details["top_tokens"] = [[shape.token(engine, t, engine.tokenizer.decode([t]), v) for t, v in e.top]
                                          for e in c.logprobs]
             result["details"] = details
-        return JSONResponse([result] if self.hf_root else result)
+        return JSONAnswer([result] if self.hf_root else result)
 
     async def render_stream(self, request: Request, plan: Plan,
                             outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:

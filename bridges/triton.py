@@ -34,6 +34,8 @@ def _ms(seconds: float | None) -> float | None:
 
 
 class _TritonHandler(Handler):
+    logprob_fields = textgen.LOGPROB_FIELDS
+
     def render_error(self, err: BridgeError) -> dict[str, Any]:
         return render_error(err)
 
