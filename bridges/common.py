@@ -119,6 +119,19 @@ def parse_body(raw: bytes, max_items: int) -> Any:
         raise BridgeError(400, exc.message) from None
 
 
+def parse_json_field(text: str, field: str) -> Any:
+    """JSON text a request carries inside a string (a schema, a tool call's arguments), parsed exactly
+    as bodies are (UTF-8, no NaN, at most 64 levels deep): deep nesting is a 400 naming the field,
+    never a RecursionError (a 500) from plain json.loads."""
+    try:
+        return parse_json(text)
+    except JsonBodyError as exc:
+        message = exc.message.replace("request is not", "is not", 1).replace("the request nests", "nests", 1)
+        # "$..." is the place inside the text: under the field's own name
+        message = field + (message[1:] if message.startswith("$") else " " + message)
+        raise BridgeError(400, message, param=field) from None
+
+
 def check(schema: str, body: Any) -> None:
     error = schemas.first_error(schema, body)
     if error is not None:

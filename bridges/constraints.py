@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from bridges.common import BridgeError
+from bridges.common import BridgeError, parse_json_field
 from engine.structured import Constraint
 
 # what --structured-output-backend / guided_decoding_backend may name: llguidance (vLLM calls it
@@ -17,10 +17,7 @@ BACKEND_NAMES = ("auto", "llguidance", "guidance")
 def _json_text(value: Any, field: str) -> str:
     """A schema given as an object or as JSON text, as JSON text."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as exc:
-            raise BridgeError(400, f"{field}: not valid JSON: {exc}", param=field) from None
+        value = parse_json_field(value, field)
     if not isinstance(value, (dict, bool)):
         raise BridgeError(400, f"{field}: a JSON schema must be an object", param=field)
     return json.dumps(value)
@@ -87,10 +84,7 @@ def openai_constraint(body: dict[str, Any]) -> Constraint | None:
     if body.get("structural_tag") is not None:  # FastDeploy: the tag as JSON text (or an object)
         tag = body["structural_tag"]
         if isinstance(tag, str):
-            try:
-                tag = json.loads(tag)
-            except ValueError as exc:
-                raise BridgeError(400, f"structural_tag: not valid JSON: {exc}", param="structural_tag") from None
+            tag = parse_json_field(tag, "structural_tag")
         if not isinstance(tag, dict):
             raise BridgeError(400, "structural_tag: expected an object with structures and triggers",
                               param="structural_tag")

@@ -18,9 +18,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from bridges.common import BridgeError
+from bridges.common import BridgeError, parse_json_field
 from engine.request import ChatMessage
 from engine.structured import Constraint
+from schemas.json_body import JsonBodyError, parse_json
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes",)  # --tool-call-parser choices
@@ -63,11 +64,7 @@ def _functions(tools: list[dict]) -> list[dict]:
 def _arguments(call: dict, where: str) -> Any:
     args = call.get("function", {}).get("arguments", "{}")
     if isinstance(args, str):
-        try:
-            return json.loads(args or "{}")
-        except ValueError:
-            raise BridgeError(400, f"{where}.function.arguments is not JSON", param=f"{where}.function.arguments") \
-                from None
+        return parse_json_field(args or "{}", f"{where}.function.arguments")
     return args
 
 
@@ -187,9 +184,9 @@ def parse(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
 
 
 def _call(block: str, names: set[str]) -> ToolCall | None:
-    try:
-        obj = json.loads(block)
-    except ValueError:
+    try:  # the model's text: bounded like a request's, so a deeply nested "call" is just text
+        obj = parse_json(block)
+    except JsonBodyError:
         return None
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
