@@ -506,6 +506,13 @@ class LLMEngine:
     def _process_token(self, seq: Sequence, token: int) -> RequestOutput:
         p = seq.params
         seq.append_token(token)
+        if seq.matcher is not None and seq.matcher.stop_reason() in _GRAMMAR_LIMITS:
+            # A limit of the grammar library hit while filling this token's mask (the mask then allows only
+            # the end, which must not pass for a complete answer): the grammar is what cannot be served, so
+            # later requests naming it are refused at once rather than handed a copy that fails the same way.
+            reason = f"cannot be used: {first_line(seq.matcher.get_error())}"
+            self.grammars().forget(p.constraint, reason)
+            return self._finish(seq, "error", error_kind="invalid", error=f"'{p.constraint.field}' {reason}")
         if seq.matcher is not None and not seq.matcher.consume_token(token):
             # The token was masked, so the grammar had no real way on: it needs bytes this vocabulary
             # cannot spell (a regex naming a character with no byte token), and llguidance's mask fell
@@ -517,13 +524,6 @@ class LLMEngine:
         can_stop = seq.num_output_tokens >= p.min_tokens
         if can_stop and not p.ignore_eos and token in self.eos_token_ids:
             return self._finish(seq, "stop", new_tokens=[token], text=stops.flush())
-        if seq.matcher is not None and seq.matcher.stop_reason() in _GRAMMAR_LIMITS:
-            # A limit of the grammar library hit while filling this token's mask (the mask then allows only
-            # the end, which must not pass for a complete answer): the grammar is what cannot be served, so
-            # later requests naming it are refused at once rather than handed a copy that fails the same way.
-            reason = f"cannot be used: {first_line(seq.matcher.get_error())}"
-            self.grammars().forget(p.constraint, reason)
-            return self._finish(seq, "error", error_kind="invalid", error=f"'{p.constraint.field}' {reason}")
         if can_stop and token in p.stop_token_ids:
             return self._finish(seq, "stop", new_tokens=[token], text=stops.flush(), stop_reason=token)
         delta = seq.detokenizer.add_tokens([token])
