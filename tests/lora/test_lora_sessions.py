@@ -89,8 +89,9 @@ def _hostile_packs(root, source) -> dict[str, str]:
     md5["config-string.tar.gz"] = _variant(root, source, "config-string.tar.gz", config='"lora"')
     md5["nan-weights.tar.gz"] = _variant(root, source, "nan-weights.tar.gz", tensors=lambda t: {
         k: (v.fill_(float("nan")) if i == 0 else v) for i, (k, v) in enumerate(t.items())})
+    # random, not constant: a constant tensor packs so small that its ratio alone refuses it
     md5["huge-weights.tar.gz"] = _variant(root, source, "huge-weights.tar.gz", tensors=lambda t: {
-        k: v.fill_(3e38) for k, v in t.items()})
+        k: v.uniform_(1e38, 3e38) for k, v in t.items()})
     md5["int8-weights.tar.gz"] = _variant(root, source, "int8-weights.tar.gz", tensors=lambda t: {
         k: v.to(torch.int8) for k, v in t.items()})
     whole = (root / "attn.tar.gz").read_bytes()
@@ -111,6 +112,29 @@ def _hostile_packs(root, source) -> dict[str, str]:
         tar.addfile(info, io.BytesIO(bytes(100 << 20)))
     (root / "bomb.tar.gz").write_bytes(gzip.compress(raw.getvalue(), compresslevel=9))
     md5["bomb.tar.gz"] = md5_of(root / "bomb.tar.gz")
+    # a high ratio within the server's limits: 16 MiB of zeros in a ~16 KiB pack (the server allows 48 MiB
+    # unpacked for its largest pack, but this pack's own size allows 4x 16 KiB + 1 MiB)
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        info = tarfile.TarInfo("adapter_model.safetensors")
+        info.size = 16 << 20
+        tar.addfile(info, io.BytesIO(bytes(16 << 20)))
+    (root / "ratio.tar.gz").write_bytes(gzip.compress(raw.getvalue(), compresslevel=9))
+    md5["ratio.tar.gz"] = md5_of(root / "ratio.tar.gz")
+    # layouts the filesystem refuses: a directory and a file of one name, a path through a file, a long name
+    for name, entries in [("dir-and-file.tar", [("a", None), ("a", b"x")]),
+                          ("through-file.tar", [("a", b"x"), ("a/b", b"y")]),
+                          ("long-name.tar", [("n" * 300, b"x")])]:
+        with tarfile.open(root / name, "w") as tar:
+            for entry, data in entries:
+                info = tarfile.TarInfo(entry)
+                if data is None:
+                    info.type = tarfile.DIRTYPE
+                    tar.addfile(info)
+                else:
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        md5[name] = md5_of(root / name)
     return md5
 
 
@@ -192,6 +216,12 @@ FAILURES = [
     ("int8 weights", lambda s: s.url("/packs/int8-weights.tar.gz"), "int8-weights.tar.gz", 12007, "int8"),
     ("20000 directories", lambda s: s.url("/packs/dirs.tar.gz"), "dirs.tar.gz", 12006, "more than 64 entries"),
     ("tar bomb", lambda s: s.url("/packs/bomb.tar.gz"), "bomb.tar.gz", 12006, "larger than"),
+    ("high ratio", lambda s: s.url("/packs/ratio.tar.gz"), "ratio.tar.gz", 12006, "4x its own"),
+    ("dir and file", lambda s: s.url("/packs/dir-and-file.tar"), "dir-and-file.tar", 12006,
+     "'a' is both a file and a directory"),
+    ("path through a file", lambda s: s.url("/packs/through-file.tar"), "through-file.tar", 12006,
+     "'a/b' goes through 'a'"),
+    ("300-character name", lambda s: s.url("/packs/long-name.tar"), "long-name.tar", 12006, "over 255 bytes"),
 ]
 
 

@@ -96,3 +96,82 @@ def test_a_bomb_writes_nothing_and_a_directory_flood_stops_at_the_entry_limit(tm
     with pytest.raises(LoraUnavailableError, match="more than 64 entries"):
         unpack(flood, tmp_path / "out2")
     assert sum(1 for _ in (tmp_path / "out2").rglob("*")) <= 64
+
+
+def _tar(path, entries):
+    """A tar of (name, bytes or None for a directory) entries, in that order."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w") as tar:
+        for name, data in entries:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.mark.parametrize("label, entries, needle", [
+    ("a directory, then a file of its name", [("a", None), ("a", b"x")], "'a' is both a file and a directory"),
+    ("a file, then a directory of its name", [("a", b"x"), ("a/", None)], "'a' is both a file and a directory"),
+    ("a path through a file", [("a", b"x"), ("a/b", b"y")], "'a/b' goes through 'a', which is a file"),
+    ("a deeper path through a file", [("d/a", b"x"), ("d/a/b/c", b"y")], "goes through 'd/a'"),
+    ("a 300-character name", [("n" * 300, b"x")], "over 255 bytes"),
+    ("a file twice", [("f", b"x"), ("f", b"y")], "'f' appears twice"),
+])
+def test_a_layout_the_filesystem_cannot_hold_is_an_invalid_pack(tmp_path, label, entries, needle):
+    """Each raised OSError (EISDIR, ENOTDIR, EEXIST, ENAMETOOLONG) while unpacking, an HTTP 500 before."""
+    for kind in ("tar", "zip"):
+        if kind == "zip" and any(data is None for _, data in entries):
+            continue
+        pack = tmp_path / f"{kind}.pack"
+        if kind == "tar":
+            _tar(pack, entries)
+        else:
+            with zipfile.ZipFile(pack, "w") as zf:
+                for name, data in entries:
+                    zf.writestr(name, data)
+        with pytest.raises(LoraUnavailableError, match=needle) as err:
+            unpack(pack, tmp_path / f"out-{kind}")
+        assert err.value.code == "invalid_pack"
+
+
+def test_a_layout_error_the_checks_miss_is_still_an_invalid_pack(tmp_path, monkeypatch):
+    """The filesystem's own refusal of an entry (here: a path over the OS limit slipped past a raised
+    MAX_PATH_BYTES) is the invalid-pack error naming the entry; a full disk is not the pack's fault."""
+    from lora_store import pack as pack_mod
+
+    monkeypatch.setattr(pack_mod, "MAX_PATH_BYTES", 1 << 20)
+    deep = "/".join(["d" * 200] * 30)  # 6,000 bytes: ENAMETOOLONG
+    pack = _tar(tmp_path / "deep.tar", [(deep, b"x")])
+    with pytest.raises(LoraUnavailableError, match="cannot be unpacked") as err:
+        unpack(pack, tmp_path / "out")
+    assert err.value.code == "invalid_pack" and deep[:50] in str(err.value)
+
+
+def test_a_pack_unpacks_to_at_most_four_times_its_own_size(tmp_path, adapters):
+    """The limit follows the pack, not the largest pack the server accepts: a 20 KiB pack holding 16 MiB
+    of zeros is refused under limits that would let a 512 MiB pack unpack to 2 GiB, before a byte is
+    written; a real adapter's pack unpacks under the same limits."""
+    import gzip
+
+    from lora_store.pack import UnpackLimits
+
+    limits = UnpackLimits.for_pack_limit(max_pack_bytes=512 << 20, disk_budget_bytes=4 << 30)
+    raw = _tar(tmp_path / "zeros.tar", [("adapter_config.json", b"{}"),
+                                        ("adapter_model.safetensors", bytes(16 << 20))])
+    bomb = tmp_path / "zeros.tar.gz"
+    bomb.write_bytes(gzip.compress(raw.read_bytes(), compresslevel=9))
+    assert bomb.stat().st_size < 64 << 10
+    with pytest.raises(LoraUnavailableError, match="4x its own") as err:
+        unpack(bomb, tmp_path / "out", limits)
+    assert err.value.code == "invalid_pack"
+    assert sum(f.stat().st_size for f in (tmp_path / "out").rglob("*") if f.is_file()) <= 2
+    real = tmp_path / "real.tar.gz"
+    build_pack(adapters["mlp"], real)
+    adapter = unpack(real, tmp_path / "real", limits)
+    assert (adapter / "adapter_model.safetensors").is_file()
