@@ -5,7 +5,8 @@ with no local model. Prompts are templated and tokenized here (so Spark's token 
 and usage stay exact) and go to the backends' ``/v1/completions``, streamed: as the exact text of those
 ids when it tokenizes back to them (what a router routes on), as the ids otherwise; vLLM, SGLang and
 this server take both. One URL is usually a router (``smg``) that picks the replica; several are tried
-in turn when one fails before its first token.
+in turn when one refuses a request it never took (nothing listening, a 503): a request a backend
+accepted and then failed on is never sent to another, since the request itself may be what failed it.
 """
 
 from __future__ import annotations
@@ -31,15 +32,28 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 2.0
-RETRYABLE_STATUS = (408, 429, 500, 502, 503, 504)
+# Answers that refuse a request before taking it (the body not read in time, too busy, not ready): the
+# backend did no work for it, so another may take it. Any other failure status (500, a router's 502 /
+# 504 for a replica that failed on the request) came after the request was accepted.
+RETRYABLE_STATUS = (408, 429, 503)
+# Transport failures before a byte of the request was sent: nothing listening, no connection in time.
+NOT_DELIVERED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 class BackendUnavailable(Exception):
-    """A backend failed before its first token: the request may go to the next one."""
+    """A backend refused the request without taking it: the request may go to the next one."""
 
     def __init__(self, url: str, reason: str, overloaded: bool = False) -> None:
         super().__init__(f"{url}: {reason}")
         self.overloaded = overloaded
+
+
+class BackendFailed(Exception):
+    """A backend took the request and its connection broke before the answer: the backend is probably
+    down, perhaps because of this very request, which therefore goes to no other backend."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"backend {url} failed on the request after accepting it: {reason}")
 
 
 @dataclass
@@ -136,7 +150,7 @@ def error_from_status(status: int, text: str, url: str) -> Exception:
         return LoraUnavailableError(message, code="unknown_adapter")
     if status in RETRYABLE_STATUS:
         return BackendUnavailable(url, f"HTTP {status}: {message}", overloaded=status in (429, 503))
-    return InferenceError(f"backend {url}: HTTP {status}: {message}")
+    return InferenceError(f"backend {url}: HTTP {status}: {message}")  # it took the request: not retried
 
 
 class RemoteEngine:
@@ -354,8 +368,10 @@ class RemoteEngine:
 
     async def _stream_with_retry(self, request: GenerationRequest, body: dict[str, Any],
                                  num_prompt: int) -> AsyncIterator[RequestOutput]:
-        """Before the first token a failing backend is retried once on the next (with one URL: the same
-        router, which picks another replica); after it, the failure ends the request."""
+        """A backend that refuses the request without taking it (``BackendUnavailable``) is followed by
+        the next, once (with one URL: the same router, which picks another replica). A backend that took
+        it and then failed ends the request, first token or not: a request that crashes a backend must
+        not go on to crash the next."""
         order = self._order()
         attempts = order[:2] if len(order) > 1 else order * 2
         last: BackendUnavailable | None = None
@@ -368,6 +384,9 @@ class RemoteEngine:
                     started = True
                     yield out
                 return
+            except BackendFailed as exc:
+                backend.healthy, backend.last_error = False, str(exc)  # until its health probe passes again
+                raise InferenceError(str(exc)) from None
             except BackendUnavailable as exc:
                 if started:
                     raise InferenceError(str(exc)) from None
@@ -441,12 +460,10 @@ class RemoteEngine:
                         if data == "[DONE]":
                             break
                         chunk = json.loads(data)
-                        if "error" in chunk:  # an error event after the stream began
+                        if "error" in chunk:  # an error event after the stream began: the request was taken
                             err = chunk["error"]
                             message = err.get("message", str(err)) if isinstance(err, dict) else str(err)
-                            if outputs:
-                                raise InferenceError(f"backend {backend.url}: {message}")
-                            raise BackendUnavailable(backend.url, message)
+                            raise InferenceError(f"backend {backend.url}: {message}")
                         usage = chunk.get("usage") or {}
                         for choice in chunk.get("choices") or []:
                             out = self._output(request, choice, usage, num_prompt, outputs, timings, t0)
@@ -459,13 +476,15 @@ class RemoteEngine:
                             yield out
         except TimeoutError:
             raise RequestTimeoutError("request timed out (deadline passed)") from None
-        except httpx.HTTPError as exc:
+        except NOT_DELIVERED as exc:
+            raise BackendUnavailable(backend.url, f"{type(exc).__name__}: {exc}") from None
+        except httpx.HTTPError as exc:  # a read or write error, a dropped connection: it may have the request
             if outputs:
                 raise InferenceError(f"backend {backend.url} failed mid-answer: {type(exc).__name__}: {exc}") from None
-            raise BackendUnavailable(backend.url, f"{type(exc).__name__}: {exc}") from None
+            raise BackendFailed(backend.url, f"{type(exc).__name__}: {exc}") from None
         if finished < request.params.n:
             if not outputs:
-                raise BackendUnavailable(backend.url, "the stream ended before any token")
+                raise InferenceError(f"backend {backend.url} ended the stream before any token")
             raise InferenceError(f"backend {backend.url} ended the stream before the answer finished")
 
     def _output(self, request: GenerationRequest, choice: dict[str, Any], usage: dict[str, Any], num_prompt: int,
