@@ -64,13 +64,13 @@ def get(path: str, *, host: str | None = None) -> Callable[[str, str], Awaitable
 
 
 def announced_upload(path: str, content_length: int) -> Callable[[str, str], Awaitable[Reply]]:
-    """Headers announcing a large body and only its first 64 KiB: the answer must come without the rest
-    (the server refuses before reading a body it would not keep)."""
+    """Headers announcing a large body, and none of it: the answer must come without the body (the server
+    refuses before reading a body it would not keep)."""
     async def send(base: str, _: str) -> Reply:
         host, port = base.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write((f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/octet-stream\r\n"
-                      f"Content-Length: {content_length}\r\n\r\n").encode() + os.urandom(64 << 10))
+                      f"Content-Length: {content_length}\r\n\r\n").encode())
         await writer.drain()
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
@@ -376,7 +376,10 @@ async def run_attack(attack: Attack, base: str, ws_url: str, pid: int, victim: V
     before = await settled_rss(pid, limit_s=10, every_s=0.25)
     async with PeakRss(pid) as peak:
         sent = time.perf_counter()
-        reply = await attack.send(base, ws_url)
+        try:
+            reply = await attack.send(base, ws_url)
+        except (OSError, httpx.HTTPError, websockets.WebSocketException, asyncio.TimeoutError) as exc:
+            reply = Reply(-1, f"no answer: {exc!r}")  # fails this attack's check, not the corpus
         answered = time.perf_counter()
         await asyncio.sleep(0.3)  # the stream just after the answer counts too
     gap = victim.largest_gap(sent, answered + 0.3)
