@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 
 from engine.errors import LoraUnavailableError
+from schemas.json_body import JsonBodyError, parse_json
 from engine.remote import content_named
 from lora_store.pack import find_adapter_dir
 from lora_store.resolver import RESERVED_PREFIXES, AlreadyRegistered, directory_identity, pack_identity, reserved
@@ -71,9 +71,9 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
 
 async def _body(request: Request) -> dict[str, Any] | JSONResponse:
     try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError:
-        return _error(400, "the body is not JSON")
+        body = parse_json(await request.body() or b"{}")  # the bounded parser: no depth or size bombs
+    except JsonBodyError as exc:
+        return _error(400, f"the body is not usable JSON: {exc.message}")
     if not isinstance(body, dict):
         return _error(400, "the body must be a JSON object")
     name = body.get("lora_name")

@@ -230,3 +230,12 @@ def test_the_servers_own_names_are_refused_at_start(tmp_path, flag, name):
     settings = Settings(port=free_port(), **{flag: f"{name}={tmp_path}"})
     with pytest.raises(ValueError, match="server's own"):
         build_app(settings, FakeEngine(lora_enabled=True))
+
+
+@pytest.mark.parametrize("path", ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"])
+def test_a_deeply_nested_admin_body_is_a_400_not_a_crash(tmp_path, path):
+    with serve(tmp_path, api_key=KEY) as srv:
+        resp = httpx.post(srv["url"] + path, content=b"[" * 100_000 + b"]" * 100_000, headers={**AUTH, **JSON})
+        assert resp.status_code == 400, resp.text
+        assert "nest" in resp.json()["error"]["message"].lower() or "deep" in resp.json()["error"]["message"].lower()
+        assert httpx.get(srv["url"] + "/health").status_code == 200
