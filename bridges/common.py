@@ -97,7 +97,7 @@ async def read_json(request: Request, schema: str) -> dict[str, Any]:
     raw = await request.body()
     max_items = request.app.state.settings.max_request_items
     if len(raw) > schemas.OFF_LOOP_BYTES:
-        return await asyncio.to_thread(_checked_body, raw, max_items, schema)
+        return await schemas.off_loop(_checked_body, raw, max_items, schema)
     return _checked_body(raw, max_items, schema)
 
 

@@ -28,7 +28,12 @@ COMPILE_STACK_BYTES = 256 << 20
 
 
 class WorkerFailed(Exception):
-    """The worker died, overran its deadline or was stopped; the message completes "'<field>' ..."."""
+    """The worker died, overran its deadline or was stopped; the message completes "'<field>' ...".
+    ``lasting``: the same constraint would fail again (a crash), unlike a deadline on a busy machine."""
+
+    def __init__(self, reason: str, lasting: bool = True) -> None:
+        super().__init__(reason)
+        self.lasting = lasting
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,18 +185,21 @@ class GrammarWorker:
         self._lock = threading.Lock()  # starting and closing the process
         self._job_lock = threading.Lock()  # which job the process runs, against a stop meant for another
         self._job: object = None
+        self._stopped = False  # ``stop`` killed the process during the current job
 
     def trial(self, kind: str, value: str, whitespace_pattern: str | None, timeout_s: float,
               job: object = None) -> Trial:
         """Compile in the worker; ValueError for a constraint the library refuses, WorkerFailed when the
         worker dies, is stopped or overruns ``timeout_s``. ``job``: what ``stop`` names to end this one."""
         with self._job_lock:
-            self._job = job
+            self._job, self._stopped = job, False
         try:
             return self._trial(kind, value, whitespace_pattern, timeout_s)
         finally:
             with self._job_lock:
-                self._job = None
+                self._job, stopped = None, self._stopped
+            if stopped:  # the kill may land after the answer was read: never hand the next job a dying worker
+                self.close()
 
     def _trial(self, kind: str, value: str, whitespace_pattern: str | None, timeout_s: float) -> Trial:
         proc = self._started()
@@ -202,12 +210,13 @@ class GrammarWorker:
             proc.stdin.flush()
         except OSError:
             self.close()
-            raise WorkerFailed("could not be compiled: the compiler failed on it") from None
+            raise WorkerFailed("could not be compiled: the compiler's worker was gone", lasting=False) from None
         reply = self._read_line(proc, timeout_s)
         if not isinstance(reply, bytes):
             self.close()
             if reply is _TIMED_OUT:
-                raise WorkerFailed(f"took longer than {timeout_s:g} s to compile (--constraint-compile-timeout)")
+                raise WorkerFailed(f"took longer than {timeout_s:g} s to compile (--constraint-compile-timeout)",
+                                   lasting=False)
             raise WorkerFailed("could not be compiled: the compiler failed on it (too complex)")
         answer = json.loads(reply)
         if not answer["ok"]:
@@ -225,7 +234,7 @@ class GrammarWorker:
                 ready = self._read_line(self._proc, 120.0)
                 if not isinstance(ready, bytes):
                     self._proc.kill()
-                    raise WorkerFailed("could not be compiled: the compiler's worker did not start")
+                    raise WorkerFailed("could not be compiled: the compiler's worker did not start", lasting=False)
             return self._proc
 
     @staticmethod
@@ -253,6 +262,7 @@ class GrammarWorker:
             proc = self._proc
             if self._job is job and proc is not None and proc.poll() is None:
                 proc.kill()
+                self._stopped = True
 
     def close(self) -> None:
         """Drop the worker process and its pipes; only the compile thread that owns this handle calls it."""

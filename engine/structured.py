@@ -62,11 +62,13 @@ class CompiledGrammar:
 
 class ConstraintRefused(Exception):
     """A compile that failed for every request naming the same constraint; ``reason`` completes
-    "'<field>' ..." and is turned into each waiter's InvalidRequestError with its own field."""
+    "'<field>' ..." and is turned into each waiter's InvalidRequestError with its own field. ``lasting``:
+    the same text would fail again, so later requests are refused at once (not so a missed deadline)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, lasting: bool = True) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.lasting = lasting
 
 
 @dataclass(eq=False)
@@ -210,7 +212,7 @@ class GrammarCompiler:
                 outcome: CompiledGrammar | ConstraintRefused = self._build(job, worker)
             except Exception as exc:  # the worker could not start: structured output is down, not the server
                 logger.exception("grammar compile failed")
-                outcome = ConstraintRefused(f"could not be compiled: {exc}")
+                outcome = ConstraintRefused(f"could not be compiled: {exc}", lasting=False)
             dropped = False
             with self._lock:
                 job.worker = None
@@ -218,7 +220,7 @@ class GrammarCompiler:
                     del self._running[job.key]
                 if isinstance(outcome, CompiledGrammar):
                     dropped = self._keep(job.key, outcome)
-                elif not job.future.cancelled():
+                elif outcome.lasting and not job.future.cancelled():
                     self._remember_refusal(job.key, outcome.reason)
             if dropped:
                 release_freed_memory()
@@ -234,8 +236,10 @@ class GrammarCompiler:
         budget, key = self.budget, job.key
         try:
             trial = worker.trial(key.kind, key.value, key.whitespace_pattern, budget.compile_timeout_s, job)
-        except (ValueError, WorkerFailed) as exc:
+        except ValueError as exc:
             return ConstraintRefused(str(exc))
+        except WorkerFailed as exc:
+            return ConstraintRefused(str(exc), exc.lasting)
         if trial.nbytes > budget.max_compiled_bytes:
             return ConstraintRefused(f"compiles to {trial.nbytes / (1 << 20):.0f} MiB; at most "
                                      f"{budget.max_compiled_bytes / (1 << 20):.0f} MiB are kept for one constraint "

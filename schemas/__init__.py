@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from importlib import resources
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError, best_match
 from referencing import Registry, Resource
 
+T = TypeVar("T")
 URN_PREFIX = "urn:spark-server:"
 MAX_ERRORS_CONSIDERED = 8
 
@@ -52,8 +55,16 @@ def first_error(name: str, instance: Any) -> ValidationError | None:
 MAX_MESSAGE_CHARS = 300
 
 # Bodies larger than this are parsed and validated on a worker thread: validating a list of thousands of
-# items takes a tenth of a second, which on the event loop would pause every other client's stream.
+# items takes a tenth of a second, which on the event loop would pause every other client's stream. One
+# thread for all of them: validation is Python holding the GIL, and several such threads at once would
+# starve the event loop and the engine thread of it as surely as the loop itself.
 OFF_LOOP_BYTES = 64 << 10
+_VALIDATION = ThreadPoolExecutor(1, thread_name_prefix="body-validation")
+
+
+async def off_loop(work: Callable[..., T], *args: Any) -> T:
+    """``work(*args)`` on the one body-validation thread."""
+    return await asyncio.get_running_loop().run_in_executor(_VALIDATION, work, *args)
 
 
 def describe(error: ValidationError) -> str:

@@ -42,12 +42,12 @@ class SparkService:
 
     async def _open_session(self, raw: str | bytes, sid: str, client: str | None) -> sp.SparkSession:
         off_loop = len(raw) > schemas.OFF_LOOP_BYTES  # see schemas.OFF_LOOP_BYTES
-        body = await asyncio.to_thread(sp.decode_body, raw, self.max_items) if off_loop else \
+        body = await schemas.off_loop(sp.decode_body, raw, self.max_items) if off_loop else \
             sp.decode_body(raw, self.max_items)
         trace_id = sp.trace_id_of(body)
         try:
             if off_loop:
-                await asyncio.to_thread(sp.validate_body, body)
+                await schemas.off_loop(sp.validate_body, body)
             else:
                 sp.validate_body(body)
             request, adjust = sp.lower(body, sid)

@@ -213,3 +213,31 @@ def test_a_schema_embedded_in_a_grammar_is_measured_too():
     with pytest.raises(ConstraintTooLarge, match="--max-constraint-depth"):
         check_constraint("grammar", "start: %json " + "[" * 5000 + "]" * 5000, ConstraintBudget())
     check_constraint("grammar", 'start: %json {"type": "object"}', ConstraintBudget())
+
+
+def test_a_missed_deadline_is_not_remembered_as_a_refusal(compiler_with):
+    # a busy machine may miss a deadline a quiet one meets: the next request tries again
+    compiler = compiler_with(compile_timeout_s=0.05)
+    constraint = Constraint("choice", slow_choices(tag="busy"), field="guided_choice")
+    with pytest.raises(InvalidRequestError, match="took longer"):
+        compiler.compile(constraint)
+    compiler.budget = ConstraintBudget(compile_timeout_s=60)
+    assert compiler.compile(constraint) is not None
+
+
+def test_a_stop_that_lands_after_the_answer_never_reaches_the_next_compile(compiler_with):
+    from engine.grammar_worker import GrammarWorker
+
+    class LateStop(GrammarWorker):
+        def _trial(self, *args):
+            trial = super()._trial(*args)
+            self.stop(self._job)  # its request left just as the answer was read
+            return trial
+
+    worker = LateStop(compiler_with()._setup)
+    try:
+        assert worker.trial("regex", "[a-z]+", None, 60, object()).grammar
+        worker.__class__ = GrammarWorker
+        assert worker.trial("regex", "[0-9]+", None, 60, object()).grammar  # a fresh worker, not the dying one
+    finally:
+        worker.close()
