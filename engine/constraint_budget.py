@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from urllib.parse import unquote
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ class ConstraintBudget:
     max_compiled_bytes: int = 32 << 20  # --max-constraint-compiled-mb: what one compiled grammar holds
     cache_bytes: int = 64 << 20  # --constraint-cache-mb: compiled grammars kept for reuse, in all
     workers: int = 1  # --constraint-compile-workers: compiles at once (each its own worker process)
+    max_step_ms: float = 50.0  # --max-constraint-step-ms: one client's grammar masks in one engine step
 
 
 class ConstraintTooLarge(ValueError):
@@ -69,13 +71,14 @@ def json_depth(schema: Any) -> int:
     """The deepest path through a JSON schema, local ``$ref``s followed as if inlined (a cycle counts
     once: compilers tie recursion off rather than unroll it). Iterative; each node measured once."""
     root = schema
+    anchors = _anchors(root)
     depth: dict[int, int] = {}
     on_path: set[int] = set()
     stack: list[tuple[Any, bool]] = [(root, False)]
     while stack:
         node, done = stack.pop()
         key = id(node)
-        children = _children(node, root)
+        children = _children(node, root, anchors)
         if done:
             on_path.discard(key)
             depth[key] = 1 + max((depth.get(id(c), 0) for c in children), default=0)
@@ -88,7 +91,7 @@ def json_depth(schema: Any) -> int:
     return depth.get(id(root), 0)
 
 
-def _children(node: Any, root: Any) -> list[Any]:
+def _children(node: Any, root: Any, anchors: dict[str, Any]) -> list[Any]:
     if isinstance(node, list):
         return [c for c in node if isinstance(c, (dict, list))]
     if not isinstance(node, dict):
@@ -96,10 +99,29 @@ def _children(node: Any, root: Any) -> list[Any]:
     kids = [c for c in node.values() if isinstance(c, (dict, list))]
     ref = node.get("$ref")
     if isinstance(ref, str) and ref.startswith("#"):
-        target = _pointer(root, ref[1:])
+        fragment = unquote(ref[1:])  # a URI fragment: compilers percent-decode it
+        target = _pointer(root, fragment) if fragment.startswith("/") or not fragment else anchors.get(fragment)
         if isinstance(target, (dict, list)):
             kids.append(target)
     return kids
+
+
+def _anchors(root: Any) -> dict[str, Any]:
+    """Every ``$anchor`` (and plain-name ``$id`` fragment) in the schema, by name, found iteratively."""
+    found: dict[str, Any] = {}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key in ("$anchor", "$dynamicAnchor"):
+                if isinstance(node.get(key), str):
+                    found.setdefault(node[key], node)
+            if isinstance(node.get("$id"), str) and node["$id"].startswith("#"):
+                found.setdefault(node["$id"][1:], node)
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    return found
 
 
 def _pointer(root: Any, pointer: str) -> Any:

@@ -453,10 +453,17 @@ class LLMEngine:
             return outputs + [self._finish(s, "error", error=f"inference failed: {exc}",
                                                     error_kind="inference") for s in seqs]
         row = 0
+        costly = masks.too_costly if masks is not None else {}
         while row < len(samplers):
             seq = samplers[row]
             rows = 1 + len(seq.draft_token_ids)  # only a scheduled decode keeps a draft (Scheduler.schedule)
-            outputs.append(self._take_picks(seq, tokens[row:row + rows]))
+            if id(seq) in costly:  # its grammar's masks hold every stream in the step: this answer ends here
+                outputs.append(self._finish(seq, "error", error_kind="invalid", error=(
+                    f"'{seq.params.constraint.field}' costs too much to match: this client's grammar masks took "
+                    f"{costly[id(seq)] * 1000:.0f} ms of one step (--max-constraint-step-ms "
+                    f"{self.config.constraint_budget.max_step_ms:g})")))
+            else:
+                outputs.append(self._take_picks(seq, tokens[row:row + rows]))
             row += rows
         return outputs
 
@@ -508,11 +515,11 @@ class LLMEngine:
         seq.append_token(token)
         if seq.matcher is not None and seq.matcher.stop_reason() in _GRAMMAR_LIMITS:
             # A limit of the grammar library hit while filling this token's mask (the mask then allows only
-            # the end, which must not pass for a complete answer): the grammar is what cannot be served, so
-            # later requests naming it are refused at once rather than handed a copy that fails the same way.
-            reason = f"cannot be used: {first_line(seq.matcher.get_error())}"
-            self.grammars().forget(p.constraint, reason)
-            return self._finish(seq, "error", error_kind="invalid", error=f"'{p.constraint.field}' {reason}")
+            # the end, which must not pass for a complete answer): this answer cannot go on, and the cached
+            # grammar is dropped so no later request gets a copy in a failed state.
+            self.grammars().evict(p.constraint)
+            return self._finish(seq, "error", error_kind="invalid", error=f"'{p.constraint.field}' cannot be "
+                                f"used: {first_line(seq.matcher.get_error())}")
         if seq.matcher is not None and not seq.matcher.consume_token(token):
             # The token was masked, so the grammar had no real way on: it needs bytes this vocabulary
             # cannot spell (a regex naming a character with no byte token), and llguidance's mask fell

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import queue
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -129,15 +131,15 @@ class GrammarCompiler:
             self._release(job)
             raise
 
-    def forget(self, constraint: Constraint, reason: str) -> None:
-        """A compiled grammar failed while matching (a lexer or parser limit): drop it and refuse its text
-        from now on, so no later request gets a grammar in a failed state."""
+    def evict(self, constraint: Constraint) -> None:
+        """A compiled grammar failed while matching (a lexer or parser limit, which depends on the text
+        generated): drop it, so the next request compiles a fresh copy rather than one in a failed state.
+        Not a refusal: another request's path through the same grammar may well stay within the limits."""
         key = _without_field(constraint)
         with self._lock:
             hit = self._cache.pop(key, None)
             if hit is not None:
                 self._cached_bytes -= hit.nbytes
-            self._remember_refusal(key, reason)
 
     def close(self) -> None:
         """Stop the compile threads and their workers (a server shutting down)."""
@@ -299,7 +301,7 @@ def _invalid(constraint: Constraint, reason: str) -> InvalidRequestError:
 
 
 class MaskApplier:
-    """Fills the constrained sequences' bitmasks (llguidance's executor, in parallel) and applies them to
+    """Fills the constrained sequences' bitmasks (a row per thread, in parallel) and applies them to
     logits. ``prepare`` starts the fill on a helper thread so it runs while the model's forward does
     (both release the GIL); ``apply`` waits for it and masks the sampled rows."""
 
@@ -309,7 +311,8 @@ class MaskApplier:
 
         self._lt = llguidance.torch
         self.compiler = compiler
-        self.executor = llguidance.LLExecutor(num_threads)
+        self.step_budget_s = compiler.budget.max_step_ms / 1000
+        self._rows = ThreadPoolExecutor(num_threads or os.cpu_count() or 1, thread_name_prefix="grammar-rows")
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self._bits = torch.arange(32, dtype=torch.int32)
         self.kernels = kernels  # the fused CPU kernels' apply_token_bitmask, when built
@@ -317,9 +320,25 @@ class MaskApplier:
     def prepare(self, seqs: list[Any]) -> PreparedMasks:
         """Start filling the masks of ``seqs`` (each with a matcher) for the tokens they sample next."""
         mask = self._lt.allocate_token_bitmask(len(seqs), self.compiler.tokenizer.vocab_size)
-        pairs = [(s.matcher, i) for i, s in enumerate(seqs)]
-        future = self._helper.submit(self._lt.fill_next_token_bitmask_par, self.executor, pairs, mask)
+        future = self._helper.submit(self._fill, seqs, mask)
         return PreparedMasks(self, {id(s): i for i, s in enumerate(seqs)}, mask, future)
+
+    def _fill(self, seqs: list[Any], mask: torch.Tensor) -> dict[int, float]:
+        """Fill every row (in parallel; the library releases the GIL), timing each: a grammar's mask may grow
+        costlier token by token (an ambiguous grammar), and every other stream waits for it in the same
+        step. Returns the sequences whose client's rows together took longer than the step budget:
+        id(sequence) -> those rows' seconds."""
+        def fill(row: int) -> float:
+            start = time.perf_counter()
+            self._lt.fill_next_token_bitmask(seqs[row].matcher, mask, row)
+            return time.perf_counter() - start
+
+        seconds = list(self._rows.map(fill, range(len(seqs)))) if len(seqs) > 1 else [fill(0)]
+        spent: dict[Any, float] = {}
+        for s, took in zip(seqs, seconds):
+            spent[s.client or s.request_id] = spent.get(s.client or s.request_id, 0.0) + took
+        return {id(s): spent[s.client or s.request_id] for s in seqs
+                if spent[s.client or s.request_id] > self.step_budget_s}
 
     def apply(self, logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> None:
         """logits [B, V] in place: row rows[i] keeps only the tokens mask[i] allows."""
@@ -345,10 +364,11 @@ class PreparedMasks:
     row_of: dict[int, int]  # id(sequence) -> its row in ``mask``
     mask: torch.Tensor
     future: Future
+    too_costly: dict[int, float] = field(default_factory=dict)  # id(sequence) -> its client's mask seconds
 
     def apply(self, logits: torch.Tensor, seqs: list[Any]) -> list[int]:
         """Mask the logits rows of the constrained ``seqs``; returns those rows."""
-        self.future.result()
+        self.too_costly = self.future.result()
         rows = [i for i, s in enumerate(seqs) if id(s) in self.row_of]
         if rows:
             picked = self.mask[torch.tensor([self.row_of[id(seqs[i])] for i in rows])].contiguous()

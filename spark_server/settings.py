@@ -167,6 +167,9 @@ class Settings:
                                            "constraint may hold, in MiB (400 beyond)")
     constraint_cache_mb: int = _opt(_CONSTRAINT.cache_bytes >> 20, "memory of the compiled constraints kept for "
                                     "reuse, in MiB (least recently used dropped)")
+    max_constraint_step_ms: float = _opt(_CONSTRAINT.max_step_ms, "most milliseconds one client's grammar masks "
+                                         "may take in one engine step (its constrained answers end with an error "
+                                         "beyond): every stream in the step waits for them")
     constraint_compile_workers: int = _opt(_CONSTRAINT.workers, "constraints compiled at once, each in its own "
                                                                 "worker process")
     guided_decoding_backend: str | None = _opt(None, "vLLM's older name for --structured-output-backend",
@@ -243,7 +246,7 @@ class Settings:
             max_source_bytes=self.max_constraint_kb << 10, max_depth=self.max_constraint_depth,
             compile_timeout_s=self.constraint_compile_timeout,
             max_compiled_bytes=self.max_constraint_compiled_mb << 20, cache_bytes=self.constraint_cache_mb << 20,
-            workers=max(1, self.constraint_compile_workers))
+            workers=max(1, self.constraint_compile_workers), max_step_ms=self.max_constraint_step_ms)
 
 
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's names

@@ -105,3 +105,18 @@ def test_a_grammar_the_vocabulary_cannot_spell_ends_as_an_invalid_request(llm_en
     assert outs[-1].finish_reason == "error" and outs[-1].error_kind == "invalid", outs[-1]
     assert "cannot produce" in outs[-1].error
     assert text_of(outs) == "ab"
+
+
+def test_a_grammar_whose_masks_grow_too_costly_ends_alone(llm_engine):
+    # An ambiguous grammar's mask costs more with every token ("a" forced by the allow-list); past the
+    # step budget its answers end with an error naming the field and the flag, and a free answer beside
+    # it goes on to its own end.
+    costly = Constraint("grammar", 'start: s\ns: s s s s | s s s | s s | "a" | "b"\n', field="guided_grammar")
+    outs = run_all(llm_engine, [
+        chat("costly", "Say a.", max_tokens=300, n=2, allowed_token_ids=[81], constraint=costly, seed=1),
+        chat("free", "Count to twenty.", max_tokens=40, ignore_eos=True, temperature=0)])
+    ends = [o for o in outs["costly"] if o.finished]
+    assert len(ends) == 2 and all(o.finish_reason == "error" for o in ends), ends
+    assert "'guided_grammar' costs too much to match" in ends[0].error and "--max-constraint-step-ms" in ends[0].error
+    assert all(o.num_output_tokens < 300 for o in ends)
+    assert outs["free"][-1].finish_reason == "length" and outs["free"][-1].num_output_tokens == 40

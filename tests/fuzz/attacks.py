@@ -213,6 +213,14 @@ def corpus() -> list[Attack]:
         Attack("tgi grammar regex: 400 nested groups", "constraint depth", post("/generate", {
             "inputs": "Hi", "parameters": {"max_new_tokens": 8, "grammar": {
                 "type": "regex", "value": "(" * 400 + "a" + ")" * 400}}}), (400, 422), "grammar"),
+        Attack("an ambiguous grammar whose masks grow costlier", "constraint step time", post("/v1/completions", {
+            "model": MODEL, "prompt": "x", "max_tokens": 300, "temperature": 0, "n": 8, "allowed_token_ids": [81],
+            "guided_grammar": 'start: s\ns: s s s s | s s s | s s | "a" | "b"\n'}), (400,),
+            "--max-constraint-step-ms"),
+        Attack("guided_json: percent-encoded $ref chain", "constraint depth", post("/v1/completions", completion(
+            guided_json={"$defs": {**{f"d {i}": {"$ref": f"#/$defs/d%20{i + 1}"} for i in range(3000)},
+                                   "d 3000": {"type": "string"}}, "$ref": "#/$defs/d%200"})), (400,),
+            "--max-constraint-depth"),
         # memory: a huge enum, and one just inside the budget (compiled in the worker, kept within the cache)
         Attack("openai guided_json enum of 200 KiB (served)", "compiled bytes",
                post("/v1/completions", completion(guided_json=enum_schema(200 << 10))), (200,)),
