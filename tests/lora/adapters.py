@@ -117,3 +117,20 @@ def scaled_variant(source: Path, out: Path, factor: float) -> Path:
     tensors = load_file(str(weights))
     save_file({k: (v * factor if "lora_B" in k else v).contiguous() for k, v in tensors.items()}, str(weights))
     return out
+
+
+def write_tar(path: Path, entries: list[tuple[str, bytes | None]]) -> Path:
+    """A tar of (name, bytes or None for a directory) entries, in that order."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w") as tar:
+        for name, data in entries:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path

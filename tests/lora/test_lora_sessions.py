@@ -15,7 +15,7 @@ from lora_store.pack import build_pack, md5_of
 from spark_server.app import build_app
 from spark_server.settings import Settings
 from tests.conftest import LiveServer, ServerThread, free_port
-from tests.lora.adapters import SECRET_ANSWER, SECRET_QUESTION
+from tests.lora.adapters import SECRET_ANSWER, SECRET_QUESTION, write_tar
 from tests.lora.pack_server import PackServer
 from tests.spark.client import answer_text, converse, spark_request
 
@@ -125,15 +125,7 @@ def _hostile_packs(root, source) -> dict[str, str]:
     for name, entries in [("dir-and-file.tar", [("a", None), ("a", b"x")]),
                           ("through-file.tar", [("a", b"x"), ("a/b", b"y")]),
                           ("long-name.tar", [("n" * 300, b"x")])]:
-        with tarfile.open(root / name, "w") as tar:
-            for entry, data in entries:
-                info = tarfile.TarInfo(entry)
-                if data is None:
-                    info.type = tarfile.DIRTYPE
-                    tar.addfile(info)
-                else:
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
+        write_tar(root / name, entries)
         md5[name] = md5_of(root / name)
     return md5
 

@@ -11,6 +11,7 @@ import pytest
 from engine.errors import LoraUnavailableError
 from lora_store.pack import build_pack, unpack
 from lora_store.store import LoraStore, StoreLimits
+from tests.lora.adapters import write_tar
 from tests.lora.pack_server import PackServer
 
 
@@ -98,23 +99,6 @@ def test_a_bomb_writes_nothing_and_a_directory_flood_stops_at_the_entry_limit(tm
     assert sum(1 for _ in (tmp_path / "out2").rglob("*")) <= 64
 
 
-def _tar(path, entries):
-    """A tar of (name, bytes or None for a directory) entries, in that order."""
-    import io
-    import tarfile
-
-    with tarfile.open(path, "w") as tar:
-        for name, data in entries:
-            info = tarfile.TarInfo(name)
-            if data is None:
-                info.type = tarfile.DIRTYPE
-                tar.addfile(info)
-            else:
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return path
-
-
 @pytest.mark.parametrize("label, entries, needle", [
     ("a directory, then a file of its name", [("a", None), ("a", b"x")], "'a' is both a file and a directory"),
     ("a file, then a directory of its name", [("a", b"x"), ("a/", None)], "'a' is both a file and a directory"),
@@ -130,7 +114,7 @@ def test_a_layout_the_filesystem_cannot_hold_is_an_invalid_pack(tmp_path, label,
             continue
         pack = tmp_path / f"{kind}.pack"
         if kind == "tar":
-            _tar(pack, entries)
+            write_tar(pack, entries)
         else:
             with zipfile.ZipFile(pack, "w") as zf:
                 for name, data in entries:
@@ -147,7 +131,7 @@ def test_a_layout_error_the_checks_miss_is_still_an_invalid_pack(tmp_path, monke
 
     monkeypatch.setattr(pack_mod, "MAX_PATH_BYTES", 1 << 20)
     deep = "/".join(["d" * 200] * 30)  # 6,000 bytes: ENAMETOOLONG
-    pack = _tar(tmp_path / "deep.tar", [(deep, b"x")])
+    pack = write_tar(tmp_path / "deep.tar", [(deep, b"x")])
     with pytest.raises(LoraUnavailableError, match="cannot be unpacked") as err:
         unpack(pack, tmp_path / "out")
     assert err.value.code == "invalid_pack" and deep[:50] in str(err.value)
@@ -162,7 +146,7 @@ def test_a_pack_unpacks_to_at_most_four_times_its_own_size(tmp_path, adapters):
     from lora_store.pack import UnpackLimits
 
     limits = UnpackLimits.for_pack_limit(max_pack_bytes=512 << 20, disk_budget_bytes=4 << 30)
-    raw = _tar(tmp_path / "zeros.tar", [("adapter_config.json", b"{}"),
+    raw = write_tar(tmp_path / "zeros.tar", [("adapter_config.json", b"{}"),
                                         ("adapter_model.safetensors", bytes(16 << 20))])
     bomb = tmp_path / "zeros.tar.gz"
     bomb.write_bytes(gzip.compress(raw.read_bytes(), compresslevel=9))
