@@ -182,7 +182,11 @@ class LLMEngine:
             quant_cache.save(cache_file, self.model.builder.made)
         del hf_model
         logger.info("weights: --quantization %s; %s", self.quantization, self.model.linears_summary)
-        self.max_model_len = min(config.max_model_len or self.model.max_position, self.model.max_position)
+        if config.max_model_len and config.max_model_len > self.model.max_position:
+            # Positions past the model's training length give no sensible answers: refused, never shortened quietly.
+            raise ValueError(f"--max-model-len {config.max_model_len} is more than this model's context "
+                             f"({self.model.max_position} tokens); leave it out or give at most that")
+        self.max_model_len = config.max_model_len or self.model.max_position
         window = getattr(hf_config, "sliding_window", None)
         if window and getattr(hf_config, "use_sliding_window", True) and window < self.max_model_len:
             # Our attention is full attention; past the window it would differ from the model's.

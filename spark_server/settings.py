@@ -54,7 +54,8 @@ class Settings:
                                            "(exact products), or int8 per block of 32 as llama.cpp does: integer dot "
                                            "products, ~1.2-1.4x faster prefill with AVX512-VNNI, less accurate (README)",
                                    choices=["bf16", "int8"])
-    max_model_len: int | None = _opt(None, "context length in tokens (default: the model's)")
+    max_model_len: int | None = _opt(None, "context length in tokens (default: the model's; more than the model's is "
+                                           "refused at start)")
     max_num_seqs: int = _opt(64, "most sequences decoded together in one step")
     max_num_batched_tokens: int = _opt(512, "token budget of one engine step (prefill is chunked to fit)")
     long_prefill_token_threshold: int = _opt(16, "while other sequences decode, long prompts (over half of "
@@ -150,8 +151,9 @@ class Settings:
     trust_request_chat_template: bool = _opt(False, "accept a request's own `chat_template` (vLLM's flag; off: a "
                                                     "400 names the flag)")
     allowed_origins: str | None = _opt(None, "browser origins allowed to call the HTTP endpoints (CORS) and open the "
-                                             "Spark WebSocket, comma-separated, or * (off by default: no CORS headers, "
-                                             "any Origin may open the WebSocket)", repeatable=True)
+                                             "Spark WebSocket, comma-separated or as vLLM's JSON list, or * (off by "
+                                             "default: no CORS headers, any Origin may open the WebSocket)",
+                                       repeatable=True)
     structured_output_backend: str = _opt("auto", "the grammar library of structured output (response_format, "
                                                   "guided_*, SGLang json_schema/regex/ebnf, TGI grammar): llguidance "
                                                   "(vLLM calls it guidance); auto picks it",
@@ -217,7 +219,17 @@ class Settings:
 
     @property
     def origins(self) -> list[str]:
-        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
+        """Comma-separated, or vLLM's JSON list form (``'["*"]'``)."""
+        value = (self.allowed_origins or "").strip()
+        if value.startswith("["):
+            try:
+                items = json.loads(value)
+            except ValueError:
+                raise ValueError(f"--allowed-origins {value!r}: not a JSON list of origins") from None
+            if not isinstance(items, list) or not all(isinstance(o, str) for o in items):
+                raise ValueError(f"--allowed-origins {value!r}: a JSON list must hold origin strings")
+            return [o.strip() for o in items if o.strip()]
+        return [o.strip() for o in value.split(",") if o.strip()]
 
     @property
     def hosts(self) -> list[str]:

@@ -84,7 +84,11 @@ def _chat_params(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _lora(body: dict[str, Any]) -> LoraRef | None:
-    lora = (body.get("payload") or {}).get("lora") or (body.get("parameter") or {}).get("lora")
+    in_payload, in_parameter = (body.get("payload") or {}).get("lora"), (body.get("parameter") or {}).get("lora")
+    if in_payload and in_parameter and in_payload != in_parameter:  # one session applies one pack
+        raise SparkError(SparkCode.SCHEMA_ERROR, "parameter.lora and payload.lora name two different LoRA packs; "
+                                                 "a session applies one: send it in one of them")
+    lora = in_payload or in_parameter
     if not lora:
         return None
     return LoraRef(url=lora["url"], md5=lora["md5"].lower())
