@@ -11,6 +11,7 @@ from engine.constraint_budget import ConstraintBudget
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     served_model_name: str | None = None
+    tokenizer: str | None = None  # a tokenizer directory or .gguf in place of the model's own
     device: str = "auto"  # auto | cpu | cuda | npu
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None  # default: the model's max_position_embeddings

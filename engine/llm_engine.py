@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,6 +61,16 @@ def _path_identity(path: str) -> str:
         except OSError:
             parts.append("-")
     return "path:" + "|".join(parts)
+
+
+def _tokenizer_dir(source: str) -> Path:
+    """--tokenizer: a directory of tokenizer files as it is, or a .gguf's (read from its converted copy)."""
+    path = Path(source).expanduser()
+    if path.suffix == ".gguf":
+        return resolve_model_dir(str(path))
+    if not path.is_dir():
+        raise FileNotFoundError(f"--tokenizer {source}: not a directory or a .gguf file")
+    return path
 
 
 def record_prompt_logprobs(chunk: PromptLogits) -> None:
@@ -161,7 +172,11 @@ class LLMEngine:
                                                      self.device)
             resolve_activations(config.linear_activations, self.quantization)  # refuses a bad pair before loading
             stored, cache_file = self._stored_weights(model_dir, gguf, hf_config)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir(config.tokenizer) if config.tokenizer
+                                                       else model_dir)
+        if len(self.tokenizer) > hf_config.vocab_size:  # ids past the embedding would fail a shared step
+            raise ValueError(f"--tokenizer {config.tokenizer or model_dir} has {len(self.tokenizer)} tokens; the "
+                             f"model's vocabulary has {hf_config.vocab_size}")
         if config.chat_template:
             self.tokenizer.chat_template = read_chat_template(config.chat_template)
         self._unseeded = random.Random(config.seed)  # seeds samples that bring none (--seed: reproducible)

@@ -37,7 +37,8 @@ class Settings:
                                         "OpenAI-compatible backends comma-separated (this server, vLLM, SGLang), "
                                         "tried in turn; --model / --tokenizer then name only the tokenizer")
     engine_api_key: str | None = _opt(None, "bearer key the --engine-url backends require")
-    tokenizer: str | None = _opt(None, "tokenizer directory or .gguf for --engine-url (default: --model's)")
+    tokenizer: str | None = _opt(None, "tokenizer directory or .gguf to use in place of the model's own (with "
+                                       "--engine-url: the front end's; default: --model's)")
     lora_shared_dir: str | None = _opt(None, "a directory every engine of the fleet can read: packs are unpacked "
                                              "there for the backends (a front end), and /v1/load_lora_adapter takes "
                                              "paths under it (a replica)")
@@ -237,7 +238,7 @@ class Settings:
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
-            model=self.model, served_model_name=self.served_model_name, device=self.device,
+            model=self.model, served_model_name=self.served_model_name, tokenizer=self.tokenizer, device=self.device,
             dtype=DTYPE_ALIASES.get(self.dtype, self.dtype),
             quantization=self.quantization, linear_activations=self.linear_activations, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,

@@ -64,3 +64,25 @@ def test_a_context_longer_than_the_models_is_refused_at_start():
                           env={**os.environ, "SPARK_KV_CACHE_SPACE": "0.25"})
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--max-model-len 32768 is more than this model's context (8192 tokens)" in proc.stderr
+
+
+def test_a_tokenizer_given_with_a_local_model_is_the_one_used(tmp_path):
+    import json
+    import shutil
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.model_loader import resolve_model_dir
+
+    model_dir = resolve_model_dir(None)
+    tok_dir = tmp_path / "tokenizer"
+    tok_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (model_dir / name).exists():
+            shutil.copy(model_dir / name, tok_dir / name)
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = LLMEngine(EngineConfig(tokenizer=str(tok_dir), num_kv_blocks=8, kv_cache_prefault=False,
+                                    max_loras=0))
+    assert engine.tokenizer.chat_template == config["chat_template"]
