@@ -28,7 +28,8 @@ from spark_server.limits import BodySizeLimit
 from spark_server.shutdown import DrainGuard
 from spark_server.spark_http import spark_http
 from spark_server.spark_service import SparkService
-from spark_server.spark_ws import spark_websocket
+from spark_server.spark_public import PATH_DOMAINS, PublicSettings
+from spark_server.spark_ws import public_spark_websocket, spark_websocket
 
 if TYPE_CHECKING:
     import uvicorn
@@ -44,6 +45,9 @@ SPARK_PROTOCOL = Protocol("spark", (
               ("spark-request",), streams=True),
     Operation("POST", SPARK_HTTP_PATH, spark_http, "Spark conversation, one JSON answer (the WebSocket "
               f"{SPARK_WS_PATH} takes the same body)", ("spark-request",)),
+    *(Operation("WEBSOCKET", path, public_spark_websocket, f"iFlytek's public Spark form (domain {domain} and "
+                "the others): header.app_id, parameter.chat.domain, payload.functions", ("spark-public-request",),
+                streams=True) for path, domain in PATH_DOMAINS.items()),
 ), counts_itself=True)
 SERVER_PROTOCOL = Protocol("server", (
     Operation("GET", "/health", health, "ready when the model is loaded"),
@@ -96,6 +100,8 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
                        echo_request_id=settings.enable_request_id_headers)
     app.state.spark_keys = parse_key_pairs(settings.spark_auth)
     app.state.spark_replay = ReplayGuard()
+    app.state.spark_public = PublicSettings.from_flags(settings.spark_app_ids, settings.spark_domains,
+                                                       signing=bool(app.state.spark_keys))
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.state.draining = False

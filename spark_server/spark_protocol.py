@@ -53,10 +53,10 @@ def trace_id_of(body: Any) -> str | None:
     return trace if isinstance(trace, str) else None
 
 
-def validate_body(body: Any) -> dict[str, Any]:
+def validate_body(body: Any, schema: str = SCHEMA) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise SparkError(SparkCode.SCHEMA_ERROR, f"$: the request must be a JSON object, not {type(body).__name__}")
-    error = schemas.first_error(SCHEMA, body)
+    error = schemas.first_error(schema, body)
     if error is not None:
         raise SparkError(SparkCode.SCHEMA_ERROR, schemas.describe(error))
     return body
@@ -74,6 +74,7 @@ class SparkSession:
     request: GenerationRequest
     question_tokens: int
     num_dropped_messages: int = 0
+    function_names: set[str] | None = None  # the public form's functions: the answer is parsed for calls
 
 
 def _chat_params(body: dict[str, Any]) -> dict[str, Any]:

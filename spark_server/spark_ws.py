@@ -1,4 +1,5 @@
-"""The Spark WebSocket endpoint ``/turing/v3/gpt``: one request per connection, frames, then close."""
+"""The Spark WebSocket endpoints, ``/turing/v3/gpt`` and iFlytek's public paths: one request per connection,
+frames, then close."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from bridges.common import client_identity
 from spark_server import spark_protocol as sp
+from spark_server import spark_public
 from spark_server.auth import AuthError, check_origin, denial, verify_websocket
 from spark_server.errors import SparkCode, SparkError, spark_error_from
 from spark_server.log_safety import protect
@@ -37,17 +39,31 @@ async def _wait_for_disconnect(ws: WebSocket) -> None:
 
 
 async def spark_websocket(ws: WebSocket) -> None:
+    """The seed document's form (/turing/v3/gpt)."""
+    await _session(ws, public=False)
+
+
+async def public_spark_websocket(ws: WebSocket) -> None:
+    """iFlytek's public form (/v3.5/chat and the other public paths): spark_public.py."""
+    await _session(ws, public=True)
+
+
+async def _session(ws: WebSocket, public: bool) -> None:
     service: SparkService = ws.app.state.spark
     request_timeout: float = ws.app.state.settings.ws_request_timeout
     try:  # refused at the handshake, before any engine work
         check_origin(ws.headers.get("origin"), ws.app.state.settings.origins)
+        # iFlytek's SDKs sign each connection's URL with a date of one-second resolution: two questions
+        # within a second carry the same signature, so the public form takes a signature more than once
+        # within its date window (the seed form's clients sign once per socket, and a reuse is refused).
         key = verify_websocket(dict(ws.headers), dict(ws.query_params), ws.url.path, ws.app.state.settings.api_key,
-                               ws.app.state.spark_keys, ws.app.state.spark_replay)
+                               ws.app.state.spark_keys, None if public else ws.app.state.spark_replay)
     except AuthError as err:
         await ws.send_denial_response(denial(err))
         return
     await ws.accept()
     sid = sp.new_sid()
+    render_error = spark_public.error_frame if public else sp.error_frame
     try:
         try:
             message = await asyncio.wait_for(ws.receive(), timeout=request_timeout)
@@ -59,15 +75,16 @@ async def spark_websocket(ws: WebSocket) -> None:
         raw = message.get("text")
         if raw is None:
             raw = message.get("bytes") or b""
-        session = await service.open_session(raw, sid, client=client_identity(ws, key))
+        session = await service.open_session(raw, sid, client=client_identity(ws, key),
+                                             public=ws.app.state.spark_public if public else None, key=key)
         await _stream(ws, service, session)
     except SparkError as err:
-        await _send_error(ws, sid, err)
+        await _send_error(ws, render_error(sid, err))
     except WebSocketDisconnect:
         return
     except Exception as exc:  # never let a session take the server down
         logger.exception("spark session %s failed", sid)
-        await _send_error(ws, sid, spark_error_from(exc))
+        await _send_error(ws, render_error(sid, spark_error_from(exc)))
     await _close(ws)
 
 
@@ -94,9 +111,9 @@ async def _stream(ws: WebSocket, service: SparkService, session: sp.SparkSession
         await asyncio.gather(pump_task, gone_task, return_exceptions=True)
 
 
-async def _send_error(ws: WebSocket, sid: str, err: SparkError) -> None:
+async def _send_error(ws: WebSocket, frame: dict) -> None:
     try:
-        await _send(ws, sp.error_frame(sid, err))
+        await _send(ws, frame)
     except Exception:
         pass  # the client is already gone
 
