@@ -18,6 +18,7 @@ from bridges.constraints import ollama_format
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
 from bridges.serving import Handler, Plan, route
+from engine.model_loader import EMBEDDED_MODEL_NAME
 from engine.request import ChatMessage, ChatPrompt, GenerationRequest, LoraRef, RequestOutput, TokensPrompt
 from engine.sampling_params import SamplingParams
 
@@ -36,11 +37,21 @@ def _created_at() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
+# The served model's name in Ollama's library, where it has one: what users of Ollama call it.
+LIBRARY_NAMES = {EMBEDDED_MODEL_NAME: "smollm2"}
+
+
+def _is_served(name: str, served: str) -> bool:
+    """Ollama names are ``model[:tag]``, any case: the served name, or its library name, with any tag
+    (``smollm2:latest``, ``SmolLM2-135M-Instruct:latest``) is the served model."""
+    base = name.rpartition(":")[0] if ":" in name else name
+    return base.lower() in {served.lower(), LIBRARY_NAMES.get(served, served).lower()}
+
+
 def _model(request: Request, name: str) -> LoraRef | None:
-    """Ollama names carry a tag (``smollm2:latest``): the served name with any tag is the model; other
-    names are adapters, else 404 in Ollama's words."""
+    """The served model (by any of its Ollama names), else an adapter, else 404 in Ollama's words."""
     served = engine_of(request).model_info.name
-    if name == served or name.startswith(served + ":"):
+    if name == served or _is_served(name, served):
         return None
     try:
         return served_model_or_adapter(request, name)

@@ -1,6 +1,7 @@
-"""TGI: POST /generate, POST /generate_stream, and with --tgi-compat hf the root POST / of the HF
-`text_generation` client. Spec shape by default (token id as a list, special null); HF shape with an
-int id and a bool special."""
+"""TGI: POST /generate, POST /generate_stream, and the root POST / of the HF `text_generation` client.
+/generate and /generate_stream answer in the spec's shape by default (token id as a list, special null;
+--tgi-compat hf: the HF shape there too); the root, which only that client calls, always answers in the
+shape it reads (an int id, a bool special, a non-streaming answer as a one-element array)."""
 
 from __future__ import annotations
 
@@ -122,6 +123,6 @@ PROTOCOL = Protocol("tgi", (
               claims=lambda body: "inputs" in body, claim_hint="`inputs` (TGI)"),
     Operation("POST", "/generate_stream", generate_stream, "TGI streaming generation", ("tgi-generate",),
               streams=True),
-    Operation("POST", "/", root, "the HF `text_generation` client (with --tgi-compat hf)", ("tgi-generate",),
-              streams=True, enabled=lambda settings: settings is not None and settings.tgi_compat == "hf"),
+    Operation("POST", "/", root, "the HF `text_generation` client's generate and generate_stream",
+              ("tgi-generate",), streams=True),
 ), render_unclaimed=lambda message: {"error": message, "error_type": "validation"})

@@ -80,8 +80,9 @@ class Settings:
     spark_http_markers: bool = _opt(True, "Spark HTTP answers as the document's example writes them: newlines as "
                                           "<ret>, the answer ending with <end> (--no-spark-http-markers: plain text)")
     max_history_tokens: int = _opt(8192, "Spark limit on the tokens of all dialogue contents (error 10003)")
-    tgi_compat: str = _opt("spec", "TGI response shape: spec (token id as a list, special null) or hf (the HF "
-                                   "text_generation client's shape, plus its root POST /)", choices=["spec", "hf"])
+    tgi_compat: str = _opt("spec", "TGI /generate and /generate_stream shape: spec (token id as a list, special "
+                                   "null) or hf (the HF text_generation client's; its root POST / answers so "
+                                   "either way)", choices=["spec", "hf"])
     vllm_stream: str = _opt("delta", "vLLM /generate stream: delta (the spec: deltas separated by \\0) or "
                                      "cumulative (vLLM's own server: prompt + output so far, one per line)",
                             choices=["delta", "cumulative"])
@@ -114,6 +115,14 @@ class Settings:
                                            "WebSocket handshakes, against DNS rebinding (off by default: any)")
     spark_auth: str | None = _opt(None, "Spark WebSocket HMAC key pair KEY:SECRET (repeatable; env: comma-separated); "
                                         "off when unset", repeatable=True)
+    spark_app_ids: str | None = _opt(None, "iFlytek's public Spark form (/v3.5/chat ...): the header.app_id values "
+                                           "allowed, APP_ID or APP_ID:KEY (that app_id only with URLs signed by "
+                                           "that --spark-auth key); repeatable; needs --spark-auth (off: any app_id)",
+                                     repeatable=True)
+    spark_domains: str | None = _opt(None, "iFlytek's public Spark form: DOMAIN=NAME maps a parameter.chat.domain to "
+                                           "the served model's name or a --lora adapter (repeatable; iFlytek's own "
+                                           "domains, generalv3.5, 4.0Ultra ..., are the served model unless mapped)",
+                                     repeatable=True)
     spark_app_ids: str | None = _opt(None, "iFlytek's public Spark form (/v3.5/chat ...): the header.app_id values "
                                            "allowed, APP_ID or APP_ID:KEY (that app_id only with URLs signed by "
                                            "that --spark-auth key); repeatable; needs --spark-auth (off: any app_id)",

@@ -42,8 +42,8 @@ def test_openai_client(live_server):
     assert "Paris" in out and "get_weather" in out
 
 
-def test_tgi_client(hf_server):
-    out = run([sys.executable, "bridges/tgi_text_generation.py"], hf_server)
+def test_tgi_client(live_server):  # a server with no flags: the client posts to its root
+    out = run([sys.executable, "bridges/tgi_text_generation.py"], live_server)
     assert out.strip()
 
 

@@ -1,5 +1,5 @@
-"""The HF `text_generation` client. It posts to the server's root, which TGI's shape serves when the
-server runs with `--tgi-compat hf`:  spark-server serve --tgi-compat hf
+"""The HF `text_generation` client. It posts to the server's root, which answers in the shape it reads
+(no flag needed):  spark-server serve
 
     SPARK_SERVER=http://127.0.0.1:9990 python examples/bridges/tgi_text_generation.py
 """

@@ -1,0 +1,57 @@
+"""Clients that must work against a server started with no flags: the HF `text_generation` client (it
+posts to the root), and the `ollama` client with the names Ollama users write (`smollm2:latest`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import httpx
+import pytest
+
+from engine.model_loader import EMBEDDED_MODEL_NAME
+from spark_server.app import build_app
+from spark_server.settings import Settings
+from tests.conftest import ServerThread, free_port
+from tests.fake_engine import DEFAULT_ANSWER, FakeEngine
+
+
+@pytest.fixture(scope="module")
+def url():
+    engine = FakeEngine()
+    engine.model_info = replace(engine.model_info, name=EMBEDDED_MODEL_NAME)  # as the default server names it
+    settings = Settings(port=free_port())  # no flags
+    with ServerThread(build_app(settings, engine), settings.port):
+        yield f"http://127.0.0.1:{settings.port}"
+
+
+def test_text_generation_generate_and_stream(url):
+    from text_generation import Client
+
+    client = Client(url, timeout=30)
+    full = client.generate("The capital of France is", max_new_tokens=32)
+    assert full.generated_text == DEFAULT_ANSWER and full.details.generated_tokens == len(full.details.tokens)
+    assert all(isinstance(t.id, int) and isinstance(t.special, bool) for t in full.details.tokens)
+    streamed = list(client.generate_stream("The capital of France is", max_new_tokens=32))
+    assert "".join(r.token.text for r in streamed) == DEFAULT_ANSWER
+    assert streamed[-1].generated_text == DEFAULT_ANSWER and streamed[-1].details is not None
+
+
+def test_the_documented_generate_keeps_the_spec_shape(url):
+    r = httpx.post(url + "/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 3, "details": True}})
+    assert r.status_code == 200 and isinstance(r.json(), dict)
+    assert r.json()["details"]["tokens"][0]["special"] is None  # the spec's, not the HF client's
+
+
+@pytest.mark.parametrize("name", ["smollm2:latest", "smollm2", "smollm2:135m", "SmolLM2-135M-Instruct:latest",
+                                  EMBEDDED_MODEL_NAME])
+def test_ollama_names_of_the_default_model(url, name):
+    import ollama
+
+    answer = ollama.Client(host=url).chat(model=name, messages=[{"role": "user", "content": "hi"}])
+    assert answer.message.content == DEFAULT_ANSWER
+
+
+def test_an_unknown_ollama_name_is_ollamas_404(url):
+    r = httpx.post(url + "/api/chat", json={"model": "llama3:latest", "stream": False,
+                                            "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and 'model "llama3:latest" not found' in r.json()["error"]
