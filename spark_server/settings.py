@@ -123,14 +123,6 @@ class Settings:
                                            "the served model's name or a --lora adapter (repeatable; iFlytek's own "
                                            "domains, generalv3.5, 4.0Ultra ..., are the served model unless mapped)",
                                      repeatable=True)
-    spark_app_ids: str | None = _opt(None, "iFlytek's public Spark form (/v3.5/chat ...): the header.app_id values "
-                                           "allowed, APP_ID or APP_ID:KEY (that app_id only with URLs signed by "
-                                           "that --spark-auth key); repeatable; needs --spark-auth (off: any app_id)",
-                                     repeatable=True)
-    spark_domains: str | None = _opt(None, "iFlytek's public Spark form: DOMAIN=NAME maps a parameter.chat.domain to "
-                                           "the served model's name or a --lora adapter (repeatable; iFlytek's own "
-                                           "domains, generalv3.5, 4.0Ultra ..., are the served model unless mapped)",
-                                     repeatable=True)
     request_timeout: float = _opt(600.0, "deadline in seconds for requests that do not set their own (Triton/MindIE "
                                          "`timeout` do); past it Spark answers 12100, HTTP 504")
     max_body_mb: float = _opt(8.0, "largest HTTP request body, in MiB (413 beyond)")
