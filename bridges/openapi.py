@@ -3,6 +3,7 @@ that validates requests is the contract that is published."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from starlette.requests import Request
@@ -36,7 +37,7 @@ def build_document(registry: Registry, title: str = "spark-server") -> dict[str,
     paths: dict[str, Any] = {}
     shared: dict[tuple[str, str], list[Operation]] = {}
     for _, op in registry.operations:
-        if op.method in ("POST", "GET"):
+        if op.method in ("POST", "GET", "DELETE"):
             shared.setdefault((op.path, op.method.lower()), []).append(op)
     for (path, method), ops in shared.items():
         op: dict[str, Any] = {"summary": " | ".join(o.summary for o in ops)}
@@ -55,9 +56,11 @@ def build_document(registry: Registry, title: str = "spark-server") -> dict[str,
                                "429": {"description": "busy; retry later"}}
         else:
             op["responses"] = {"200": {"description": "ok"}}
-        if "{model}" in path:
-            op["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
-            op["responses"].setdefault("404", {"description": "unknown model"})
+        names = re.findall(r"{(\w+)}", path)
+        if names:
+            op["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+                                for n in names]
+            op["responses"].setdefault("404", {"description": f"unknown {names[0].replace('_', ' ')}"})
         paths.setdefault(path, {})[method] = op
     return {"openapi": "3.1.0", "info": {"title": title, "version": "0.1.0"},
             "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",

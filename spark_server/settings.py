@@ -191,6 +191,10 @@ class Settings:
                                  choices=["hermes"])
     enable_auto_tool_choice: bool = _opt(True, "vLLM's flag: tool_choice auto parses calls out of free answers "
                                                "(--no-enable-auto-tool-choice refuses auto with a 400)")
+    responses_store_max_items: int = _opt(1000, "most responses kept for GET /v1/responses/{id} and "
+                                                "previous_response_id (store: true); least recently used evicted")
+    responses_store_max_mb: float = _opt(64.0, "memory of the kept responses (their JSON), in MiB; least recently "
+                                               "used evicted, and a response larger than all of it is not kept")
     log_level: str = _opt("info", "debug, info, warning or error",
                           choices=["debug", "info", "warning", "error"])
     config: str | None = _opt(None, "config file with any of these settings: TOML, or YAML (.yaml / .yml) as vLLM's "

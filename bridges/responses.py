@@ -1,0 +1,607 @@
+"""OpenAI Responses: POST /v1/responses, and the kept responses' GET, DELETE, cancel and input items.
+
+A response is a chat turn: its ``instructions`` and ``input`` items (or a ``previous_response_id``'s
+whole conversation, then the new items) become chat messages and go through the chat completions'
+lowering (the chat template, tools, sampling), so a greedy response and the chat completion of the same
+conversation are the same answer. What is its own is the item and event vocabulary: ``output`` items
+(``message`` with ``output_text`` parts, ``function_call``), the typed stream events with their
+``sequence_number``, ``text.format`` as the answer's constraint, and the kept responses (``store``,
+``background``) in a bounded store (bridges/responses_store.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from bridges import tools
+from bridges.answer_volume import check_answer_volume
+from bridges.common import (BridgeError, Completion, bridge_error_from, collect_all, endpoint, engine_of, now,
+                            parse_json_field)
+from bridges.openai import TokenNames, chat_logprobs, check_model, lower_chat
+from bridges.openai import render_error as openai_error
+from bridges.registry import Operation, Protocol
+from bridges.responses_store import ResponseStore, StoredResponse
+from bridges.serving import Handler, JSONAnswer, Plan, serve
+from bridges.tools import ToolPlan
+from engine.request import RequestOutput, TokenLogprob
+from engine.structured import Constraint
+
+logger = logging.getLogger(__name__)
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# chat-lowering names -> this protocol's, for errors raised below the translation
+_PARAM_NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+                "messages": "input", "prompt": "input", "response_format": "text.format"}
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def render_error(err: BridgeError) -> dict[str, Any]:
+    if err.param in _PARAM_NAMES:
+        err.param = _PARAM_NAMES[err.param]
+    return openai_error(err)
+
+
+def response_store(request: Request) -> ResponseStore:
+    """The app's one store, made on first use with the settings' bounds."""
+    state = request.app.state
+    store = getattr(state, "responses_store", None)
+    if store is None:
+        settings = state.settings
+        store = state.responses_store = ResponseStore(settings.responses_store_max_items,
+                                                      int(settings.responses_store_max_mb * (1 << 20)))
+    return store
+
+
+def _not_found(rid: str, param: str = "response_id") -> BridgeError:
+    return BridgeError(404, f"Response with id '{rid}' not found.", param=param, code="not_found")
+
+
+# ---- input items -> chat messages ----------------------------------------------------------------
+
+
+def _text(content: str | list[dict[str, Any]]) -> str:
+    return content if isinstance(content, str) else "".join(part["text"] for part in content)
+
+
+def _normalized(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as it is kept and listed: its type and id filled in, text content as parts."""
+    kind = item.get("type", "message")
+    if kind == "message":
+        part = "output_text" if item["role"] == "assistant" else "input_text"
+        content = item["content"]
+        parts = [{"type": part, "text": content}] if isinstance(content, str) else content
+        return {"id": item.get("id") or _new_id("msg"), "type": "message", "role": item["role"],
+                "content": parts, "status": item.get("status") or "completed"}
+    prefix = {"function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}[kind]
+    return {**item, "type": kind, "id": item.get("id") or _new_id(prefix)}
+
+
+def chat_messages(instructions: str | None, items: list[tuple[str, dict[str, Any]]]
+                  ) -> tuple[list[dict[str, Any]], list[str]]:
+    """Chat messages for (request path, item) pairs, and the path each message came from. A function call
+    joins the assistant message just before it (one answer's text and calls are one chat message);
+    reasoning items are the model's earlier thinking, which chat templates leave out of later turns."""
+    messages: list[dict[str, Any]] = []
+    origins: list[str] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+        origins.append("instructions")
+    for path, item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append({"role": item["role"], "content": _text(item["content"])})
+        elif kind == "function_call":
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"],
+                                 "arguments": parse_json_field(item["arguments"] or "{}", f"{path}.arguments")}}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+                continue
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(item["output"])})
+        else:  # reasoning
+            continue
+        origins.append(path)
+    return messages, origins
+
+
+def _renamed(err: BridgeError, origins: list[str]) -> BridgeError:
+    """A chat-lowering error named in this protocol's fields: messages[i]... -> the item it came from."""
+    param = err.param or ""
+    if param.startswith("messages[") and "]" in param:
+        index, rest = param[len("messages["):].split("]", 1)
+        if index.isdigit() and int(index) < len(origins):
+            err.param = origins[int(index)]
+            err.message = err.message.replace(f"messages[{index}]", origins[int(index)])
+    elif param in _PARAM_NAMES:
+        err.param = _PARAM_NAMES[param]
+    return err
+
+
+def format_constraint(fmt: dict[str, Any] | None) -> Constraint | None:
+    """``text.format``: text (free), json_object (any JSON object), json_schema (its schema)."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "json_object":
+        return Constraint("json_object", field="text.format")
+    if kind == "json_schema":
+        return Constraint("json", json.dumps(fmt["schema"]), field="text.format.schema")
+    return None
+
+
+# ---- lowering ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Context:
+    """What rendering a response needs besides its engine request."""
+
+    rid: str
+    model: str
+    body: dict[str, Any]
+    names: TokenNames
+    input_items: list[dict[str, Any]]  # this response's own, normalized
+    history: list[dict[str, Any]]  # the earlier turns' items (previous_response_id)
+    store: ResponseStore | None  # None: store false
+    tools: ToolPlan | None = None  # tools offered: the answer is parsed for calls
+    logprobs: bool = False
+    created: int = field(default_factory=now)
+    sequence: itertools.count = field(default_factory=itertools.count)
+
+
+def _ignored(body: dict[str, Any]) -> list[str]:
+    """Fields accepted and echoed that change nothing here (answered in X-Ignored-Parameters)."""
+    ignored = []
+    if body.get("prompt_cache_key") is not None:
+        ignored.append("prompt_cache_key")  # the prefix cache finds shared prefixes without a key
+    if body.get("service_tier") not in (None, "auto", "default"):
+        ignored.append("service_tier")
+    if (body.get("text") or {}).get("verbosity") is not None:
+        ignored.append("text.verbosity")
+    reasoning = body.get("reasoning") or {}
+    if any(reasoning.get(k) is not None for k in ("effort", "summary", "generate_summary")):
+        ignored.append("reasoning")  # the served model gives no separate reasoning
+    if (body.get("stream_options") or {}).get("include_obfuscation"):
+        ignored.append("stream_options.include_obfuscation")
+    if "reasoning.encrypted_content" in (body.get("include") or []):
+        ignored.append("include")
+    return ignored
+
+
+def _chat_body(body: dict[str, Any], messages: list[dict[str, Any]], logprobs: bool) -> dict[str, Any]:
+    """The chat completions body of the same turn."""
+    chat: dict[str, Any] = {"messages": messages, "model": body.get("model")}
+    for name, chat_name in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
+                            ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls")):
+        if body.get(name) is not None:
+            chat[chat_name] = body[name]
+    if body.get("tools"):
+        chat["tools"] = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type" and v is not None}}
+                         for t in body["tools"]]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice is not None:
+        chat["tool_choice"] = choice
+    if logprobs:
+        chat["logprobs"] = True
+        chat["top_logprobs"] = body.get("top_logprobs") or 0
+    return chat
+
+
+class Responses(Handler):
+    schema = "openai-responses"
+    logprob_fields = ("input", "top_logprobs", "include")
+
+    def render_error(self, err: BridgeError) -> dict[str, Any]:
+        return render_error(err)
+
+    def error_event(self, err: BridgeError, plan: Plan) -> bytes:
+        """A failure mid-stream: an ``error`` event, then ``response.failed`` (also kept when stored)."""
+        ctx: _Context = plan.context
+        render_error(err)  # this protocol's field names
+        failed = _response(ctx, "failed", [], error={"code": err.code or "server_error", "message": err.message})
+        _keep(ctx, failed)
+        return (_event(ctx, "error", code=err.code or str(err.status), message=err.message, param=err.param)
+                + _event(ctx, "response.failed", response=failed))
+
+    async def read(self, request: Request) -> dict[str, Any]:
+        body = getattr(request.state, "responses_body", None)  # read once by ``create``
+        if body is not None:
+            return body
+        try:
+            return await super().read(request)
+        except BridgeError as err:
+            missing = re.match(r"\$: '(\w+)' is a required property", err.message)
+            if err.param is None and missing:  # the body's own required field: name it
+                err.param = missing.group(1)
+            raise
+
+    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
+        model, lora = check_model(request, body)
+        keep = body.get("store") is not False
+        if body.get("background") and not keep:
+            raise BridgeError(400, "background: a background response must be stored (store: true)",
+                              param="background")
+        if body.get("background") and body.get("stream"):
+            raise BridgeError(400, "background: a background response is not streamed; poll GET "
+                                   "/v1/responses/{id} for it", param="background")
+        if body.get("truncation") == "auto":
+            raise BridgeError(400, "truncation: only 'disabled' (an input over the context is refused)",
+                              param="truncation")
+        store = response_store(request)
+        history: list[dict[str, Any]] = []
+        if body.get("previous_response_id"):
+            previous = store.get(body["previous_response_id"])
+            if previous is None:
+                raise BridgeError(400, f"Previous response with id '{body['previous_response_id']}' not found.",
+                                  param="previous_response_id", code="previous_response_not_found")
+            if previous.running:
+                raise BridgeError(400, f"previous_response_id: response '{body['previous_response_id']}' is still "
+                                       "in progress", param="previous_response_id")
+            history = previous.conversation
+        given = body["input"]
+        raw = [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else given
+        items = [_normalized(item) for item in raw]
+        paths = ["input" if isinstance(given, str) else f"input[{k}]" for k in range(len(items))]
+        messages, origins = chat_messages(body.get("instructions"),
+                                          [("previous_response_id", i) for i in history] + list(zip(paths, items)))
+        if not messages:
+            raise BridgeError(400, "input: no message to answer (only reasoning items)", param="input")
+        include = body.get("include") or []
+        logprobs = LOGPROBS_INCLUDE in include or body.get("top_logprobs") is not None
+        rid = _new_id("resp")
+        try:
+            req, tool_plan = lower_chat(request, _chat_body(body, messages, logprobs), rid)
+        except BridgeError as err:
+            raise _renamed(err, origins) from None
+        constraint = format_constraint((body.get("text") or {}).get("format"))
+        if constraint is not None:
+            if req.params.constraint is not None:
+                raise BridgeError(400, f"text.format: tool_choice {body.get('tool_choice')!r} already constrains "
+                                       "the answer", param="text.format")
+            req.params.constraint = constraint
+        req.lora = lora
+        ignored = _ignored(body)
+        if ignored:
+            logger.info("response %s: %s accepted with no effect", rid, ", ".join(ignored))
+        ctx = _Context(rid, model, body, TokenNames(engine_of(request), False), items, history,
+                       store if keep else None, tool_plan if tool_plan.parse else None, logprobs)
+        headers = {"X-Ignored-Parameters": ",".join(ignored)} if ignored else {}
+        return Plan([req], bool(body.get("stream")), body, headers=headers, context=ctx)
+
+    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
+        ctx: _Context = plan.context
+        response = _final(ctx, results[0][0])
+        _keep(ctx, response)
+        return JSONAnswer(response)
+
+    def render_stream(self, request: Request, plan: Plan,
+                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+        return _stream(plan.context, outputs)
+
+
+# ---- the response object -------------------------------------------------------------------------
+
+
+def _usage(prompt: int, cached: int, output: int) -> dict[str, Any]:
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": output,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + output}
+
+
+def _response(ctx: _Context, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+              error: dict[str, Any] | None = None, incomplete: dict[str, Any] | None = None) -> dict[str, Any]:
+    b = ctx.body
+    reasoning = b.get("reasoning") or {}
+    text = {"format": (b.get("text") or {}).get("format") or {"type": "text"}}
+    if (b.get("text") or {}).get("verbosity") is not None:
+        text["verbosity"] = b["text"]["verbosity"]
+    return {
+        "id": ctx.rid, "object": "response", "created_at": ctx.created, "status": status,
+        "background": bool(b.get("background")), "error": error, "incomplete_details": incomplete,
+        "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
+        "model": ctx.model, "output": output, "parallel_tool_calls": b.get("parallel_tool_calls") is not False,
+        "previous_response_id": b.get("previous_response_id"),
+        "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
+        "service_tier": b.get("service_tier") or "default", "store": ctx.store is not None,
+        "temperature": 1.0 if b.get("temperature") is None else b["temperature"], "text": text,
+        "tool_choice": b.get("tool_choice") or "auto",
+        "tools": [{"type": "function", "description": None, "parameters": None, "strict": None, **t}
+                  for t in b.get("tools") or []],
+        "top_logprobs": b.get("top_logprobs") or 0, "top_p": 1.0 if b.get("top_p") is None else b["top_p"],
+        "truncation": b.get("truncation") or "disabled", "usage": usage, "user": b.get("user"),
+        "safety_identifier": b.get("safety_identifier"), "prompt_cache_key": b.get("prompt_cache_key"),
+        "metadata": b.get("metadata") or {},
+    }
+
+
+def _status(finish_reason: str | None) -> tuple[str, dict[str, Any] | None]:
+    """The response's status and incomplete_details for the engine's finish reason."""
+    if finish_reason == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    return "completed", None
+
+
+def _message(text: str, status: str, logprobs: list[dict[str, Any]] | None, item_id: str | None = None
+             ) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+    return {"id": item_id or _new_id("msg"), "type": "message", "status": status, "role": "assistant",
+            "content": [part]}
+
+
+def _function_call(call: tools.ToolCall, item_id: str | None = None) -> dict[str, Any]:
+    return {"id": item_id or _new_id("fc"), "type": "function_call", "status": "completed", "call_id": call.id,
+            "name": call.name, "arguments": call.arguments}
+
+
+def _final(ctx: _Context, c: Completion) -> dict[str, Any]:
+    status, incomplete = _status(c.finish_reason)
+    content: str | None = c.text
+    calls: list[tools.ToolCall] = []
+    if ctx.tools is not None:
+        content, calls = tools.parse(c.text, ctx.tools.names)
+    logprobs = chat_logprobs(ctx.names, c.logprobs)["content"] if ctx.logprobs else None
+    output = [] if content is None else [_message(content, status, logprobs)]
+    output += [_function_call(call) for call in calls]
+    usage = _usage(c.num_prompt_tokens, c.num_cached_tokens, len(c.token_ids))
+    return _response(ctx, status, output, usage, incomplete=incomplete)
+
+
+def _keep(ctx: _Context, response: dict[str, Any]) -> None:
+    if ctx.store is not None:
+        conversation = ctx.history + ctx.input_items + response["output"]
+        ctx.store.put(ctx.rid, StoredResponse(response, ctx.input_items, conversation,
+                                              background=bool(ctx.body.get("background"))))
+
+
+# ---- streaming -----------------------------------------------------------------------------------
+
+
+def _event(ctx: _Context, kind: str, **fields: Any) -> bytes:
+    data = {"type": kind, "sequence_number": next(ctx.sequence), **fields}
+    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+@dataclass
+class _OpenMessage:
+    """The message item being streamed."""
+
+    index: int
+    item_id: str = field(default_factory=lambda: _new_id("msg"))
+    text: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+async def _stream(ctx: _Context, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+    yield _event(ctx, "response.created", response=_response(ctx, "in_progress", []))
+    yield _event(ctx, "response.in_progress", response=_response(ctx, "in_progress", []))
+    output: list[dict[str, Any]] = []
+    parser = tools.StreamParser(ctx.tools.names) if ctx.tools is not None else None
+    message: _OpenMessage | None = None
+    held = ""  # blank text while no message is open (an answer that is only calls has no message)
+    pending: list[TokenLogprob] = []  # logprobs of text not yet sent
+    prompt = cached = generated = 0
+    finish: str | None = None
+
+    def open_message() -> list[bytes]:
+        nonlocal message
+        message = _OpenMessage(len(output))
+        item = {"id": message.item_id, "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [_event(ctx, "response.output_item.added", output_index=message.index, item=item),
+                _event(ctx, "response.content_part.added", item_id=message.item_id, output_index=message.index,
+                       content_index=0, part=part)]
+
+    def text_delta(text: str) -> list[bytes]:
+        nonlocal pending
+        events = open_message() if message is None else []
+        lps = chat_logprobs(ctx.names, pending)["content"] if ctx.logprobs else []
+        pending = []
+        message.text += text
+        message.logprobs += lps
+        events.append(_event(ctx, "response.output_text.delta", item_id=message.item_id, output_index=message.index,
+                             content_index=0, delta=text, logprobs=lps))
+        return events
+
+    def close_message(status: str) -> list[bytes]:
+        nonlocal message
+        m, message = message, None
+        item = _message(m.text, status, m.logprobs, m.item_id)
+        output.append(item)
+        part = item["content"][0]
+        return [_event(ctx, "response.output_text.done", item_id=m.item_id, output_index=m.index, content_index=0,
+                       text=m.text, logprobs=m.logprobs),
+                _event(ctx, "response.content_part.done", item_id=m.item_id, output_index=m.index, content_index=0,
+                       part=part),
+                _event(ctx, "response.output_item.done", output_index=m.index, item=item)]
+
+    def function_call(call: tools.ToolCall) -> list[bytes]:
+        events = close_message("completed") if message is not None else []
+        index = len(output)
+        item = _function_call(call)
+        output.append(item)
+        events += [
+            _event(ctx, "response.output_item.added", output_index=index,
+                   item={**item, "status": "in_progress", "arguments": ""}),
+            _event(ctx, "response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                   delta=call.arguments),
+            _event(ctx, "response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                   name=call.name, arguments=call.arguments),
+            _event(ctx, "response.output_item.done", output_index=index, item=item)]
+        return events
+
+    async for _, out in outputs:
+        prompt, cached = out.num_prompt_tokens, out.num_cached_tokens
+        generated += len(out.new_token_ids)
+        if ctx.logprobs and out.logprobs:
+            pending += out.logprobs
+        text, calls = (parser.feed(out.text_delta, final=out.finished) if parser is not None
+                       else (out.text_delta, []))
+        if text and message is None and parser is not None and not (held + text).strip():
+            held += text  # blank outside a message: kept only if text follows or no call comes
+        elif text:
+            for event in text_delta(held + text):
+                yield event
+            held = ""
+        for call in calls:
+            held = ""
+            for event in function_call(call):
+                yield event
+        if out.finished:
+            finish = out.finish_reason
+    status, incomplete = _status(finish)
+    if message is None and not output:  # no call: the answer is a message, even an empty one
+        for event in open_message():
+            yield event
+        if held:
+            for event in text_delta(held):
+                yield event
+    if message is not None:
+        for event in close_message(status):
+            yield event
+    response = _response(ctx, status, output, _usage(prompt, cached, generated), incomplete=incomplete)
+    _keep(ctx, response)
+    yield _event(ctx, "response.incomplete" if status == "incomplete" else "response.completed", response=response)
+
+
+# ---- background responses ------------------------------------------------------------------------
+
+
+HANDLER = Responses()
+
+
+async def _run_background(request: Request, plan: Plan, entry: StoredResponse) -> None:
+    ctx: _Context = plan.context
+    entry.response = {**entry.response, "status": "in_progress"}
+    try:
+        results = await collect_all(request, plan.requests)
+        final = _final(ctx, results[0][0])
+    except asyncio.CancelledError:
+        final = _response(ctx, "cancelled", [])
+    except Exception as exc:  # the failure is the response's, read by whoever polls it
+        err = bridge_error_from(exc)
+        render_error(err)
+        final = _response(ctx, "failed", [], error={"code": err.code or "server_error", "message": err.message})
+    entry.task = None
+    if ctx.store.get(ctx.rid) is entry:  # not deleted or evicted meanwhile
+        ctx.store.put(ctx.rid, StoredResponse(final, ctx.input_items, ctx.history + ctx.input_items + final["output"],
+                                              background=True))
+
+
+async def _start_background(request: Request, body: dict[str, Any]) -> Response:
+    plan = await HANDLER.lower(request, body)
+    await check_answer_volume(request, plan.requests, HANDLER.logprob_fields)
+    ctx: _Context = plan.context
+    queued = _response(ctx, "queued", [])
+    entry = StoredResponse(queued, ctx.input_items, ctx.history + ctx.input_items, background=True)
+    if not ctx.store.put(ctx.rid, entry):
+        raise BridgeError(400, "background: the input is larger than the response store holds "
+                               "(--responses-store-max-mb)", param="background")
+    entry.task = asyncio.create_task(_run_background(request, plan, entry))
+    return JSONResponse(queued, headers=plan.headers)
+
+
+# ---- the endpoints -------------------------------------------------------------------------------
+
+
+@endpoint(render_error)
+async def create(request: Request) -> Response:
+    body = await HANDLER.read(request)
+    if body.get("background"):
+        return await _start_background(request, body)
+    request.state.responses_body = body
+    return await serve(request, HANDLER)
+
+
+def _stored(request: Request) -> tuple[str, StoredResponse]:
+    rid = request.path_params["response_id"]
+    entry = response_store(request).get(rid)
+    if entry is None:
+        raise _not_found(rid)
+    return rid, entry
+
+
+@endpoint(render_error)
+async def retrieve(request: Request) -> Response:
+    if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+        raise BridgeError(400, "stream: a kept response is returned whole, not replayed as events", param="stream")
+    _, entry = _stored(request)
+    return JSONResponse(entry.response)
+
+
+@endpoint(render_error)
+async def delete(request: Request) -> Response:
+    rid = request.path_params["response_id"]
+    if response_store(request).delete(rid) is None:
+        raise _not_found(rid)
+    return JSONResponse({"id": rid, "object": "response", "deleted": True})
+
+
+@endpoint(render_error)
+async def cancel(request: Request) -> Response:
+    """Only a background response can be cancelled (OpenAI's rule); cancelling a cancelled one is a no-op."""
+    rid, entry = _stored(request)
+    if not entry.background:
+        raise BridgeError(400, "Cannot cancel a synchronous response.", param="response_id")
+    status = entry.response["status"]
+    if entry.running and entry.task is not None:
+        task = entry.task
+        task.cancel()
+        await asyncio.wait([task])
+    elif status != "cancelled":
+        raise BridgeError(400, f"Cannot cancel a {status} response.", param="response_id")
+    current = response_store(request).get(rid)
+    return JSONResponse((current or entry).response)
+
+
+def _int_query(request: Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise BridgeError(400, f"{name}: an integer from {low} to {high}", param=name)
+    return int(raw)
+
+
+@endpoint(render_error)
+async def input_items(request: Request) -> Response:
+    """The items a response was given (its own input, not the earlier turns'), a page at a time."""
+    _, entry = _stored(request)
+    limit = _int_query(request, "limit", 20, 1, 100)
+    order = request.query_params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise BridgeError(400, "order: asc or desc", param="order")
+    items = entry.input_items if order == "asc" else entry.input_items[::-1]
+    after = request.query_params.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise BridgeError(400, f"after: no input item '{after}' in this response", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+
+
+PROTOCOL = Protocol("responses", (
+    Operation("POST", "/v1/responses", create, "OpenAI Responses: answer input items (stream, tools, text.format, "
+              "store, previous_response_id, background)", ("openai-responses",), streams=True),
+    Operation("GET", "/v1/responses/{response_id}", retrieve, "OpenAI Responses: a kept response"),
+    Operation("DELETE", "/v1/responses/{response_id}", delete, "OpenAI Responses: forget a kept response"),
+    Operation("POST", "/v1/responses/{response_id}/cancel", cancel, "OpenAI Responses: cancel a background "
+              "response"),
+    Operation("GET", "/v1/responses/{response_id}/input_items", input_items,
+              "OpenAI Responses: the input items of a kept response"),
+))
