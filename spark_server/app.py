@@ -21,7 +21,7 @@ from spark_server.auth import AdminGate, AllowedHosts, ApiKeyMiddleware, ReplayG
 from spark_server.fleet import (get_pack, load_lora_adapter, model_info, publish_pack, server_info, unload_lora_adapter,
                                 version_endpoint)
 from spark_server.health import health
-from spark_server.playground import playground, sign
+from spark_server.playground import check, playground, sign
 from spark_server.metrics import Metrics, RequestCounter, metrics_endpoint, note_in_request_context
 from spark_server.settings import Settings
 from spark_server.limits import BodySizeLimit
@@ -54,6 +54,8 @@ SERVER_PROTOCOL = Protocol("server", (
     Operation("GET", "/metrics", metrics_endpoint, "Prometheus metrics"),
     Operation("GET", "/", playground, "the browser playground (a Spark WebSocket conversation)"),
     Operation("POST", "/playground/sign", sign, "a signed Spark WebSocket URL for the playground (--spark-auth)"),
+    Operation("GET", "/playground/check", check, "how the Spark WebSocket's handshake would answer this query (the "
+              "playground's: a browser never sees why a socket was refused)"),
     Operation("GET", "/version", version_endpoint, "the server's version (vLLM's; routers identify the engine by it)"),
     Operation("GET", "/server_info", server_info, "the replica's settings in SGLang's shape (routers read it)"),
     Operation("GET", "/model_info", model_info, "the served model in SGLang's shape (routers read it)"),

@@ -1,15 +1,20 @@
-"""The browser playground at ``/`` (one static page, no CDN, no build step) and the URL signing it uses
-when the server runs with ``--spark-auth``."""
+"""The browser playground at ``/`` (one static page, no CDN, no build step), the URL signing it uses when
+the server runs with ``--spark-auth``, and the check that tells it why a socket was refused (a browser
+never sees the status of a refused WebSocket handshake)."""
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from importlib import resources
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
-from spark_server.auth import sign_url
+from spark_server.auth import AuthError, check_origin, sign_url, verify_websocket
+
+SPARK_WS_PATH = "/turing/v3/gpt"
+CONFIG_SLOT = "/*SERVER-CONFIG*/null"  # in the page's script: replaced by what the page needs to know
 
 
 @lru_cache(maxsize=1)
@@ -17,8 +22,33 @@ def _page() -> str:
     return resources.files("spark_server").joinpath("static/playground.html").read_text(encoding="utf-8")
 
 
+def page_config(request: Request) -> dict:
+    """What the page shows and how it connects: the model's name, and which credentials the server wants."""
+    settings = request.app.state.settings
+    return {"model": request.app.state.engine.model_info.name, "api_key": bool(settings.api_key),
+            "spark_auth": bool(request.app.state.spark_keys), "path": SPARK_WS_PATH}
+
+
 async def playground(request: Request) -> Response:
-    return HTMLResponse(_page())
+    # "<" escaped: a model name cannot end the script element it is written into
+    config = json.dumps(page_config(request)).replace("<", "\\u003c")
+    return HTMLResponse(_page().replace(CONFIG_SLOT, config, 1))
+
+
+async def check(request: Request) -> Response:
+    """How the server answers a Spark WebSocket handshake with this query (the URL the page would open):
+    ``{"status": 101}`` when it would open, else the refusal's status (401 / 403) and message. Always a 200,
+    read by the page after a socket closed unopened. With --api-key the page sends its key as a bearer
+    header here, so a wrong key is refused by the middleware already, as a 401 it can read."""
+    headers = {k: v for k, v in request.headers.items() if k != "authorization"}  # what the socket sends
+    settings = request.app.state.settings
+    try:
+        check_origin(headers.get("origin"), settings.origins)
+        verify_websocket(headers, dict(request.query_params), SPARK_WS_PATH, settings.api_key,
+                         request.app.state.spark_keys, replay=None)  # a probe does not use up the signature
+    except AuthError as err:
+        return JSONResponse({"status": err.status, "message": err.message})
+    return JSONResponse({"status": 101, "message": "the handshake would be accepted"})
 
 
 async def sign(request: Request) -> Response:
@@ -33,4 +63,4 @@ async def sign(request: Request) -> Response:
     key, secret = next(iter(keys.items()))
     scheme = "wss" if request.url.scheme == "https" else "ws"
     return JSONResponse({"url": sign_url(f"{scheme}://{request.headers.get('host', request.url.netloc)}"
-                                         "/turing/v3/gpt", key, secret)})
+                                         f"{SPARK_WS_PATH}", key, secret)})
