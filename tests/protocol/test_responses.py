@@ -268,3 +268,13 @@ def test_the_store_is_bounded_by_count_and_bytes(fake, small_store):
     huge = httpx.post(url + "/v1/responses", json={"input": "x" * 30000})
     assert huge.status_code == 200 and httpx.get(f"{url}/v1/responses/{huge.json()['id']}").status_code == 404
     assert store.nbytes <= store.max_bytes
+
+
+def test_logprobs_ride_on_the_output_text_when_included(fake):
+    n = _tokens(fake, DEFAULT_ANSWER)
+    data = _post(fake, include=["message.output_text.logprobs"], top_logprobs=2).json()
+    entries = data["output"][0]["content"][0]["logprobs"]
+    assert len(entries) == n and len(entries[0]["top_logprobs"]) == 2 and entries[0]["logprob"] == -0.5
+    events = _events(_post(fake, include=["message.output_text.logprobs"], stream=True))
+    assert sum(len(e["logprobs"]) for e in events if e["type"] == "response.output_text.delta") == n
+    assert _post(fake).json()["output"][0]["content"][0]["logprobs"] == []
