@@ -59,6 +59,8 @@ def served_model_or_adapter(request: Request, name: Any) -> LoraRef | None:
     served = engine_of(request).model_info.name
     if name in (None, "", "default", "null", "None", served):
         return None
+    if name in getattr(request.app.state, "model_aliases", ()):  # --served-model-name's further names
+        return None
     resolver = getattr(request.app.state, "lora_resolver", None)
     adapters = sorted(resolver.registered) if resolver is not None else []
     if name in adapters:

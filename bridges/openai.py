@@ -119,6 +119,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[s
     return out
 
 
+def token_ids_named(request: Request, body: dict[str, Any]) -> bool:
+    """A request's return_tokens_as_token_ids, else the server's (vLLM's --return-tokens-as-token-ids)."""
+    own = body.get("return_tokens_as_token_ids")
+    return bool(own) if own is not None else bool(getattr(request.app.state, "return_tokens_as_token_ids", False))
+
+
 class TokenNames:
     """How logprobs name tokens: their text, or 'token_id:{id}' (vLLM's return_tokens_as_token_ids).
     Each id is decoded once per answer: an answer with many logprobs names the same tokens over and
@@ -244,7 +250,7 @@ class Completions(_OpenAIHandler):
         reqs = lower_completion(request, body, rid)
         for r in reqs:
             r.lora = lora
-        names = TokenNames(engine_of(request), bool(body.get("return_tokens_as_token_ids")))
+        names = TokenNames(engine_of(request), token_ids_named(request, body))
         return Plan(reqs, bool(body.get("stream")), body, context=_Answer(model, rid, names))
 
     async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
@@ -380,7 +386,7 @@ class ChatCompletions(_OpenAIHandler):
         rid = response_id("chatcmpl", body)
         req, tool_plan = lower_chat(request, body, rid)
         req.lora = lora
-        names = TokenNames(engine_of(request), bool(body.get("return_tokens_as_token_ids")))
+        names = TokenNames(engine_of(request), token_ids_named(request, body))
         answer = _Answer(model, rid, names, tool_plan if tool_plan.parse else None)
         return Plan([req], bool(body.get("stream")), body, context=answer)
 
@@ -495,8 +501,9 @@ async def _stream_chat(engine: EngineClient, body: dict[str, Any], req: Generati
 async def models(request: Request) -> Response:
     info = engine_of(request).model_info
     created = now()
-    data = [{"id": info.name, "object": "model", "created": created, "owned_by": "spark-server", "root": info.path,
-             "parent": None, "max_model_len": info.max_model_len}]
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "spark-server", "root": info.path,
+             "parent": None, "max_model_len": info.max_model_len}
+            for name in (info.name, *getattr(request.app.state, "model_aliases", ()))]  # vLLM lists every name
     resolver = getattr(request.app.state, "lora_resolver", None)
     for name, path in sorted((resolver.registered if resolver else {}).items()):
         data.append({"id": name, "object": "model", "created": created, "owned_by": "spark-server", "root": path,

@@ -11,6 +11,7 @@ import socket
 import sys
 import time
 
+from spark_server import launch_compat
 from spark_server import settings as settings_mod
 
 
@@ -32,14 +33,17 @@ def _serve(args: argparse.Namespace) -> int:
     from spark_server.app import LOG_FORMAT, SPARK_WS_PATH, build_app, uvicorn_config
     from spark_server.shutdown import DrainingServer
 
+    launch = launch_compat.Launch()  # what vLLM's and FastDeploy's flags did here
     try:
-        settings, sources = settings_mod.resolve_with_sources(vars(args))
+        settings, sources = settings_mod.resolve_with_sources(vars(args), launch=launch)
     except (ValueError, OSError) as exc:
         print(f"spark-server: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
     _log_native_faults()
     logging.getLogger("spark_server").info("%s", settings_mod.describe(settings, sources))
+    for level, line in launch.notes:  # one line per foreign flag given: what it does here, or why it is ignored
+        logging.getLogger("spark_server.launch").log(level, "%s", line)
     problem = port_problem(settings.host, settings.port)
     if problem:  # before minutes of model loading
         print(f"spark-server: cannot serve on {settings.host}:{settings.port}: {problem}", file=sys.stderr)
@@ -53,6 +57,11 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     finally:
         gc.enable()
+    try:
+        launch.check_model(engine.model_info.path)
+    except ValueError as exc:
+        print(f"spark-server: {exc}", file=sys.stderr)
+        return 2
     if bool(settings.ssl_certfile) != bool(settings.ssl_keyfile):
         print("spark-server: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
         return 2
@@ -61,6 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:  # e.g. a malformed --spark-auth or --lora
         print(f"spark-server: {exc}", file=sys.stderr)
         return 2
+    launch.apply_to_app(app)
     frozen = settle_startup_heap()
     logging.getLogger("spark_server").info("start-up heap: %d objects frozen out of the cyclic collector's walks",
                                            frozen)
@@ -72,6 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
     from spark_server.log_safety import protect_server_logs
 
     protect_server_logs()  # after uvicorn set up its loggers: no forged lines, no signatures in logs
+    launch.apply_to_logging()  # likewise after uvicorn set its loggers' levels
     DrainingServer(config, app, settings.shutdown_grace).run()
     return 0
 
@@ -121,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Start the server. Each flag also reads from SPARK_<NAME> and the "
                                        "--config TOML file (flag > env > file > default).")
     settings_mod.add_arguments(serve)
+    launch_compat.add_arguments(serve)  # `serve MODEL` and vLLM's / FastDeploy's flags
     serve.set_defaults(func=_serve)
     from lora_store.cli import add_commands
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.constraint_budget import ConstraintBudget
+from spark_server import launch_compat
 
 ENV_PREFIX = "SPARK_"
 _CONSTRAINT = ConstraintBudget()  # structured output's limits keep their defaults there
@@ -32,7 +33,9 @@ class Settings:
     port: int = _opt(9990, "port to bind")
     model: str | None = _opt(None, "local HF model directory or .gguf file (default: the embedded "
                                    "SmolLM2-135M-Instruct)")
-    served_model_name: str | None = _opt(None, "model name shown to clients (default: the model's name)")
+    served_model_name: str | None = _opt(None, "model name shown to clients (default: the model's name); several "
+                                               "names as vLLM: answers carry the first, requests may name any",
+                                         many=True)
     engine_url: str | None = _opt(None, "serve with no local model, over a fleet: a router's URL (smg), or several "
                                         "OpenAI-compatible backends comma-separated (this server, vLLM, SGLang), "
                                         "tried in turn; --model / --tokenizer then name only the tokenizer")
@@ -362,7 +365,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, dest=f.name, action="append", default=None, help=help_text)
         else:
             parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text,
-                                choices=f.metadata.get("choices"))
+                                choices=launch_compat.foreign_choices(f.name, f.metadata.get("choices")))
 
 
 def read_config_file(path: str) -> dict[str, Any]:
@@ -403,16 +406,20 @@ def describe(settings: Settings, sources: dict[str, str]) -> str:
     return "settings: " + " ".join(parts)
 
 
-def resolve_with_sources(cli: dict[str, Any] | None = None,
-                         environ: dict[str, str] | None = None) -> tuple[Settings, dict[str, str]]:
-    """The settings, and for each one set by other than its default: "flag", "env" or "file"."""
-    cli = {k: (",".join(v) if isinstance(v, list) else v) for k, v in (cli or {}).items() if v is not None}
+def resolve_with_sources(cli: dict[str, Any] | None = None, environ: dict[str, str] | None = None,
+                         launch: launch_compat.Launch | None = None) -> tuple[Settings, dict[str, str]]:
+    """The settings, and for each one set by other than its default: "flag", "env" or "file". vLLM's and
+    FastDeploy's flags and config keys go through launch_compat's table; ``launch`` receives what they did."""
+    launch = launch if launch is not None else launch_compat.Launch()
+    cli = launch.take({k: v for k, v in (cli or {}).items() if v is not None}, "flag")
+    cli = {k: (",".join(v) if isinstance(v, list) else v) for k, v in cli.items() if v is not None}
     environ = os.environ if environ is None else environ
     config_path = cli.get("config") or environ.get(f"{ENV_PREFIX}CONFIG")
     from_file: dict[str, Any] = {}
     if config_path:
-        from_file = {k.replace("-", "_"): (",".join(map(str, v)) if isinstance(v, list) else v)
-                     for k, v in read_config_file(config_path).items()}
+        from_file = launch.take({k.replace("-", "_"): v for k, v in read_config_file(config_path).items()},
+                                config_path)
+        from_file = {k: (",".join(map(str, v)) if isinstance(v, list) else v) for k, v in from_file.items()}
         known = {f.name for f in fields(Settings)}
         unknown = sorted(set(from_file) - known)
         if unknown:
