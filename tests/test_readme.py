@@ -278,7 +278,7 @@ def test_no_work_notes_in_user_documents(path):
 def test_the_work_notes_check_can_fail():
     bad = ("Session 57: faster.\nThe bar is met.\nSee issue #10 and issue 56.\nsessions 27-53\n"
            "peers-session57.json\nthis session measured it\nfixed in #12\n")
-    assert len(offences(bad)) == 7
+    assert len({o.split(':')[0] for o in offences(bad)}) == 7  # every line offends
     good = ("One request per WebSocket session.\nthe `sessions` logger\n`--lora NAME=URL#md5`\n"
             "[link](#quick-start)\n&#123;\nbarrier, crowbar\n")
     assert offences(good) == []
