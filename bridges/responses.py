@@ -122,7 +122,7 @@ def _renamed(err: BridgeError, origins: list[str]) -> BridgeError:
     """A chat-lowering error named in this protocol's fields: messages[i]... -> the item it came from."""
     param = err.param or ""
     if param.startswith("messages[") and "]" in param:
-        index, rest = param[len("messages["):].split("]", 1)
+        index = param[len("messages["):].split("]", 1)[0]
         if index.isdigit() and int(index) < len(origins):
             err.param = origins[int(index)]
             err.message = err.message.replace(f"messages[{index}]", origins[int(index)])

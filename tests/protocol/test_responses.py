@@ -111,6 +111,16 @@ def test_text_then_a_call_is_a_message_item_then_a_function_call_item(fake):
     assert [i["type"] for i in output] == ["message", "function_call"]
     assert output[0]["content"][0]["text"].strip() == "Let me add."
     assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0, 1]
+    # the output items sent back as they came (the client's usual loop), then the call's output: one
+    # assistant message with its text and its call, as chat has it
+    fake.engine.script = Script(answer="3")
+    call = output[1]
+    items = [{"role": "user", "content": "hi"}, *output,
+             {"type": "function_call_output", "call_id": call["call_id"], "output": "3"}]
+    assert httpx.post(fake.url + "/v1/responses", json={"input": items, "tools": TOOLS}).status_code == 200
+    messages = fake.last_request().prompt.messages
+    assert [m.role for m in messages] == ["system", "user", "assistant", "tool"]
+    assert messages[2].content.startswith("Let me add.") and '"name": "add"' in messages[2].content
 
 
 def test_input_items_lower_to_the_chat_messages_of_the_same_conversation(fake):
@@ -278,3 +288,17 @@ def test_logprobs_ride_on_the_output_text_when_included(fake):
     events = _events(_post(fake, include=["message.output_text.logprobs"], stream=True))
     assert sum(len(e["logprobs"]) for e in events if e["type"] == "response.output_text.delta") == n
     assert _post(fake).json()["output"][0]["content"][0]["logprobs"] == []
+
+
+def test_the_clients_stream_helper_reassembles_text_and_calls(fake):
+    import openai
+
+    fake.engine.script = Script(answer="Let me add. " + CALL)
+    client = openai.OpenAI(base_url=fake.url + "/v1", api_key="x", max_retries=0)
+    with client.responses.stream(model="fake-model", input="1+2?", tools=TOOLS) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    message, call = final.output
+    assert message.content[0].text.strip() == "Let me add." and final.output_text.strip() == "Let me add."
+    assert call.type == "function_call" and call.name == "add" and json.loads(call.arguments) == {"a": 1, "b": 2}
