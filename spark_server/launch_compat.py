@@ -166,6 +166,17 @@ class Only(Rule):
 
 
 @dataclass(frozen=True)
+class Refused(Rule):
+    why: str = ""
+
+    def describe(self) -> str:
+        return f"refused at start: {self.why}"
+
+    def take(self, name: str, value: Any, launch: "Launch") -> None:
+        raise ValueError(f"{_flag(name)} {_shown(value)}: {self.why}")
+
+
+@dataclass(frozen=True)
 class ByValue(Rule):
     cases: dict[str, Rule] = field(default_factory=dict)
     otherwise: Rule | None = None
@@ -233,10 +244,6 @@ NO_SPEC_MODEL = ("no draft model runs here; greedy requests use prompt-lookup sp
                  "(--num-speculative-tokens, --prompt-lookup-min/-max)")
 KV_SIZE = "the KV cache is --kv-cache-space GiB (or --num-kv-blocks blocks)"
 NO_PROMPT_ADAPTERS = "prompt adapters (soft prompts) are not supported; LoRA adapters are"
-
-
-def _speculative_config(name: str, value: Any) -> Any:
-    return as_json(name, value)
 
 
 @dataclass(frozen=True)
@@ -313,15 +320,15 @@ TABLE: dict[str, Rule] = {
     "tokenizer_mode": ByValue(sample="auto", cases={
         "auto": Honoured(how="the model's fast tokenizer"),
         "slow": Ignored(why="the fast tokenizer is used; it gives the same tokens"),
-        "mistral": Only(accepted=(), refused="mistral_common tokenization is not available here"),
-        "custom": Only(accepted=(), refused=NO_CODE)}),
+        "mistral": Refused(why="mistral_common tokenization is not available here"),
+        "custom": Refused(why=NO_CODE)}),
     "trust_remote_code": _sw_ign("no remote code runs here: only the built-in model families load"),
     "allowed_local_media_path": _ign(NO_MM, sample="/data"),
     "download_dir": _ign(NO_HUB, sample="/tmp/models"),
     "load_format": ByValue(sample="auto", cases={
         **{f: Honoured(how="the format is read from the model's files (safetensors, .bin or .gguf)")
            for f in ("auto", "pt", "safetensors", "gguf")},
-        "dummy": Only(accepted=(), refused="random weights are not supported: the model's own weights are loaded"),
+        "dummy": Refused(why="random weights are not supported: the model's own weights are loaded"),
     }, otherwise=Ignored(why="weights are read straight from the model's safetensors, .bin or .gguf files")),
     "config_format": ByValue(sample="auto", cases={
         "auto": Honoured(how="the model's config.json (or its GGUF metadata)"),
@@ -473,7 +480,7 @@ TABLE: dict[str, Rule] = {
 PENDING: dict[str, Rule] = {
     "task": ByValue(sample="auto", cases={
         **{t: Honoured(how="text generation") for t in ("auto", "generate")},
-        "transcription": Only(accepted=(), refused="speech models are not served here")},
+        "transcription": Refused(why="speech models are not served here")},
         otherwise=Ignored(why="this server runs text generation: pooling endpoints (/v1/embeddings, /score, "
                               "/rerank, /classify) are not served")),
     "enable_reasoning": _sw_ign("no reasoning parser here: a model's thinking stays in content"),
@@ -499,10 +506,10 @@ _QUANT_METHODS = ("aqlm", "awq", "deepspeedfp", "tpu_int8", "fp8", "ptpc_fp8", "
                   "marlin", "gptq_marlin_24", "gptq_marlin", "awq_marlin", "gptq", "compressed-tensors",
                   "bitsandbytes", "qqq", "hqq", "experts_int8", "neuron_quant", "ipex", "quark", "moe_wna16")
 FOREIGN_VALUES: dict[str, dict[str, Rule | str]] = {
-    "device": {d: Only(accepted=(), refused=f"{d} devices are not supported here (auto, cpu, cuda or npu)")
+    "device": {d: Refused(why="this kind of device is not supported here (auto, cpu, cuda or npu)")
                for d in ("neuron", "tpu", "xpu", "hpu")},
-    "quantization": {"None": "auto", **{m: Only(accepted=(), refused=f"{m} checkpoints are not supported here: "
-                                                "the weights run as none, int8, int4 or gguf")
+    "quantization": {"None": "auto", **{m: Refused(why="checkpoints quantized this way are not supported here: "
+                                                       "the weights run as none, int8, int4 or gguf")
                                         for m in _QUANT_METHODS}},
     # until other values are real settings, vLLM's names are taken and logged
     "guided_decoding_backend": {b: Ignored(why="structured output is built by llguidance here")
@@ -510,11 +517,11 @@ FOREIGN_VALUES: dict[str, dict[str, Rule | str]] = {
     "tool_call_parser": {
         **{p: Ignored(why="tool calls are written and read in the hermes form here")
            for p in ("llama3_json", "mistral", "pythonic")},
-        **{p: Only(accepted=(), refused="this tool-call format is not available here")
+        **{p: Refused(why="this tool-call format is not available here")
            for p in ("granite-20b-fc", "granite", "internlm", "jamba")}},
-    "reasoning_parser": {"granite": Only(accepted=(), refused="this reasoning format is not available here")},
+    "reasoning_parser": {"granite": Refused(why="this reasoning format is not available here")},
     "task": {"embedding": "embed",  # vLLM's older name
-             "transcription": Only(accepted=(), refused="speech models are not served here")},
+             "transcription": Refused(why="speech models are not served here")},
 }
 
 
@@ -706,10 +713,18 @@ def markdown() -> str:
         "| flag | value | here |",
         "| --- | --- | --- |",
     ]
+    own = own_settings()
     for name, values in FOREIGN_VALUES.items():
+        if name not in own:
+            continue
+        choices = own[name].metadata.get("choices") or []
+        grouped: dict[str, list[str]] = {}  # one row per outcome
         for value, rule in values.items():
-            does = f"the same as `{rule}`" if isinstance(rule, str) else rule.describe()
-            lines.append(f"| `{_flag(name)}` | `{value}` | {does} |")
+            if value not in choices:
+                grouped.setdefault(f"the same as `{rule}`" if isinstance(rule, str) else rule.describe(),
+                                   []).append(value)
+        for does, shown in grouped.items():
+            lines.append(f"| `{_flag(name)}` | {', '.join(f'`{v}`' for v in shown)} | {does} |")
     lines += ["", "`--served-model-name` takes several names, as vLLM: answers carry the first, requests may name "
               "any.", "", "## vLLM's and FastDeploy's other flags", "", "| flag | here |", "| --- | --- |"]
     shorts = {v: k for k, v in SHORT.items()}

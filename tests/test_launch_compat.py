@@ -6,6 +6,7 @@ named in the start-up log. One real start takes the document's first command for
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -147,8 +148,13 @@ def argv_forms(flag: DocFlag, option: str | None = None) -> list[list[str]]:
 COMPANIONS = {"--enable-reasoning": ["--reasoning-parser", "deepseek_r1"]}
 
 
+@functools.lru_cache(maxsize=1)
+def parser():
+    return build_parser()  # one parser for every parse: building it is most of a parse's cost
+
+
 def resolve(argv: list[str], env: dict[str, str] | None = None):
-    args = vars(build_parser().parse_args(["serve", *argv]))
+    args = vars(parser().parse_args(["serve", *argv]))
     args.pop("func"), args.pop("command")
     launch = launch_compat.Launch()
     settings, sources = settings_mod.resolve_with_sources(args, env or {}, launch=launch)
