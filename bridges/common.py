@@ -219,6 +219,7 @@ class Completion:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)  # per token, the text it released (RequestOutput's)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     token_latencies_s: list[float] = field(default_factory=list)  # per token: the time it took
@@ -244,6 +245,10 @@ async def collect(request: Request, req: GenerationRequest) -> list[Completion]:
                     gaps[0] = out.timings.prefill_s
                 c.token_latencies_s += gaps
             c.token_ids += out.new_token_ids
+            if out.new_token_ids:
+                c.token_texts += out.texts_per_token()
+            elif out.text_delta:  # text released with no token (a held stop-string prefix): the last token's
+                c.token_texts[-1:] = ["".join(c.token_texts[-1:]) + out.text_delta]
             c.logprobs += out.logprobs or []
             if out.prompt_logprobs is not None:
                 c.prompt_logprobs = out.prompt_logprobs
@@ -257,7 +262,7 @@ async def collect(request: Request, req: GenerationRequest) -> list[Completion]:
 
 
 def error_response(err: BridgeError, render: Callable[[BridgeError], dict[str, Any]]) -> JSONResponse:
-    headers = {"Retry-After": "1"} if err.status in (429, 503) else None
+    headers = {"Retry-After": "1"} if err.status in (429, 503, 529) else None
     return JSONResponse(render(err), status_code=err.status, headers=headers)
 
 
@@ -293,10 +298,12 @@ async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Re
     return task.result()
 
 
-def endpoint(render: Callable[[BridgeError], dict[str, Any]], invalid_status: int = 400):
+def endpoint(render: Callable[[BridgeError], dict[str, Any]], invalid_status: int = 400,
+             statuses: dict[int, int] | None = None):
     """Wrap a handler so any failure becomes that protocol's error body with the right status, and a
     client that hangs up cancels the work. ``invalid_status``: the status of a request that parses as
-    JSON but is invalid (TGI answers 422; a body that is not JSON stays 400)."""
+    JSON but is invalid (TGI answers 422; a body that is not JSON stays 400). ``statuses``: a
+    protocol's own status for one of the common ones (Anthropic: 529 for a busy server)."""
 
     def wrap(handler: Callable[[Request], Awaitable[Response]]):
         async def run(request: Request) -> Response:
@@ -306,6 +313,7 @@ def endpoint(render: Callable[[BridgeError], dict[str, Any]], invalid_status: in
                 err = bridge_error_from(exc)
                 if err.status == 400 and err.code != INVALID_JSON:
                     err.status = invalid_status
+                err.status = (statuses or {}).get(err.status, err.status)
                 if err.status >= 500:
                     logger.error("request id=%s path=%s failed with %d: %s", getattr(request.state, "request_id", "-"),
                                  request.url.path, err.status, err.message, exc_info=exc)

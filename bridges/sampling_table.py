@@ -11,6 +11,7 @@ Protocols, and the object their sampling fields live in:
     textgen  ``parameters`` (TGI, Triton and MindIE share it)
     ollama   ``options``
     spark    ``parameter.chat``
+    anthropic  the body of /v1/messages
 """
 
 from __future__ import annotations
@@ -44,16 +45,17 @@ TABLE: tuple[Knob, ...] = (
     # bridge passes it; textgen 20 and sglang 128 are their documents' defaults.
     Knob("max_tokens", _int, {"openai": ("max_completion_tokens", "max_tokens"), "vllm": "max_tokens",
                               "sglang": "max_new_tokens", "textgen": "max_new_tokens", "ollama": "num_predict",
-                              "spark": "max_tokens"},
+                              "spark": "max_tokens", "anthropic": "max_tokens"},
          {"sglang": 128, "textgen": 20, "ollama": -1, "spark": 2048}),
     Knob("min_tokens", _int, {"openai": "min_tokens", "vllm": "min_tokens", "sglang": "min_new_tokens"}),
     Knob("temperature", float, {"openai": "temperature", "vllm": "temperature", "sglang": "temperature",
-                                "textgen": "temperature", "ollama": "temperature", "spark": "temperature"},
+                                "textgen": "temperature", "ollama": "temperature", "spark": "temperature",
+                                "anthropic": "temperature"},
          {"ollama": 0.8, "spark": 0.5}),
     Knob("top_p", float, {"openai": "top_p", "vllm": "top_p", "sglang": "top_p", "textgen": "top_p",
-                          "ollama": "top_p"}, {"ollama": 0.9}),
+                          "ollama": "top_p", "anthropic": "top_p"}, {"ollama": 0.9}),
     Knob("top_k", _int, {"openai": "top_k", "vllm": "top_k", "sglang": "top_k", "textgen": "top_k",
-                         "ollama": "top_k", "spark": "top_k"}, {"ollama": 40, "spark": 4}),
+                         "ollama": "top_k", "spark": "top_k", "anthropic": "top_k"}, {"ollama": 40, "spark": 4}),
     Knob("min_p", float, {"openai": "min_p", "vllm": "min_p", "sglang": "min_p", "ollama": "min_p"}),
     Knob("repetition_penalty", float, {"openai": "repetition_penalty", "vllm": "repetition_penalty",
                                        "sglang": "repetition_penalty", "textgen": "repetition_penalty",
@@ -63,8 +65,10 @@ TABLE: tuple[Knob, ...] = (
     Knob("frequency_penalty", float, {"openai": "frequency_penalty", "vllm": "frequency_penalty",
                                       "sglang": "frequency_penalty", "textgen": "frequency_penalty",
                                       "ollama": "frequency_penalty"}),
-    Knob("seed", _int, {"openai": "seed", "vllm": "seed", "sglang": "seed", "textgen": "seed", "ollama": "seed"}),
-    Knob("stop", _stops, {"openai": "stop", "vllm": "stop", "sglang": "stop", "textgen": "stop", "ollama": "stop"}),
+    Knob("seed", _int, {"openai": "seed", "vllm": "seed", "sglang": "seed", "textgen": "seed", "ollama": "seed",
+                        "anthropic": "seed"}),
+    Knob("stop", _stops, {"openai": "stop", "vllm": "stop", "sglang": "stop", "textgen": "stop", "ollama": "stop",
+                          "anthropic": "stop_sequences"}),
     Knob("stop_token_ids", _ids, {"openai": "stop_token_ids", "vllm": "stop_token_ids", "sglang": "stop_token_ids"}),
     Knob("banned_token_ids", _ids, {"openai": "bad_words_token_ids"}),
     Knob("allowed_token_ids", _ids, {"openai": "allowed_token_ids"}),
@@ -77,6 +81,9 @@ TABLE: tuple[Knob, ...] = (
                                                  "sglang": "spaces_between_special_tokens"}),
     Knob("n", _int, {"openai": "n", "sglang": "n"}),
     Knob("prompt_logprobs", _int, {"openai": "prompt_logprobs"}),
+    # FastDeploy: output logprobs after temperature scaling / renormalised over the top-p set
+    Knob("temp_scaled_logprobs", bool, {"openai": "temp_scaled_logprobs"}),
+    Knob("top_p_normalized_logprobs", bool, {"openai": "top_p_normalized_logprobs"}),
     # keep the prompt's last so many tokens (TGI's truncate means the same)
     Knob("truncate_prompt_tokens", _int, {"openai": "truncate_prompt_tokens", "textgen": "truncate"}),
 )
@@ -88,15 +95,21 @@ OTHER_FIELDS: dict[str, frozenset[str]] = {
                          "parallel_tool_calls", "best_of", "length_penalty", "use_beam_search",
                          "return_tokens_as_token_ids", "request_id", "metadata", "add_special_tokens",
                          "prompt_token_ids", "response_format", "guided_json", "guided_regex", "guided_choice",
-                         "guided_grammar", "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern"}),
+                         "guided_grammar", "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern",
+                         # features this server has not: bridges/unserved_fields.py
+                         "logits_processors", "mm_processor_kwargs", "include_draft_logprobs",
+                         "logits_processors_args", "mm_hashes",
+                         "reasoning_max_tokens"}),  # the thinking's budget: bridges/reasoning.py
     "vllm": frozenset({"prompt", "stream", "model"}),
-    "sglang": frozenset({"json_schema", "regex", "ebnf"}),  # structured output: bridges/constraints.py
+    "sglang": frozenset({"json_schema", "regex", "ebnf",  # structured output: bridges/constraints.py
+                         "custom_params"}),  # for custom logit processors: bridges/unserved_fields.py
     "textgen": frozenset({"decoder_input_details", "details", "do_sample", "return_full_text",
                           "typical_p", "watermark", "adapter_id", "best_of", "top_n_tokens", "grammar", "batch_size",
                           "perf_stat", "priority", "timeout"}),
     "ollama": frozenset({"typical_p", "repeat_last_n", "num_ctx", "num_keep", "num_batch", "num_gpu", "main_gpu",
                          "num_thread", "use_mmap", "low_vram", "numa"}),
     "spark": frozenset({"chat_id", "adjustTokens", "domain", "response_format"}),
+    "anthropic": frozenset({"model", "messages", "system", "stream", "metadata", "tools", "tool_choice", "thinking"}),
 }
 
 

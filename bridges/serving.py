@@ -112,6 +112,7 @@ class Handler:
 
     schema: str = ""
     invalid_status: int = 400  # a body that parses but is invalid (TGI: 422)
+    statuses: dict[int, int] = {}  # the protocol's own status for a common one (Anthropic: 429 -> 529)
     media_type: str = "text/event-stream"
     # the body fields an answer-volume refusal names: (prompt logprobs, the output's top candidates, the
     # output's logprobs)
@@ -170,4 +171,4 @@ def route(handler: Handler):
         return await serve(request, handler)
 
     run.__name__ = type(handler).__name__
-    return endpoint(handler.render_error, invalid_status=handler.invalid_status)(run)
+    return endpoint(handler.render_error, invalid_status=handler.invalid_status, statuses=handler.statuses)(run)

@@ -1,7 +1,7 @@
 """Auth, off by default as the spec says.
 
-- HTTP endpoints: ``--api-key`` -> ``Authorization: Bearer <key>`` (health, metrics and the OpenAPI
-  document stay open).
+- HTTP endpoints: ``--api-key`` -> ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (health,
+  metrics and the OpenAPI document stay open).
 - Spark WebSocket: the public Spark HMAC scheme (``--spark-auth KEY:SECRET``, repeatable): query
   parameters ``authorization``, ``date`` and ``host``, where ``authorization`` is
   base64('api_key="K", algorithm="hmac-sha256", headers="host date request-line", signature="S"') and
@@ -21,6 +21,7 @@ import time
 from collections import OrderedDict
 from datetime import datetime, timezone
 from email.utils import format_datetime, parsedate_to_datetime
+from typing import Callable
 from urllib.parse import urlencode, urlsplit
 
 from starlette.responses import JSONResponse
@@ -149,22 +150,29 @@ def verify_websocket(headers: dict[str, str], query: dict[str, str], path: str, 
 
 
 class ApiKeyMiddleware:
-    """Bearer API key on every HTTP endpoint except the open ones."""
+    """The API key on every HTTP endpoint except the open ones: ``Authorization: Bearer <key>``, or the
+    key alone in ``x-api-key`` (what Anthropic's clients send). ``refusal_of``: the body of a refusal
+    in the protocol's own shape for a path (None: OpenAI's)."""
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_key: str, refusal_of: Callable[[str], Callable[[int, str], dict] | None] | None = None) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
+        self.refusal_of = refusal_of
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"].startswith(OPEN_PATHS) or \
                 (scope["path"] == "/" and scope.get("method") in ("GET", "HEAD")):  # the playground page itself
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
-            message = "missing Authorization header" if not given else "invalid API key"
-            body = {"error": {"message": f"{message} (send Authorization: Bearer <key>)", "type": "authentication_error",
-                              "param": None, "code": 401}}
+        headers = dict(scope["headers"])
+        given, key = headers.get(b"authorization", b""), headers.get(b"x-api-key")
+        if not (hmac.compare_digest(given, self.expected) or key is not None and hmac.compare_digest(key, self.key)):
+            message = "invalid API key" if given or key is not None else "missing Authorization header"
+            message += " (send Authorization: Bearer <key> or x-api-key: <key>)"
+            render = self.refusal_of(scope["path"]) if self.refusal_of is not None else None
+            body = render(401, message) if render is not None else {
+                "error": {"message": message, "type": "authentication_error", "param": None, "code": 401}}
             await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
         await self.app(scope, receive, send)

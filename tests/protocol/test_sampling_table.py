@@ -26,6 +26,7 @@ SAMPLING_OBJECTS = {
     "textgen": [("textgen-parameters",)],
     "ollama": [("ollama-common", "$defs", "options")],
     "spark": [("spark-request", "$defs", "chat")],
+    "anthropic": [("anthropic-messages",)],
 }
 # fields of the request bodies themselves (not sampling) in the schemas that mix both
 BODY_FIELDS = {

@@ -1,0 +1,329 @@
+"""Anthropic Messages: POST /v1/messages and POST /v1/messages/count_tokens.
+
+A conversation in Anthropic's shape (a ``system`` beside the turns; content as blocks: text, tool_use,
+tool_result) is lowered onto the same chat prompt, tool plan and sampling knobs as an OpenAI chat
+completion (bridges/tools.py, bridges/sampling_table.py), so one conversation gives one answer through
+either door. Answers, stream events and errors are Anthropic's own: ``message`` objects with content
+blocks and ``stop_reason``, the typed SSE events (``message_start`` .. ``message_stop``), and
+``{"type": "error", "error": {"type", "message"}}`` with Anthropic's statuses (529 for a busy server)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from bridges import tools
+from bridges.common import BridgeError, Completion, endpoint, engine_of, read_json
+from bridges.openai import check_model
+from bridges.registry import Operation, Protocol
+from bridges.sampling_table import sampling_kwargs
+from bridges.serving import Handler, JSONAnswer, Plan, route
+from engine.request import ChatPrompt, GenerationRequest, RequestOutput
+from engine.sampling_params import SamplingParams
+
+# Anthropic's error type for each status its API answers with; a status it does not use is mapped to
+# its nearest one first (``STATUSES``)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+               504: "timeout_error", 529: "overloaded_error"}
+# a full queue and an engine that is unavailable or shutting down are "overloaded" to Anthropic's
+# clients (529, which they retry); TGI-style 422 is its 400
+STATUSES = {422: 400, 429: 529, 503: 529}
+# block types a conversation may carry; any other (image, document, server tools' results) is refused
+TEXT_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
+def render_error(err: BridgeError) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": error_type(err.status), "message": err.message}}
+
+
+def event(name: str, data: dict[str, Any]) -> bytes:
+    """One server-sent event in Anthropic's framing: its type as the event name, the object as data."""
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+def refusal(status: int, message: str) -> dict[str, Any]:
+    """A refusal made before a handler runs (a missing API key), in Anthropic's shape."""
+    return {"type": "error", "error": {"type": error_type(status), "message": message}}
+
+
+# ---- the conversation ---------------------------------------------------------------------------
+
+
+def _text(blocks: list[dict[str, Any]], where: str) -> str:
+    """The text of a list of text blocks (a system prompt, a tool result's content)."""
+    parts = []
+    for j, block in enumerate(blocks):
+        if block.get("type") != "text":
+            raise BridgeError(400, f"{where}[{j}].type: {block.get('type')!r} blocks are not supported here; "
+                                   "only text", param=f"{where}[{j}].type")
+        parts.append(block.get("text", ""))
+    return "".join(parts)
+
+
+def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
+    content = block.get("content")
+    text = content if isinstance(content, str) else _text(content or [], f"{where}.content")
+    if block.get("is_error"):  # the model reads that the call failed, not a result
+        text = f"Error: {text}"
+    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": text}
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The conversation as OpenAI chat messages (what bridges/tools.py lowers): the system prompt first,
+    an assistant's tool_use blocks as its tool_calls, each tool_result block as a tool message.
+    Thinking blocks of earlier turns are dropped, as chat templates drop earlier reasoning."""
+    out: list[dict[str, Any]] = []
+    system = body.get("system")
+    if system:
+        out.append({"role": "system", "content": system if isinstance(system, str) else _text(system, "system")})
+    for i, message in enumerate(body["messages"]):
+        role, content = message["role"], message["content"]
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for j, block in enumerate(content):
+            where, kind = f"messages[{i}].content[{j}]", block["type"]
+            if kind not in TEXT_BLOCKS:
+                raise BridgeError(400, f"{where}.type: {kind!r} content blocks are not supported: this server "
+                                       f"serves a text model (blocks: {', '.join(TEXT_BLOCKS)})",
+                                  param=f"{where}.type")
+            if kind in ("tool_use", "thinking", "redacted_thinking") and role != "assistant" or \
+                    kind == "tool_result" and role != "user":
+                raise BridgeError(400, f"{where}.type: {kind} blocks belong to "
+                                       f"{'user' if kind == 'tool_result' else 'assistant'} turns", param=f"{where}.type")
+            if kind == "text":
+                texts.append(block["text"])
+            elif kind == "tool_use":
+                calls.append({"id": block["id"], "type": "function",
+                              "function": {"name": block["name"], "arguments": block["input"]}})
+            elif kind == "tool_result":
+                if texts:  # text before a result is its own user turn, in order
+                    out.append({"role": "user", "content": "".join(texts)})
+                    texts = []
+                out.append(_tool_result(block, where))
+        if role == "assistant":
+            out.append({"role": "assistant", "content": "".join(texts), **({"tool_calls": calls} if calls else {})})
+        elif texts or not any(b["type"] == "tool_result" for b in content):
+            out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def chat_tools(body: dict[str, Any]) -> dict[str, Any]:
+    """``tools`` and ``tool_choice`` in OpenAI's words (what tools.plan reads). ``any`` is ``required``,
+    ``tool`` names one function; ``disable_parallel_tool_use`` allows one call."""
+    out: dict[str, Any] = {}
+    if body.get("tools"):
+        out["tools"] = [{"type": "function", "function": {
+            "name": t["name"], **({"description": t["description"]} if "description" in t else {}),
+            "parameters": t["input_schema"]}} for t in body["tools"]]
+    choice = body.get("tool_choice")
+    if choice is not None:
+        kind = choice["type"]
+        if kind == "tool":
+            if not choice.get("name"):
+                raise BridgeError(400, "tool_choice.name is required when tool_choice.type is 'tool'",
+                                  param="tool_choice.name")
+            out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+        elif "name" in choice:
+            raise BridgeError(400, f"tool_choice.name goes with type 'tool', not {kind!r}", param="tool_choice.name")
+        else:
+            out["tool_choice"] = {"any": "required"}.get(kind, kind)
+        if choice.get("disable_parallel_tool_use"):
+            out["parallel_tool_calls"] = False
+    elif out.get("tools"):
+        out["tool_choice"] = "auto"
+    return out
+
+
+def conversation(request: Request, body: dict[str, Any]) -> tuple[ChatPrompt, tools.ToolPlan, dict[str, Any]]:
+    """(the chat prompt, its tool plan, the tool fields in OpenAI's words) of a Messages body."""
+    thinking = body.get("thinking") or {}
+    if thinking.get("type") == "enabled":
+        raise BridgeError(400, "thinking: extended thinking needs a reasoning parser, and this server runs "
+                               "without one; send thinking {\"type\": \"disabled\"} or leave it out",
+                          param="thinking")
+    tool_body = chat_tools(body)
+    info = engine_of(request).model_info
+    tool_plan = tools.plan(tool_body, chat_messages(body), native=info.chat_template_tools)
+    messages = tool_plan.messages
+    # Anthropic's prefill: a last assistant turn is the start of the answer, continued as written
+    prefill = bool(messages) and messages[-1].role == "assistant" and not messages[-1].tool_calls \
+        and body["messages"][-1]["role"] == "assistant"
+    prompt = ChatPrompt(messages, add_generation_prompt=not prefill, continue_final_message=prefill,
+                        tools=tool_plan.template_tools)
+    return prompt, tool_plan, tool_body
+
+
+# ---- /v1/messages -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Answer:
+    model: str
+    rid: str
+    stops: list[str]  # the client's stop_sequences (stop_reason "stop_sequence" names one)
+    tools: tools.ToolPlan | None = None  # tools offered: the answer is parsed for calls
+    one_call: bool = False  # auto with disable_parallel_tool_use: the first call's end stops the answer
+
+
+def _usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict[str, int]:
+    """Anthropic counts input tokens read from the cache apart from the others (their sum is the prompt)."""
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+def _stop_reason(answer: _Answer, finish: str | None, stop: str | int | None, calls: int) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) in Anthropic's words."""
+    if calls:
+        return "tool_use", None
+    if finish == "length":
+        return "max_tokens", None
+    if finish == "stop" and isinstance(stop, str) and stop in answer.stops:
+        return "stop_sequence", stop
+    return "end_turn", None
+
+
+def _closing(answer: _Answer, stop: str | int | None) -> str:
+    """The call's end the engine stopped at (one_call): given back, so the call parses."""
+    return tools.CALL_CLOSE if answer.one_call and stop == tools.CALL_CLOSE else ""
+
+
+def _tool_use(call: tools.ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name,
+            "input": json.loads(call.arguments)}
+
+
+class Messages(Handler):
+    schema = "anthropic-messages"
+    statuses = STATUSES
+
+    def render_error(self, err: BridgeError) -> dict[str, Any]:
+        return render_error(err)
+
+    def error_event(self, err: BridgeError, plan: Plan) -> bytes:
+        """A failure after the first byte: Anthropic's ``error`` event."""
+        err.status = STATUSES.get(err.status, err.status)
+        return event("error", render_error(err))
+
+    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
+        model, lora = check_model(request, body)
+        prompt, tool_plan, tool_body = conversation(request, body)
+        if tool_plan.parse and tool_body.get("tool_choice") == "auto" \
+                and not request.app.state.settings.enable_auto_tool_choice:
+            raise BridgeError(400, 'tool_choice "auto" needs the server to run with --enable-auto-tool-choice',
+                              param="tool_choice")
+        kw = sampling_kwargs("anthropic", body)
+        stops = list(kw.get("stop", []))
+        one_call = tool_plan.parse and tool_plan.constraint is None and tool_body.get("parallel_tool_calls") is False
+        if one_call:  # at most one call: the answer ends where the first call does
+            kw["stop"] = stops + [tools.CALL_CLOSE]
+        params = SamplingParams(**kw, constraint=tool_plan.constraint)
+        rid = f"msg_{uuid.uuid4().hex}"
+        req = GenerationRequest(rid, prompt, params, lora=lora)
+        answer = _Answer(model, rid, stops, tool_plan if tool_plan.parse else None, one_call)
+        return Plan([req], bool(body.get("stream")), body, context=answer)
+
+    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
+        answer: _Answer = plan.context
+        (c,) = results[0]
+        text, calls = c.text + _closing(answer, c.stop_reason), []
+        if answer.tools is not None:
+            content, calls = tools.parse(text, answer.tools.names)
+            text = text if not calls else (content or "")
+        blocks: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
+        blocks += [_tool_use(call) for call in calls]
+        reason, sequence = _stop_reason(answer, c.finish_reason, c.stop_reason, len(calls))
+        return JSONAnswer({"id": answer.rid, "type": "message", "role": "assistant", "content": blocks,
+                           "model": answer.model, "stop_reason": reason, "stop_sequence": sequence,
+                           "usage": _usage(c.num_prompt_tokens, c.num_cached_tokens, len(c.token_ids))})
+
+    def render_stream(self, request: Request, plan: Plan,
+                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+        return _stream(plan.context, outputs)
+
+
+async def _stream(answer: _Answer, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+    """message_start, ping, then content blocks (text deltas; each tool call a tool_use block whose input
+    comes as one input_json_delta), message_delta with the stop reason and usage, message_stop."""
+    parser = tools.StreamParser(answer.tools.names) if answer.tools is not None else None
+    index, open_text, calls = -1, False, 0
+    prompt_tokens = cached = output_tokens = 0
+    finish: str | None = None
+    stop: str | int | None = None
+    started = False
+    async for _, out in outputs:
+        prompt_tokens, cached = out.num_prompt_tokens, out.num_cached_tokens
+        output_tokens += len(out.new_token_ids)
+        if not started:
+            started = True
+            yield event("message_start", {"type": "message_start", "message": {
+                "id": answer.rid, "type": "message", "role": "assistant", "content": [], "model": answer.model,
+                "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, cached, 0)}})
+            yield event("ping", {"type": "ping"})
+        delta = out.text_delta + (_closing(answer, out.stop_reason) if out.finished else "")
+        text, found = parser.feed(delta, final=out.finished) if parser is not None else (delta, [])
+        if text:
+            if not open_text:
+                index, open_text = index + 1, True
+                yield event("content_block_start", {"type": "content_block_start", "index": index,
+                                                    "content_block": {"type": "text", "text": ""}})
+            yield event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                "delta": {"type": "text_delta", "text": text}})
+        for call in found:
+            if open_text:
+                open_text = False
+                yield event("content_block_stop", {"type": "content_block_stop", "index": index})
+            index, calls = index + 1, calls + 1
+            block = _tool_use(call)
+            yield event("content_block_start", {"type": "content_block_start", "index": index,
+                                                "content_block": {**block, "input": {}}})
+            yield event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+                "type": "input_json_delta", "partial_json": call.arguments}})
+            yield event("content_block_stop", {"type": "content_block_stop", "index": index})
+        if out.finished:
+            finish, stop = out.finish_reason, out.stop_reason
+    if index < 0:  # an empty answer is one empty text block, as the non-streamed answer has
+        index, open_text = 0, True
+        yield event("content_block_start", {"type": "content_block_start", "index": 0,
+                                            "content_block": {"type": "text", "text": ""}})
+    if open_text:
+        yield event("content_block_stop", {"type": "content_block_stop", "index": index})
+    reason, sequence = _stop_reason(answer, finish, stop, calls)
+    yield event("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                  "usage": _usage(prompt_tokens, cached, output_tokens)})
+    yield event("message_stop", {"type": "message_stop"})
+
+
+# ---- /v1/messages/count_tokens ------------------------------------------------------------------
+
+
+async def _count_tokens(request: Request) -> Response:
+    """The prompt's tokens as /v1/messages would send it to the model (tools and system included)."""
+    body = await read_json(request, "anthropic-count-tokens")
+    check_model(request, body)
+    prompt, _, _ = conversation(request, body)
+    ids = await engine_of(request).encode_prompt(prompt)
+    return JSONResponse({"input_tokens": len(ids)})
+
+
+messages = route(Messages())
+count_tokens = endpoint(render_error, statuses=STATUSES)(_count_tokens)
+
+
+PROTOCOL = Protocol("anthropic", (
+    Operation("POST", "/v1/messages", messages, "Anthropic Messages", ("anthropic-messages",), streams=True),
+    Operation("POST", "/v1/messages/count_tokens", count_tokens, "Anthropic token count of a Messages prompt",
+              ("anthropic-count-tokens",)),
+), render_refusal=refusal)
