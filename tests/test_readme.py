@@ -163,7 +163,7 @@ class Servers:
             from engine.async_engine import AsyncEngine
 
             config = dataclasses.replace(settings.engine_config(), max_num_seqs=4, kv_cache_space_gib=0.25,
-                                         max_loras=2)
+                                         kv_cache_prefault=False, max_loras=2)
             self.lora_engine = AsyncEngine.from_config(config)
             self.lora_engine.start()
             self.stack.callback(self.lora_engine.shutdown)
