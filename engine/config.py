@@ -44,3 +44,7 @@ class EngineConfig:
     prompt_lookup_min: int = 4
     prompt_lookup_max: int = 8
     constraint_budget: ConstraintBudget = field(default_factory=ConstraintBudget)  # structured output's limits
+    # what the model is for (vLLM's --task; engine/pooling.py): auto picks classify for a checkpoint with a
+    # sequence-classification head, else generate
+    task: str = "auto"
+    override_pooler_config: str | None = None  # vLLM's JSON: pooling_type (LAST/MEAN/CLS/ALL), normalize, softmax

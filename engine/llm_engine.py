@@ -30,6 +30,8 @@ from engine.kernels import CpuKernels, load_cpu_kernels
 from engine.model_loader import EMBEDDED_MODEL_NAME, gguf_source, resolve_model_dir
 from engine.lora import LoraAdapter, LoraManager, read_adapter
 from engine.model_runner import ModelRunner, PromptLogits
+from engine.pooling import (Pooler, PoolerConfig, PoolingParams, PoolingRequest, matryoshka_of, read_head,
+                            resolve_task)
 from engine.prompts import PromptEncoder, read_chat_template
 from engine.protocol import EngineStats, ModelInfo
 from engine.models import LlamaForCausalLM, model_class
@@ -37,7 +39,7 @@ from engine.models.weights import resolve_activations, resolve_quantization
 from engine.quant import cache as quant_cache
 from engine.quant.calibration import calibrate, sample_on_engine
 from engine.request import ChatPrompt, GenerationRequest, Prompt, RequestOutput, TokenLogprob
-from engine.sampler import sample, takes_plain_argmax
+from engine.sampler import reads_only_logits, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import LONG_PREFILL_SHARE, Scheduler
 from engine.sequence import Sequence
@@ -159,6 +161,11 @@ class LLMEngine:
             model_dir = resolve_model_dir(config.model)
             hf_config = AutoConfig.from_pretrained(model_dir)
             model_cls = model_class(hf_config.model_type)  # refuses an unsupported family before any loading
+            # --task, and the checkpoint's sequence-classification head: refused before any loading too
+            head = read_head(model_dir)
+            task = resolve_task(config.task, getattr(hf_config, "architectures", None) or (), head is not None,
+                                config.model or EMBEDDED_MODEL_NAME)
+            pooler_config = PoolerConfig.parse(config.override_pooler_config)
             kernels = kernel_build.result() if kernel_build is not None else None
             gguf = gguf_source(config.model)
             if config.dtype == "auto" and _packed_kernels_run(kernels, config.quantization, gguf is not None):
@@ -218,6 +225,8 @@ class LLMEngine:
                                    attention_cost_per_key=self.model.attention_cost_per_key(),
                                    decode_cost_per_key=self.model.decode_cost_per_key(),
                                    decode_step_cost=self.model.decode_step_cost())
+        if self.kv_prefault is not None:  # the pass pauses while requests run or wait (engine/resident.py)
+            self.kv_prefault.busy = self.scheduler.has_work
         self.runner = ModelRunner(self.model, kv_cache, self.lora_manager)
         self.eos_token_ids = self._eos_ids(model_dir)
         self._argmax = self.model.kernels.argmax if self.model.kernels is not None else None  # greedy picks
@@ -238,10 +247,12 @@ class LLMEngine:
         self._adapters_lock = threading.Lock()
         name = config.served_model_name or (EMBEDDED_MODEL_NAME if config.model in (None, "", "embedded")
                                             else model_dir.name)
+        self.pooler = self._make_pooler(task, name, hf_config, head, pooler_config)
         self.model_info = ModelInfo(name=name, path=str(model_dir), model_type=hf_config.model_type,
                                     max_model_len=self.max_model_len, vocab_size=self.model.embed.shape[0],
                                     dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
-                                    chat_template_tools="tools" in (self.tokenizer.chat_template or ""))
+                                    chat_template_tools="tools" in (self.tokenizer.chat_template or ""),
+                                    task=task, pooling_tasks=self.pooler.tasks, labels=self._labels(hf_config))
         self.prompts = PromptEncoder(self.tokenizer, self.max_model_len, self.model_info.vocab_size)
         self.num_aborted = 0
         self.fault_hook: Any = None  # test hook: called before every model step
@@ -261,6 +272,27 @@ class LLMEngine:
         if self.model.greedy_head is not None:
             logger.info("greedy steps pick through the int8 head's bounded logits (AVX512-VNNI), the few "
                         "candidates recomputed in fp32")
+
+    @staticmethod
+    def _make_pooler(task: str, name: str, hf_config: Any, head: tuple[torch.Tensor, torch.Tensor | None] | None,
+                     config: PoolerConfig) -> Pooler:
+        hidden = hf_config.hidden_size
+        if head is not None and (head[0].dim() != 2 or head[0].shape[1] != hidden):
+            raise ValueError(f"the checkpoint's score.weight has shape {tuple(head[0].shape)}; this model's hidden "
+                             f"size is {hidden}")
+        if task == "generate" and head is not None:
+            logger.warning("the checkpoint has a classification head (score.weight) but --task generate: it is not "
+                           "used (--task classify or score uses it)")
+        used = head if task in ("classify", "score", "reward") else None
+        pooler = Pooler(task, name, hidden, used, config, matryoshka_of(hf_config))
+        logger.info("task %s: pooling %s%s", task, ", ".join(pooler.tasks),
+                    f" (a {pooler.num_labels}-label head)" if pooler.num_labels else "")
+        return pooler
+
+    def _labels(self, hf_config: Any) -> tuple[str, ...]:
+        """The head's labels by index (config.json's id2label; LABEL_<i> where it names none)."""
+        id2label = {int(k): str(v) for k, v in (getattr(hf_config, "id2label", None) or {}).items()}
+        return tuple(id2label.get(i, f"LABEL_{i}") for i in range(self.pooler.num_labels))
 
     def _sample_for_calibration(self, starts: list[list[int]], length: int, seed: int) -> list[list[int]]:
         """int8's calibration text, sampled by a helper engine core over the same checkpoint in bf16 with
@@ -467,6 +499,8 @@ class LLMEngine:
                 self._advance(seq, 1)
             for seq, n in batch.prefills:
                 self._advance(seq, n)
+            for seq, first, rows in out.hidden:
+                seq.pooling.take(first, rows)
         except Exception as exc:  # a failed step fails only the sequences in it
             logger.exception("model step failed for %d sequences", len(seqs))
             return outputs + [self._finish(s, "error", error=f"inference failed: {exc}",
@@ -484,25 +518,85 @@ class LLMEngine:
             else:
                 outputs.append(self._take_picks(seq, tokens[row:row + rows]))
             row += rows
-        return outputs
+        return outputs + [self._finish_pooling(s) for s in seqs
+                          if s.pooling is not None and s.num_computed_tokens == len(s.token_ids)]
+
+    def _finish_pooling(self, seq: Sequence) -> RequestOutput:
+        """A pooling sequence whose prompt is computed: its answer, and its blocks freed."""
+        try:
+            pooled = self.pooler.finish(seq.pooling)
+        except Exception as exc:
+            logger.exception("pooling failed")
+            return self._finish(seq, "error", error=f"pooling failed: {exc}", error_kind="inference")
+        out = self._finish(seq, "stop")
+        out.pooled = pooled
+        return out
+
+    def check_pooling(self, params: PoolingParams) -> None:
+        """What a pooling request asks must be what this server pools (the cheap checks, before tokenizing)."""
+        self.pooler.check(params)
+
+    def add_pooling_request(self, request: PoolingRequest, prompt_token_ids: list[int] | None = None) -> None:
+        """A prompt to pool: one sequence that is prefilled like any prompt (chunked, batched beside the
+        generating ones, within the step's token budget) and ends when its last token is computed."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already running",
+                                      parameter="request_id")
+        if self.is_full():
+            raise EngineOverloadedError("the wait queue is full; retry later")
+        self.pooler.check(request.params)
+        ids = (prompt_token_ids if prompt_token_ids is not None
+               else self.encode_prompt(request.prompt, request.params.truncate_prompt_tokens))
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if len(ids) > capacity:
+            raise PromptTooLongError(f"the prompt has {len(ids)} tokens; the KV cache holds {capacity}",
+                                     len(ids), capacity)
+        state = self.pooler.new_state(request.params)
+        # LAST reads only the final position, which a cached prefix never covers; the other kinds read
+        # positions a cached prefix would skip, so their blocks are their own
+        salt = f"pooling:{request.request_id}" if state.needs_every_position else ""
+        as_generation = GenerationRequest(request.request_id, request.prompt, SamplingParams(max_tokens=1),
+                                          priority=request.priority, deadline=request.deadline,
+                                          arrival_time=request.arrival_time, client=request.client)
+        # no detokenizer (it writes no text); a fixed seed (it draws nothing, and none leaves torch's global seed)
+        seq = Sequence(as_generation, ids, None, self.max_model_len, cache_salt=salt, seed=0)  # type: ignore[arg-type]
+        seq.pooling = state
+        self.requests[request.request_id] = [seq]
+        self.scheduler.add(seq)
 
     def _propose_drafts(self) -> None:
         """Prompt-lookup drafts for the running sequences about to decode whose picks are plain argmaxes."""
         if self.speculator is None:
             return
+        decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
+        measured = self.model.decode_costs_measured
+        step_cost = self.scheduler.decode_cost() if measured else 0.0
+        per_key = self.scheduler.decode_cost_per_key
         for seq in self.scheduler.running:
-            seq.draft_token_ids = (self.speculator.propose(seq) if seq.num_uncomputed_tokens == 1
-                                   and takes_plain_argmax(seq) else [])
+            # not while a leading section is open: closing it changes how the tokens after it are picked
+            seq.draft_token_ids = (self.speculator.propose(seq, step_cost, len(decoding),
+                                                           1 + per_key * seq.num_computed_tokens)
+                                   if seq.num_uncomputed_tokens == 1 and reads_only_logits(seq)
+                                   and not seq.section_open else [])
+            if seq.draft_token_ids and not seq.params.is_greedy:
+                seq.rng_before_draft = seq.generator.get_state()
 
     def _take_picks(self, seq: Sequence, picks: list[int]) -> RequestOutput:
         """The step's tokens for ``seq``: its one pick, or (with a draft) the draft tokens the picks confirm
         and the pick after them, in one output; each token goes through the stop checks in turn, and the
         computed draft positions are committed as they are taken."""
         draft, seq.draft_token_ids = seq.draft_token_ids, []
-        if not draft:
+        if not draft:  # none proposed, or the scheduler left none: one row, one uniform drawn
+            seq.rng_before_draft = None
             return self._process_token(seq, picks[0])
         kept = accepted_prefix(draft, picks)
-        self.speculator.record(len(draft), kept)
+        self.speculator.record(seq, len(draft), kept)
+        if seq.rng_before_draft is not None:
+            # the step drew a uniform per row; plain decoding draws one per token: only the kept ones count
+            seq.generator.set_state(seq.rng_before_draft)
+            seq.rng_before_draft = None
+            for _ in range(kept + 1):
+                torch.rand(1, generator=seq.generator)
         merged: RequestOutput | None = None
         for i, token in enumerate(picks[:kept + 1]):
             out = self._process_token(seq, token)
@@ -532,14 +626,17 @@ class LLMEngine:
     def _process_token(self, seq: Sequence, token: int) -> RequestOutput:
         p = seq.params
         seq.append_token(token)
-        if seq.matcher is not None and seq.matcher.stop_reason() in _GRAMMAR_LIMITS:
+        matcher = seq.matcher  # the grammar this token was picked under (one a section's end starts is not yet)
+        if seq.section_open:
+            self._track_section(seq)
+        if matcher is not None and matcher.stop_reason() in _GRAMMAR_LIMITS:
             # A limit of the grammar library hit while filling this token's mask (the mask then allows only
             # the end, which must not pass for a complete answer): this answer cannot go on, and the cached
             # grammar is dropped so no later request gets a copy in a failed state.
             self.grammars().evict(p.constraint)
             return self._finish(seq, "error", error_kind="invalid", error=f"'{p.constraint.field}' cannot be "
-                                f"used: {first_line(seq.matcher.get_error())}")
-        if seq.matcher is not None and not seq.matcher.consume_token(token):
+                                f"used: {first_line(matcher.get_error())}")
+        if matcher is not None and not matcher.consume_token(token):
             # The token was masked, so the grammar had no real way on: it needs bytes this vocabulary
             # cannot spell (a regex naming a character with no byte token), and llguidance's mask fell
             # back to token 0. The request is what cannot be served, not the engine.
@@ -556,11 +653,31 @@ class LLMEngine:
         text, matched = stops.feed(delta) if can_stop else (delta, None)
         if matched is not None:
             return self._finish(seq, "stop", new_tokens=[token], text=text, stop_reason=matched)
-        if seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete: nothing may follow
+        if matcher is not None and matcher.is_stopped():  # the grammar is complete: nothing may follow
             return self._finish(seq, "stop", new_tokens=[token], text=text + stops.flush())
         if len(seq.token_ids) >= seq.max_total_len:
             return self._finish(seq, "length", new_tokens=[token], text=text + stops.flush())
         return self._output(seq, [token], text)
+
+    @staticmethod
+    def _track_section(seq: Sequence) -> None:
+        """After a token of an open leading section: close it when its end ids end the output (the grammar
+        then starts, with the next token), or start forcing them once its budget is spent."""
+        section = seq.params.leading_section
+        assert section is not None
+        if seq.forced_token_ids:
+            seq.forced_token_ids.pop(0)
+        end = list(section.end_token_ids)
+        if seq.num_output_tokens >= len(end) and seq.token_ids[-len(end):] == end:
+            seq.section_open = False
+            seq.forced_token_ids = []
+            seq.matcher, seq.pending_matcher = seq.pending_matcher, None
+        elif (section.max_tokens is not None and not seq.forced_token_ids
+              and seq.num_output_tokens >= section.max_tokens):
+            # the end ids the output already ends with (a closing tag begun) are not forced again
+            output = seq.token_ids[seq.num_prompt_tokens:]
+            begun = next((k for k in range(min(len(end) - 1, len(output)), 0, -1) if output[-k:] == end[:k]), 0)
+            seq.forced_token_ids = end[begun:]
 
     def _output(self, seq: Sequence, new_tokens: list[int], text: str) -> RequestOutput:
         logprobs = None

@@ -35,6 +35,8 @@ class StepOutput:
     logits: torch.Tensor | None = None
     picked: list[int] | None = None
     prompt_logits: list[PromptLogits] = field(default_factory=list)
+    # pooling sequences' final-normed hidden states: (sequence, first position, rows [count, hidden])
+    hidden: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -65,6 +67,9 @@ class ModelRunner:
         samplers: list[Sequence] = []
         token_slots: list[int] = []  # LoRA slot of each token (-1: base model)
         wanted: list[tuple[Sequence, int, int, int]] = []  # prompt_logprobs: (seq, first position, count, row)
+        # pooling sequences sample nothing: the rows their pooling reads come back as hidden states
+        hidden_rows: list[int] = []
+        pooled: list[tuple[Sequence, int, int]] = []  # (seq, first position, count)
 
         # decode: one token per sequence, attention over its whole context; a sequence with a draft
         # (speculation) has a row for each draft token too, each attending over the context up to itself
@@ -77,7 +82,10 @@ class ModelRunner:
             row_seqs: list[Sequence] = []
             for seq in batch.decodes:
                 start = seq.num_computed_tokens
-                samples = start + 1 == len(seq.token_ids)
+                samples = start + 1 == len(seq.token_ids) and seq.pooling is None
+                if seq.pooling is not None and seq.pooling.span(start, 1, len(seq.token_ids))[1]:
+                    hidden_rows.append(len(input_ids))
+                    pooled.append((seq, start, 1))
                 for pos, token in enumerate([seq.token_ids[start]] + seq.draft_token_ids, start):
                     if samples:
                         logits_rows.append(len(input_ids))
@@ -124,7 +132,12 @@ class ModelRunner:
                 q_pos = torch.arange(start, ctx, device=self.device)
                 mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]
             spans.append(PrefillSpan(q_start, n, ctx, gather, mask))
-            if ctx == len(seq.token_ids):
+            if seq.pooling is not None:
+                first, count = seq.pooling.span(start, n, len(seq.token_ids))
+                if count:
+                    hidden_rows.extend(range(q_start + first - start, q_start + first - start + count))
+                    pooled.append((seq, first, count))
+            elif ctx == len(seq.token_ids):
                 logits_rows.append(q_start + n - 1)
                 samplers.append(seq)
             if seq.prompt_logprobs is not None:
@@ -165,12 +178,22 @@ class ModelRunner:
             torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=self.device),
             self.lora_manager.batch(token_slots) if self.lora_manager is not None else None,
             greedy_bans=greedy_bans,
+            # only for a step with pooled rows: the forward's answer is then a pair
+            **({"hidden_indices": torch.tensor(hidden_rows, dtype=torch.long, device=self.device)}
+               if hidden_rows else {}),
         )
+        hidden: list[tuple[Sequence, int, torch.Tensor]] = []
+        if hidden_rows:
+            out, states = out
+            states, at = states.cpu(), 0
+            for seq, first, count in pooled:
+                hidden.append((seq, first, states[at:at + count]))
+                at += count
         if isinstance(out, GreedyPicks):
-            return StepOutput(samplers, picked=out.token_ids.tolist())
+            return StepOutput(samplers, picked=out.token_ids.tolist(), hidden=hidden)
         logits = out.cpu()
         extra, offset = [], len(logits_rows)
         for seq, start, count, _ in wanted:
             extra.append(PromptLogits(seq, start, logits[offset:offset + count]))
             offset += count
-        return StepOutput(samplers, logits=logits[:len(logits_rows)], prompt_logits=extra)
+        return StepOutput(samplers, logits=logits[:len(logits_rows)], prompt_logits=extra, hidden=hidden)

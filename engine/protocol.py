@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol
 
+from engine.pooling import PoolingOutput, PoolingRequest
 from engine.request import GenerationRequest, Prompt, RequestOutput
 
 
@@ -20,6 +21,11 @@ class ModelInfo:
     dtype: str
     device: str
     chat_template_tools: bool = False  # the chat template renders function tools itself
+    # what the model is for (--task resolved: generate, embed, classify, score, reward), the pooling tasks it
+    # answers (engine/pooling.py: embed, classify, score, encode) and its classification head's labels
+    task: str = "generate"
+    pooling_tasks: tuple[str, ...] = ()
+    labels: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +67,11 @@ class EngineClient(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving the iterator early aborts it. A LoRA reference must
         already be resolved to a local adapter (``LoraRef.path``)."""
+        ...
+
+    async def pool(self, request: PoolingRequest) -> PoolingOutput:
+        """A prompt's hidden states pooled as ``request.params`` asks (engine/pooling.py), sampling nothing;
+        refused (InvalidRequestError naming the field) where the served model cannot pool that way."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -23,6 +23,7 @@ import httpx
 
 from engine.errors import (EngineOverloadedError, EngineShutdownError, EngineUnavailableError, InferenceError,
                            InvalidRequestError, LoraUnavailableError, RequestTimeoutError)
+from engine.pooling import PoolingOutput, PoolingRequest
 from engine.prompts import PromptEncoder, read_chat_template
 from engine.protocol import EngineLimits, EngineStats, ModelInfo
 from engine.request import (GenerationRequest, LoraRef, Prompt, RequestOutput, RequestTimings, TokenLogprob,
@@ -93,13 +94,19 @@ def completion_body(model: str, prompt: str | list[int], p: SamplingParams) -> d
                 "frequency_penalty": (p.frequency_penalty, 0.0), "seed": (p.seed, None), "stop": (p.stop, []),
                 "stop_token_ids": (p.stop_token_ids, []), "ignore_eos": (p.ignore_eos, False),
                 "include_stop_str_in_output": (p.include_stop_str_in_output, False),
-                "allowed_token_ids": (p.allowed_token_ids, []), "prompt_logprobs": (p.prompt_logprobs, None)}
+                "allowed_token_ids": (p.allowed_token_ids, []), "prompt_logprobs": (p.prompt_logprobs, None),
+                "temp_scaled_logprobs": (p.temp_scaled_logprobs, False),
+                "top_p_normalized_logprobs": (p.top_p_normalized_logprobs, False)}
     body.update({k: v for k, (v, default) in optional.items() if v != default})
     if p.banned_token_ids:  # the OpenAI way every backend reads
         body["logit_bias"] = {str(t): -100 for t in p.banned_token_ids}
     if p.logprobs:
         body["logprobs"] = p.top_logprobs
         body["return_tokens_as_token_ids"] = True
+    if p.leading_section is not None:  # a completions body has no way to say "after this section"
+        raise InvalidRequestError(f"'{p.leading_section.field}' cannot be carried to the --engine-url backends "
+                                  "(a constraint or budget after the thinking); serve the model locally",
+                                  parameter=p.leading_section.field)
     c = p.constraint
     if c is not None:
         field_name = {"json": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar",
@@ -316,6 +323,13 @@ class RemoteEngine:
 
     async def abort(self, request_id: str) -> None:
         """Requests end when their caller leaves the stream (the backend sees the connection close)."""
+
+    async def pool(self, request: PoolingRequest) -> PoolingOutput:
+        """Pooling is refused: the backends' answers cannot be routed by the completions path a front end
+        speaks, and a front end holds no model of its own."""
+        raise InvalidRequestError("embeddings, scores and classes are not served through --engine-url: this front "
+                                  "end speaks completions to its backends; send pooling requests to a backend "
+                                  "directly", parameter="model")
 
     def fail_all(self, exc: BaseException) -> None:
         self._stopping = True

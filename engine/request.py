@@ -19,6 +19,9 @@ class ChatMessage:
     # ([{"type": "function", "id", "function": {"name", "arguments": {...}}}]) and a tool result's call id
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
+    # an assistant turn's thinking, for templates that render it (Qwen3's keeps it only for turns after the
+    # last user message and drops it otherwise); templates that do not know it leave it out
+    reasoning_content: str | None = None
 
 
 @dataclass(slots=True)
@@ -118,6 +121,8 @@ class RequestOutput:
     # the text each of new_token_ids released (they add up to text_delta, less text released with no
     # token); outputs merged for a slow consumer keep each token's own text
     token_texts: list[str] | None = None
+    # a pooling request's answer, on its one (final) output: a vector, or one per token (engine/pooling.py)
+    pooled: list | None = None
 
     def texts_per_token(self) -> list[str]:
         """One text per new token (the last also carries text released without a token)."""
@@ -151,4 +156,5 @@ class RequestOutput:
             error_kind=later.error_kind,
             timings=later.timings,
             token_texts=self.texts_per_token() + later.texts_per_token(),
+            pooled=later.pooled if later.pooled is not None else self.pooled,
         )

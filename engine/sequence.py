@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING, Any
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.request import GenerationRequest, RequestTimings, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.speculation import AcceptanceTally
 
 if TYPE_CHECKING:
     from engine.lora import LoraAdapter
+    from engine.pooling import PoolingState
     from engine.speculation import NgramIndex
 
 
@@ -44,6 +46,14 @@ class Sequence:
         self.lora_adapter = lora_adapter  # loaded before admission: scheduling does no disk I/O
         self.lora_key = lora_adapter.key if lora_adapter is not None else None  # its identity: slots go by it
         self.matcher = matcher  # structured output: the grammar's state after this sequence's output so far
+        # a leading section (SamplingParams.leading_section) is open from the first output token: the
+        # grammar waits in ``pending_matcher`` until it closes, and a capped one has its closing ids
+        # forced, one per step, from ``forced_token_ids``
+        self.section_open = self.params.leading_section is not None
+        self.pending_matcher: Any = None
+        if self.section_open:
+            self.pending_matcher, self.matcher = matcher, None
+        self.forced_token_ids: list[int] = []
         self.lora_slot = -1  # resident adapter slot while running; -1 = base model
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -75,6 +85,12 @@ class Sequence:
         # with it in this step's decode rows (the scheduler may shorten them), and the n-gram index behind them
         self.draft_token_ids: list[int] = []
         self.ngram_index: "NgramIndex | None" = None
+        self.draft_tally = AcceptanceTally()  # how often this sequence's drafts held (DraftPolicy)
+        # a sampled sequence with a draft: its generator's state before the step drew a uniform per row, so
+        # it can be left having drawn only for the tokens kept (LLMEngine._take_picks)
+        self.rng_before_draft: torch.Tensor | None = None
+        # a pooling request's state (engine/pooling.py): it samples nothing, and ends when its prompt is computed
+        self.pooling: "PoolingState | None" = None
 
     @property
     def num_output_tokens(self) -> int:

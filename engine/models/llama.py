@@ -243,20 +243,22 @@ class LlamaForCausalLM:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 cache: PagedKVCache, logits_indices: torch.Tensor, lora: LoraBatch | None = None,
-                greedy_bans: list[list[int]] | None = None) -> torch.Tensor | GreedyPicks:
+                greedy_bans: list[list[int]] | None = None, hidden_indices: torch.Tensor | None = None) -> Any:
         """input_ids/positions [T]; returns fp32 logits [len(logits_indices), vocab]. With greedy_bans (one
         list of banned ids per logits row, every row a plain argmax) and a greedy head that takes the step,
-        returns the rows' greedy tokens instead (GreedyPicks)."""
+        returns the rows' greedy tokens instead (GreedyPicks). Given ``hidden_indices`` (pooling), returns
+        (that answer, the final-normed hidden states of those rows, fp32 [len(hidden_indices), hidden])."""
         if self.kernels is not None:
-            return self._forward_fused(input_ids, positions, meta, cache, logits_indices, lora, greedy_bans)
-        return self._forward_torch(input_ids, positions, meta, cache, logits_indices, lora)
+            return self._forward_fused(input_ids, positions, meta, cache, logits_indices, lora, greedy_bans,
+                                       hidden_indices)
+        return self._forward_torch(input_ids, positions, meta, cache, logits_indices, lora, hidden_indices)
 
     def _project(self, lora: LoraBatch | None, layer: int, group: str, linear: Linear, x: torch.Tensor) -> torch.Tensor:
         return linear(x) if lora is None else lora.project(layer, group, x)
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        cache: PagedKVCache, logits_indices: torch.Tensor, lora: LoraBatch | None,
-                       greedy_bans: list[list[int]] | None = None) -> torch.Tensor | GreedyPicks:
+                       greedy_bans: list[list[int]] | None = None, hidden_indices: torch.Tensor | None = None) -> Any:
         """Same arithmetic as ``_forward_torch``, with everything between the linears in fused kernels."""
         kern = self.kernels
         assert kern is not None
@@ -271,13 +273,13 @@ class LlamaForCausalLM:
         descs = (self._layers_as_described() if self.layers_in_one_call and lora is None
                  and (meta.prefill_spans is not None or not meta.prefills) else None)
         if descs is not None and T <= self._one_call_max_rows:
-            kept = (logits_indices if self.trim_last_layer and logits_indices.shape[0] < T
+            kept = (logits_indices if self.trim_last_layer and hidden_indices is None and logits_indices.shape[0] < T
                     and _ascending(logits_indices) else None)  # decode-only steps: every row is a logits row
             down = self._layers_in_one_call(descs, x, h, a, act, positions, meta, cache, scratch, kept)
             if kept is not None:  # x and down hold the logits rows, in order, at the front
                 n = kept.shape[0]
                 x, down, logits_indices = x[:n], down[:n], torch.arange(n)
-            return self._final_logits(x, down, logits_indices, greedy_bans)
+            return self._with_hidden(x, down, logits_indices, greedy_bans, hidden_indices)
         kern.add_rms_norm(x, None, self.layers[0].input_norm, h, self.eps)
         for i, lw in enumerate(self.layers):
             qkv = self._project(lora, i, "qkv", lw.qkv, h)
@@ -300,7 +302,19 @@ class LlamaForCausalLM:
             down = self._project(lora, i, "down", lw.down, act)
             if i + 1 < self.num_layers:
                 kern.add_rms_norm(x, down, self.layers[i + 1].input_norm, h, self.eps)
-        return self._final_logits(x, down, logits_indices, greedy_bans)
+        return self._with_hidden(x, down, logits_indices, greedy_bans, hidden_indices)
+
+    def _with_hidden(self, x: torch.Tensor, down: torch.Tensor, logits_indices: torch.Tensor,
+                     greedy_bans: list[list[int]] | None, hidden_indices: torch.Tensor | None) -> Any:
+        """``_final_logits``, and first (it adds the last layer into x in place) the pooled rows' final-normed
+        hidden states when ``hidden_indices`` asks for them."""
+        if hidden_indices is None:
+            return self._final_logits(x, down, logits_indices, greedy_bans)
+        assert self.kernels is not None
+        hx, hd = x[hidden_indices], down[hidden_indices]  # copies: x stays as _final_logits expects it
+        hidden = torch.empty_like(hx)
+        self.kernels.add_rms_norm(hx, hd, self.final_norm, hidden, self.eps)
+        return self._final_logits(x, down, logits_indices, greedy_bans), hidden.float()
 
     def _final_logits(self, x: torch.Tensor, down: torch.Tensor, logits_indices: torch.Tensor,
                       greedy_bans: list[list[int]] | None = None) -> torch.Tensor | GreedyPicks:
@@ -374,7 +388,8 @@ class LlamaForCausalLM:
         return self._scratch
 
     def _forward_torch(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                       cache: PagedKVCache, logits_indices: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+                       cache: PagedKVCache, logits_indices: torch.Tensor, lora: LoraBatch | None,
+                       hidden_indices: torch.Tensor | None = None) -> Any:
         T = input_ids.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
@@ -396,7 +411,10 @@ class LlamaForCausalLM:
             gu = self._project(lora, i, "gate_up", lw.gate_up, h)
             act = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate:]
             x = x + self._project(lora, i, "down", lw.down, act)
-        return self._logits(rms_norm(x[logits_indices], self.final_norm, self.eps))
+        logits = self._logits(rms_norm(x[logits_indices], self.final_norm, self.eps))
+        if hidden_indices is None:
+            return logits
+        return logits, rms_norm(x[hidden_indices], self.final_norm, self.eps).float()
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits [S, vocab] of the final hidden states h [S, hidden].
