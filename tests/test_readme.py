@@ -292,3 +292,5 @@ def test_the_command_splitter_and_classifier():
                                  ".venv/bin/spark-server lora check x")] == ["server", "request", "other", "parse"]
     with pytest.raises(AssertionError):
         kind_of("rm -rf /tmp/x")
+    with pytest.raises(SystemExit):  # a documented flag the server does not have fails the check
+        cli_args(serve_argv("spark-server serve --no-such-flag 1"))
