@@ -161,8 +161,20 @@ class Settings:
                                                "summed over its prompts; ~100 bytes of JSON each (400 beyond)")
     seed: int | None = _opt(None, "seeds the samples of requests that bring no seed: a run can be repeated exactly")
     chat_template: str | None = _opt(None, "a Jinja chat template, or a file holding one, replacing the model's")
-    trust_request_chat_template: bool = _opt(False, "accept a request's own `chat_template` (vLLM's flag; off: a "
-                                                    "400 names the flag)")
+    trust_request_chat_template: bool = _opt(False, "vLLM's flag, accepted: a request's own `chat_template` is "
+                                                    "always accepted, rendered in a sandboxed worker with time, "
+                                                    "memory and output bounds (as FastDeploy accepts it)")
+    task: str = _opt("auto", "what the model is for (vLLM's names): generate (text; embeddings and cosine scores "
+                             "are served too), embed (embeddings and cosine scores only), classify / score (a "
+                             "checkpoint's sequence-classification head: /classify, and /score and /rerank for a "
+                             "one-label head), reward (the head on every token, /pooling); auto: classify for a "
+                             "*ForSequenceClassification checkpoint, else generate; embedding is embed's older "
+                             "name; transcription is refused (docs/pooling.md)",
+                     choices=["auto", "generate", "embedding", "embed", "classify", "score", "reward",
+                              "transcription"])
+    override_pooler_config: str | None = _opt(None, "vLLM's JSON pooler settings: pooling_type (LAST, the default; "
+                                                    "MEAN, CLS or ALL), normalize (embeddings, default true), softmax "
+                                                    "(the head's activation, default true)")
     allowed_origins: str | None = _opt(None, "browser origins allowed to call the HTTP endpoints (CORS) and open the "
                                              "Spark WebSocket, comma-separated or as vLLM's JSON list, or * (off by "
                                              "default: no CORS headers, any Origin may open the WebSocket)",
@@ -189,9 +201,17 @@ class Settings:
                                                                 "worker process")
     guided_decoding_backend: str | None = _opt(None, "vLLM's older name for --structured-output-backend",
                                                choices=["auto", "llguidance", "guidance"])
-    tool_call_parser: str = _opt("hermes", "how tool calls are written and read back: hermes "
-                                           "(<tool_call>{json}</tool_call>, what ChatML models are trained on)",
-                                 choices=["hermes"])
+    tool_call_parser: str = _opt("hermes", "how tool calls are written into the prompt and read back, in the model's "
+                                           "own form: hermes (<tool_call>{json}</tool_call>: Qwen, Hermes, ChatML "
+                                           "models), llama3_json (Llama 3.1+ JSON calls), mistral ([TOOL_CALLS]), "
+                                           "pythonic ([f(a=1)]: Llama 3.2/4)",
+                                 choices=["hermes", "llama3_json", "mistral", "pythonic"])
+    reasoning_parser: str | None = _opt(None, "split thinking models' answers into reasoning_content and content: "
+                                              "qwen3, deepseek_r1 (<think>...</think>) or granite (off by "
+                                              "default: the thinking stays in content)",
+                                        choices=["qwen3", "deepseek_r1", "granite"])
+    enable_reasoning: bool = _opt(False, "vLLM's older switch for --reasoning-parser, which it needs; a parser "
+                                         "alone turns reasoning on")
     enable_auto_tool_choice: bool = _opt(True, "vLLM's flag: tool_choice auto parses calls out of free answers "
                                                "(--no-enable-auto-tool-choice refuses auto with a 400)")
     responses_store_max_items: int = _opt(1000, "most responses kept for GET /v1/responses/{id} and "
@@ -204,6 +224,8 @@ class Settings:
                                     "--config")
 
     def __post_init__(self) -> None:
+        if self.enable_reasoning and not self.reasoning_parser:  # as vLLM refused it
+            raise ValueError("--enable-reasoning requires --reasoning-parser (qwen3, deepseek_r1 or granite)")
         # One request may hold at most half of the running slots by default, so another client always gets
         # one; more than all of them is a mistake in the settings, refused at start.
         if self.max_seqs_per_request is None:
@@ -268,6 +290,7 @@ class Settings:
             max_lora_rank=self.max_lora_rank, num_speculative_tokens=self.num_speculative_tokens,
             prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
             constraint_budget=self.constraint_budget(),
+            task=self.task, override_pooler_config=self.override_pooler_config,
         )
 
     def constraint_budget(self) -> ConstraintBudget:
@@ -396,13 +419,19 @@ def resolve(cli: dict[str, Any] | None = None, environ: dict[str, str] | None = 
     return resolve_with_sources(cli, environ)[0]
 
 
-def describe(settings: Settings, sources: dict[str, str]) -> str:
-    """One line: every setting's value and where it came from (flag, env, file, default); secrets masked."""
+def describe(settings: Settings, sources: dict[str, str], everything: bool = False) -> str:
+    """One line: each setting that differs from its default, its value and where it came from (flag, env,
+    file); with ``everything`` (the CLI's --log-level debug) every setting. Secrets masked."""
     parts = []
     for f in fields(Settings):
         value = getattr(settings, f.name)
+        source = sources.get(f.name, "default")
+        if not everything and (source == "default" or value == f.default):
+            continue  # a default, or set to its default (values derived from others are shown where set)
         shown = "***" if f.name in SECRET_SETTINGS and value else value
-        parts.append(f"{f.name}={shown!r}({sources.get(f.name, 'default')})")
+        parts.append(f"{f.name}={shown!r}({source})")
+    if not parts:
+        return "settings: all defaults (--log-level debug lists them)"
     return "settings: " + " ".join(parts)
 
 

@@ -7,17 +7,38 @@ It answers with the real tokenizer of the embedded model, so token ids, texts an
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+import torch
+
+from engine.errors import InvalidRequestError
 from engine.model_loader import resolve_model_dir
+from engine.pooling import (PoolingOutput, PoolingRequest, activate, check_dimensions, finish_embedding,
+                            served_tasks)
 from engine.protocol import EngineLimits, EngineStats, ModelInfo
 from engine.request import (GenerationRequest, Prompt, RequestOutput, RequestTimings, TextPrompt, TokenLogprob,
                             TokensPrompt)
 
 FAKE_MODEL = "fake-model"
+FAKE_HIDDEN = 16  # the fake's embedding size
+
+
+def fake_vector(token_ids: list[int]) -> list[float]:
+    """The fake engine's hidden state of a prompt: a fixed function of its token ids (not normalised)."""
+    return [sum(math.cos(0.37 * (t + 1) * (j + 1) + 0.11 * k) for k, t in enumerate(token_ids))
+            for j in range(FAKE_HIDDEN)]
 DEFAULT_ANSWER = "Hello from the scripted engine."
+
+
+def fake_prompt_logprobs(prompt_ids: list[int], top: int | None) -> list[TokenLogprob | None] | None:
+    """The engine's prompt_logprobs form: None for the first token, then position p's logprob -p / 10 (a
+    value each position can be told by) with ``top`` candidates."""
+    if top is None:
+        return None
+    return [None] + [TokenLogprob(t, -p / 10, [(t, -p / 10)] * top) for p, t in enumerate(prompt_ids[1:], 1)]
 
 
 @dataclass
@@ -55,12 +76,19 @@ class FakeEngine:
     limits: EngineLimits = field(default_factory=EngineLimits)
     healthy: bool = True
     active: int = 0
+    # pooling: the server's task, its head's labels (a classify / score model), whether it is Matryoshka,
+    # and every pooling request that reached the engine
+    task: str = "generate"
+    labels: tuple[str, ...] = ()
+    matryoshka: bool = False
+    pooling_requests: list[PoolingRequest] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tokenizer = shared_tokenizer()
         self.model_info = ModelInfo(name=FAKE_MODEL, path="/fake/model", model_type="llama",
                                     max_model_len=self.max_model_len, vocab_size=len(self.tokenizer),
-                                    dtype="bfloat16", device="cpu")
+                                    dtype="bfloat16", device="cpu", task=self.task,
+                                    pooling_tasks=served_tasks(self.task, len(self.labels)), labels=self.labels)
 
     # ---- lifecycle and introspection -----------------------------------------------------------
 
@@ -107,6 +135,34 @@ class FakeEngine:
 
     async def abort(self, request_id: str) -> None: ...
 
+    # ---- pooling -------------------------------------------------------------------------------
+
+    async def pool(self, request: PoolingRequest) -> PoolingOutput:
+        """Deterministic answers from the prompt's token ids (fake_vector): an embedding of FAKE_HIDDEN values,
+        or the first len(labels) of them as a head's logits; refused as the real engine refuses."""
+        self.pooling_requests.append(request)
+        if self.script.fail_before is not None:
+            raise self.script.fail_before
+        p = request.params
+        if p.task not in self.model_info.pooling_tasks:
+            raise InvalidRequestError(f"the served model does not support the '{p.task}' pooling task",
+                                      parameter="task")
+        embeds = p.task == "embed" or (p.task == "encode" and not self.labels)
+        if embeds:
+            check_dimensions(p.dimensions, FAKE_MODEL, self.matryoshka, None, FAKE_HIDDEN)
+        elif p.dimensions is not None:
+            raise InvalidRequestError("dimensions applies to embeddings only", parameter="dimensions")
+        ids = self.encode_prompt_sync(request.prompt)
+        if p.truncate_prompt_tokens:
+            ids = ids[-p.truncate_prompt_tokens:]
+        vector = torch.tensor(fake_vector(ids))
+        if embeds:
+            data = finish_embedding(vector, p.dimensions, p.normalize is not False).tolist()
+        else:
+            logits = vector[:len(self.labels)] * 3
+            data = (activate(logits) if p.activation is not False else logits).tolist()
+        return PoolingOutput(request.request_id, data, len(ids))
+
     # ---- generation ----------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
@@ -115,10 +171,18 @@ class FakeEngine:
         if script.fail_before is not None:
             raise script.fail_before
         prompt_ids = self.encode_prompt_sync(request.prompt)
-        answer = self.tokenizer.encode(script.answer, add_special_tokens=False)
         p = request.params
+        # a stop string ends the scripted answer where it first occurs (kept only when asked), as the
+        # real engine's stop strings do: finish "stop" with the string as the stop reason
+        text, matched = script.answer, None
+        hits = [(text.find(s), s) for s in p.stop if s in text]
+        if hits:
+            at, matched = min(hits)
+            text = text[:at + (len(matched) if p.include_stop_str_in_output else 0)]
+        answer = self.tokenizer.encode(text, add_special_tokens=False)
         ids = answer[:p.max_tokens]
-        reason = "length" if len(answer) > p.max_tokens else script.finish_reason
+        reason = "length" if len(answer) > p.max_tokens else ("stop" if matched else script.finish_reason)
+        stop_reason = matched if reason == "stop" else None
         self.active += 1
         started = time.monotonic()
         try:
@@ -137,7 +201,9 @@ class FakeEngine:
                         request_id=request.request_id, index=index, new_token_ids=[tid], text_delta=delta,
                         num_prompt_tokens=len(prompt_ids), num_output_tokens=k + 1,
                         logprobs=[TokenLogprob(tid, -0.5, [(tid, -0.5)] * p.top_logprobs)] if p.logprobs else None,
+                        prompt_logprobs=fake_prompt_logprobs(prompt_ids, p.prompt_logprobs) if k == index == 0 else None,
                         finished=last, finish_reason=reason if last else None,
+                        stop_reason=stop_reason if last else None,
                         timings=RequestTimings(arrival=request.arrival_time, queue_s=0.001, first_token_s=0.002,
                                                prefill_s=0.001, decode_s=time.monotonic() - started,
                                                last_token_gap_s=0.001))
