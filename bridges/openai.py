@@ -11,7 +11,8 @@ from starlette.responses import JSONResponse, Response
 
 from bridges.common import (BridgeError, Completion, engine_of, int_list, now, request_id, served_model_or_adapter,
                             sse)
-from bridges import tools
+from bridges import reasoning as thinking
+from bridges import tool_formats, tools, unserved_fields
 from bridges.constraints import openai_constraint
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
@@ -111,9 +112,10 @@ def finish_fields(finish_reason: str | None, stop_reason: str | int | None) -> d
     return {"finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0, reasoning_tokens: int = 0) -> dict[str, Any]:
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-           "total_tokens": prompt_tokens + completion_tokens}
+           "total_tokens": prompt_tokens + completion_tokens,
+           "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}  # FastDeploy's and OpenAI's shape
     if cached:
         out["prompt_tokens_details"] = {"cached_tokens": cached}
     return out
@@ -187,6 +189,12 @@ def prompt_logprobs_field(name: TokenNames, entries: list[TokenLogprob | None] |
     return out
 
 
+def arrival_time(out: RequestOutput) -> float | None:
+    """FastDeploy's stream field: seconds from the request's arrival to this output's newest token."""
+    t = out.timings
+    return None if t.first_token_s is None else round(t.first_token_s + t.decode_s, 6)
+
+
 def response_id(prefix: str, body: dict[str, Any]) -> str:
     """vLLM: the caller's request_id names the answer, else a fresh one."""
     return f"{prefix}-{body['request_id']}" if body.get("request_id") else request_id(prefix)
@@ -231,6 +239,8 @@ class _Answer:
     rid: str
     names: TokenNames
     tools: ToolPlan | None = None  # chat with tools: the answer is parsed for calls
+    reasoning: thinking.ReasoningParser | None = None  # chat with --reasoning-parser: thinking split out
+    reasoning_state: thinking.State = "undecided"  # where the answer begins (the prompt's end)
 
 
 class _OpenAIHandler(Handler):
@@ -251,7 +261,8 @@ class Completions(_OpenAIHandler):
         for r in reqs:
             r.lora = lora
         names = TokenNames(engine_of(request), token_ids_named(request, body))
-        return Plan(reqs, bool(body.get("stream")), body, context=_Answer(model, rid, names))
+        return Plan(reqs, bool(body.get("stream")), body, context=_Answer(model, rid, names),
+                    headers=unserved_fields.report(unserved_fields.openai(body), rid))
 
     async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
         engine, body, answer = engine_of(request), plan.body, plan.context
@@ -271,7 +282,7 @@ class Completions(_OpenAIHandler):
                     choice["prompt_logprobs"] = prompt_logprobs_field(answer.names, comps[0].prompt_logprobs)
                 if body.get("return_token_ids"):
                     choice["prompt_token_ids"] = await engine.encode_prompt(req.prompt)
-                    choice["token_ids"] = c.token_ids
+                    choice["token_ids"] = choice["completion_token_ids"] = c.token_ids  # vLLM's, FastDeploy's
                 choices.append(choice)
         return JSONAnswer({"id": answer.rid, "object": "text_completion", "created": now(), "model": answer.model,
                            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached)})
@@ -295,6 +306,7 @@ async def _stream_completions(engine: EngineClient, body: dict[str, Any], reqs: 
     include_usage, continuous = _stream_usage(body)
     created = now()
     echoed: set[int] = set()
+    with_prompt_ids: set[int] = set()
     offsets: dict[int, int] = {}
     prompt_tokens: dict[int, int] = {}
     completion_tokens = 0
@@ -316,8 +328,12 @@ async def _stream_completions(engine: EngineClient, body: dict[str, Any], reqs: 
         offsets[index] = offsets.get(index, 0) + len(text)
         if out.finished:
             choice.update(finish_fields(out.finish_reason, out.stop_reason))
-        if body.get("return_token_ids"):
-            choice["token_ids"] = out.new_token_ids
+        if body.get("return_token_ids"):  # vLLM's token_ids, FastDeploy's names; the prompt's with the first
+            choice["token_ids"] = choice["completion_token_ids"] = out.new_token_ids
+            if index not in with_prompt_ids:
+                with_prompt_ids.add(index)
+                choice["prompt_token_ids"] = await engine.encode_prompt(reqs[i].prompt)
+        choice["arrival_time"] = arrival_time(out)
         chunk = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
         if include_usage:
             chunk["usage"] = usage(sum(prompt_tokens.values()), completion_tokens) if continuous else None
@@ -331,16 +347,29 @@ async def _stream_completions(engine: EngineClient, body: dict[str, Any], reqs: 
 # ---- /v1/chat/completions ----------------------------------------------------------------------
 
 
+def prompt_ids_of(body: dict[str, Any]) -> list[Any] | None:
+    """FastDeploy's prompt as token ids: ``prompt_token_ids``, or ``messages`` given as a list of ids."""
+    if body.get("prompt_token_ids") is not None:
+        return body["prompt_token_ids"]
+    messages = body["messages"]
+    ids = [isinstance(m, (int, float)) for m in messages]
+    if any(ids) and not all(ids):
+        raise BridgeError(400, "messages: either message objects or token ids, not both", param="messages")
+    return messages if all(ids) else None
+
+
 def lower_chat(request: Request, body: dict[str, Any], rid: str) -> tuple[GenerationRequest, ToolPlan]:
-    if body.get("chat_template") and not request.app.state.settings.trust_request_chat_template:
-        raise BridgeError(400, "chat_template: a request's own chat template is refused unless the server runs "
-                               "with --trust-request-chat-template", param="chat_template")
+    # a request's own chat_template is rendered by the engine in a bounded sandbox (engine/template_sandbox.py)
     info = engine_of(request).model_info
+    prompt_ids = prompt_ids_of(body)
     if body.get("tools") and body.get("tool_choice", "auto") == "auto" \
             and not request.app.state.settings.enable_auto_tool_choice:
         raise BridgeError(400, 'tool_choice "auto" needs the server to run with --enable-auto-tool-choice',
                           param="tool_choice")
-    tool_plan = tools.plan(body, body["messages"], native=info.chat_template_tools)
+    settings = request.app.state.settings
+    tool_format = tool_formats.get_format(settings.tool_call_parser)
+    tool_plan = tools.plan(body, body["messages"] if prompt_ids is not body["messages"] else [],
+                           native=info.chat_template_tools, fmt=tool_format)
     messages = tool_plan.messages
     want_logprobs = bool(body.get("logprobs"))
     if body.get("top_logprobs") and not want_logprobs:
@@ -351,12 +380,14 @@ def lower_chat(request: Request, body: dict[str, Any], rid: str) -> tuple[Genera
             raise BridgeError(400, f"tool_choice {body.get('tool_choice')!r} already constrains the answer; "
                                    f"drop {params.constraint.field}", param=params.constraint.field)
         params.constraint = tool_plan.constraint
+    if tool_plan.parse and not tool_format.skip_special_tokens:  # its call marker is a special token (vLLM too)
+        params.skip_special_tokens = False
     kwargs = dict(body.get("chat_template_kwargs") or {})
     if body.get("documents") is not None:
         kwargs["documents"] = body["documents"]
     prompt: Prompt
-    if body.get("prompt_token_ids") is not None:  # FastDeploy: the prompt as ids, the messages only for the record
-        prompt = TokensPrompt(int_list(body["prompt_token_ids"]))
+    if prompt_ids is not None:  # FastDeploy: the prompt as ids (messages beside prompt_token_ids: for the record)
+        prompt = TokensPrompt(int_list(prompt_ids))
     elif body.get("disable_chat_template"):  # FastDeploy: the contents as written
         prompt = TextPrompt("".join(m.content for m in messages), add_special_tokens=False)
     else:
@@ -377,6 +408,20 @@ def _echo_prefix(body: dict[str, Any], req: GenerationRequest) -> str:
     return last.content if last.role == "assistant" else ""
 
 
+async def plan_reasoning(request: Request, body: dict[str, Any], req: GenerationRequest, answer: _Answer) -> None:
+    """With --reasoning-parser: the answer's thinking is split out (bridges/reasoning.py), structured output
+    and tool calls apply after it, and FastDeploy's reasoning_max_tokens caps it."""
+    parser = thinking.get_parser(request.app.state.settings.reasoning_parser)
+    budget = body.get("reasoning_max_tokens")
+    if parser is None:
+        if budget is not None:
+            raise BridgeError(400, "reasoning_max_tokens needs the server to run with --reasoning-parser: without "
+                                   "one the thinking is not told apart from the answer", param="reasoning_max_tokens")
+        return
+    answer.reasoning = parser
+    answer.reasoning_state = await thinking.prepare(engine_of(request), parser, req, budget)
+
+
 class ChatCompletions(_OpenAIHandler):
     schema = "openai-chat"
     logprob_fields = ("prompt_logprobs", "top_logprobs", "logprobs")
@@ -388,7 +433,9 @@ class ChatCompletions(_OpenAIHandler):
         req.lora = lora
         names = TokenNames(engine_of(request), token_ids_named(request, body))
         answer = _Answer(model, rid, names, tool_plan if tool_plan.parse else None)
-        return Plan([req], bool(body.get("stream")), body, context=answer)
+        await plan_reasoning(request, body, req, answer)
+        return Plan([req], bool(body.get("stream")), body, context=answer,
+                    headers=unserved_fields.report(unserved_fields.openai(body), rid))
 
     async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
         engine, body, answer, (req,), (comps,) = engine_of(request), plan.body, plan.context, plan.requests, results
@@ -396,14 +443,25 @@ class ChatCompletions(_OpenAIHandler):
         token_ids = bool(body.get("return_token_ids"))
         prompt_ids = await engine.encode_prompt(req.prompt) if token_ids else None
         choices = []
+        reasoning_tokens = 0
         for c in best_samples(comps, body.get("n") or 1, body.get("length_penalty")):
-            message: dict[str, Any] = {"role": "assistant", "content": prefix + c.text}
+            text, thought = prefix + c.text, None
+            if answer.reasoning is not None:  # the thinking apart; the content alone is read for calls
+                splitter = answer.reasoning.splitter(answer.reasoning_state)
+                thought, text = thinking.feed_output(splitter, c.token_texts, final=True)
+                thought = thought if splitter.thought else None
+                text = prefix + text
+                reasoning_tokens += splitter.reasoning_tokens
+            message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = c.finish_reason
             if answer.tools is not None:
-                content, calls = tools.parse(prefix + c.text, answer.tools.names)
+                content, calls = answer.tools.parse_answer(text)
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": [x.as_dict() for x in calls]}
                     finish = "tool_calls" if finish == "stop" else finish
+            if answer.reasoning is not None:  # vLLM's field, null when the answer did not think
+                message["reasoning_content"] = thought
+                message["content"] = message["content"] or None
             if token_ids:  # FastDeploy puts them in the message
                 message["prompt_token_ids"], message["completion_token_ids"] = prompt_ids, c.token_ids
             choice = {"index": c.index, "message": message,
@@ -414,7 +472,7 @@ class ChatCompletions(_OpenAIHandler):
             choices.append(choice)
         result = {"id": answer.rid, "object": "chat.completion", "created": now(), "model": answer.model,
                   "choices": choices, "usage": usage(comps[0].num_prompt_tokens, sum(len(c.token_ids) for c in comps),
-                                                     comps[0].num_cached_tokens)}
+                                                     comps[0].num_cached_tokens, reasoning_tokens)}
         if token_ids:
             result["prompt_token_ids"] = prompt_ids
         if req.params.prompt_logprobs is not None:
@@ -435,14 +493,18 @@ async def _stream_chat(engine: EngineClient, body: dict[str, Any], req: Generati
     started: set[int] = set()
     prompt_tokens = completion_tokens = 0
     prefix = _echo_prefix(body, req)
-    parsers: dict[int, tools.StreamParser] = {}  # per sample, with tools: content vs completed calls
+    parsers: dict[int, Any] = {}  # per sample, with tools: content vs completed calls
+    splitters: dict[int, thinking.ReasoningSplitter] = {}  # per sample, with a reasoning parser
     num_calls: dict[int, int] = {}
+
+    def reasoning_tokens() -> int:
+        return sum(s.reasoning_tokens for s in splitters.values())
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         data = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices,
                 **extra}
         if include_usage:
-            data["usage"] = usage(prompt_tokens, completion_tokens) if continuous else None
+            data["usage"] = usage(prompt_tokens, completion_tokens, 0, reasoning_tokens()) if continuous else None
         return sse(data)
 
     async for _, out in outputs:
@@ -463,10 +525,14 @@ async def _stream_chat(engine: EngineClient, body: dict[str, Any], req: Generati
                 yield chunk(first, **extra)
         if not out.text_delta and not out.finished and not (token_ids and out.new_token_ids):
             continue
-        text, calls = out.text_delta, []
+        text, calls, thought = out.text_delta, [], ""
+        if answer.reasoning is not None:  # the thinking apart; the content alone is read for calls
+            splitter = splitters.setdefault(out.index, answer.reasoning.splitter(answer.reasoning_state))
+            thought, text = thinking.feed_output(splitter, out.texts_per_token() if out.new_token_ids else [],
+                                                 "" if out.new_token_ids else out.text_delta, final=out.finished)
         if answer.tools is not None:
-            parser = parsers.setdefault(out.index, tools.StreamParser(answer.tools.names))
-            text, calls = parser.feed(out.text_delta, final=out.finished)
+            parser = parsers.setdefault(out.index, answer.tools.stream_parser())
+            text, calls = parser.feed(text, final=out.finished)
         for call in calls:  # a completed call: its id and name, then its arguments (as OpenAI streams them)
             k = num_calls.get(out.index, 0)
             num_calls[out.index] = k + 1
@@ -475,14 +541,16 @@ async def _stream_chat(engine: EngineClient, body: dict[str, Any], req: Generati
                           "finish_reason": None}])
             yield chunk([{"index": out.index, "delta": {"tool_calls": [{"index": k, "function": {
                 "arguments": call.arguments}}]}, "logprobs": None, "finish_reason": None}])
-        if not text and not out.finished and not (token_ids and out.new_token_ids):
+        if not text and not thought and not out.finished and not (token_ids and out.new_token_ids):
             continue
-        delta = {"content": text} if text else {}
+        delta = {"reasoning_content": thought} if thought else {}
+        if text:
+            delta["content"] = text
         if token_ids:
             delta["completion_token_ids"] = out.new_token_ids
         choice = {"index": out.index, "delta": delta,
                   "logprobs": chat_logprobs(name, out.logprobs) if req.params.logprobs and out.logprobs else None,
-                  "finish_reason": None}
+                  "finish_reason": None, "arrival_time": arrival_time(out)}  # FastDeploy's
         if token_ids:
             choice["token_ids"] = out.new_token_ids
         if out.finished:
@@ -491,7 +559,7 @@ async def _stream_chat(engine: EngineClient, body: dict[str, Any], req: Generati
         yield chunk([choice])
     if include_usage:
         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-                   "usage": usage(prompt_tokens, completion_tokens)})
+                   "usage": usage(prompt_tokens, completion_tokens, 0, reasoning_tokens())})
     yield sse("[DONE]")
 
 

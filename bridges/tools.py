@@ -50,6 +50,15 @@ class ToolPlan:
     constraint: Constraint | None = None  # tool_choice required / named
     parse: bool = False  # look for calls in the answer
     names: set[str] = field(default_factory=set)
+    format: Any = None  # the model's call format (bridges/tool_formats.py); None: Hermes
+
+    def parse_answer(self, text: str) -> tuple[str | None, list["ToolCall"]]:
+        """(content or None, calls) of a whole answer, in this plan's format."""
+        return self.format.parse(text, self.names) if self.format is not None else parse(text, self.names)
+
+    def stream_parser(self) -> Any:
+        """A parser with ``feed(delta, final) -> (content, completed calls)`` for a streamed answer."""
+        return self.format.stream_parser(self.names) if self.format is not None else StreamParser(self.names)
 
 
 def _functions(tools: list[dict]) -> list[dict]:
@@ -72,8 +81,9 @@ def call_text(name: str, arguments: Any) -> str:
     return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CALL_CLOSE}"
 
 
-def plan(body: dict[str, Any], messages: list[dict[str, Any]], native: bool) -> ToolPlan:
-    """``messages``: the request's own; ``native``: the chat template renders tools itself."""
+def plan(body: dict[str, Any], messages: list[dict[str, Any]], native: bool, fmt: Any = None) -> ToolPlan:
+    """``messages``: the request's own; ``native``: the chat template renders tools itself; ``fmt``: the
+    model's call format (bridges/tool_formats.py; None: Hermes)."""
     tools = body.get("tools") or []
     choice = body.get("tool_choice")
     functions = _functions(tools)
@@ -86,10 +96,12 @@ def plan(body: dict[str, Any], messages: list[dict[str, Any]], native: bool) -> 
     if choice in ("auto", "required") and not functions:
         raise BridgeError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
     offered = functions if choice != "none" else []
-    lowered = _messages(messages, native)
-    result = ToolPlan(lowered, names=names)
+    lowered = _messages(messages, native, fmt)
+    result = ToolPlan(lowered, names=names, format=fmt)
     if offered and native:
         result.template_tools = tools
+    elif offered and fmt is not None:
+        fmt.describe(lowered, offered)
     elif offered:
         described = "\n".join(json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in offered)
         text = SYSTEM_TOOLS.format(tools=described)
@@ -100,30 +112,36 @@ def plan(body: dict[str, Any], messages: list[dict[str, Any]], native: bool) -> 
     if choice == "required" or isinstance(choice, dict):
         forced = [f for f in functions if not isinstance(choice, dict) or f["name"] == choice["function"]["name"]]
         many = choice == "required" and body.get("parallel_tool_calls") is not False
-        result.constraint = _calls_grammar(forced, many)
+        result.constraint = fmt.grammar(forced, many) if fmt is not None else _calls_grammar(forced, many)
     result.parse = bool(offered)
     return result
 
 
-def _messages(messages: list[dict[str, Any]], native: bool) -> list[ChatMessage]:
+def _messages(messages: list[dict[str, Any]], native: bool, fmt: Any = None) -> list[ChatMessage]:
     out = []
     for i, m in enumerate(messages):
         role = "system" if m["role"] == "developer" else m["role"]
         content = _content(m)
         calls = m.get("tool_calls") or []
+        # an earlier answer's thinking (vLLM's reasoning_content, or its newer name): the template decides
+        # whether it is shown (Qwen3's keeps only the latest turns'); others leave it out
+        thinking = m.get("reasoning_content", m.get("reasoning")) if role == "assistant" else None
         if native:
             out.append(ChatMessage(role, content, tool_calls=[
                 {"type": "function", "id": c.get("id"), "function": {
                     "name": c["function"]["name"], "arguments": _arguments(c, f"messages[{i}].tool_calls[{j}]")}}
-                for j, c in enumerate(calls)] or None, tool_call_id=m.get("tool_call_id")))
+                for j, c in enumerate(calls)] or None, tool_call_id=m.get("tool_call_id"),
+                reasoning_content=thinking))
         elif calls:  # the template knows no calls: they are the answer's own text, as the model wrote them
-            texts = [call_text(c["function"]["name"], _arguments(c, f"messages[{i}].tool_calls[{j}]"))
+            pairs = [(c["function"]["name"], _arguments(c, f"messages[{i}].tool_calls[{j}]"))
                      for j, c in enumerate(calls)]
-            out.append(ChatMessage(role, "\n".join(filter(None, [content, *texts]))))
+            texts = [fmt.calls_text(pairs)] if fmt is not None else [call_text(n, a) for n, a in pairs]
+            out.append(ChatMessage(role, "\n".join(filter(None, [content, *texts])), reasoning_content=thinking))
         elif role == "tool":
-            out.append(ChatMessage("tool", f"<tool_response>\n{content}\n</tool_response>"))
+            out.append(ChatMessage("tool", fmt.result_text(content) if fmt is not None
+                                   else f"<tool_response>\n{content}\n</tool_response>"))
         else:
-            out.append(ChatMessage(role, content))
+            out.append(ChatMessage(role, content, reasoning_content=thinking))
     return out
 
 
@@ -136,10 +154,34 @@ def _content(message: dict[str, Any]) -> str:
     return "".join(part["text"] for part in content)
 
 
+def strict_parameters(schema: Any) -> Any:
+    """A function's parameters schema as its calls' grammar reads it: an object schema that names its
+    properties and says nothing of others allows no others (vLLM's default grammar backend does the same;
+    a model left free to add keys may add them until max_tokens). Nested schemas alike; a schema that
+    states ``additionalProperties`` keeps it."""
+    if isinstance(schema, list):
+        return [strict_parameters(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict_parameters(v) if k in _SUBSCHEMAS else v for k, v in schema.items()}
+    for k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+        if isinstance(schema.get(k), dict):
+            out[k] = {name: strict_parameters(v) for name, v in schema[k].items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
+            and "patternProperties" not in schema and "unevaluatedProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = {"items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "not", "if", "then", "else",
+               "contains", "propertyNames", "unevaluatedItems"}
+
+
 def _calls_grammar(functions: list[dict], many: bool) -> Constraint:
     """Exactly the call format, each call's arguments valid against its function's parameters."""
     schemas = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                 "arguments": f.get("parameters") or {"type": "object"}},
+                                                 "arguments": strict_parameters(f.get("parameters")
+                                                                                or {"type": "object"})},
                 "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     body = {**body, "x-guidance": {"whitespace_flexible": False}}  # compact JSON, as the call format shows it

@@ -8,8 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError
 from engine.request import ChatPrompt, Prompt, TextPrompt, TokensPrompt
+from engine.template_sandbox import render_request_template, shared_sandbox
 
 
 def read_chat_template(value: str) -> str:
@@ -91,19 +92,33 @@ class PromptEncoder:
                 message["tool_calls"] = m.tool_calls
             if m.tool_call_id is not None:
                 message["tool_call_id"] = m.tool_call_id
+            if m.reasoning_content is not None:
+                message["reasoning_content"] = m.reasoning_content
             messages.append(message)
         extra = {"tools": prompt.tools} if prompt.tools else {}
         try:
+            if prompt.chat_template is not None and not self._names_own_template(prompt.chat_template):
+                return render_request_template(  # a client's Jinja: in the bounded sandbox
+                    shared_sandbox(), prompt.chat_template, messages, special_tokens=self.tokenizer.special_tokens_map,
+                    add_generation_prompt=prompt.add_generation_prompt,
+                    continue_final_message=prompt.continue_final_message, tools=prompt.tools,
+                    kwargs=prompt.chat_template_kwargs,
+                    max_chars=max(4 << 20, self.max_model_len * self.max_bytes_per_token))
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=prompt.add_generation_prompt,
                 continue_final_message=prompt.continue_final_message, chat_template=prompt.chat_template,
                 **extra, **prompt.chat_template_kwargs)
-        except InvalidRequestError:
+        except (InvalidRequestError, EngineOverloadedError):
             raise
         except Exception as exc:  # a template that does not render these messages (jinja errors, raise_exception)
             parameter = "chat_template" if prompt.chat_template else "messages"
             raise InvalidRequestError(f"the chat template cannot render this conversation: {exc}",
                                       parameter=parameter) from None
+
+    def _names_own_template(self, name: str) -> bool:
+        """A tokenizer with several templates lets a request pick one by name (transformers' rule)."""
+        own = self.tokenizer.chat_template
+        return isinstance(own, dict) and name in own
 
     def check_in_vocab(self, ids: list[int], parameter: str) -> None:
         vocab = self.vocab_size

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.logprobs import step_logprobs
 from engine.request import TokenLogprob
 from engine.sequence import Sequence
 from engine.structured import PreparedMasks
@@ -68,12 +69,20 @@ def banned_ids(seq: Sequence, eos_token_ids: list[int]) -> list[int]:
     return banned
 
 
-def takes_plain_argmax(seq: Sequence) -> bool:
-    """Whether the row's token is the argmax of its model logits with only banned_ids left out (no penalty,
-    logprob, allow-list or grammar reads the logits): the greedy head can pick it."""
+def reads_only_logits(seq: Sequence) -> bool:
+    """Whether the row's pick reads nothing but its model logits, its banned_ids and its truncation (no
+    penalty, logprob, allow-list, grammar or forced token reads the tokens before it): rows for several
+    positions of one sequence can then be picked in one step, each as a step of its own would."""
     p = seq.params
-    return (p.is_greedy and not p.logprobs and p.repetition_penalty == 1.0 and not p.presence_penalty
-            and not p.frequency_penalty and not p.allowed_token_ids and seq.matcher is None)
+    return (not p.logprobs and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and not p.allowed_token_ids and seq.matcher is None
+            and not seq.forced_token_ids)
+
+
+def takes_plain_argmax(seq: Sequence) -> bool:
+    """Whether the row's token is the argmax of its model logits with only banned_ids left out: the greedy
+    head can pick it."""
+    return seq.params.is_greedy and reads_only_logits(seq)
 
 
 def apply_bans(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
@@ -92,6 +101,10 @@ def apply_bans(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[i
             keep = logits[row, p.allowed_token_ids].clone()
             logits[row] = _NEG_INF
             logits[row, p.allowed_token_ids] = keep
+        if seq.forced_token_ids:  # a capped leading section closing: its next id is the only choice
+            forced = seq.forced_token_ids[0]
+            logits[row] = _NEG_INF
+            logits[row, forced] = 0.0
 
 
 def _truncate(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -163,7 +176,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
     rows of a 49k vocabulary top-p alone took ~100 ms a step here (a full sort), top-k ~4 ms."""
     raw_logprobs = None
     if any(s.params.logprobs for s in seqs):
-        raw_logprobs = logits.log_softmax(-1)
+        raw_logprobs = step_logprobs(logits, [s.params for s in seqs])
     apply_penalties(logits, seqs)
     apply_constraints(logits, seqs, eos_token_ids, masks)
     greedy_rows = [i for i, s in enumerate(seqs) if s.params.is_greedy]

@@ -8,6 +8,19 @@ from engine.errors import InvalidRequestError
 from engine.structured import Constraint
 
 
+@dataclass(frozen=True, slots=True)
+class LeadingSection:
+    """A section the output opens with and closes with ``end_token_ids`` (a model's thinking; what it
+    means is the caller's business). While it is open the structured-output ``constraint`` waits: it
+    applies to the output after the section. ``max_tokens``: once that many output tokens are generated
+    with the section still open, ``end_token_ids`` are forced next, closing it (a thinking budget).
+    ``field``: the request field a problem with it names."""
+
+    end_token_ids: tuple[int, ...]
+    max_tokens: int | None = None
+    field: str = "leading_section"
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -33,7 +46,11 @@ class SamplingParams:
     top_logprobs: int = 0
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs, with this many top candidates
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last so many tokens
+    # output logprobs of the temperature-scaled / top-p-renormalised distribution (engine/logprobs.py)
+    temp_scaled_logprobs: bool = False
+    top_p_normalized_logprobs: bool = False
     constraint: Constraint | None = None  # structured output: what the answer must match (engine/structured.py)
+    leading_section: LeadingSection | None = None  # a section before the constrained answer, maybe capped
 
     def __post_init__(self) -> None:
         # JSON Schema's "integer" admits 7.0: whole-number floats are the integers they spell
@@ -80,6 +97,13 @@ class SamplingParams:
         _require(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int)
                                                          and self.truncate_prompt_tokens >= 1),
                  "truncate_prompt_tokens", "must be an integer >= 1")
+        if self.leading_section is not None:
+            section = self.leading_section
+            _require(bool(section.end_token_ids) and all(isinstance(t, int) and t >= 0
+                                                         for t in section.end_token_ids),
+                     section.field, "needs the token ids that close the section")
+            _require(section.max_tokens is None or (isinstance(section.max_tokens, int) and section.max_tokens >= 1),
+                     section.field, "must be an integer >= 1")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 
+from bridges.reasoning import check_reasoning_parser
 from bridges.registry import Operation, Protocol, Registry, discover
 from engine.model_loader import default_cache_dir
 from engine.protocol import EngineClient
@@ -75,6 +76,7 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
     if taken:
         raise ValueError(f"--lora {taken[0]}: names starting with {' or '.join(RESERVED_PREFIXES)} are the "
                          "server's own; choose another")
+    check_reasoning_parser(settings.reasoning_parser, engine.tokenizer)
     resolver = attach_lora(settings, engine)
 
     @contextlib.asynccontextmanager
@@ -105,7 +107,8 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
     app.state.spark_public = PublicSettings.from_flags(settings.spark_app_ids, settings.spark_domains,
                                                        signing=bool(app.state.spark_keys))
     if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, refusal_of=lambda path: getattr(
+            registry.protocol_of(path), "render_refusal", None))
     app.state.draining = False
     app.add_middleware(DrainGuard, state=app.state)
     if settings.origins:  # CORS, off unless origins are named (vLLM's --allowed-origins)
