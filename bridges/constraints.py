@@ -12,6 +12,10 @@ from engine.structured import Constraint
 # what --structured-output-backend / guided_decoding_backend may name: llguidance (vLLM calls it
 # "guidance"); "auto" picks it
 BACKEND_NAMES = ("auto", "llguidance", "guidance")
+# the other libraries vLLM can name (xgrammar is its default): they serve the same JSON schema, regex,
+# choice and grammar constraints, so a request or launch line naming one is served by llguidance, and
+# the substitution is reported (X-Ignored-Parameters on a request, a start-up line for the flag)
+SUBSTITUTED_BACKENDS = ("xgrammar", "outlines", "lm-format-enforcer")
 
 
 def _json_text(value: Any, field: str) -> str:
@@ -31,9 +35,10 @@ def _only_one(found: list[tuple[str, Constraint]]) -> Constraint | None:
 
 
 def check_backend(name: str | None, field: str = "guided_decoding_backend") -> None:
-    if name is not None and name not in BACKEND_NAMES:
+    if name is not None and name not in BACKEND_NAMES + SUBSTITUTED_BACKENDS:
         raise BridgeError(400, f"{field}: {name!r} is not available; this server's structured-output backend is "
-                               "llguidance (names accepted: auto, llguidance, guidance)", param=field)
+                               "llguidance (names accepted: auto, llguidance, guidance; xgrammar, outlines and "
+                               "lm-format-enforcer are served by llguidance)", param=field)
 
 
 def response_format(fmt: dict[str, Any] | None, field: str = "response_format",

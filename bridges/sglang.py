@@ -8,12 +8,13 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from bridges import unserved_fields
 from bridges.common import BridgeError, Completion, engine_of, int_list, request_id, sse
 from bridges.constraints import sglang_constraint
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
 from bridges.serving import Handler, JSONAnswer, Plan, route
-from engine.request import GenerationRequest, LoraRef, RequestOutput, TextPrompt, TokensPrompt
+from engine.request import GenerationRequest, LoraRef, RequestOutput, TextPrompt, TokenLogprob, TokensPrompt
 from engine.sampling_params import SamplingParams
 
 
@@ -31,13 +32,27 @@ def _finish(reason: str | None, stop_reason: str | int | None, length: int) -> d
     return {"type": reason, "message": reason}
 
 
-def _params(sp: dict[str, Any], return_logprob: bool, top_logprobs: int) -> SamplingParams:
+def _params(sp: dict[str, Any], return_logprob: bool, top_logprobs: int, start: int) -> SamplingParams:
+    """``start``: logprob_start_len; from 0 up the prompt's logprobs are computed too (the engine's
+    prompt logprobs, with as many top candidates as the output's), and shown from that position."""
+    prompt_logprobs = top_logprobs if return_logprob and start >= 0 else None
     return SamplingParams(**sampling_kwargs("sglang", sp), logprobs=return_logprob, top_logprobs=top_logprobs,
-                          constraint=sglang_constraint(sp))
+                          prompt_logprobs=prompt_logprobs, constraint=sglang_constraint(sp))
 
 
-def lower(body: dict[str, Any], rid: str) -> tuple[list[GenerationRequest], bool]:
-    """Returns the requests (a batch fans out) and whether the body was a batch."""
+def per_prompt(body: dict[str, Any], name: str, count: int, default: Any) -> list[Any]:
+    """SGLang's fields that take one value for every prompt or a list with one per prompt."""
+    value = body.get(name)
+    if isinstance(value, list):
+        if len(value) != count:
+            raise BridgeError(400, f"{name}: a list must have one entry per prompt ({count})", param=name)
+        return [default if v is None else v for v in value]
+    return [default if value is None else value] * count
+
+
+def lower(body: dict[str, Any], rid: str) -> tuple[list[GenerationRequest], bool, list[str]]:
+    """Returns the requests (a batch fans out), whether the body was a batch, and the fields accepted with
+    no effect (bridges/unserved_fields.py)."""
     if "text" in body:
         batch = isinstance(body["text"], list)
         prompts = [TextPrompt(t) for t in (body["text"] if batch else [body["text"]])]
@@ -51,12 +66,30 @@ def lower(body: dict[str, Any], rid: str) -> tuple[list[GenerationRequest], bool
             raise BridgeError(400, "sampling_params: a list must have one entry per prompt", param="sampling_params")
     else:
         sps = [sps] * len(prompts)
-    logprob, top = bool(body.get("return_logprob")), body.get("top_logprobs_num") or 0
+    ignored = unserved_fields.sglang(body, sps)
+    n = len(prompts)
+    logprobs = per_prompt(body, "return_logprob", n, False)
+    tops = per_prompt(body, "top_logprobs_num", n, 0)
+    starts = per_prompt(body, "logprob_start_len", n, -1)
+    loras = per_prompt(body, "lora_path", n, None)
     rid = body.get("rid") or rid
-    lora = LoraRef(name=body["lora_path"]) if body.get("lora_path") else None
-    reqs = [GenerationRequest(rid if len(prompts) == 1 else f"{rid}-{i}", p, _params(sp, logprob, top), lora=lora)
+    reqs = [GenerationRequest(rid if n == 1 else f"{rid}-{i}", p, _params(sp, bool(logprobs[i]), int(tops[i]),
+                                                                          int(starts[i])),
+                              lora=LoraRef(name=loras[i]) if loras[i] else None)
             for i, (p, sp) in enumerate(zip(prompts, sps))]
-    return reqs, batch
+    return reqs, batch, ignored
+
+
+def input_logprobs(entries: list[TokenLogprob | None], prompt_ids: list[int], start: int) -> dict[str, list]:
+    """SGLang's input_token_logprobs / input_top_logprobs from prompt position ``start`` (past the prompt's
+    end: its last token): [logprob, token id, null] each, the first prompt token's logprob null."""
+    start = min(start, len(prompt_ids) - 1)
+    tokens, tops = [], []
+    for pos in range(start, len(prompt_ids)):
+        e = entries[pos] if pos < len(entries) else None
+        tokens.append([None if e is None else e.logprob, prompt_ids[pos], None])
+        tops.append(None if e is None else [[lp, t, None] for t, lp in e.top])
+    return {"input_token_logprobs": tokens, "input_top_logprobs": tops}
 
 
 def _meta(rid: str, c: Completion | RequestOutput, n_out: int, started: float, logprobs: list | None) -> dict[str, Any]:
@@ -72,7 +105,7 @@ def _meta(rid: str, c: Completion | RequestOutput, n_out: int, started: float, l
 
 class Generate(Handler):
     schema = "sglang-generate"
-    logprob_fields = ("return_logprob", "top_logprobs_num", "return_logprob")
+    logprob_fields = ("logprob_start_len", "top_logprobs_num", "return_logprob")
 
     def render_error(self, err: BridgeError) -> dict[str, Any]:
         return render_error(err)
@@ -81,17 +114,29 @@ class Generate(Handler):
         return sse(render_error(err)) + sse("[DONE]")  # the stream still ends as SGLang's do
 
     async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
-        reqs, batch = lower(body, request_id("sgl"))
-        return Plan(reqs, bool(body.get("stream")), body, context=(batch, time.monotonic()))
+        rid = request_id("sgl")
+        reqs, batch, ignored = lower(body, rid)
+        return Plan(reqs, bool(body.get("stream")), body, context=(batch, time.monotonic()),
+                    headers=unserved_fields.report(ignored, body.get("rid") or rid))
+
+    async def _input_logprobs(self, request: Request, plan: Plan, i: int,
+                              entries: list[TokenLogprob | None] | None) -> dict[str, list]:
+        """The prompt's logprobs from logprob_start_len, where they were asked for."""
+        if entries is None:
+            return {}
+        start = per_prompt(plan.body, "logprob_start_len", len(plan.requests), -1)[i]
+        prompt_ids = await engine_of(request).encode_prompt(plan.requests[i].prompt)
+        return input_logprobs(entries, prompt_ids, int(start))
 
     async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
         batch, started = plan.context
         answers = []
-        for req, comps in zip(plan.requests, results):
+        for i, (req, comps) in enumerate(zip(plan.requests, results)):
+            prompt_part = await self._input_logprobs(request, plan, i, comps[0].prompt_logprobs)
             for c in comps:
                 answers.append({"text": c.text, "output_ids": c.token_ids,
                                 "meta_info": _meta(req.request_id, c, len(c.token_ids), started,
-                                                   c.logprobs if req.params.logprobs else None)})
+                                                   c.logprobs if req.params.logprobs else None) | prompt_part})
         return JSONAnswer(answers if batch or len(answers) > 1 else answers[0])
 
     async def render_stream(self, request: Request, plan: Plan,
@@ -105,9 +150,11 @@ class Generate(Handler):
             texts[key] = texts.get(key, "") + out.text_delta
             ids.setdefault(key, []).extend(out.new_token_ids)
             lps.setdefault(key, []).extend(out.logprobs or [])
+            meta = _meta(reqs[i].request_id, out, len(ids[key]), started, lps[key] if reqs[i].params.logprobs else None)
+            if out.prompt_logprobs is not None:  # once, with the first output (as the engine sends them)
+                meta |= await self._input_logprobs(request, plan, i, out.prompt_logprobs)
             yield sse({"text": texts[key], "output_ids": ids[key], "index": i * reqs[i].params.n + out.index,
-                       "meta_info": _meta(reqs[i].request_id, out, len(ids[key]), started,
-                                          lps[key] if reqs[i].params.logprobs else None)})
+                       "meta_info": meta})
         yield sse("[DONE]")
 
 
