@@ -150,9 +150,11 @@ def chat_tools(body: dict[str, Any]) -> dict[str, Any]:
 def conversation(request: Request, body: dict[str, Any]) -> tuple[ChatPrompt, tools.ToolPlan, dict[str, Any]]:
     """(the chat prompt, its tool plan, the tool fields in OpenAI's words) of a Messages body."""
     thinking = body.get("thinking") or {}
-    if thinking.get("type") == "enabled":
-        raise BridgeError(400, "thinking: extended thinking needs a reasoning parser, and this server runs "
-                               "without one; send thinking {\"type\": \"disabled\"} or leave it out",
+    if thinking.get("type") == "enabled":  # refused, never ignored: no thinking blocks are rendered here
+        configured = getattr(request.app.state.settings, "reasoning_parser", None)
+        reason = ("this endpoint does not render thinking blocks yet" if configured else
+                  "extended thinking needs a reasoning parser (--reasoning-parser), and this server runs without one")
+        raise BridgeError(400, f"thinking: {reason}; send thinking {{\"type\": \"disabled\"}} or leave it out",
                           param="thinking")
     tool_body = chat_tools(body)
     info = engine_of(request).model_info
