@@ -38,7 +38,7 @@ class ScheduledBatch:
 
 
 # A long prompt's prefill per step while others decode, as a multiple of what the decoding sequences cost
-# (Scheduler._decode_cost: the step's pass over the weights, a row per sequence and its attention over its
+# (Scheduler.decode_cost: the step's pass over the weights, a row per sequence and its attention over its
 # context), times the square of the long prompts pending; each prompt token counted with its attention
 # over the keys before it (Scheduler.attention_cost_per_key). History, each step measured with
 # `bench_interactivity` (16 streams decode, a 2,000-token prompt arrives; bar: p99 token gap under 3x the
@@ -183,7 +183,7 @@ class Scheduler:
             pending = sum(1 for s in self.running if s.num_uncomputed_tokens > 1 and self._is_long(s))
             pending += sum(1 for s in self.waiting if self._is_long(s))
             prefill_budget = max(self.long_prefill_token_threshold,
-                                 LONG_PREFILL_SHARE * self._decode_cost() * max(1, pending) ** 2)
+                                 LONG_PREFILL_SHARE * self.decode_cost() * max(1, pending) ** 2)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -245,7 +245,7 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _decode_cost(self) -> float:
+    def decode_cost(self) -> float:
         """What this step's decoding sequences cost, in prompt tokens' linears: the step's own (its pass over
         the weights), then a row each and its attention over its context. Their draft rows are left out: a
         draft row costs far less than a sequence's first row at the batch sizes where a long prompt is

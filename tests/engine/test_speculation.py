@@ -161,10 +161,11 @@ def test_max_tokens_and_min_tokens_hold_exactly(engine, max_tokens):
     assert outs[-1].finish_reason == "length"
 
 
-def test_requests_whose_pick_reads_more_than_the_argmax_get_no_draft(engine):
+def test_requests_whose_pick_reads_more_than_the_logits_get_no_draft(engine):
     before = engine.speculator.num_drafted
     for params in ({"temperature": 0, "logprobs": True}, {"temperature": 0, "repetition_penalty": 1.2},
-                   {"temperature": 0.7, "seed": 1}, {"temperature": 0, "frequency_penalty": 0.5}):
+                   {"temperature": 0.7, "seed": 1, "logprobs": True}, {"temperature": 0, "frequency_penalty": 0.5},
+                   {"temperature": 0.7, "seed": 1, "presence_penalty": 0.5}):
         run_all(engine, [chat("p", COPY, max_tokens=24, **params)])
     assert engine.speculator.num_drafted == before
     run_all(engine, [chat("p", COPY, max_tokens=24, temperature=0)])
@@ -184,3 +185,62 @@ def test_the_batch_shares_steps_with_speculating_sequences(engine):
             top = _top_logprobs_after(engine, PROMPTS[i], a[:at])
             assert a[at] in top and b[at] in top and abs(top[a[at]] - top[b[at]]) < 0.25, (i, at, top)
     assert all(len(tokens_of(together[f"p{i}"])) > 0 for i in (1, 3))
+
+
+# --- sampled requests ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def exact_engine() -> LLMEngine:
+    """fp32 weights on torch's path: a row computes the same logits in a one-row step and beside draft rows,
+    so speculation must leave a seeded sample exactly as it is (the fused kernels' bf16 rows differ by
+    rounding with the step's row count, as for greedy answers above)."""
+    return LLMEngine(EngineConfig(max_num_seqs=8, kv_cache_space_gib=0.5, native_kernels=False, dtype="float32",
+                                  quantization="none", enable_prefix_caching=False))
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.7}, {"temperature": 1.0, "top_p": 0.9, "top_k": 40}])
+def test_a_seeded_sample_is_the_same_with_and_without_speculation(exact_engine, sampling):
+    """Each row of a draft draws with the uniform plain decoding would take at its position, and the
+    generator is left having drawn only for the tokens kept: the answer is plain sampling's, token for
+    token, in fewer steps where drafts hold."""
+    proposer = exact_engine.speculator
+    steps_fast = steps_slow = accepted = 0
+    for seed in range(4):
+        before = proposer.num_accepted
+        fast = run_all(exact_engine, [chat("s", COPY, max_tokens=32, seed=seed, **sampling)])["s"]
+        accepted += proposer.num_accepted - before
+        exact_engine.speculator = None
+        try:
+            slow = run_all(exact_engine, [chat("s", COPY, max_tokens=32, seed=seed, **sampling)])["s"]
+        finally:
+            exact_engine.speculator = proposer
+        assert tokens_of(fast) == tokens_of(slow), seed
+        steps_fast, steps_slow = steps_fast + len(fast), steps_slow + len(slow)
+    assert accepted > 0 and steps_fast < steps_slow
+
+
+def test_the_draft_policy_drafts_less_as_steps_fill_and_drafts_fail():
+    """A draft token is worth its row while its chance of holding times what the step pays a token exceeds
+    the row's cost: few streams (the weights' pass dominates) take whole drafts, many streams only drafts
+    that mostly hold, and a sequence whose drafts keep failing stops drafting."""
+    from types import SimpleNamespace
+
+    from engine.speculation import AcceptanceTally, DraftPolicy
+
+    policy = DraftPolicy()
+    seq = SimpleNamespace(params=SamplingParams(temperature=0.7), draft_tally=AcceptanceTally())
+    assert policy.length(seq, 5, step_cost=0.0, rows=32, row_cost=1.0) == 5  # no cost model: every draft
+    alone = policy.length(seq, 5, step_cost=8.0, rows=1, row_cost=1.0)
+    crowded = policy.length(seq, 5, step_cost=40.0, rows=32, row_cost=1.0)
+    assert alone == 5 and crowded < alone
+    for _ in range(20):  # drafts that held
+        policy.record(seq, 5, 5)
+    assert policy.length(seq, 5, step_cost=40.0, rows=32, row_cost=1.0) > crowded
+    assert policy.length(seq, 5, step_cost=12.0, rows=4, row_cost=1.0) > 0
+    for _ in range(500):  # then drafts that fail at once
+        policy.record(seq, 5, 0)
+    assert policy.length(seq, 5, step_cost=12.0, rows=4, row_cost=1.0) == 0
+    fresh = SimpleNamespace(params=SamplingParams(temperature=0.7), draft_tally=AcceptanceTally())
+    greedy = SimpleNamespace(params=SamplingParams(temperature=0), draft_tally=AcceptanceTally())
+    # the server's sampled drafts failed: a new sampled sequence starts from that, a greedy one does not
+    assert policy.length(fresh, 5, 12.0, 4, 1.0) < policy.length(greedy, 5, 12.0, 4, 1.0)
