@@ -37,7 +37,7 @@ class EngineConfig:
     max_stop_chars: int = 4096
     seed: int | None = None  # seeds the samples of requests that bring no seed (reproducible runs)
     chat_template: str | None = None  # a Jinja template (or a file holding one) replacing the model's
-    # prompt-lookup speculation for greedy requests (engine/speculation.py; vLLM's "ngram" method): up to
+    # prompt-lookup speculation for greedy and sampled requests (engine/speculation.py; vLLM's "ngram" method): up to
     # this many tokens that followed an earlier occurrence of the last n tokens (prompt_lookup_max >= n >=
     # prompt_lookup_min) are verified in one step (0: off)
     num_speculative_tokens: int = 5

@@ -266,7 +266,7 @@ class LLMEngine:
                         1 / self.scheduler.decode_cost_per_key,
                         "measured" if self.model.decode_costs_measured else "the default figures")
         if self.speculator is not None:
-            logger.info("greedy requests speculate: up to %d tokens a step from earlier %d-%d-token matches in "
+            logger.info("requests speculate: up to %d tokens a step from earlier %d-%d-token matches in "
                         "prompt or answer (--num-speculative-tokens 0: off)", config.num_speculative_tokens,
                         config.prompt_lookup_min, config.prompt_lookup_max)
         if self.model.greedy_head is not None:

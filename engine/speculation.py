@@ -77,7 +77,7 @@ class AcceptanceTally:
 
 # Pseudo-checks behind a sequence's estimate (its drafts so far weigh against the server's rate for its
 # kind of request), and behind the server's rate until drafts have been checked. Drafts come only from
-# matches of prompt_lookup_min or more tokens, whose drafts hold most of the time (speculation.md).
+# matches of prompt_lookup_min or more tokens, whose drafts hold most of the time.
 SEQUENCE_PRIOR_WEIGHT = 4.0
 SERVER_PRIOR_WEIGHT = 16.0
 SERVER_PRIOR = 0.8

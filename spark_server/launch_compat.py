@@ -240,7 +240,7 @@ ONE_DEVICE = "this server runs the model on one device"
 NO_HUB = "no model hub is used: the model is a local directory or .gguf file"
 NO_CODE = "this server loads no user code"
 NO_MM = "this server takes text prompts only (no image, audio or video inputs)"
-NO_SPEC_MODEL = ("no draft model runs here; greedy requests use prompt-lookup speculation "
+NO_SPEC_MODEL = ("no draft model runs here; requests use prompt-lookup speculation "
                  "(--num-speculative-tokens, --prompt-lookup-min/-max)")
 KV_SIZE = "the KV cache is --kv-cache-space GiB (or --num-kv-blocks blocks)"
 NO_PROMPT_ADAPTERS = "prompt adapters (soft prompts) are not supported; LoRA adapters are"
@@ -424,7 +424,7 @@ TABLE: dict[str, Rule] = {
     "speculative_disable_mqa_scorer": _sw_ign(NO_SPEC_MODEL),
     "speculative_draft_tensor_parallel_size": _ign(NO_SPEC_MODEL, sample="1"),
     "speculative_max_model_len": _ign(NO_SPEC_MODEL, sample="2048"),
-    "speculative_disable_by_batch_size": _ign("speculation runs for greedy requests at any batch size", sample="4"),
+    "speculative_disable_by_batch_size": _ign("drafting turns itself off where a crowded step makes draft rows cost more than they save", sample="4"),
     "ngram_prompt_lookup_max": Alias(target="prompt_lookup_max", convert=as_int, sample="8"),
     "ngram_prompt_lookup_min": Alias(target="prompt_lookup_min", convert=as_int, sample="4"),
     "spec_decoding_acceptance_method": ByValue(sample="rejection_sampler", cases={

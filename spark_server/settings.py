@@ -66,7 +66,7 @@ class Settings:
                                                  "--max-num-batched-tokens) prefill at most max(this, what the "
                                                  "decoding streams cost a step x long prompts pending^2) "
                                                  "tokens per step, keeping token gaps even (0: no cap)")
-    num_speculative_tokens: int = _opt(5, "prompt-lookup speculation (vLLM's ngram method) for greedy requests: "
+    num_speculative_tokens: int = _opt(5, "prompt-lookup speculation (vLLM's ngram method), greedy and sampled: "
                                           "up to this many tokens that followed an earlier occurrence of the "
                                           "answer's last tokens in prompt or answer are checked in one step; the "
                                           "answer is the same, sooner where it copies (0: off)")
