@@ -10,7 +10,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
-from engine.pooling import PoolingParams, PoolingRequest
+from engine.pooling import PoolerConfig, PoolingParams, PoolingRequest, resolve_task, served_tasks
 from engine.request import GenerationRequest, TokensPrompt
 from engine.sampling_params import SamplingParams
 from tests.tiny_checkpoints import save_tiny_classifier
@@ -48,6 +48,7 @@ def _hidden(hf, ids) -> torch.Tensor:
         return hf.model(torch.tensor([ids])).last_hidden_state[0]
 
 
+@pytest.mark.slow  # the served form of this check runs by default (tests/test_pooling_models.py)
 def test_classify_equals_transformers_logits(classifier):
     path, hf = classifier
     engine = _engine(path)  # --task auto: a *ForSequenceClassification checkpoint classifies
@@ -74,6 +75,20 @@ def test_embedding_pooling_types_equal_transformers(classifier, kind):
         torch.testing.assert_close(got, torch.nn.functional.normalize(ref, dim=-1), atol=1e-5, rtol=1e-4)
 
 
+def test_task_resolution():
+    assert resolve_task("auto", ["Qwen3ForSequenceClassification"], True, "m") == "classify"
+    assert resolve_task("auto", ["LlamaForCausalLM"], False, "m") == "generate"
+    assert resolve_task("embedding", ["LlamaForCausalLM"], False, "m") == "embed"
+    with pytest.raises(ValueError, match="needs a checkpoint with a sequence-classification head"):
+        resolve_task("classify", ["LlamaForCausalLM"], False, "m")
+    assert served_tasks("generate", 0) == ("embed", "encode", "score")
+    assert served_tasks("classify", 3) == ("classify", "encode")  # scores need a one-label head
+    assert served_tasks("score", 1) == ("classify", "encode", "score")
+    assert PoolerConfig.parse('{"pooling_type": "mean", "normalize": false}') == PoolerConfig("MEAN", False, None)
+    with pytest.raises(ValueError, match="pooling_kind"):
+        PoolerConfig.parse('{"pooling_kind": "MEAN"}')
+
+
 def test_task_rules_at_start(classifier, tmp_path):
     path, _ = classifier
     with pytest.raises(ValueError, match="transcription"):
@@ -89,13 +104,13 @@ def test_a_long_pooled_prompt_does_not_stall_a_generating_stream(classifier):
                                                                                      ignore_eos=True)))
     engine.step()  # the generating stream's prompt
     engine.add_pooling_request(PoolingRequest("long", TokensPrompt(list(range(200, 480))), PoolingParams("embed")))
-    steps = tokens = 0
+    steps = stalled = 0
     pooled = None
     while pooled is None:
         outs = engine.step()
         steps += 1
-        tokens += sum(len(o.new_token_ids) for o in outs if o.request_id == "g")
+        stalled += not any(o.new_token_ids for o in outs if o.request_id == "g")
         pooled = next((o for o in outs if o.request_id == "long"), None)
     assert steps >= 280 // 32  # chunked by --max-num-batched-tokens
-    assert tokens == steps  # one token of the stream in every step the long prompt took
+    assert stalled == 0  # the stream got a token in every step the long prompt took
     assert pooled.finish_reason == "stop" and len(pooled.pooled) == 64
