@@ -17,7 +17,8 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from bridges import tools
+from bridges import reasoning as thinking
+from bridges import tool_formats, tools
 from bridges.common import BridgeError, Completion, endpoint, engine_of, read_json
 from bridges.openai import check_model
 from bridges.registry import Operation, Protocol
@@ -149,16 +150,15 @@ def chat_tools(body: dict[str, Any]) -> dict[str, Any]:
 
 def conversation(request: Request, body: dict[str, Any]) -> tuple[ChatPrompt, tools.ToolPlan, dict[str, Any]]:
     """(the chat prompt, its tool plan, the tool fields in OpenAI's words) of a Messages body."""
-    thinking = body.get("thinking") or {}
-    if thinking.get("type") == "enabled":  # refused, never ignored: no thinking blocks are rendered here
-        configured = getattr(request.app.state.settings, "reasoning_parser", None)
-        reason = ("this endpoint does not render thinking blocks yet" if configured else
-                  "extended thinking needs a reasoning parser (--reasoning-parser), and this server runs without one")
-        raise BridgeError(400, f"thinking: {reason}; send thinking {{\"type\": \"disabled\"}} or leave it out",
+    settings = request.app.state.settings
+    if (body.get("thinking") or {}).get("type") == "enabled" and not settings.reasoning_parser:
+        raise BridgeError(400, "thinking: extended thinking needs a reasoning parser (--reasoning-parser), and this "
+                               "server runs without one; send thinking {\"type\": \"disabled\"} or leave it out",
                           param="thinking")
     tool_body = chat_tools(body)
     info = engine_of(request).model_info
-    tool_plan = tools.plan(tool_body, chat_messages(body), native=info.chat_template_tools)
+    tool_plan = tools.plan(tool_body, chat_messages(body), native=info.chat_template_tools,
+                           fmt=tool_formats.get_format(settings.tool_call_parser))
     messages = tool_plan.messages
     # Anthropic's prefill: a last assistant turn is the start of the answer, continued as written
     prefill = bool(messages) and messages[-1].role == "assistant" and not messages[-1].tool_calls \
@@ -177,7 +177,10 @@ class _Answer:
     rid: str
     stops: list[str]  # the client's stop_sequences (stop_reason "stop_sequence" names one)
     tools: tools.ToolPlan | None = None  # tools offered: the answer is parsed for calls
-    one_call: bool = False  # auto with disable_parallel_tool_use: the first call's end stops the answer
+    one_call: bool = False  # auto with disable_parallel_tool_use: one call at most
+    stop_at_call_end: bool = False  # ... enforced by stopping at the first call's end (Hermes' closing tag)
+    reasoning: thinking.ReasoningParser | None = None  # --reasoning-parser: the thinking split out
+    reasoning_state: thinking.State = "undecided"
 
 
 def _usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict[str, int]:
@@ -199,7 +202,12 @@ def _stop_reason(answer: _Answer, finish: str | None, stop: str | int | None, ca
 
 def _closing(answer: _Answer, stop: str | int | None) -> str:
     """The call's end the engine stopped at (one_call): given back, so the call parses."""
-    return tools.CALL_CLOSE if answer.one_call and stop == tools.CALL_CLOSE else ""
+    return tools.CALL_CLOSE if answer.stop_at_call_end and stop == tools.CALL_CLOSE else ""
+
+
+def _thinking_block(text: str) -> dict[str, Any]:
+    # the signature proves to Anthropic's API that it wrote the thinking; this server checks none
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def _tool_use(call: tools.ToolCall) -> dict[str, Any]:
@@ -229,22 +237,39 @@ class Messages(Handler):
         kw = sampling_kwargs("anthropic", body)
         stops = list(kw.get("stop", []))
         one_call = tool_plan.parse and tool_plan.constraint is None and tool_body.get("parallel_tool_calls") is False
-        if one_call:  # at most one call: the answer ends where the first call does
+        hermes = isinstance(tool_plan.format, tool_formats.ToolFormat) and tool_plan.format.name == "hermes"
+        if one_call and hermes:  # at most one call: the answer ends where the first call does
             kw["stop"] = stops + [tools.CALL_CLOSE]
         params = SamplingParams(**kw, constraint=tool_plan.constraint)
         rid = f"msg_{uuid.uuid4().hex}"
         req = GenerationRequest(rid, prompt, params, lora=lora)
-        answer = _Answer(model, rid, stops, tool_plan if tool_plan.parse else None, one_call)
+        answer = _Answer(model, rid, stops, tool_plan if tool_plan.parse else None, one_call, one_call and hermes)
+        parser = thinking.get_parser(request.app.state.settings.reasoning_parser)
+        if parser is not None:  # the thinking apart, as thinking blocks; budget_tokens caps it
+            config = body.get("thinking") or {}
+            budget = config.get("budget_tokens") if config.get("type") == "enabled" else None
+            if budget is not None and budget >= params.max_tokens:
+                raise BridgeError(400, f"thinking.budget_tokens ({budget}) must be less than max_tokens "
+                                       f"({params.max_tokens})", param="thinking.budget_tokens")
+            answer.reasoning = parser
+            answer.reasoning_state = await thinking.prepare(engine_of(request), parser, req, budget,
+                                                            budget_field="thinking.budget_tokens")
         return Plan([req], bool(body.get("stream")), body, context=answer)
 
     async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
         answer: _Answer = plan.context
         (c,) = results[0]
-        text, calls = c.text + _closing(answer, c.stop_reason), []
+        text, calls, thought = c.text, [], ""
+        if answer.reasoning is not None:
+            splitter = answer.reasoning.splitter(answer.reasoning_state)
+            thought, text = thinking.feed_output(splitter, c.token_texts, final=True)
+        text += _closing(answer, c.stop_reason)
         if answer.tools is not None:
-            content, calls = tools.parse(text, answer.tools.names)
+            content, calls = answer.tools.parse_answer(text)
             text = text if not calls else (content or "")
-        blocks: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
+            calls = calls[:1] if answer.one_call else calls
+        blocks: list[dict[str, Any]] = [_thinking_block(thought)] if thought else []
+        blocks += [{"type": "text", "text": text}] if text or not (calls or thought) else []
         blocks += [_tool_use(call) for call in calls]
         reason, sequence = _stop_reason(answer, c.finish_reason, c.stop_reason, len(calls))
         return JSONAnswer({"id": answer.rid, "type": "message", "role": "assistant", "content": blocks,
@@ -259,8 +284,9 @@ class Messages(Handler):
 async def _stream(answer: _Answer, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
     """message_start, ping, then content blocks (text deltas; each tool call a tool_use block whose input
     comes as one input_json_delta), message_delta with the stop reason and usage, message_stop."""
-    parser = tools.StreamParser(answer.tools.names) if answer.tools is not None else None
-    index, open_text, calls = -1, False, 0
+    parser = answer.tools.stream_parser() if answer.tools is not None else None
+    splitter = answer.reasoning.splitter(answer.reasoning_state) if answer.reasoning is not None else None
+    index, open_text, open_thinking, calls = -1, False, False, 0
     prompt_tokens = cached = output_tokens = 0
     finish: str | None = None
     stop: str | int | None = None
@@ -274,8 +300,25 @@ async def _stream(answer: _Answer, outputs: AsyncIterator[tuple[int, RequestOutp
                 "id": answer.rid, "type": "message", "role": "assistant", "content": [], "model": answer.model,
                 "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, cached, 0)}})
             yield event("ping", {"type": "ping"})
-        delta = out.text_delta + (_closing(answer, out.stop_reason) if out.finished else "")
+        delta, thought = out.text_delta, ""
+        if splitter is not None:
+            thought, delta = thinking.feed_output(splitter, out.texts_per_token() if out.new_token_ids else [],
+                                                  "" if out.new_token_ids else out.text_delta, final=out.finished)
+        if thought:
+            if not open_thinking:
+                index, open_thinking = index + 1, True
+                yield event("content_block_start", {"type": "content_block_start", "index": index,
+                                                    "content_block": {"type": "thinking", "thinking": "",
+                                                                      "signature": ""}})
+            yield event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                "delta": {"type": "thinking_delta", "thinking": thought}})
+        delta += _closing(answer, out.stop_reason) if out.finished else ""
         text, found = parser.feed(delta, final=out.finished) if parser is not None else (delta, [])
+        if answer.one_call:
+            found = found[:max(0, 1 - calls)]
+        if (text or found) and open_thinking:
+            open_thinking = False
+            yield event("content_block_stop", {"type": "content_block_stop", "index": index})
         if text:
             if not open_text:
                 index, open_text = index + 1, True
@@ -296,6 +339,8 @@ async def _stream(answer: _Answer, outputs: AsyncIterator[tuple[int, RequestOutp
             yield event("content_block_stop", {"type": "content_block_stop", "index": index})
         if out.finished:
             finish, stop = out.finish_reason, out.stop_reason
+    if open_thinking:
+        yield event("content_block_stop", {"type": "content_block_stop", "index": index})
     if index < 0:  # an empty answer is one empty text block, as the non-streamed answer has
         index, open_text = 0, True
         yield event("content_block_start", {"type": "content_block_start", "index": 0,

@@ -218,3 +218,31 @@ def test_x_api_key_is_the_api_key_and_refusals_are_anthropic_shaped(keyed_server
     r = httpx.post(keyed_server + "/v1/chat/completions", headers={"x-api-key": "sekret"},
                    json={"messages": ASK, "max_tokens": 4})
     assert r.status_code == 200  # one key, either header, on every endpoint
+
+
+@pytest.fixture(scope="module")
+def thinking_server(fake_server):
+    """A reasoning parser whose markers are text (granite's), so the fake engine's tokenizer can think."""
+    settings = Settings(port=free_port(), reasoning_parser="granite")
+    with ServerThread(build_app(settings, fake_server.engine, owns_engine=False), settings.port):
+        yield f"http://127.0.0.1:{settings.port}"
+
+
+def test_thinking_comes_back_as_thinking_blocks_whole_and_streamed(thinking_server, fake):
+    fake.engine.script = Script(answer="Here's my thought process: one and two. Here's my response: It is 3.")
+    client = anthropic.Anthropic(base_url=thinking_server, api_key="x", max_retries=0)
+    m = client.messages.create(model="fake-model", max_tokens=64, messages=ASK)
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert "one and two" in m.content[0].thinking and m.content[1].text.strip() == "It is 3."
+    with client.messages.stream(model="fake-model", max_tokens=64, messages=ASK) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert "thinking_delta" in kinds and "text_delta" in kinds
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in final.content] == [
+        (b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content]
+    # a budget is a cap on the thinking: not below max_tokens, and refused where the markers are text
+    enabled = {"type": "enabled", "budget_tokens": 1024}
+    with pytest.raises(anthropic.BadRequestError, match="must be less than max_tokens"):
+        client.messages.create(model="fake-model", max_tokens=1024, messages=ASK, thinking=enabled)
+    with pytest.raises(anthropic.BadRequestError, match="thinking.budget_tokens: .* cannot be capped"):
+        client.messages.create(model="fake-model", max_tokens=2048, messages=ASK, thinking=enabled)
