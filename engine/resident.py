@@ -8,10 +8,16 @@ every page of the pool before it reuses one. On a 2-core virtual machine (AMD EP
 embedded model: ~6% of a 32-stream load's samples were in clear_page alone.
 
 So after start a thread asks the kernel to fault the pool in (madvise MADV_POPULATE_WRITE, Linux 5.14+:
-what a first write would do, without writing), in the order the free list hands blocks out. The thread
-runs under SCHED_IDLE: it gets a core only when no other thread wants it, and any waking thread (a
-step's OpenMP worker) preempts it at once, so it never competes with a step. Where the policy or the
-call is missing, it stops and pages are faulted on first use, as before.
+what a first write would do, without writing), in the order the free list hands blocks out, one small
+span at a time, and only while the engine has no work: between spans it checks ``busy`` (the engine's
+"requests running or waiting") and waits while it is true, so a request waits for at most the span in
+progress (about a millisecond). Where the call is missing, it stops and pages are faulted on first use.
+
+The thread runs at nice 19, not under SCHED_IDLE. An idle-class thread gets no CPU at all while any
+other thread on the machine wants one, and it holds the GIL between spans and the process's mmap lock
+inside each: on a loaded 2-core machine a starved idle thread holding either stalled the event loop and
+the first steps for tens of seconds after "ready". At nice 19 it still yields to everything else, but it
+always gets some CPU, so whatever it holds is released within a scheduling period.
 
 Each span is first marked for transparent huge pages (MADV_HUGEPAGE, where the kernel's THP mode is
 `madvise` or `always`), so the pool it populates is mostly 2 MiB pages. Decode attention reads a sequence's
@@ -34,7 +40,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -43,6 +49,8 @@ logger = logging.getLogger(__name__)
 MADV_POPULATE_WRITE = 23  # <linux/mman.h>
 MADV_HUGEPAGE = 14
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 with 4 KiB base pages
+NICE = 19  # the pass's thread: yields to every other thread, but is never starved (see the module's text)
+BUSY_POLL_S = 0.02  # how often a paused pass looks whether the engine is idle again
 
 
 def mapping_fields(start: int, end: int, field: str) -> list[str] | None:
@@ -75,7 +83,12 @@ class Prefault:
     def __init__(self, tensor: torch.Tensor, spans: Iterable[tuple[int, int]], what: str) -> None:
         self.done = threading.Event()
         self._cancelled = threading.Event()
+        # the engine's "I have work": the pass waits while it is true (set by the engine once it can say)
+        self.busy: Callable[[], bool] = lambda: False
+        self.spans_done = 0
+        self.paused_s = 0.0  # time the pass spent waiting for the engine to be idle
         self.policy: int | None = None  # the thread's scheduling policy, once it has set it
+        self.nice: int | None = None  # and its niceness
         self.stopped: str | None = None  # why it stopped early, if it did
         self.seconds: float | None = None
         self._what = what
@@ -104,11 +117,12 @@ class Prefault:
         logger.info("%s: left to fault in on first use (%s)", self._what, why)
 
     def _run(self, tensor_ref: weakref.ref[torch.Tensor], spans: Iterator[tuple[int, int]]) -> None:
-        try:  # Linux: pid 0 is the calling thread
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        try:  # Linux: a thread's own niceness, by its id
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+            self.nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
             self.policy = os.sched_getscheduler(0)
         except (AttributeError, OSError) as e:
-            self._stop(f"no idle scheduling policy here: {e}")  # never compete with a step
+            self._stop(f"cannot lower the thread's priority here: {e}")  # never compete with a step
             return
         try:
             madvise = ctypes.CDLL(None, use_errno=True).madvise
@@ -127,6 +141,7 @@ class Prefault:
         huge = True  # until a kernel built without THP refuses the mark (in THP mode `never` it is accepted, and inert)
         started = time.monotonic()
         for offset, length in spans:
+            self._wait_for_idle()
             if self._cancelled.is_set():
                 return
             tensor = tensor_ref()
@@ -145,13 +160,23 @@ class Prefault:
                 self._stop(f"madvise(MADV_POPULATE_WRITE): {os.strerror(ctypes.get_errno())}")
                 return
             del tensor
-        self.seconds = time.monotonic() - started
+            self.spans_done += 1
+        self.seconds = time.monotonic() - started - self.paused_s
         tensor = tensor_ref()  # alive while smaps is read, so the range is still the pool's
         in_huge = huge_page_bytes(base, limit) if tensor is not None else None
         del tensor
-        logger.info("%s: resident after %.1fs%s", self._what, self.seconds,
+        logger.info("%s: resident after %.1fs of work%s", self._what, self.seconds,
                     f", {in_huge / (1 << 30):.2f} GiB of it in 2 MiB pages" if in_huge is not None else "")
         self.done.set()
+
+    def _wait_for_idle(self) -> None:
+        """Until the engine has no work (or the pass is cancelled); polled, as requests come and go."""
+        if not self.busy():
+            return
+        since = time.monotonic()
+        while self.busy() and not self._cancelled.wait(BUSY_POLL_S):
+            pass
+        self.paused_s += time.monotonic() - since
 
 
 _passes: weakref.WeakSet[Prefault] = weakref.WeakSet()

@@ -41,7 +41,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
     _log_native_faults()
-    logging.getLogger("spark_server").info("%s", settings_mod.describe(settings, sources))
+    logging.getLogger("spark_server").info("%s", settings_mod.describe(settings, sources,
+                                                                     everything=settings.log_level == "debug"))
     for level, line in launch.notes:  # one line per foreign flag given: what it does here, or why it is ignored
         logging.getLogger("spark_server.launch").log(level, "%s", line)
     problem = port_problem(settings.host, settings.port)

@@ -117,7 +117,11 @@ def test_serve_answers_a_real_question_and_logs_for_operators():
         out, _ = proc.communicate(timeout=30)
     lines = [line.rstrip("\n") for line in lines + out.splitlines(keepends=True) if line.strip()]
     settings = next(line for line in lines if "settings: " in line)
-    assert "max_num_seqs=4(flag)" in settings and "max_waiting=9(env)" in settings and "block_size=16(default)" in settings
+    assert "max_num_seqs=4(flag)" in settings and "max_waiting=9(env)" in settings
+    assert "block_size" not in settings and "(default)" not in settings  # defaults only with --log-level debug
+    # a normal start says nothing but its own lines: no library's warnings or notices
+    stamped = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (INFO|DEBUG)|^spark-server: ")
+    assert not [line for line in lines if line.strip() and not stamped.match(line)], lines
     assert "sekret" not in "\n".join(lines) and "api_key='***'(flag)" in settings
     # start-up's objects (~350,000 with the embedded model) are frozen out of the collector's full walks
     frozen = next(re.search(r"start-up heap: (\d+) objects frozen", line) for line in lines if "start-up heap" in line)

@@ -1,5 +1,5 @@
 """The KV pool is zeros that cost nothing at start (the OS zeroes its pages on first touch), made resident
-afterwards on idle CPU time only (engine/resident.py)."""
+afterwards at the lowest priority and only while the engine has no work (engine/resident.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import ctypes
 import gc
 import mmap
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -88,11 +90,33 @@ def test_prefault_makes_the_whole_pool_resident_on_idle_time_and_keeps_its_conte
     assert resident < pages // 10
     prefault = cache.prefault_in_background(blocks_per_span=64)
     assert prefault.wait(timeout=120) and prefault.stopped is None
-    assert prefault.policy == os.SCHED_IDLE  # it never takes a core a step wants
+    # it yields to every other thread, yet is never starved while it holds the GIL or the mmap lock
+    assert prefault.policy == os.SCHED_OTHER and prefault.nice == 19
     if _resident_pages(cache.kv)[0] != pages:
         pytest.fail(f"{pages - _resident_pages(cache.kv)[0]} of {pages} pages still not resident")
     assert float(cache.kv[0, 0, 5].float().sum()) == 2.0 * 64 and float(cache.kv[-1, -1, -1, 0]) == -3.0
     assert float(cache.kv.float().abs().sum()) == 5.0 * 64  # populating wrote nothing
+
+
+def test_prefault_waits_while_the_engine_has_work():
+    cache = PagedKVCache(num_layers=2, num_blocks=512, block_size=16, num_kv_heads=2, head_dim=64,
+                         dtype=torch.bfloat16, device=torch.device("cpu"))
+    busy = threading.Event()
+    busy.set()
+    prefault = cache.prefault_in_background(blocks_per_span=16)
+    prefault.busy = busy.is_set  # as the engine sets it: requests running or waiting
+    time.sleep(0.3)
+    done_while_busy = prefault.spans_done
+    assert done_while_busy <= 1  # at most the span that was under way when it was told
+    assert not prefault.done.is_set() and prefault.running
+    busy.clear()  # the engine is idle again: the pass goes on, and finishes
+    assert prefault.wait(timeout=60) and prefault.stopped is None
+    assert prefault.spans_done > done_while_busy and prefault.paused_s >= 0.2
+
+
+def test_the_engine_pauses_the_pass_while_it_has_work(async_engine):
+    core = async_engine.engine
+    assert core.kv_prefault is not None and core.kv_prefault.busy == core.scheduler.has_work
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux's SCHED_IDLE and MADV_POPULATE_WRITE")
