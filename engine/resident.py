@@ -96,7 +96,8 @@ class Prefault:
                                         name="kv-prefault", daemon=True)
         _passes.add(self)
         self._thread.start()
-        logger.info("%s: made resident on idle CPU time from now on (--no-kv-cache-prefault: on first use)", what)
+        logger.info("%s: made resident in the background while no request runs (--no-kv-cache-prefault: on "
+                    "first use)", what)
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once the whole pass is done."""

@@ -75,9 +75,9 @@ class Settings:
     max_waiting: int = _opt(1024, "most requests waiting for a running slot before new ones are refused")
     kv_cache_space: float = _opt(2.0, "KV cache budget in GiB")
     num_kv_blocks: int | None = _opt(None, "KV cache blocks (overrides --kv-cache-space)")
-    kv_cache_prefault: bool = _opt(True, "CPU: after start, make the KV cache's memory resident on idle CPU time "
-                                         "only, so steps do not fault its pages in (--no-kv-cache-prefault: on "
-                                         "first use)")
+    kv_cache_prefault: bool = _opt(True, "CPU: after start, make the KV cache's memory resident in the background, "
+                                         "at the lowest priority and only while no request runs, so steps do not "
+                                         "fault its pages in (--no-kv-cache-prefault: on first use)")
     block_size: int = _opt(16, "tokens per KV cache block")
     enable_prefix_caching: bool = _opt(True, "reuse the KV cache of previously seen prompt prefixes")
     spark_http_markers: bool = _opt(True, "Spark HTTP answers as the document's example writes them: newlines as "
