@@ -244,3 +244,51 @@ def test_the_draft_policy_drafts_less_as_steps_fill_and_drafts_fail():
     greedy = SimpleNamespace(params=SamplingParams(temperature=0), draft_tally=AcceptanceTally())
     # the server's sampled drafts failed: a new sampled sequence starts from that, a greedy one does not
     assert policy.length(fresh, 5, 12.0, 4, 1.0) < policy.length(greedy, 5, 12.0, 4, 1.0)
+
+
+def _chi_square_p(a: list[int], b: list[int]) -> float:
+    """Two-sample chi-square test that two lists of tokens come from one distribution (categories with
+    fewer than 10 draws in both lists pooled into one): the p-value."""
+    import torch
+
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    common = [t for t in set(ca) | set(cb) if ca[t] + cb[t] >= 10]
+    rows = [[ca[t], cb[t]] for t in common]
+    rest = [len(a) - sum(r[0] for r in rows), len(b) - sum(r[1] for r in rows)]
+    if sum(rest):
+        rows.append(rest)
+    table = torch.tensor(rows, dtype=torch.float64)
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = ((table - expected) ** 2 / expected).sum()
+    dof = max(len(rows) - 1, 1)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+@pytest.mark.slow
+def test_sampled_speculation_draws_from_plain_samplings_distribution(monkeypatch):
+    """Thousands of sampled answers with and without speculation, on the fused kernels (where a draft row's
+    logits differ from a lone row's by rounding): each position's token has the same distribution (a
+    chi-square test per position), and drafts held often enough to matter. Every draft is taken (the
+    policy would drop most of them in steps this crowded)."""
+    engine = LLMEngine(EngineConfig(max_num_seqs=64, kv_cache_space_gib=1.0))
+    proposer = engine.speculator
+    monkeypatch.setattr(proposer.policy, "length", lambda seq, room, *costs: room)
+    draws, positions = 1500, (6, 9, 12)
+
+    def answers(speculate: bool) -> list[list[int]]:
+        engine.speculator = proposer if speculate else None
+        outs: dict = {}
+        for first in range(0, draws, 500):  # within the engine's wait queue
+            outs |= run_all(engine, [chat(f"r{i}", COPY, max_tokens=positions[-1] + 1, temperature=1.0, seed=i,
+                                          ignore_eos=True) for i in range(first, min(first + 500, draws))])
+        return [tokens_of(outs[f"r{i}"]) for i in range(draws)]
+
+    before = proposer.num_accepted
+    fast = answers(True)
+    assert proposer.num_accepted - before > draws  # drafts held: the check compares speculating answers
+    slow = answers(False)
+    for pos in positions:
+        p = _chi_square_p([t[pos] for t in fast], [t[pos] for t in slow])
+        assert p > 1e-3, (pos, p)
