@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from bridges import reasoning as thinking
 from bridges import tools
 from bridges.answer_volume import check_answer_volume
 from bridges.common import (BridgeError, Completion, bridge_error_from, collect_all, endpoint, engine_of, now,
@@ -91,29 +92,36 @@ def _normalized(item: dict[str, Any]) -> dict[str, Any]:
 def chat_messages(instructions: str | None, items: list[tuple[str, dict[str, Any]]]
                   ) -> tuple[list[dict[str, Any]], list[str]]:
     """Chat messages for (request path, item) pairs, and the path each message came from. A function call
-    joins the assistant message just before it (one answer's text and calls are one chat message);
-    reasoning items are the model's earlier thinking, which chat templates leave out of later turns."""
+    joins the assistant message just before it (one answer's text and calls are one chat message); a
+    reasoning item is the thinking of the assistant message after it (its ``reasoning_content``, which
+    the chat template shows or leaves out, as for chat completions)."""
     messages: list[dict[str, Any]] = []
     origins: list[str] = []
+    thought: str | None = None  # a reasoning item's text, for the next assistant message
     if instructions:
         messages.append({"role": "system", "content": instructions})
         origins.append("instructions")
     for path, item in items:
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            thought = (thought or "") + "".join(part["text"] for part in parts)
+            continue
         if kind == "message":
-            messages.append({"role": item["role"], "content": _text(item["content"])})
+            message = {"role": item["role"], "content": _text(item["content"])}
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"],
                                  "arguments": parse_json_field(item["arguments"] or "{}", f"{path}.arguments")}}
-            if messages and messages[-1]["role"] == "assistant":
+            if messages and messages[-1]["role"] == "assistant" and thought is None:
                 messages[-1].setdefault("tool_calls", []).append(call)
                 continue
-            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(item["output"])})
-        else:  # reasoning
-            continue
+            message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        else:  # function_call_output
+            message = {"role": "tool", "tool_call_id": item["call_id"], "content": _text(item["output"])}
+        if message["role"] == "assistant" and thought is not None:
+            message["reasoning_content"], thought = thought, None
+        messages.append(message)
         origins.append(path)
     return messages, origins
 
@@ -157,6 +165,8 @@ class _Context:
     store: ResponseStore | None  # None: store false
     tools: ToolPlan | None = None  # tools offered: the answer is parsed for calls
     logprobs: bool = False
+    reasoning: thinking.ReasoningParser | None = None  # --reasoning-parser: the thinking is its own item
+    reasoning_state: thinking.State = "undecided"  # where the answer begins (the prompt's end)
     created: int = field(default_factory=now)
     sequence: itertools.count = field(default_factory=itertools.count)
 
@@ -172,7 +182,9 @@ def _ignored(body: dict[str, Any]) -> list[str]:
         ignored.append("text.verbosity")
     reasoning = body.get("reasoning") or {}
     if any(reasoning.get(k) is not None for k in ("effort", "summary", "generate_summary")):
-        ignored.append("reasoning")  # the served model gives no separate reasoning
+        # nothing steers how much the model thinks, and its thinking (with --reasoning-parser) is returned
+        # as it was written, never summarized
+        ignored.append("reasoning")
     if (body.get("stream_options") or {}).get("include_obfuscation"):
         ignored.append("stream_options.include_obfuscation")
     if "reasoning.encrypted_content" in (body.get("include") or []):
@@ -279,6 +291,9 @@ class Responses(Handler):
             logger.info("response %s: %s accepted with no effect", rid, ", ".join(ignored))
         ctx = _Context(rid, model, body, TokenNames(engine_of(request), False), items, history,
                        store if keep else None, tool_plan if tool_plan.parse else None, logprobs)
+        ctx.reasoning = thinking.get_parser(request.app.state.settings.reasoning_parser)
+        if ctx.reasoning is not None:  # after the constraint is set: it then starts after the thinking
+            ctx.reasoning_state = await thinking.prepare(engine_of(request), ctx.reasoning, req)
         headers = {"X-Ignored-Parameters": ",".join(ignored)} if ignored else {}
         return Plan([req], bool(body.get("stream")), body, headers=headers, context=ctx)
 
@@ -296,9 +311,9 @@ class Responses(Handler):
 # ---- the response object -------------------------------------------------------------------------
 
 
-def _usage(prompt: int, cached: int, output: int) -> dict[str, Any]:
+def _usage(prompt: int, cached: int, output: int, reasoning: int = 0) -> dict[str, Any]:
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": output,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + output}
+            "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": prompt + output}
 
 
 def _response(ctx: _Context, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
@@ -341,6 +356,11 @@ def _message(text: str, status: str, logprobs: list[dict[str, Any]] | None, item
             "content": [part]}
 
 
+def _reasoning(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+    return {"id": item_id or _new_id("rs"), "type": "reasoning", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def _function_call(call: tools.ToolCall, item_id: str | None = None) -> dict[str, Any]:
     return {"id": item_id or _new_id("fc"), "type": "function_call", "status": "completed", "call_id": call.id,
             "name": call.name, "arguments": call.arguments}
@@ -349,13 +369,22 @@ def _function_call(call: tools.ToolCall, item_id: str | None = None) -> dict[str
 def _final(ctx: _Context, c: Completion) -> dict[str, Any]:
     status, incomplete = _status(c.finish_reason)
     content: str | None = c.text
+    thought: str | None = None
+    reasoning_tokens = 0
+    if ctx.reasoning is not None:  # the thinking apart; the content alone is read for calls
+        splitter = ctx.reasoning.splitter(ctx.reasoning_state)
+        thought, content = thinking.feed_output(splitter, c.token_texts, final=True)
+        thought = thought if splitter.thought else None
+        reasoning_tokens = splitter.reasoning_tokens
     calls: list[tools.ToolCall] = []
     if ctx.tools is not None:
-        content, calls = tools.parse(c.text, ctx.tools.names)
+        content, calls = ctx.tools.parse_answer(content)
     logprobs = chat_logprobs(ctx.names, c.logprobs)["content"] if ctx.logprobs else None
-    output = [] if content is None else [_message(content, status, logprobs)]
+    output = [] if thought is None else [_reasoning(thought, status)]
+    if content or (content is not None and not output):  # an empty answer is a message, after no thinking
+        output.append(_message(content, status, logprobs))
     output += [_function_call(call) for call in calls]
-    usage = _usage(c.num_prompt_tokens, c.num_cached_tokens, len(c.token_ids))
+    usage = _usage(c.num_prompt_tokens, c.num_cached_tokens, len(c.token_ids), reasoning_tokens)
     return _response(ctx, status, output, usage, incomplete=incomplete)
 
 
@@ -375,103 +404,145 @@ def _event(ctx: _Context, kind: str, **fields: Any) -> bytes:
 
 
 @dataclass
-class _OpenMessage:
-    """The message item being streamed."""
+class _OpenItem:
+    """The message or reasoning item being streamed."""
 
     index: int
-    item_id: str = field(default_factory=lambda: _new_id("msg"))
+    item_id: str
     text: str = ""
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _StreamRenderer:
+    """The events of one streamed response, item by item: its thinking (a reasoning item), its text (a
+    message item) and its calls (function_call items), in the order the answer gives them."""
+
+    def __init__(self, ctx: _Context) -> None:
+        self.ctx = ctx
+        self.output: list[dict[str, Any]] = []
+        self.message: _OpenItem | None = None
+        self.thinking: _OpenItem | None = None
+        self.held = ""  # blank text while no message is open (an answer that is only calls has no message)
+        self.pending: list[TokenLogprob] = []  # logprobs of text not yet sent
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        return _event(self.ctx, kind, **fields)
+
+    def thought(self, text: str) -> list[bytes]:
+        events = []
+        if self.thinking is None:
+            self.thinking = _OpenItem(len(self.output), _new_id("rs"))
+            item = {"id": self.thinking.item_id, "type": "reasoning", "status": "in_progress", "summary": [],
+                    "content": []}
+            events.append(self.event("response.output_item.added", output_index=self.thinking.index, item=item))
+        self.thinking.text += text
+        events.append(self.event("response.reasoning_text.delta", item_id=self.thinking.item_id,
+                                 output_index=self.thinking.index, content_index=0, delta=text))
+        return events
+
+    def close_thinking(self, status: str) -> list[bytes]:
+        t, self.thinking = self.thinking, None
+        item = _reasoning(t.text, status, t.item_id)
+        self.output.append(item)
+        return [self.event("response.reasoning_text.done", item_id=t.item_id, output_index=t.index, content_index=0,
+                           text=t.text),
+                self.event("response.output_item.done", output_index=t.index, item=item)]
+
+    def open_message(self) -> list[bytes]:
+        events = self.close_thinking("completed") if self.thinking is not None else []
+        m = self.message = _OpenItem(len(self.output), _new_id("msg"))
+        item = {"id": m.item_id, "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return events + [
+            self.event("response.output_item.added", output_index=m.index, item=item),
+            self.event("response.content_part.added", item_id=m.item_id, output_index=m.index, content_index=0,
+                       part=part)]
+
+    def text(self, text: str) -> list[bytes]:
+        if self.message is None and self.ctx.tools is not None and not (self.held + text).strip():
+            self.held += text  # kept only if text follows or no call comes
+            return []
+        text, self.held = self.held + text, ""
+        events = self.open_message() if self.message is None else []
+        m = self.message
+        lps = chat_logprobs(self.ctx.names, self.pending)["content"] if self.ctx.logprobs else []
+        self.pending = []
+        m.text += text
+        m.logprobs += lps
+        events.append(self.event("response.output_text.delta", item_id=m.item_id, output_index=m.index,
+                                 content_index=0, delta=text, logprobs=lps))
+        return events
+
+    def close_message(self, status: str) -> list[bytes]:
+        m, self.message = self.message, None
+        item = _message(m.text, status, m.logprobs, m.item_id)
+        self.output.append(item)
+        return [self.event("response.output_text.done", item_id=m.item_id, output_index=m.index, content_index=0,
+                           text=m.text, logprobs=m.logprobs),
+                self.event("response.content_part.done", item_id=m.item_id, output_index=m.index, content_index=0,
+                           part=item["content"][0]),
+                self.event("response.output_item.done", output_index=m.index, item=item)]
+
+    def call(self, call: tools.ToolCall) -> list[bytes]:
+        self.held = ""
+        events = self.close_thinking("completed") if self.thinking is not None else []
+        events += self.close_message("completed") if self.message is not None else []
+        index = len(self.output)
+        item = _function_call(call)
+        self.output.append(item)
+        return events + [
+            self.event("response.output_item.added", output_index=index,
+                       item={**item, "status": "in_progress", "arguments": ""}),
+            self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                       delta=call.arguments),
+            self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                       name=call.name, arguments=call.arguments),
+            self.event("response.output_item.done", output_index=index, item=item)]
+
+    def finish(self, status: str) -> list[bytes]:
+        events = []
+        if self.message is None and not self.output and self.thinking is None:
+            events += self.open_message()  # no thinking, no call: the answer is a message, even an empty one
+            if self.held:
+                events += self.text("")
+        if self.thinking is not None:
+            events += self.close_thinking(status)
+        if self.message is not None:
+            events += self.close_message(status)
+        return events
 
 
 async def _stream(ctx: _Context, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
     yield _event(ctx, "response.created", response=_response(ctx, "in_progress", []))
     yield _event(ctx, "response.in_progress", response=_response(ctx, "in_progress", []))
-    output: list[dict[str, Any]] = []
-    parser = tools.StreamParser(ctx.tools.names) if ctx.tools is not None else None
-    message: _OpenMessage | None = None
-    held = ""  # blank text while no message is open (an answer that is only calls has no message)
-    pending: list[TokenLogprob] = []  # logprobs of text not yet sent
+    r = _StreamRenderer(ctx)
+    parser = ctx.tools.stream_parser() if ctx.tools is not None else None
+    splitter = ctx.reasoning.splitter(ctx.reasoning_state) if ctx.reasoning is not None else None
     prompt = cached = generated = 0
     finish: str | None = None
-
-    def open_message() -> list[bytes]:
-        nonlocal message
-        message = _OpenMessage(len(output))
-        item = {"id": message.item_id, "type": "message", "status": "in_progress", "role": "assistant", "content": []}
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [_event(ctx, "response.output_item.added", output_index=message.index, item=item),
-                _event(ctx, "response.content_part.added", item_id=message.item_id, output_index=message.index,
-                       content_index=0, part=part)]
-
-    def text_delta(text: str) -> list[bytes]:
-        nonlocal pending
-        events = open_message() if message is None else []
-        lps = chat_logprobs(ctx.names, pending)["content"] if ctx.logprobs else []
-        pending = []
-        message.text += text
-        message.logprobs += lps
-        events.append(_event(ctx, "response.output_text.delta", item_id=message.item_id, output_index=message.index,
-                             content_index=0, delta=text, logprobs=lps))
-        return events
-
-    def close_message(status: str) -> list[bytes]:
-        nonlocal message
-        m, message = message, None
-        item = _message(m.text, status, m.logprobs, m.item_id)
-        output.append(item)
-        part = item["content"][0]
-        return [_event(ctx, "response.output_text.done", item_id=m.item_id, output_index=m.index, content_index=0,
-                       text=m.text, logprobs=m.logprobs),
-                _event(ctx, "response.content_part.done", item_id=m.item_id, output_index=m.index, content_index=0,
-                       part=part),
-                _event(ctx, "response.output_item.done", output_index=m.index, item=item)]
-
-    def function_call(call: tools.ToolCall) -> list[bytes]:
-        events = close_message("completed") if message is not None else []
-        index = len(output)
-        item = _function_call(call)
-        output.append(item)
-        events += [
-            _event(ctx, "response.output_item.added", output_index=index,
-                   item={**item, "status": "in_progress", "arguments": ""}),
-            _event(ctx, "response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                   delta=call.arguments),
-            _event(ctx, "response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                   name=call.name, arguments=call.arguments),
-            _event(ctx, "response.output_item.done", output_index=index, item=item)]
-        return events
-
     async for _, out in outputs:
         prompt, cached = out.num_prompt_tokens, out.num_cached_tokens
         generated += len(out.new_token_ids)
         if ctx.logprobs and out.logprobs:
-            pending += out.logprobs
-        text, calls = (parser.feed(out.text_delta, final=out.finished) if parser is not None
-                       else (out.text_delta, []))
-        if text and message is None and parser is not None and not (held + text).strip():
-            held += text  # blank outside a message: kept only if text follows or no call comes
-        elif text:
-            for event in text_delta(held + text):
-                yield event
-            held = ""
+            r.pending += out.logprobs
+        thought, text = "", out.text_delta
+        if splitter is not None:  # the thinking apart; the content alone is read for calls
+            thought, text = thinking.feed_output(splitter, out.texts_per_token() if out.new_token_ids else [],
+                                                 "" if out.new_token_ids else out.text_delta, final=out.finished)
+        text, calls = parser.feed(text, final=out.finished) if parser is not None else (text, [])
+        events = r.thought(thought) if thought else []
+        events += r.text(text) if text else []
         for call in calls:
-            held = ""
-            for event in function_call(call):
-                yield event
+            events += r.call(call)
+        for event in events:
+            yield event
         if out.finished:
             finish = out.finish_reason
     status, incomplete = _status(finish)
-    if message is None and not output:  # no call: the answer is a message, even an empty one
-        for event in open_message():
-            yield event
-        if held:
-            for event in text_delta(held):
-                yield event
-    if message is not None:
-        for event in close_message(status):
-            yield event
-    response = _response(ctx, status, output, _usage(prompt, cached, generated), incomplete=incomplete)
+    for event in r.finish(status):
+        yield event
+    usage = _usage(prompt, cached, generated, splitter.reasoning_tokens if splitter is not None else 0)
+    response = _response(ctx, status, r.output, usage, incomplete=incomplete)
     _keep(ctx, response)
     yield _event(ctx, "response.incomplete" if status == "incomplete" else "response.completed", response=response)
 

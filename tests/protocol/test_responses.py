@@ -302,3 +302,50 @@ def test_the_clients_stream_helper_reassembles_text_and_calls(fake):
     message, call = final.output
     assert message.content[0].text.strip() == "Let me add." and final.output_text.strip() == "Let me add."
     assert call.type == "function_call" and call.name == "add" and json.loads(call.arguments) == {"a": 1, "b": 2}
+
+
+THINKING, ANSWER = "<think>\nI add 1 and 2: that makes 3.\n</think>\n\n", "The sum is 3."
+
+
+@pytest.fixture(scope="module")
+def thinker():
+    """A server with --reasoning-parser qwen3 on a fake engine with Qwen3's tokenizer and template."""
+    from tests.fake_engine import FakeEngine
+    from tests.protocol.reasoning_fixtures import qwen3_tokenizer
+
+    engine = FakeEngine()
+    engine.tokenizer = qwen3_tokenizer()
+    settings = Settings(port=free_port(), reasoning_parser="qwen3")
+    with ServerThread(build_app(settings, engine, owns_engine=False), settings.port):
+        yield f"http://127.0.0.1:{settings.port}", engine
+
+
+def test_with_a_reasoning_parser_the_thinking_is_a_reasoning_item(thinker):
+    url, engine = thinker
+    engine.script = Script(answer=THINKING + ANSWER, burst=2)
+    data = httpx.post(url + "/v1/responses", json={"input": "1+2?"}).json()
+    chat = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "1+2?"}]}).json()
+    reasoning, message = data["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_") and reasoning["summary"] == []
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": chat["choices"][0]["message"]["reasoning_content"]}]
+    assert message["content"][0]["text"] == chat["choices"][0]["message"]["content"] == "\n\n" + ANSWER
+    tokens = chat["usage"]["completion_tokens_details"]["reasoning_tokens"]
+    assert data["usage"]["output_tokens_details"]["reasoning_tokens"] == tokens > 0
+    events = _events(httpx.post(url + "/v1/responses", json={"input": "1+2?", "stream": True}))
+    kinds = [e["type"] for e in events]
+    assert kinds[2] == "response.output_item.added" and events[2]["item"]["type"] == "reasoning"
+    first_text = kinds.index("response.output_text.delta")
+    assert kinds.index("response.reasoning_text.done") < first_text
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == \
+        reasoning["content"][0]["text"]
+    final = events[-1]["response"]
+    assert [(i["type"], i.get("content")) for i in final["output"]] == [
+        (i["type"], i.get("content")) for i in data["output"]]
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == tokens
+    # an earlier turn's reasoning item is its assistant message's reasoning_content, left to the template
+    engine.script = Script(answer=ANSWER)
+    items = [{"role": "user", "content": "1+1?"}, {"type": "reasoning", "summary": [],
+             "content": [{"type": "reasoning_text", "text": "OLD THOUGHT"}]},
+             {"role": "assistant", "content": "2"}, {"role": "user", "content": "1+2?"}]
+    assert httpx.post(url + "/v1/responses", json={"input": items}).status_code == 200
+    assert engine.requests[-1].prompt.messages[1].reasoning_content == "OLD THOUGHT"
