@@ -1,6 +1,6 @@
 """Prompts to token ids: chat templating, tokenizing, truncation and the context-length checks.
 
-One job, shared by the local engine and the remote one (engine/remote.py), so a front end with no
+One job, shared by the local engine and the fleet client (fleet/client.py), so a front end with no
 model counts tokens, fits histories and refuses long prompts exactly as a server with one does."""
 
 from __future__ import annotations

@@ -25,11 +25,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 
 from engine.errors import LoraUnavailableError
-from schemas.json_body import JsonBodyError, parse_json
-from engine.remote import content_named
+from fleet.names import content_named
 from lora_store.pack import find_adapter_dir
 from lora_store.resolver import RESERVED_PREFIXES, AlreadyRegistered, directory_identity, pack_identity, reserved
 from lora_store.store import pack_key
+from schemas.json_body import JsonBodyError, parse_json
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 

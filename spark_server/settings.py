@@ -244,11 +244,13 @@ class Settings:
     def engine_urls(self) -> list[str]:
         return [u.strip() for u in (self.engine_url or "").split(",") if u.strip()]
 
-    def remote_engine(self):  # -> engine.remote.RemoteEngine
-        """The engine of a front end with no model (--engine-url)."""
-        from engine.remote import RemoteEngine
+    def remote_engine(self):  # -> fleet.client.RemoteEngine
+        """The engine of a front end with no model (--engine-url): the fleet client, speaking the
+        sampling table's OpenAI vocabulary to its backends."""
+        from bridges.openai_fields import openai_fields
+        from fleet.client import RemoteEngine
 
-        return RemoteEngine(self.engine_urls, tokenizer_source=self.tokenizer or self.model,
+        return RemoteEngine(self.engine_urls, openai_fields, tokenizer_source=self.tokenizer or self.model,
                             served_model_name=self.served_model_name, api_key=self.engine_api_key,
                             max_model_len=self.max_model_len, chat_template=self.chat_template)
 

@@ -27,6 +27,7 @@ class FakeBackend:
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.completions = 0
+        self.bodies: list[dict] = []  # every completion request's body, as read
         backend = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -56,7 +57,7 @@ class FakeBackend:
                 if backend.mode == "refuse":
                     self._json(503, {"error": {"message": "not ready", "code": 503}})
                     return
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                backend.bodies.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0))))
                 backend.completions += 1
                 if backend.mode == "drop":
                     self.close_connection = True  # as a process killed by the request would

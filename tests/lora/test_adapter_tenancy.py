@@ -242,8 +242,6 @@ def test_a_fleet_front_end_serves_the_victims_pack_and_replaces_a_squatted_name(
     """A front end (--engine-url) in front of the replica: the victim's session loads lora-<md5> there
     (which nobody can squat: see above) and answers with the victim's weights; an operator name of the
     front end that a tenant registered first on the replica with other weights is replaced, not trusted."""
-    from engine.remote import RemoteEngine
-
     pack_server, md5, _ = packs
     base, shared = server["url"], server["shared"]
     operator_dir = shared / "operator-adapter"
@@ -254,7 +252,7 @@ def test_a_fleet_front_end_serves_the_victims_pack_and_replaces_a_squatted_name(
     settings = Settings(port=free_port(), engine_url=base, engine_api_key=KEY, api_key=KEY,
                         lora_shared_dir=str(shared), lora_allowed_urls=pack_server.url("/packs/"),
                         lora=f"operator={operator_dir}")
-    front_engine = RemoteEngine([base], api_key=KEY)
+    front_engine = settings.remote_engine()
     front = f"http://127.0.0.1:{settings.port}"
     try:
         with ServerThread(build_app(settings, front_engine), settings.port):

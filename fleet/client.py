@@ -7,6 +7,10 @@ ids when it tokenizes back to them (what a router routes on), as the ids otherwi
 this server take both. One URL is usually a router (``smg``) that picks the replica; several are tried
 in turn when one refuses a request it never took (nothing listening, a 503): a request a backend
 accepted and then failed on is never sent to another, since the request itself may be what failed it.
+
+The sampling fields of each body come from the ``sampling_fields`` function the app hands over
+(``bridges.openai_fields.openai_fields``: the sampling table's OpenAI column inverted), so this client
+holds no sampling vocabulary of its own.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import httpx
 
@@ -29,6 +34,7 @@ from engine.protocol import EngineLimits, EngineStats, ModelInfo
 from engine.request import (GenerationRequest, LoraRef, Prompt, RequestOutput, RequestTimings, TokenLogprob,
                             TokensPrompt)
 from engine.sampling_params import SamplingParams
+from fleet.names import adapter_name, content_named
 
 logger = logging.getLogger(__name__)
 
@@ -66,61 +72,20 @@ class Backend:
     workers: dict[str, bool] = field(default_factory=dict)
 
 
-def adapter_name(ref: LoraRef) -> str:
-    """The name a pack is loaded under on every backend: ``lora-<md5>`` (a registered adapter keeps its name)."""
-    return f"lora-{ref.md5.lower()}" if ref.md5 else str(ref.name)
+# What the client needs back in every stream, whatever the request: each chunk's token ids (the local
+# detokenizer and usage stay exact), usage on every chunk, and logprobs keyed by token id.
+STREAM_FIELDS: dict[str, Any] = {"stream": True, "return_token_ids": True,
+                                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
 
-def content_named(name: str) -> bool:
-    """``lora-<md5>``: a name that states its pack's md5 (backends of this server take it for no other pack)."""
-    md5 = name.removeprefix("lora-")
-    return name.startswith("lora-") and len(md5) == 32 and all(c in "0123456789abcdef" for c in md5)
-
-
-def completion_body(model: str, prompt: str | list[int], p: SamplingParams) -> dict[str, Any]:
-    """SamplingParams as vLLM-style /v1/completions fields (the OpenAI ones plus vLLM's extras, which
-    SGLang and this server also read). A text prompt is the exact text of the local token ids."""
-    body: dict[str, Any] = {
-        "model": model, "prompt": prompt, "max_tokens": p.max_tokens, "temperature": p.temperature,
-        "top_p": p.top_p, "n": p.n, "stream": True, "return_token_ids": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        "skip_special_tokens": p.skip_special_tokens,
-        "spaces_between_special_tokens": p.spaces_between_special_tokens,
-    }
+def completion_body(model: str, prompt: str | list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+    """A /v1/completions body: ``sampling`` (a request's SamplingParams as the backends spell them) and
+    what this client needs to read the answer. A text prompt is the exact text of the local token ids."""
+    body: dict[str, Any] = {**sampling, "model": model, "prompt": prompt, **STREAM_FIELDS}
     if isinstance(prompt, str):
         body["add_special_tokens"] = False  # the text already holds them, as the template wrote them
-    optional = {"top_k": (p.top_k, 0), "min_p": (p.min_p, 0.0), "min_tokens": (p.min_tokens, 0),
-                "repetition_penalty": (p.repetition_penalty, 1.0), "presence_penalty": (p.presence_penalty, 0.0),
-                "frequency_penalty": (p.frequency_penalty, 0.0), "seed": (p.seed, None), "stop": (p.stop, []),
-                "stop_token_ids": (p.stop_token_ids, []), "ignore_eos": (p.ignore_eos, False),
-                "include_stop_str_in_output": (p.include_stop_str_in_output, False),
-                "allowed_token_ids": (p.allowed_token_ids, []), "prompt_logprobs": (p.prompt_logprobs, None),
-                "temp_scaled_logprobs": (p.temp_scaled_logprobs, False),
-                "top_p_normalized_logprobs": (p.top_p_normalized_logprobs, False)}
-    body.update({k: v for k, (v, default) in optional.items() if v != default})
-    if p.banned_token_ids:  # the OpenAI way every backend reads
-        body["logit_bias"] = {str(t): -100 for t in p.banned_token_ids}
-    if p.logprobs:
-        body["logprobs"] = p.top_logprobs
-        body["return_tokens_as_token_ids"] = True
-    if p.leading_section is not None:  # a completions body has no way to say "after this section"
-        raise InvalidRequestError(f"'{p.leading_section.field}' cannot be carried to the --engine-url backends "
-                                  "(a constraint or budget after the thinking); serve the model locally",
-                                  parameter=p.leading_section.field)
-    c = p.constraint
-    if c is not None:
-        field_name = {"json": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar",
-                      "choice": "guided_choice", "structural_tag": "structural_tag"}.get(c.kind)
-        if c.kind == "json_object":
-            body["response_format"] = {"type": "json_object"}
-        elif field_name == "guided_choice":
-            body[field_name] = json.loads(c.value)
-        elif field_name == "guided_json":
-            body[field_name] = json.loads(c.value)
-        elif field_name:
-            body[field_name] = c.value
-        if c.whitespace_pattern is not None:
-            body["guided_whitespace_pattern"] = c.whitespace_pattern
+    if "logprobs" in sampling:
+        body["return_tokens_as_token_ids"] = True  # "token_id:<id>" names: no text to map back
     return body
 
 
@@ -160,12 +125,17 @@ def error_from_status(status: int, text: str, url: str) -> Exception:
     return InferenceError(f"backend {url}: HTTP {status}: {message}")  # it took the request: not retried
 
 
-class RemoteEngine:
-    """``EngineClient`` over OpenAI-compatible backends (a router, or replicas tried in turn)."""
+SamplingFields = Callable[[SamplingParams], dict[str, Any]]
 
-    def __init__(self, urls: list[str], tokenizer_source: str | None = None, served_model_name: str | None = None,
-                 api_key: str | None = None, max_model_len: int | None = None, chat_template: str | None = None,
-                 connect_timeout_s: float = 5.0) -> None:
+
+class RemoteEngine:
+    """``EngineClient`` over OpenAI-compatible backends (a router, or replicas tried in turn).
+    ``sampling_fields``: a request's SamplingParams as /v1/completions fields; it raises the engine's
+    ``InvalidRequestError`` for a parameter the backends' API cannot carry (the request is refused)."""
+
+    def __init__(self, urls: list[str], sampling_fields: SamplingFields, tokenizer_source: str | None = None,
+                 served_model_name: str | None = None, api_key: str | None = None, max_model_len: int | None = None,
+                 chat_template: str | None = None, connect_timeout_s: float = 5.0) -> None:
         from transformers import AutoTokenizer
 
         from engine.model_loader import EMBEDDED_MODEL_NAME, resolve_model_dir
@@ -173,6 +143,7 @@ class RemoteEngine:
         if not urls:
             raise ValueError("--engine-url names no backend")
         self.backends = [Backend(u.rstrip("/")) for u in urls]
+        self.sampling_fields = sampling_fields
         self._next = itertools.count()
         self.tokenizer_dir = resolve_model_dir(tokenizer_source)
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
@@ -341,8 +312,9 @@ class RemoteEngine:
             self.start()
         if request.deadline is None and self.limits.default_timeout_s:
             request.deadline = request.arrival_time + self.limits.default_timeout_s
+        sampling = self.sampling_fields(request.params)  # a parameter it cannot carry is refused before any work
         ids, wire = await asyncio.to_thread(self._encode, request.prompt, request.params.truncate_prompt_tokens)
-        body = completion_body(self.backend_model, wire, request.params)
+        body = completion_body(self.backend_model, wire, sampling)
         if request.lora is not None:
             self._name_adapter(body, adapter_name(request.lora))
         self._active += 1
