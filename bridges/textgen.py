@@ -14,7 +14,7 @@ from bridges.sampling_table import sampling_kwargs
 from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, TextPrompt, TokensPrompt
 from engine.sampling_params import SamplingParams
-from spark_server.log_safety import protect
+from bridges.log_safety import protect
 
 logger = protect(logging.getLogger(__name__))
 

@@ -80,7 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"spark-server: {engine.model_info.name} loaded in {time.monotonic() - started:.1f}s; "
           f"serving {url}", flush=True)
     config = uvicorn_config(app, settings)
-    from spark_server.log_safety import protect_server_logs
+    from bridges.log_safety import protect_server_logs
 
     protect_server_logs()  # after uvicorn set up its loggers: no forged lines, no signatures in logs
     launch.apply_to_logging()  # likewise after uvicorn set its loggers' levels

@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from bridges.registry import Registry
 from engine.request import RequestOutput
-from spark_server.log_safety import protect
+from bridges.log_safety import protect
 
 logger = protect(logging.getLogger("spark_server.requests"))
 

@@ -16,7 +16,7 @@ from spark_server import spark_protocol as sp
 from spark_server import spark_public
 from spark_server.spark_public import PublicSettings
 from spark_server.errors import SparkCode, spark_error_from
-from spark_server.log_safety import protect
+from bridges.log_safety import protect
 
 ABORTED = "aborted"  # the result label of a session whose client left mid-answer
 logger = protect(logging.getLogger("spark_server.sessions"))

@@ -15,7 +15,7 @@ from spark_server import spark_protocol as sp
 from spark_server import spark_public
 from spark_server.auth import AuthError, check_origin, denial, verify_websocket
 from spark_server.errors import SparkCode, SparkError, spark_error_from
-from spark_server.log_safety import protect
+from bridges.log_safety import protect
 from spark_server.spark_service import SparkService
 
 logger = protect(logging.getLogger(__name__))

@@ -107,7 +107,7 @@ def test_hmac_gaps_are_closed(auth_server):
 def test_logs_hold_no_credentials():
     import logging
 
-    from spark_server.log_safety import protect_server_logs
+    from bridges.log_safety import protect_server_logs
 
     protect_server_logs()
     records = []
@@ -131,7 +131,7 @@ def test_logs_hold_no_credentials():
 def test_a_refused_handshake_logs_no_error(async_engine, caplog):
     import logging
 
-    from spark_server.log_safety import protect_server_logs
+    from bridges.log_safety import protect_server_logs
 
     settings = Settings(port=free_port(), spark_auth=f"{KEY}:{SECRET}")
     with ServerThread(build_app(settings, async_engine, owns_engine=False), settings.port):
