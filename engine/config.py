@@ -28,6 +28,8 @@ class EngineConfig:
     quantization: str = "auto"  # auto | none | int8 | int4 | gguf (engine/models/weights.py)
     linear_activations: str = "bf16"  # bf16 | int8: what 4-bit weights multiply (engine/models/weights.py)
     native_kernels: bool = True  # CPU: fused C kernels between the linears (compiled at first use)
+    # time the kernel probes again instead of reading an earlier start's results (engine/models/tuning.py)
+    remeasure_kernels: bool = False
     max_loras: int = 0  # resident LoRA adapter slots (0: LoRA off)
     max_lora_rank: int = 16
     max_logprobs: int = 20  # most logprobs a request may ask for (top_logprobs, prompt_logprobs)

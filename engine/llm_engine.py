@@ -27,7 +27,11 @@ from engine.errors import EngineOverloadedError, InvalidRequestError, LoraUnavai
 from engine.gguf_parse import shared_gguf_readers
 from engine.grammar_worker import first_line
 from engine.kernels import CpuKernels, load_cpu_kernels
-from engine.model_loader import EMBEDDED_MODEL_NAME, gguf_source, resolve_model_dir
+from engine.file_identity import content_digest
+from engine.gguf_file import GgufFile
+from engine.gguf_metadata import resolve_served_model
+from engine.gguf_weights import GgufWeights, is_linear
+from engine.model_loader import EMBEDDED_MODEL_NAME, default_cache_dir, resolve_model_dir
 from engine.lora import LoraAdapter, LoraManager, read_adapter
 from engine.model_runner import ModelRunner, PromptLogits
 from engine.pooling import (Pooler, PoolerConfig, PoolingParams, PoolingRequest, matryoshka_of, read_head,
@@ -35,6 +39,8 @@ from engine.pooling import (Pooler, PoolerConfig, PoolingParams, PoolingRequest,
 from engine.prompts import PromptEncoder, read_chat_template
 from engine.protocol import EngineStats, ModelInfo
 from engine.models import LlamaForCausalLM, model_class
+from engine.models.skeleton import empty_model, fill, unfilled
+from engine.models.tuning import TuningCache, tuning_cache
 from engine.models.weights import resolve_activations, resolve_quantization
 from engine.quant import cache as quant_cache
 from engine.quant.calibration import calibrate, sample_on_engine
@@ -50,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 
 _GRAMMAR_LIMITS = ("LexerTooComplex", "ParserTooComplex")  # llguidance's stop reasons for its own limits
+_LONG_LOAD_BYTES = 256 << 20  # weights from this size up are loaded with progress lines
 
 
 def _path_identity(path: str) -> str:
@@ -66,10 +73,10 @@ def _path_identity(path: str) -> str:
 
 
 def _tokenizer_dir(source: str) -> Path:
-    """--tokenizer: a directory of tokenizer files as it is, or a .gguf's (read from its converted copy)."""
+    """--tokenizer: a directory of tokenizer files as it is, or a .gguf's (read from its metadata directory)."""
     path = Path(source).expanduser()
     if path.suffix == ".gguf":
-        return resolve_model_dir(str(path))
+        return resolve_served_model(str(path))[0]
     if not path.is_dir():
         raise FileNotFoundError(f"--tokenizer {source}: not a directory or a .gguf file")
     return path
@@ -102,14 +109,16 @@ def _available_memory_bytes() -> int | None:
     return None
 
 
-def _check_kv_fits(nbytes: int, device: torch.device) -> None:
+def _check_kv_fits(nbytes: int, device: torch.device, weight_bytes: int = 0) -> None:
     """The CPU KV pool is mapped, not written, at start (attention.lazily_zeroed), and faulted in afterwards
     (engine/resident.py), so a budget larger than the machine's memory would not fail here but seconds or
-    hours later, killed by the OS. Refuse it now instead."""
+    hours later, killed by the OS. Refuse it now instead, with the weights the model will hold beside it
+    (``weight_bytes``, an estimate made before they load)."""
     available = _available_memory_bytes() if device.type == "cpu" else None
-    if available is not None and nbytes > available:
-        raise ValueError(f"the KV cache budget ({nbytes / (1 << 30):.1f} GiB) is more than this machine's available "
-                         f"memory ({available / (1 << 30):.1f} GiB); lower --kv-cache-space")
+    if available is not None and nbytes + weight_bytes > available:
+        weights = f" and the weights (~{weight_bytes / (1 << 30):.1f} GiB)" if weight_bytes else ""
+        raise ValueError(f"the KV cache budget ({nbytes / (1 << 30):.1f} GiB){weights} are more than this machine's "
+                         f"available memory ({available / (1 << 30):.1f} GiB); lower --kv-cache-space")
 
 
 @contextmanager
@@ -157,9 +166,12 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         # On a cold cache the compiler (~20 s of one core) runs while the model converts (a Python loop).
         kernel_build = _in_background(load_cpu_kernels) if config.native_kernels and self.device.type == "cpu" else None
-        with shared_gguf_readers():  # a cold start converts a GGUF file and reads its blocks: one parse for both
-            model_dir = resolve_model_dir(config.model)
+        with shared_gguf_readers():  # a cold start reads a GGUF file's tokenizer and config: one parse for both
+            model_dir, gguf = resolve_served_model(config.model)
             hf_config = AutoConfig.from_pretrained(model_dir)
+            in_place = self._in_place(gguf, hf_config)
+            if gguf is not None and in_place is None:
+                model_dir = resolve_model_dir(config.model)  # transformers' conversion, written once
             model_cls = model_class(hf_config.model_type)  # refuses an unsupported family before any loading
             # --task, and the checkpoint's sequence-classification head: refused before any loading too
             head = read_head(model_dir)
@@ -167,18 +179,17 @@ class LLMEngine:
                                 config.model or EMBEDDED_MODEL_NAME)
             pooler_config = PoolerConfig.parse(config.override_pooler_config)
             kernels = kernel_build.result() if kernel_build is not None else None
-            gguf = gguf_source(config.model)
             if config.dtype == "auto" and _packed_kernels_run(kernels, config.quantization, gguf is not None):
                 self.dtype = torch.bfloat16  # the packed kernels take bf16 activations
             else:
                 self.dtype = resolve_dtype(config.dtype, self.device)
             # The pool first, so its pages are faulted in while the model loads (one core is idle meanwhile)
-            kv_cache = self._make_kv_cache(model_cls, hf_config)
+            kv_cache = self._make_kv_cache(model_cls, hf_config, self._weight_bytes(model_dir, in_place))
             self.kv_prefault = kv_cache.prefault_in_background() if config.kv_cache_prefault else None
             self.quantization = resolve_quantization(config.quantization, gguf is not None, kernels, self.dtype,
                                                      self.device)
             resolve_activations(config.linear_activations, self.quantization)  # refuses a bad pair before loading
-            stored, cache_file = self._stored_weights(model_dir, gguf, hf_config)
+            stored, cache_file = self._stored_weights(model_dir, gguf, hf_config, in_place)
         self.tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir(config.tokenizer) if config.tokenizer
                                                        else model_dir)
         if len(self.tokenizer) > hf_config.vocab_size:  # ids past the embedding would fail a shared step
@@ -189,7 +200,13 @@ class LLMEngine:
         self._unseeded = random.Random(config.seed)  # seeds samples that bring none (--seed: reproducible)
         # Quantizing starts from the checkpoint's own precision, not from a bf16 rounding of it.
         load_dtype = self.dtype if self.quantization in ("none", "gguf") else "auto"
-        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=load_dtype)
+        if in_place is None:
+            hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=load_dtype)
+            dense_source = None
+        else:
+            # the calibration runs the whole model: int8's first start reads every weight
+            hf_model, dense_source = self._skeleton(in_place, hf_config, load_dtype,
+                                                    whole=self.quantization == "int8" and stored is None)
         # int8 rounds against the layers' calibrated inputs (GPTQ): measured once, then the cache serves
         hessians = (calibrate(hf_model, self.tokenizer, self._sample_for_calibration)
                     if self.quantization == "int8" and stored is None else None)
@@ -197,12 +214,16 @@ class LLMEngine:
             logger.info("int8: rounding each linear against its calibrated inputs (GPTQ), once")
         building = time.monotonic()
         self.model = model_cls(hf_model, self.dtype, self.device, config.native_kernels, self.quantization,
-                               stored, linear_activations=config.linear_activations, hessians=hessians)
+                               stored, linear_activations=config.linear_activations, hessians=hessians,
+                               dense_source=dense_source, show_progress=self._weight_bytes(model_dir, in_place) > _LONG_LOAD_BYTES,
+                               tuning=self._tuning(gguf, model_dir))
         if hessians is not None:
             logger.info("int8: %d weights rounded in %.1fs", len(self.model.builder.made), time.monotonic() - building)
         if cache_file is not None and self.model.builder.made:
             quant_cache.save(cache_file, self.model.builder.made)
-        del hf_model
+        del hf_model, dense_source, stored
+        if in_place is not None:
+            in_place.file.release_all()
         logger.info("weights: --quantization %s; %s", self.quantization, self.model.linears_summary)
         if config.max_model_len and config.max_model_len > self.model.max_position:
             # Positions past the model's training length give no sensible answers: refused, never shortened quietly.
@@ -307,21 +328,27 @@ class LLMEngine:
             helper = LLMEngine(config)
         return sample_on_engine(helper, starts, length, seed)  # the helper and its KV mapping go with this frame
 
-    def _make_kv_cache(self, model_cls: type[LlamaForCausalLM], hf_config: Any) -> PagedKVCache:
-        """The KV pool the budget holds, refused before any weight loads where it cannot fit."""
+    def _make_kv_cache(self, model_cls: type[LlamaForCausalLM], hf_config: Any, weight_bytes: int = 0) -> PagedKVCache:
+        """The KV pool the budget holds, refused before any weight loads where it and the weights cannot fit."""
         config = self.config
         layers, kv_heads, head_dim = model_cls.kv_geometry(hf_config)
         per_token = PagedKVCache.bytes_per_token(layers, kv_heads, head_dim, self.dtype)
         num_blocks = config.num_kv_blocks or int(config.kv_cache_space_gib * (1 << 30) // (per_token * config.block_size))
         if num_blocks < 2:
             raise ValueError("the KV cache budget holds fewer than 2 blocks; raise --kv-cache-space")
-        _check_kv_fits(num_blocks * config.block_size * per_token, self.device)
+        _check_kv_fits(num_blocks * config.block_size * per_token, self.device, weight_bytes)
         return PagedKVCache(layers, num_blocks, config.block_size, kv_heads, head_dim, self.dtype, self.device)
 
-    def _stored_weights(self, model_dir, gguf, hf_config):
+    def _stored_weights(self, model_dir, gguf, hf_config, in_place: GgufWeights | None):
         """(quantized weights already made, the cache file to save new ones to) for this run's mode."""
         if self.quantization in ("none", "auto"):
             return None, None
+        if self.quantization == "gguf" and in_place is not None:
+            return in_place.blocks(), None  # read from the file as each projection is built; nothing cached
+        if in_place is not None:  # int8 / int4 made from a GGUF file's weights
+            path = quant_cache.cache_path([gguf], self.quantization)
+            stored = quant_cache.load(path)
+            return stored, (path if stored is None else None)
         if self.quantization == "gguf":
             path = quant_cache.cache_path([gguf], "gguf")
             stored = quant_cache.load(path)
@@ -335,6 +362,52 @@ class LLMEngine:
         path = quant_cache.cache_path(sources or [model_dir / "config.json"], self.quantization)
         stored = quant_cache.load(path)
         return stored, (path if stored is None else None)
+
+    @staticmethod
+    def _in_place(gguf: Path | None, hf_config: Any) -> GgufWeights | None:
+        """The GGUF file's weights, read in place where the engine maps its architecture and types; None
+        (and a line saying why) where transformers' conversion has to serve it instead."""
+        if gguf is None:
+            return None
+        weights = GgufWeights(GgufFile(gguf), hf_config)
+        if weights.unservable is None:
+            return weights
+        logger.warning("%s is not read in place (%s): serving a copy converted by transformers, written once to "
+                       "the cache directory", gguf.name, weights.unservable)
+        return None
+
+    def _skeleton(self, in_place: GgufWeights, hf_config: Any, load_dtype: Any,
+                  whole: bool) -> tuple[torch.nn.Module, Callable[[str], torch.Tensor]]:
+        """The transformers model with its small weights read from the file (norms, the embedding, biases)
+        and its projections left to be read one at a time by the builder (all of them where ``whole``)."""
+        dtype = load_dtype if isinstance(load_dtype, torch.dtype) else torch.float32  # "auto": dequantized fp32
+        model = empty_model(hf_config, dtype)
+        for name in unfilled(model):
+            if name == "lm_head.weight" and getattr(hf_config, "tie_word_embeddings", False):
+                if whole:
+                    fill(model, name, model.get_parameter("model.embed_tokens.weight").data)
+                continue
+            if whole or not is_linear(name):
+                fill(model, name, in_place.dense(name, dtype))
+        return model, lambda name: in_place.dense(name, dtype)
+
+    def _weight_bytes(self, model_dir: Path, in_place: GgufWeights | None) -> int:
+        """What the weights will hold in memory, estimated before they load (for the refusal at start)."""
+        if in_place is not None:
+            return in_place.resident_bytes(self.dtype.itemsize)
+        return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+    def _tuning(self, gguf: Path | None, model_dir: Path) -> TuningCache | None:
+        """Where the kernel probes' results for this model are kept (engine/models/tuning.py)."""
+        kernels = load_cpu_kernels() if self.config.native_kernels and self.device.type == "cpu" else None
+        if kernels is None:
+            return None
+        sources = [gguf] if gguf is not None else (sorted(Path(model_dir).glob("*.safetensors"))
+                                                    or [Path(model_dir) / "config.json"])
+        cache_dir = default_cache_dir()
+        identity = ",".join(content_digest(p, cache_dir) for p in sources)
+        settings = f"{self.quantization}/{self.config.linear_activations}/{self.dtype}"
+        return tuning_cache(cache_dir, identity, torch.get_num_threads(), settings, self.config.remeasure_kernels)
 
     def _eos_ids(self, model_dir) -> list[int]:
         ids: set[int] = set()

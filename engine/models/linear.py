@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from engine.kernels import CpuKernels
 from engine.quant.activations import linear_int8_activations
 from engine.quant.formats import QuantizedWeight
-from engine.quant.packing import PackedWeight
+from engine.quant.packing import PackedWeight, unpack_quantized
 
 
 def _mkldnn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -114,7 +114,8 @@ class PackedLinear:
         self._bias32 = bias.float().contiguous() if bias is not None else None
         self._bias_ptr = self._bias32.data_ptr() if self._bias32 is not None else None
         self.kernels = kernels
-        self.quantized = quantized  # None: packed from bf16 weights (then ``fallback`` holds them)
+        self._quantized = quantized  # None: packed from bf16 weights (then ``fallback`` holds them), or released
+        self.source = quantized.source if quantized is not None else "bf16"  # what made the weight, for the log
         self.fallback = fallback  # oneDNN, for batches over max_kernel_rows
         self.max_kernel_rows = max_kernel_rows
         # --linear-activations int8: 4-bit weights take x in int8 blocks (engine/quant/activations.py)
@@ -145,26 +146,41 @@ class PackedLinear:
         return out
 
     @property
+    def quantized(self) -> QuantizedWeight | None:
+        """The weight's codes and scales (None for bf16 weights): kept, or unpacked from the packed layout
+        after ``release_quantized``."""
+        if self._quantized is None and self.packed.fmt != "bf16":
+            return unpack_quantized(self.packed, self.source)
+        return self._quantized
+
+    def release_quantized(self) -> None:
+        """Keep only the packed layout: the plain codes are a second copy of the weight, which the forward
+        never reads (the rare users unpack it)."""
+        self._quantized = None
+
+    @property
     def takes_int8_activations(self) -> bool:
         return self.packed.fmt == "u4"
 
     @property
     def weight(self) -> torch.Tensor:
         """The whole weight in bf16 (reference paths and tests; the forward never needs it)."""
-        if self.quantized is not None:
-            return self.quantized.dequantize().to(torch.bfloat16)
+        quantized = self.quantized
+        if quantized is not None:
+            return quantized.dequantize().to(torch.bfloat16)
         assert isinstance(self.fallback, Linear)
         return self.fallback.weight
 
     def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            return self.quantized.rows(index)
+        quantized = self.quantized
+        if quantized is not None:
+            return quantized.rows(index)
         assert isinstance(self.fallback, Linear)
         return self.fallback.weight_rows(index)
 
     @property
     def dense(self) -> bool:
-        return self.quantized is None
+        return self.packed.fmt == "bf16"
 
 
 class ReferenceLinear:

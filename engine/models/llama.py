@@ -8,7 +8,9 @@ the forward is ours: flat tokens, fused QKV and gate/up projections, paged atten
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,11 +21,15 @@ from engine.attention import AttentionMetadata, PagedKVCache, paged_attention, p
 from engine.kernels import CpuKernels, ForwardStep, LayerDesc, LinearDesc, load_cpu_kernels
 from engine.models.greedy_head import GreedyHead, GreedyPicks
 from engine.models.linear import Linear, PackedLinear, ReferenceLinear
+from engine.models.tuning import TuningCache
 from engine.models.weights import LinearBuilder, MeasuredRates
+from engine.progress import track
 from engine.quant.formats import QuantizedWeight
 
 if TYPE_CHECKING:
     from engine.lora import LoraBatch
+
+logger = logging.getLogger(__name__)
 
 # decode_cost_per_key and decode_step_cost where the linears' rates were not measured (torch's path, a
 # GPU): the 2-core AMD EPYC's measured figures, with which the long-prefill cap was calibrated
@@ -72,11 +78,17 @@ class LlamaForCausalLM:
     def __init__(self, hf_model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                  native_kernels: bool = True, quantization: str = "none",
                  stored: dict[str, QuantizedWeight] | None = None, reference: bool = False,
-                 linear_activations: str = "bf16", hessians: dict[str, torch.Tensor] | None = None) -> None:
+                 linear_activations: str = "bf16", hessians: dict[str, torch.Tensor] | None = None,
+                 dense_source: Callable[[str], torch.Tensor] | None = None, show_progress: bool = False,
+                 tuning: TuningCache | None = None) -> None:
         """``quantization`` is a resolved ``--quantization`` mode (engine/models/weights.py); ``stored`` its
         weights read from a GGUF file or the quantization cache; ``reference`` builds the slow
         dequantize-then-fp32 linears that the packed kernels are held to; ``hessians`` are the linears'
-        calibrated input statistics for int8's error-compensating rounding (engine/quant/gptq.py)."""
+        calibrated input statistics for int8's error-compensating rounding (engine/quant/gptq.py);
+        ``dense_source`` reads a projection's weight that ``hf_model`` holds on the meta device (a model
+        served in place, engine/models/skeleton.py); ``show_progress`` reports the layers as they are
+        built (long loads); ``tuning`` keeps the kernel probes' results beside the model
+        (engine/models/tuning.py)."""
         cfg = hf_model.config
         self.config = cfg
         self.num_layers, self.num_kv_heads, self.head_dim = self.kv_geometry(cfg)
@@ -91,7 +103,7 @@ class LlamaForCausalLM:
                 kernels.num_threads = torch.get_num_threads()  # the engine has set its thread count by now
                 self.kernels = kernels
         self.builder = LinearBuilder(quantization, dtype, device, self.kernels, stored, reference, linear_activations,
-                                     hessians)
+                                     hessians, dense_source)
 
         def w(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(device=device, dtype=dtype).contiguous()
@@ -107,7 +119,9 @@ class LlamaForCausalLM:
                             if isinstance(self.lm_head, PackedLinear) and self.lm_head.takes(1) else None)
         self.final_norm = w(inner.norm.weight)
         self.layers: list[_LayerWeights] = []
-        for i, layer in enumerate(inner.layers):
+        layers = (track(inner.layers, "loading weights", logger, unit="layers") if show_progress
+                  else inner.layers)
+        for i, layer in enumerate(layers):
             att, mlp = layer.self_attn, layer.mlp
             bias = None
             if att.q_proj.bias is not None:
@@ -124,7 +138,7 @@ class LlamaForCausalLM:
                 q_norm=w(att.q_norm.weight) if hasattr(att, "q_norm") else None,
                 k_norm=w(att.k_norm.weight) if hasattr(att, "k_norm") else None,
             ))
-        self.linears_summary = self.builder.tune()
+        self.linears_summary = self.builder.tune(tuning)
         self.intermediate = self.layers[0].gate_up.out_features // 2
         # RoPE tables from the model's own rotary module, so every rope_scaling variant matches it.
         # rotate_half(x) * sin == roll(x, D/2) * sin_signed, with the sign folded into the table.

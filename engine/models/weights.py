@@ -23,13 +23,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from engine.kernels import LINEAR_PATH_NAMES, CpuKernels
 from engine.models.linear import Linear, PackedLinear, ReferenceLinear, TwoTermBf16Linear
+from engine.models.tuning import TuningCache
 from engine.quant.calibration import PROGRESS_EVERY_S
 from engine.quant.formats import QuantizedWeight, concat, quantize_int4, quantize_int8
 from engine.quant.gptq import quantize_int8_gptq
@@ -101,8 +102,9 @@ class LinearBuilder:
     dequantize-then-fp32-matmul linears instead (tests compare the two paths)."""
 
     def __init__(self, mode: str, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
-                 stored: dict[str, QuantizedWeight] | None = None, reference: bool = False,
-                 activations: str = "bf16", hessians: dict[str, torch.Tensor] | None = None) -> None:
+                 stored: Mapping[str, QuantizedWeight] | None = None, reference: bool = False,
+                 activations: str = "bf16", hessians: dict[str, torch.Tensor] | None = None,
+                 dense_source: Callable[[str], torch.Tensor] | None = None) -> None:
         self.mode = mode
         self.activations = resolve_activations(activations, mode)
         self.dtype = dtype
@@ -110,6 +112,9 @@ class LinearBuilder:
         self.kernels = kernels
         self.stored = stored or {}  # gguf: HF name -> the file's blocks; int8/int4: cached quantized weights
         self.hessians = hessians or {}  # int8: HF name -> E[x x^T] of its inputs (GPTQ rounding), when calibrated
+        # A model served in place hands weights not read yet (on the meta device): this reads one by HF name,
+        # when its projection is built, so no whole dense copy of the model exists at once.
+        self.dense_source = dense_source
         self.reference = reference
         self.made: dict[str, QuantizedWeight] = {}  # int8/int4 weights quantized now (to be cached)
         self._reported = time.monotonic()  # the last progress line (_report_progress)
@@ -120,6 +125,8 @@ class LinearBuilder:
 
     def build(self, names: list[str], weights: list[torch.Tensor], bias: torch.Tensor | None) -> AnyLinear:
         """One (possibly fused) projection: ``names`` are the HF weight names of its parts, in order."""
+        if self.mode != "gguf":  # every other mode starts from the dense weights
+            weights = self._read(names, weights)
         quantized = self._quantized(names, weights)
         if quantized is not None:
             if self.reference:
@@ -127,7 +134,10 @@ class LinearBuilder:
             else:
                 assert self.kernels is not None
                 linear = PackedLinear(pack_quantized(quantized), bias, self.kernels, quantized=quantized)
+                if names != ["lm_head.weight"]:  # the head's plain codes serve the greedy head and tie-breaks
+                    linear.release_quantized()
         else:
+            weights = self._read(names, weights)
             weight = torch.cat(weights) if len(weights) > 1 else weights[0]
             weight = weight.detach().to(device=self.device, dtype=self.dtype).contiguous()
             dense = Linear(weight, bias)
@@ -137,6 +147,14 @@ class LinearBuilder:
                 linear = PackedLinear(pack_bf16(weight), bias, self.kernels, fallback=dense, max_kernel_rows=0)
         self.built.append(linear)
         return linear
+
+    def _read(self, names: list[str], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``weights`` with those not read yet (meta tensors) read from ``dense_source``."""
+        if not any(w.is_meta for w in weights):
+            return weights
+        if self.dense_source is None:
+            raise RuntimeError(f"{', '.join(names)}: weights not loaded and no source to read them from")
+        return [self.dense_source(n) if w.is_meta else w for n, w in zip(names, weights)]
 
     def _quantized(self, names: list[str], weights: list[torch.Tensor]) -> QuantizedWeight | None:
         if self.mode in ("none", "auto"):
@@ -195,44 +213,97 @@ class LinearBuilder:
             return quantize_int8_gptq(weight, hessian)
         return _QUANTIZERS[self.mode](weight)
 
-    def tune(self) -> str:
-        """Measure where the bf16 kernels stop beating oneDNN, and the weights' stream rate at one row.
+    def tune(self, tuning: TuningCache | None = None) -> str:
+        """Measure where the bf16 kernels stop beating oneDNN, and the weights' stream rate at one row, or
+        apply what ``tuning`` kept from an earlier start's measurement (engine/models/tuning.py).
         Returns a line for the start-up log."""
         packed = [lin for lin in self.built if isinstance(lin, PackedLinear)]
         if not packed:
             return "linears: " + ("reference (fp32 dequantized)" if self.reference else "oneDNN / torch")
+        known = tuning.load() if tuning is not None else None
+        if known is not None:
+            try:
+                return self._apply_measured(packed, known)
+            except (KeyError, ValueError, TypeError) as exc:
+                logger.info("kernel measurements kept from an earlier start do not fit (%s): measuring again", exc)
+        summary, results = self._measure(packed)
+        if tuning is not None:
+            tuning.save(results)
+        return summary
+
+    def _measure(self, packed: list[PackedLinear]) -> tuple[str, dict]:
+        """The probes; (the log line, what they found, for the tuning cache)."""
         path = choose_linear_path(packed)  # first: every probe below times the path that will run
         with_fallback = [lin for lin in packed if lin.fallback is not None]
+        repeated_rows, single_rows = None, []
         if with_fallback:
             # The layers' projections share one limit, probed on the largest of them; a one-off matrix (the
             # head: 49,152 x 576, memory-bound up to more rows than a layer's) gets its own.
             repeated, single = _split_repeated(with_fallback)
             if repeated:
-                rows = _kernel_row_limit(max(repeated, key=lambda lin: lin.out_features * lin.in_features))
+                repeated_rows = _kernel_row_limit(max(repeated, key=lambda lin: lin.out_features * lin.in_features))
                 for lin in repeated:
-                    lin.max_kernel_rows = rows
+                    lin.max_kernel_rows = repeated_rows
             for lin in single:
                 lin.max_kernel_rows = _kernel_row_limit(lin)
+                single_rows.append(lin.max_kernel_rows)
         activations = self._choose_activations(packed)
+        self._fallback_rows: int | None = None
         quantized_fallback = self._attach_quantized_fallbacks(packed)
         total = sum(lin.packed.data.numel() for lin in packed)  # bytes: the packed weights are uint8
         gbps, read_gbps = _stream_rate(packed, total)
         layers, _ = _split_repeated(packed)
         batch_macs = _batch_rate(max(layers or packed, key=lambda lin: lin.out_features * lin.in_features))
         self.rates = MeasuredRates(gbps * 1e9, batch_macs, total)
-        sources = sorted({lin.quantized.source if lin.quantized is not None else "bf16" for lin in packed})
+        tail = (f"{path}; {activations}; {quantized_fallback}one-row pass {gbps:.1f} GB/s = "
+                f"{100 * gbps / read_gbps:.0f}% of a plain read ({read_gbps:.1f} GB/s); {_INT8_PROBE_ROWS} rows "
+                f"{batch_macs / 1e9:.0f} G multiply-adds/s")
+        summary = f"linears: {len(packed)} packed ({self._describe(packed, with_fallback, total)}; {tail}"
+        results = {"linear_path": packed[0].kernels.linear_path, "repeated_rows": repeated_rows,
+                   "single_rows": single_rows, "quantized_fallback_rows": self._fallback_rows,
+                   "stream_bytes_per_s": self.rates.stream_bytes_per_s, "batch_macs_per_s": batch_macs,
+                   "weight_bytes": total, "summary": tail}
+        return summary, results
+
+    @staticmethod
+    def _describe(packed: list[PackedLinear], with_fallback: list[PackedLinear], total: int) -> str:
+        sources = sorted({lin.source for lin in packed})
         limits = sorted({lin.max_kernel_rows for lin in with_fallback if lin.max_kernel_rows is not None})
         limit = f", up to {' / '.join(map(str, limits))} rows (oneDNN above)" if with_fallback else ""
-        return (f"linears: {len(packed)} packed ({', '.join(sources)}; {total / 1e6:.0f} MB){limit}; {path}; {activations}; "
-                f"{quantized_fallback}one-row pass {gbps:.1f} GB/s = {100 * gbps / read_gbps:.0f}% of a plain read "
-                f"({read_gbps:.1f} GB/s); {_INT8_PROBE_ROWS} rows {batch_macs / 1e9:.0f} G multiply-adds/s")
+        return f"{', '.join(sources)}; {total / 1e6:.0f} MB){limit}"
+
+    def _apply_measured(self, packed: list[PackedLinear], known: dict) -> str:
+        """``tune``'s settings from an earlier start's measurement of the same model, CPU and kernels."""
+        total = sum(lin.packed.data.numel() for lin in packed)
+        if known["weight_bytes"] != total:
+            raise ValueError("other weights")
+        kern = packed[0].kernels
+        if kern.linear_paths and len(kern.linear_paths) > 1:
+            kern.set_linear_path(known["linear_path"])
+        with_fallback = [lin for lin in packed if lin.fallback is not None]
+        repeated, single = _split_repeated(with_fallback)
+        if len(single) != len(known["single_rows"]) or (repeated and known["repeated_rows"] is None):
+            raise ValueError("other fallbacks")
+        for lin in repeated:
+            lin.max_kernel_rows = int(known["repeated_rows"])
+        for lin, rows in zip(single, known["single_rows"]):
+            lin.max_kernel_rows = int(rows)
+        for lin in packed:
+            if lin.takes_int8_activations:
+                lin.int8_activations = self.activations == "int8"
+        if known["quantized_fallback_rows"] is not None:
+            layers, _ = _split_repeated([lin for lin in packed if not lin.dense and lin.fallback is None])
+            attach_two_term_fallbacks(layers, int(known["quantized_fallback_rows"]))
+        self.rates = MeasuredRates(float(known["stream_bytes_per_s"]), float(known["batch_macs_per_s"]), total)
+        return (f"linears: {len(packed)} packed ({self._describe(packed, with_fallback, total)}; {known['summary']} "
+                "(measured at an earlier start on this CPU; --remeasure-kernels times them again)")
 
     def _attach_quantized_fallbacks(self, packed: list[PackedLinear]) -> str:
         """Where oneDNN's bf16 matmul (AMX tiles) beats the packed kernels at large batches by a clear
         margin even at twice the work, the layers' quantized projections get a two-term bf16 fallback
         (``TwoTermBf16Linear``) above the measured row count. Returns a phrase for the log (empty where
         there was nothing to decide)."""
-        layers, _ = _split_repeated([lin for lin in packed if lin.quantized is not None and lin.fallback is None])
+        layers, _ = _split_repeated([lin for lin in packed if not lin.dense and lin.fallback is None])
         # (the one-off matrix, the head, keeps its kernel: logits of a few rows a step)
         if not layers or self.reference:
             return ""
@@ -260,6 +331,7 @@ class LinearBuilder:
         if rows >= largest:
             return f"no oneDNN fallback (two-term bf16 not {_QUANTIZED_FALLBACK_MARGIN}x faster up to {rows} rows); "
         attach_two_term_fallbacks(layers, rows, {id(probe): fallback})
+        self._fallback_rows = rows
         return f"two-term bf16 oneDNN above {rows} rows; "
 
     def _choose_activations(self, packed: list[PackedLinear]) -> str:

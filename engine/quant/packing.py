@@ -75,3 +75,30 @@ def pack_quantized(q: QuantizedWeight) -> PackedWeight:
         raise ValueError(f"unknown quantized kind {q.kind}")
     data = torch.cat([p.reshape(tiles, groups, -1) for p in parts], dim=2)
     return PackedWeight(q.kind, data.flatten().contiguous(), n, k, g)
+
+
+def unpack_quantized(packed: PackedWeight, source: str) -> QuantizedWeight:
+    """The codes and scales ``pack_quantized`` laid out, back in their plain form (exactly: packing only
+    moves them). A packed linear keeps no second copy of its weight; the few uses of the plain form (the
+    reference linears, a oneDNN fallback built at start) unpack it."""
+    n, k, g = packed.out_features, packed.in_features, packed.group
+    tiles, groups = -(-n // TILE), k // g
+    data = packed.data.view(tiles, groups, -1)
+
+    def per_tile(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [tiles, groups, 16] -> [N, groups]
+        return t.contiguous().view(dtype).transpose(1, 2).reshape(tiles * TILE, groups)[:n].contiguous()
+
+    if packed.fmt == "u4":
+        code_bytes = g * TILE // 2
+        nibbles = data[:, :, :code_bytes].reshape(tiles, groups, g // 32, 8, 2 * TILE)
+        codes = torch.cat([nibbles & 15, nibbles >> 4], dim=3).view(tiles, groups, g // 32, 16, TILE, 2)
+        codes = codes.permute(0, 4, 1, 2, 3, 5).reshape(tiles * TILE, k)[:n].contiguous()
+        scales = per_tile(data[:, :, code_bytes:code_bytes + 2 * TILE], torch.float16)
+        mins = per_tile(data[:, :, code_bytes + 2 * TILE:], torch.float16)
+        return QuantizedWeight("u4", codes, scales, mins, g, source)
+    if packed.fmt == "i8":
+        code_bytes = g * TILE
+        codes = data[:, :, :code_bytes].contiguous().view(torch.int8).view(tiles, groups, g // 2, TILE, 2)
+        codes = codes.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, k)[:n].contiguous()
+        return QuantizedWeight("i8", codes, per_tile(data[:, :, code_bytes:], torch.float32), None, g, source)
+    raise ValueError(f"a {packed.fmt} packed weight holds no quantized codes")

@@ -16,6 +16,9 @@ def llm_engine() -> LLMEngine:
 def hf_model(llm_engine):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(llm_engine.model_info.path, dtype="float32")
+    from engine.model_loader import resolve_model_dir
+
+    # the engine reads the GGUF file in place; the reference is transformers' own conversion of it
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(llm_engine.config.model), dtype="float32")
     model.eval()
     return model

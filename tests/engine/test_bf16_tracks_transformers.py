@@ -49,7 +49,9 @@ def score(logits: torch.Tensor, reference: torch.Tensor) -> tuple[int, float]:
 def test_bf16_forward_is_as_accurate_as_transformers_bf16(bf16_engine, llm_engine):
     from transformers import AutoModelForCausalLM
 
-    path = bf16_engine.model_info.path
+    from engine.model_loader import resolve_model_dir
+
+    path = resolve_model_dir(bf16_engine.config.model)  # transformers' own conversion of the GGUF file
     hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     ours = [0, 0.0]

@@ -1,0 +1,177 @@
+"""A GGUF model's weights served from the file in place (engine/gguf_file.py's memory map).
+
+A projection stored in Q4_0 / Q4_1 / Q8_0 blocks is decoded and packed for the kernels one tensor at a
+time, when the engine builds that projection (``blocks``, a lazy mapping); every other tensor (norms,
+the embedding, biases, and projections of other ggml types: F16, BF16, F32, Q4_K, Q6_K, ...) is
+dequantized on its own, by gguf's dequantization as transformers applies it, into the engine's dtype
+(``dense``). No dequantized copy is written anywhere, and no whole-model copy exists in memory at once.
+
+Names and layout follow transformers' GGUF loader, so the weights are the ones its conversion made:
+llama.cpp stores Llama's q and k rows permuted for its RoPE, which is undone here as there.
+Architectures other than ``MAPPED_ARCHITECTURES`` (or a file with tensors this map does not name) are
+not served in place: the caller converts them through transformers instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.gguf_file import GgufFile
+from engine.quant.formats import QuantizedWeight
+from engine.quant.gguf_blocks import decode_blocks
+
+logger = logging.getLogger(__name__)
+
+MAPPED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # read as the kernels' u4 / i8 groups of 32
+# tensors transformers' conversion leaves out (it computes RoPE from the config)
+IGNORED = ("rope_freqs.weight",)
+_LAYER_PARTS = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_LINEAR_PARTS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+
+
+def readable_types() -> tuple[str, ...]:
+    """The ggml types gguf's dequantization reads (F32 and F16 aside, its per-type table)."""
+    from gguf import quants
+
+    return ("F32", "F16", *(t.name for t in getattr(quants, "_type_traits", {})))
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The transformers parameter a GGUF tensor is, for the mapped architectures; None for any other."""
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+           "output_norm.weight": "model.norm.weight"}
+    if gguf_name in top:
+        return top[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_PARTS \
+            and parts[3] in ("weight", "bias"):
+        return f"model.layers.{parts[1]}.{_LAYER_PARTS[parts[2]]}.{parts[3]}"
+    return None
+
+
+def is_linear(name: str) -> bool:
+    """Whether an HF weight name is one the engine's linear builder takes (a projection or the head)."""
+    return name == "lm_head.weight" or (name.endswith(".weight") and any(
+        name.endswith(f".{_LAYER_PARTS[p]}.weight") for p in _LINEAR_PARTS))
+
+
+class GgufWeights:
+    """The file's tensors by transformers' names. ``unservable`` says why the file cannot be served in
+    place (None where it can)."""
+
+    def __init__(self, file: GgufFile, config: Any) -> None:
+        self.file = file
+        self.config = config
+        self.arch = file.architecture
+        self.names: dict[str, str] = {}  # HF name -> GGUF name
+        unmapped = []
+        for name in file.tensors:
+            hf = hf_name(name)
+            if hf is not None:
+                self.names[hf] = name
+            elif name not in IGNORED:
+                unmapped.append(name)
+        if "lm_head.weight" not in self.names and "model.embed_tokens.weight" in self.names:
+            self.names["lm_head.weight"] = self.names["model.embed_tokens.weight"]  # tied embeddings
+        self.unservable: str | None = None
+        if self.arch not in MAPPED_ARCHITECTURES:
+            self.unservable = f"architecture {self.arch!r} (in place: {', '.join(MAPPED_ARCHITECTURES)})"
+        elif unmapped:
+            self.unservable = f"tensors {', '.join(unmapped[:3])} are not mapped"
+        elif unreadable := sorted({t.type_name for t in file.tensors.values()} - set(readable_types())):
+            self.unservable = f"ggml types {', '.join(unreadable)} cannot be dequantized here"
+
+    # ---- the layout transformers gives these tensors ---------------------------------------------
+    def _row_order(self, hf: str, rows: int) -> torch.Tensor | None:
+        """llama.cpp permutes Llama's q and k rows (weights and biases) for its RoPE; transformers undoes
+        it with the head counts (k's by the KV heads)."""
+        if self.arch != "llama" or not (".q_proj." in hf or ".k_proj." in hf):
+            return None
+        heads = self.config.num_attention_heads if ".q_proj." in hf else self.config.num_key_value_heads
+        return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+
+    def type_of(self, hf: str) -> str | None:
+        gguf_name = self.names.get(hf)
+        return None if gguf_name is None else self.file.tensors[gguf_name].type_name
+
+    def block_weight(self, hf: str) -> QuantizedWeight | None:
+        """The tensor's own blocks as the kernels' codes and scales, or None where it is of another type."""
+        gguf_name = self.names.get(hf)
+        if gguf_name is None:
+            return None
+        info = self.file.tensors[gguf_name]
+        if info.type_name not in BLOCK_TYPES or len(info.shape) != 2:
+            return None
+        rows, cols = info.shape
+        q = decode_blocks(info.type_name, self.file.raw(gguf_name), rows, cols)  # copies
+        self.file.release(gguf_name)
+        order = self._row_order(hf, rows)
+        return q.permute_rows(order) if order is not None else q
+
+    def dense(self, hf: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor dequantized into ``dtype`` (one tensor's fp32 copy at a time)."""
+        gguf_name = self.names.get(hf)
+        if gguf_name is None:
+            raise KeyError(f"the GGUF file has no tensor for {hf}")
+        values = torch.from_numpy(np.array(self.file.dequantized(gguf_name)))  # owned: the map is read-only
+        self.file.release(gguf_name)
+        order = self._row_order(hf, values.shape[0])
+        if order is not None:
+            values = values[order]
+        return values.to(dtype).contiguous()
+
+    def resident_bytes(self, dtype_size: int) -> int:
+        """What the engine will hold for these weights: block-typed projections packed at about their size
+        in the file (Q8_0's fp16 scales become fp32: 36 bytes a block of 32 against 34), everything else
+        (the embedding, norms, projections of other types) dense in a ``dtype_size``-byte type."""
+        total = 0
+        for hf, gguf_name in self.names.items():  # a tied head is counted as the embedding and as the head
+            info = self.file.tensors[gguf_name]
+            if is_linear(hf) and info.type_name in BLOCK_TYPES:
+                total += info.nbytes * 36 // 34 if info.type_name == "Q8_0" else info.nbytes
+            else:
+                total += int(np.prod(info.shape, dtype=np.int64)) * dtype_size
+        return total
+
+    def blocks(self) -> BlockWeights:
+        return BlockWeights(self)
+
+    def stored_bytes(self, names: list[str] | None = None) -> int:
+        """Bytes of the file's tensors (all of them, or those named by HF name)."""
+        chosen = self.file.tensors.values() if names is None else (
+            self.file.tensors[self.names[n]] for n in names if n in self.names)
+        return sum(info.nbytes for info in chosen)
+
+
+class BlockWeights(Mapping[str, QuantizedWeight]):
+    """HF name -> the projection's blocks, decoded when the builder asks (and not kept here)."""
+
+    def __init__(self, weights: GgufWeights) -> None:
+        self._weights = weights
+        self._names = dict.fromkeys(n for n in weights.names if is_linear(n) and weights.type_of(n) in BLOCK_TYPES)
+
+    def __getitem__(self, name: str) -> QuantizedWeight:
+        q = self._weights.block_weight(name) if name in self._names else None
+        if q is None:
+            raise KeyError(name)
+        return q
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
