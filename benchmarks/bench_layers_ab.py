@@ -5,8 +5,9 @@
                                          [--loadgen-texts] [--every 5] [--reps 5]
 
 Runs bench_load_split's closed loop on the engine's defaults. Every ``--every``-th step, the decoder layers'
-one C call (cpu_forward.h) is run ``--reps`` more times by each build (the engine's own and one per
-``--variant``: the same sources compiled with FLAGS added, e.g. ``-DSOME_SWITCH=1``), the builds in a shuffled
+one C call (csrc/forward.c) is run ``--reps`` more times by each build (the engine's own and one per
+``--variant``: the benchmarks' library compiled with FLAGS added, e.g. ``-DFMA_WIDE_CHUNK=64``, any of
+engine/kernels/csrc/tuning.h's switches), the builds in a shuffled
 order each round and the step's residual stream put back before every run; then the engine's own build runs
 it for real, so the load's answers are the ones it gives without this bench. Per build: the sum over the
 sampled steps of each step's median time, for steps that prefill and decode-only steps, and its ratio to the
@@ -14,8 +15,9 @@ engine's build.
 
 Server runs of the same change differ by 5-10% from one minute to the next on a shared machine; here both
 builds see the same steps in the same seconds, and two identical builds came out within 0.4% of each other
-(AMD EPYC, 42 sampled steps). ``--split`` adds the builds that leave one group of kernels out
-(SPARK_SKIP_* in cpu_forward.h): one minus such a build's ratio is that group's share of the layers' time.
+(AMD EPYC, 42 sampled steps). ``--split`` adds runs of the benchmarks' layer loop that leave one group of
+kernels out (enum spark_forward_skip in forward.h): one minus such a run's ratio is that group's share of the
+layers' time.
 
 A measuring aid, not a bar: no verdict.
 """
@@ -32,12 +34,13 @@ from dataclasses import dataclass, field
 
 from benchmarks.bench_kernels import cpu_model
 from benchmarks.bench_load_split import add_load_arguments, run_load, warmed_engine
-from engine.kernels import CpuKernels, ForwardStep, build_library, find_compiler, open_library
+from benchmarks.kernel_bench import SKIP, bench_kernels, engine_march
+from engine.kernels import CpuKernels, ForwardStep
 
-SPLIT = [("without the linears", "-DSPARK_SKIP_LINEARS=1"),
-         ("without decode attention", "-DSPARK_SKIP_DECODE_ATTENTION=1"),
-         ("without prefill attention", "-DSPARK_SKIP_PREFILL_ATTENTION=1"),
-         ("without norms, RoPE, SiLU", "-DSPARK_SKIP_ELEMENTWISE=1")]
+SPLIT = [("without the linears", SKIP["linears"]),
+         ("without decode attention", SKIP["decode attention"]),
+         ("without prefill attention", SKIP["prefill attention"]),
+         ("without norms, RoPE, SiLU", SKIP["elementwise"])]
 KINDS = ("prefill", "decode")  # steps with a prompt chunk, decode-only steps
 
 
@@ -85,17 +88,28 @@ class LayersAB:
             build.seconds[kind] += statistics.median(times[build.name])
 
 
-def variant_builds(engine_kernels: CpuKernels, variants: list[tuple[str, str]]) -> list[Build]:
-    """The engine's own build first, then each variant compiled with its flags and set to the engine's linear path."""
-    cc = find_compiler()
-    if cc is None:
-        raise SystemExit("no C compiler: variant builds cannot be made")
+def variant_builds(engine_kernels: CpuKernels, variants: list[tuple[str, str]],
+                   split: list[tuple[str, int]]) -> list[Build]:
+    """The engine's own build first, then each variant (the benchmarks' library compiled with its flags for the
+    engine's target), then each split run (the benchmarks' library leaving its groups out); all on the
+    engine's linear path."""
+    march = engine_march(engine_kernels)
     builds = [Build("engine's build", engine_kernels.forward_layers)]
-    for name, flags in variants:
-        kernels = open_library(build_library(cc, extra_flags=tuple(flags.split())))
+
+    def on_engine_path(extra_flags: tuple[str, ...]):
+        bench = bench_kernels(extra_flags, march)
         if engine_kernels.linear_path is not None:
-            kernels.set_linear_path(engine_kernels.linear_path)
-        builds.append(Build(name, kernels.forward_layers))
+            bench.kernels.set_linear_path(engine_kernels.linear_path)
+        return bench
+
+    for name, flags in variants:
+        bench = on_engine_path(tuple(flags.split()))
+        builds.append(Build(name, bench.forward_layers))
+    if split:
+        bench = on_engine_path(())
+        for name, skip in split:
+            builds.append(Build(name, lambda layers, step, bench=bench, skip=skip: bench.forward_layers(layers, step,
+                                                                                                        skip)))
     return builds
 
 
@@ -128,8 +142,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=5, help="sample every N-th step")
     ap.add_argument("--reps", type=int, default=5, help="runs per build of each sampled step")
     args = ap.parse_args()
-    variants = args.variant + (SPLIT if args.split else [])
-    if not variants:
+    if not args.variant and not args.split:
         ap.error("nothing to compare: give --variant NAME=FLAGS or --split")
     if args.every < 1 or args.reps < 1:
         ap.error("--every and --reps are at least 1")
@@ -137,7 +150,7 @@ def main() -> None:
     kernels = engine.runner.model.kernels
     if kernels is None:
         raise SystemExit("no native kernels here (no compiler, or SPARK_NATIVE_KERNELS=0): nothing to compare")
-    builds = variant_builds(kernels, variants)
+    builds = variant_builds(kernels, args.variant, SPLIT if args.split else [])
     ab = LayersAB(builds, args.every, args.reps)
     kernels.forward_layers = ab  # this instance only: the engine's calls go through the comparison
     try:

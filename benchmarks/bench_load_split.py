@@ -13,7 +13,7 @@ next request when its last one finishes, `--requests` in all, distinct synthetic
   row for each token that needs logits) and of attention (each query against the keys before it), and the
   bytes a step must read (weights, the KV of decoding rows);
 - the ceiling: each step at the larger of its multiply-adds at this CPU's arithmetic peak for the kernels'
-  own instructions (``spark_dot_peak``: the linears' dot products or FMAs, the greedy head's vpdpbusd) and
+  own instructions (``spark_bench_dot_peak``: the linears' dot products or FMAs, the greedy head's vpdpbusd) and
   its bytes at the plain-read bandwidth, summed over the steps: the output tokens a second no kernel with
   these instructions and this arithmetic could beat here.
 
@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_kernels import best_of, cpu_model
+from benchmarks.kernel_bench import bench_kernels, engine_march
 from benchmarks.common import token_requests, wait_for_kv_pool
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -112,8 +113,9 @@ def measure_peaks(engine: LLMEngine, kinds: set[str]) -> Peaks:
     peaks = Peaks()
     if kernels is None:
         return peaks
+    bench = bench_kernels(march=engine_march(kernels))  # the measuring-only entry points (a compiled library)
     for kind in kinds:
-        rate = kernels.dot_peak(kind)
+        rate = bench.dot_peak(kind)
         if rate:
             peaks.rates[kind] = rate
     buffer = torch.ones(64 << 20, dtype=torch.float64)  # 512 MB: far past any cache

@@ -1,4 +1,4 @@
-"""Random sampling: the fused kernel (cpu_sampling.h) against the torch path it replaced, same run.
+"""Random sampling: the fused kernel (csrc/sampling.c) against the torch path it replaced, same run.
 
     python -m benchmarks.bench_sampling
 

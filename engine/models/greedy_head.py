@@ -1,5 +1,5 @@
 """Greedy picks without the full head: int8 logits with a proven bound, then the few tokens the bound cannot
-rule out computed exactly (engine/kernels/cpu_greedy_head.h has the arithmetic and the proof).
+rule out computed exactly (engine/kernels/csrc/greedy_head.c has the arithmetic and the proof).
 
 At 32 decode rows the head (49,152 x 576) is ~10% of a step on the FMA path; greedy rows need only their
 largest logit. The kernel's int8 x int8 logits cost a quarter of the arithmetic; every token whose bound

@@ -117,7 +117,7 @@ def test_starts_on_a_cold_cache_compile_the_kernels_once(tmp_path):
         built = list(pool.map(lambda _: build_library(str(cc), "-march=x86-64-v2", tmp_path / "kernels"), range(3)))
     assert len(set(built)) == 1 and built[0].exists()
     units = len(UNITS)
-    assert units == 2
+    assert units >= 2
     assert runs.read_text().split() == ["start-compile"] * units + ["end-compile"] * units + ["start-link", "end-link"]
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import EngineConfig
-from engine.kernels import build_library, find_compiler, load_cpu_kernels, open_library
+from engine.kernels import load_cpu_kernels, load_target
 from engine.llm_engine import LLMEngine
 from engine.models.llama import rms_norm
 from engine.request import GenerationRequest, TokensPrompt
@@ -33,14 +33,13 @@ DTYPES = [torch.bfloat16, torch.float32]
 
 @pytest.fixture(scope="module", params=["native", "portable"])
 def kern(request):
-    """The build the engine uses, and one for a CPU without AVX-512 (the plain-C loops)."""
+    """The library the engine picked, and the portable one (what a CPU without AVX2 runs: the plain-C loops)."""
     if request.param == "native":
         lib = kernels
     elif platform.machine() != "x86_64":
         pytest.skip("the portable build is an x86-64 baseline")
     else:
-        # cached beside the native build (its file name carries the flags)
-        lib = open_library(build_library(find_compiler(), "-march=x86-64-v2"))
+        lib = load_target("portable")
     with kernel_threads(lib):
         yield lib
 
@@ -317,9 +316,11 @@ def _fused_equals_torch_on_mixed_batches(engine: LLMEngine) -> None:
 
 
 def test_engine_runs_without_the_kernels_when_disabled(tmp_path):
+    """Disabled, or neither an installed library nor a compiler: no kernels, and the engine still starts."""
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout);"
             "from engine.kernels import load_cpu_kernels; print('KERNELS', load_cpu_kernels())")
-    for env in ({"SPARK_NATIVE_KERNELS": "0"}, {"CC": "/bin/false", "SPARK_CACHE_DIR": str(tmp_path)}):
+    no_libs = {"CC": "/bin/false", "SPARK_CACHE_DIR": str(tmp_path), "SPARK_KERNELS_LIB_DIR": str(tmp_path / "none")}
+    for env in ({"SPARK_NATIVE_KERNELS": "0"}, no_libs):
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                               env={**os.environ, **env, "PATH": "/nonexistent" if "CC" in env else os.environ["PATH"]})
         assert proc.returncode == 0, proc.stderr

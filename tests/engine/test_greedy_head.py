@@ -1,4 +1,4 @@
-"""The greedy head (engine/models/greedy_head.py, cpu_greedy_head.h): its bound holds, and its picks are the
+"""The greedy head (engine/models/greedy_head.py, csrc/greedy_head.c): its bound holds, and its picks are the
 full head's argmax, on random heads and through the real model's greedy generation."""
 
 from __future__ import annotations

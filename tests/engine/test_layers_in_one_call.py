@@ -1,4 +1,4 @@
-"""The decoder layers in one C call (engine/kernels/cpu_forward.h) compute what the per-kernel Python loop
+"""The decoder layers in one C call (engine/kernels/csrc/forward.c) compute what the per-kernel Python loop
 computes, bit for bit, step by step: decode-only steps, prefill chunks beside decoding streams, 4-bit,
 bf16 and biased projections; and the forward leaves the one-call loop whenever a layer stops being the
 fused kernels' own work (reference linears swapped in, a oneDNN fallback for large batches)."""

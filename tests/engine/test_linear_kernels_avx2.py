@@ -1,6 +1,6 @@
-"""The packed linears' AVX2 path (engine/kernels/cpu_linear_avx2.h), built here for x86-64-v3 (AVX2, FMA,
-F16C, no AVX-512) whatever this CPU has beyond that, so the path CPUs without AVX-512 run is tested on
-the AVX-512 machines CI runs on too. Against the slow reference (dequantize to fp32, then matmul), and
+"""The packed linears' AVX2 path (engine/kernels/csrc/linear_avx2.inc), in the avx2 target's library (x86-64-v3:
+AVX2, FMA, F16C, no AVX-512) whatever this CPU has beyond that, so the path CPUs without AVX-512 run is tested
+on the AVX-512 machines CI runs on too. Against the slow reference (dequantize to fp32, then matmul), and
 a row's output must not depend on how many rows came with it (a lone decode row and the same row in a
 batch give the same bits).
 """
@@ -12,11 +12,10 @@ import platform
 import pytest
 import torch
 
-from engine.kernels import CpuKernels, _cpu_flags, build_library, find_compiler, open_library
+from engine.kernels import CpuKernels, _cpu_flags, find_compiler, installed_state, load_target
 from tests.engine.test_linear_kernels import SHAPES, _reference, _tolerance, _weights
 from tests.engine.threads import kernel_threads
 
-AVX2_MARCH = "-march=x86-64-v3"
 KINDS = ["bf16", "i8", "i8-groups", "u4"]
 
 
@@ -27,10 +26,10 @@ def _avx2_capable() -> bool:
 
 @pytest.fixture(scope="module")
 def avx2_kernels() -> CpuKernels:
-    cc = find_compiler()
-    if cc is None or not _avx2_capable():
-        pytest.skip("needs a C compiler and an x86 CPU with AVX2, FMA and F16C")
-    kern = open_library(build_library(cc, AVX2_MARCH))
+    have_library = "avx2" in installed_state()[1] or find_compiler() is not None
+    if not have_library or not _avx2_capable():
+        pytest.skip("needs the avx2 kernel library (or a C compiler) and an x86 CPU with AVX2, FMA and F16C")
+    kern = load_target("avx2")
     with kernel_threads(kern):
         yield kern
 

@@ -1,4 +1,4 @@
-"""The fused sampling kernel (cpu_sampling.h) draws as engine/sampler.py's torch path defines it.
+"""The fused sampling kernel (csrc/sampling.c) draws as engine/sampler.py's torch path defines it.
 
 Each draw is checked against the reference's own inverse CDF: the picked token must have probability in
 the reference (temperature, top-k, top-p over the top-k survivors, min-p) and u must fall in its interval of

@@ -1,43 +1,36 @@
 /*
- * Fused CPU kernels for the Llama-family forward: the parts between the linear layers and the whole
- * layer loop in one call (cpu_forward.h). The packed linears are their own unit (cpu_linear.c), compiled
- * beside this one; cpu_common.h is what both share.
+ * The kernels between a Llama-family layer's linears (declared in layer_ops.h): norms, activation, RoPE with
+ * the KV cache write, decode and prefill attention over the paged cache, the multi-LoRA expand. The packed
+ * linears are linear.c; the whole layer loop in one call is forward.c.
  *
  * At batch 1 a decode step is ~1,000 tiny torch ops (norms, RoPE, cache writes, attention,
  * activation), each costing more in dispatch than in arithmetic; here each is one call per layer.
- * Plain C, compiled at first use by engine/kernels/__init__.py with the machine's compiler; when none
- * is there, the engine keeps its pure-torch path.
  *
  * Rounding follows the torch path op by op (each elementwise op rounds to the model dtype, as torch
  * does), so norms, RoPE and the activation give the same bits. Decode attention keeps scores and
  * probabilities in fp32 (torch rounds them to bf16 between the matmuls): slightly more accurate.
  * Prefill attention keeps the scores in fp32 and, in bf16, rounds the probabilities as torch does, so
- * that P @ V runs on bf16 dot products (cpu_prefill_attention.h).
+ * that P @ V runs on bf16 dot products (prefill_attention_bf16.inc).
  *
  * Built with -ffp-contract=off: a fused multiply-add would round differently from torch.
- * Every function exists twice, for bf16 (uint16_t storage) and fp32: cpu_kernels_impl.h is included
- * once per dtype.
+ * Every function exists twice, for bf16 (uint16_t storage) and fp32: layer_ops_dtype.inc, a part of this
+ * file rather than a header, is compiled here once per dtype.
  */
 
-#include "cpu_common.h"
+#include "layer_ops.h"
 
 #include <unistd.h>
 
-int spark_prefill_attention_fma = 0; /* see cpu_common.h */
+#include "common.h"
 
-#define MAX_HEAD_DIM 256
-#define MAX_GROUP 16
+#define MAX_HEAD_DIM SPARK_MAX_HEAD_DIM
+#define MAX_GROUP SPARK_MAX_GROUP
 #define PF_TILE_ROWS 96 /* prefill attention: ~rows (queries x G) per tiled task, over which K/V repacking is spread */
 /* Norm, activation and RoPE split rows between the threads from this many rows: at 8-32 rows, 30 layers'
  * worth took 0.88 -> 0.64 ms (8 rows) and 2.81 -> 1.70 ms (32 rows) against a threshold of 64 (AMD EPYC);
  * below 8 a barrier costs about what a second thread saves. */
 #define ELEMENTWISE_PARALLEL_ROWS 8
 #define LORA_CHUNK 2048 /* outputs per pass of the LoRA expand (its fp32 accumulator lives on the stack) */
-/* 0: decode attention's draft rows prefetch their own K and V as first rows do (the A/B build of
- * benchmarks/bench_layers_ab.py --variant). */
-#ifndef SPARK_DRAFT_ROWS_CACHED
-#define SPARK_DRAFT_ROWS_CACHED 1
-#endif
 
 static inline float f32_load(float v) { return v; }
 static inline float f32_store(float v) { return v; }
@@ -45,44 +38,7 @@ static inline float f32_store(float v) { return v; }
 static inline float bf16_round(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 static inline float f32_round(float v) { return v; }
 
-/* e^x for x in [-87, 88] (clamped there), in a form the compiler vectorises (glibc's expf is not
- * without -ffast-math). Cody-Waite reduction and a degree-6 polynomial (Cephes): within 2 ulp of
- * expf. n = round(x / ln2) by the 1.5 * 2^23 trick, so no floorf call. */
-static inline float exp_clamped(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
 #if defined(__AVX512F__)
-/* 16 lanes of exp_clamped. */
-static inline __m512 exp_clamped_v(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f),
-                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 
 /* f32_to_bf16 on 16 lanes (round to nearest even, NaN kept NaN and quiet), each result in the low half
@@ -96,7 +52,7 @@ static inline __m512i f32_to_bf16_v(__m512 v) {
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-/* round(silu(g)) on 16 lanes, as the scalar loop in cpu_kernels_impl.h computes it but with exp_clamped_v (its
+/* round(silu(g)) on 16 lanes, as the scalar loop in layer_ops_dtype.inc computes it but with exp_clamped_v (its
  * fused multiply-adds round differently from exp_clamped's separate ones: within 2 ulp of expf, like it). */
 static inline __m512i silu16_bf16(__m512 g) {
     const __m512 e = exp_clamped_v(_mm512_sub_ps(_mm512_setzero_ps(), g));
@@ -226,10 +182,10 @@ static inline __attribute__((always_inline)) void qk_scores_bf16(
     }
 }
 
-#include "cpu_prefill_attention.h"
+#include "prefill_attention_bf16.inc" /* a part of this file: the tiles the bf16 prefill runs */
 #endif
 
-/* The kernels, once per storage dtype (cpu_kernels_impl.h is written against T, LOAD, STORE, ROUND). */
+/* The kernels, once per storage dtype (layer_ops_dtype.inc is written against T, LOAD, STORE, ROUND). */
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 #define FN(name) CAT(name, SFX)
@@ -244,7 +200,7 @@ static inline __attribute__((always_inline)) void qk_scores_bf16(
 #if defined(SILU_MUL_ROW_BF16)
 #define SILU_MUL_ROW SILU_MUL_ROW_BF16
 #endif
-#include "cpu_kernels_impl.h"
+#include "layer_ops_dtype.inc"
 #undef SILU_MUL_ROW
 #undef QK_RAW_BF16
 #undef LOAD16
@@ -260,86 +216,5 @@ static inline __attribute__((always_inline)) void qk_scores_bf16(
 #define STORE f32_store
 #define ROUND f32_round
 #define LOAD16 load16_f32
-#include "cpu_kernels_impl.h"
+#include "layer_ops_dtype.inc"
 
-#include "cpu_forward.h"
-
-/* counts[r] = how many entries of logits row r equal the row's maximum (1 when the top is unique). */
-void count_top_ties(const float *logits, int64_t rows, int64_t vocab, int64_t *counts) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = logits + r * vocab;
-        float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-        for (int64_t i = 0; i < vocab; i++) mx = row[i] > mx ? row[i] : mx;
-        int64_t n = 0;
-#pragma omp simd reduction(+ : n)
-        for (int64_t i = 0; i < vocab; i++) n += row[i] == mx;
-        counts[r] = n;
-    }
-}
-
-/* out[r] = torch.argmax of logits row r: the first maximum, or the first NaN where there is one. Vectorised
- * max, then a scan for its first position, a vectorised test per chunk before any scalar step (torch's CPU
- * argmax runs ~20x slower than its max; a plain scalar scan took most of the call). Rows split between the
- * threads from ARGMAX_PARALLEL_ROWS. */
-#define ARGMAX_SCAN_CHUNK 256
-#define ARGMAX_PARALLEL_ROWS 4
-/* The first index of row that equals mx, or with nan the first NaN; a vectorised test per chunk first (one
- * comparison per loop: a choice between two inside it kept the loop scalar). */
-static int64_t first_match(const float *row, int64_t vocab, float mx, int nan) {
-    for (int64_t c = 0; c < vocab; c += ARGMAX_SCAN_CHUNK) {
-        const int64_t end = c + ARGMAX_SCAN_CHUNK < vocab ? c + ARGMAX_SCAN_CHUNK : vocab;
-        int hit = 0;
-        if (nan) {
-#pragma omp simd reduction(| : hit)
-            for (int64_t i = c; i < end; i++) hit |= row[i] != row[i];
-        } else {
-#pragma omp simd reduction(| : hit)
-            for (int64_t i = c; i < end; i++) hit |= row[i] == mx;
-        }
-        if (hit)
-            for (int64_t i = c; i < end; i++)
-                if (nan ? row[i] != row[i] : row[i] == mx) return i;
-    }
-    return vocab - 1; /* unreachable: the maximum (or a NaN) is in the row */
-}
-
-void argmax_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *out) {
-#pragma omp parallel for schedule(static) if (rows >= ARGMAX_PARALLEL_ROWS)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = logits + r * vocab;
-        float mx = -INFINITY;
-        int nan = 0;
-#pragma omp simd reduction(max : mx) reduction(| : nan)
-        for (int64_t i = 0; i < vocab; i++) {
-            mx = row[i] > mx ? row[i] : mx;
-            nan |= row[i] != row[i];
-        }
-        out[r] = first_match(row, vocab, mx, nan);
-    }
-}
-
-#include "cpu_sampling.h"
-
-/* Structured output: for each listed row, every token whose bit is 0 in that row's mask becomes -inf
-   (tokens past the mask's width too). mask: n rows of `words` 32-bit words, bit t of word w = token 32w+t. */
-void apply_token_bitmask(float *logits, int64_t vocab, const int32_t *mask, int64_t words, const int64_t *rows,
-                         int64_t n) {
-    int64_t covered = words * 32 < vocab ? words * 32 : vocab;
-    for (int64_t i = 0; i < n; i++) {
-        float *row = logits + rows[i] * vocab;
-        const uint32_t *m = (const uint32_t *)(mask + i * words);
-        for (int64_t w = 0; w * 32 < covered; w++) {
-            uint32_t bits = m[w];
-            if (bits == 0xFFFFFFFFu) continue;
-            int64_t base = w * 32, end = base + 32 < covered ? base + 32 : covered;
-            for (int64_t t = base; t < end; t++)
-                if (!((bits >> (t - base)) & 1u)) row[t] = -INFINITY;
-        }
-        for (int64_t t = covered; t < vocab; t++) row[t] = -INFINITY;
-    }
-}
-
-int spark_kernels_abi_version(void) { return 10; }
-int spark_kernels_max_head_dim(void) { return MAX_HEAD_DIM; }
-int spark_kernels_max_group(void) { return MAX_GROUP; }

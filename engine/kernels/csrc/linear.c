@@ -21,12 +21,16 @@
  * Exactness: x is bf16 and the codes are small integers, both exact in bf16, so with AVX512-BF16
  * each product x * q is exact in fp32 and the scale is applied to the group's fp32 sum:
  * sum x (d q + m) = d * sum x q + m * sum x. The result equals dequantize-to-fp32-then-matmul up
- * to the order of fp32 additions. A second fast path (cpu_linear_fma.h) widens the stored values to
+ * to the order of fp32 additions. A second fast path (linear_fma.inc) widens the stored values to
  * fp32 and uses fp32 FMAs instead of bf16 dot products: the start-up measurement picks it where it
  * is faster (CPUs whose vdpbf16ps issues slowly) and it is the fast path where AVX-512F has no BF16.
  * Without AVX-512 the same arithmetic runs in plain C (vectorised by the compiler for the machine's
  * own instruction set).
  */
+
+#include "linear.h"
+
+#include "common.h"
 
 #define TILE_N 16
 #define ROWS_PER_PASS 8 /* rows of x per pass over a tile's weights (register-resident accumulators) */
@@ -39,36 +43,10 @@
 
 enum { WFMT_BF16 = 0, WFMT_U4 = 1, WFMT_I8 = 2 };
 
-/* The weights a thread streams next, asked for a share at a time while it works on the tile pair in hand.
- * A pass over 32 rows reads a tile pair once from memory and three more times from cache, so without this
- * the memory sits idle for three passes and the next pair starts on cold lines; a single pass of 4-8 rows
- * reads two tiles' streams at once, and the hardware prefetcher kept too little ahead of them. Spreading
- * the next pair's lines over every share (lookahead_shares) of every pass keeps one steady stream one pair ahead. */
-struct lookahead {
-    const uint8_t *base; /* NULL: nothing to prefetch */
-    int64_t len;         /* bytes from base */
-    int64_t part;        /* this pass's first share */
-    int64_t parts;       /* shares in all: passes x lookahead_shares */
-};
-
-static inline struct lookahead lookahead_of(const uint8_t *next, int64_t len, const uint8_t *end) {
-    const int64_t left = next < end ? end - next : 0;
-    struct lookahead la = {left > 0 ? next : NULL, len < left ? len : left, 0, 1};
-    return la;
-}
-
 /* A pass's shares: one per group for 4-bit tiles, one per 32 inputs for the others (a bf16 or per-channel
  * int8 tile is one group of every input, and asking for its whole next tile at once ran 1.3-1.6x slower). */
 static inline int64_t lookahead_shares(int fmt, int64_t K, int64_t G) {
     return fmt == WFMT_U4 ? K / G : (K + 31) / 32;
-}
-
-/* Share part + g of the lookahead's lines into L2. */
-static inline void prefetch_share(const struct lookahead *la, int64_t g) {
-    if (!la->base) return;
-    const int64_t i = la->part + g, lo = la->len * i / la->parts & ~(int64_t)63;
-    const int64_t hi = i + 1 == la->parts ? la->len : la->len * (i + 1) / la->parts & ~(int64_t)63;
-    for (int64_t off = lo; off < hi; off += 64) __builtin_prefetch((const char *)la->base + off, 0, 2);
 }
 
 static inline int64_t tile_group_bytes(int fmt, int64_t G) {
@@ -844,21 +822,12 @@ static void tiles_q8_fast(int NT, const int8_t *xq, const float *xs, int64_t r0,
 #endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 #define LINEAR_ISA 1
-#include "cpu_linear_avx2.h"
+#include "linear_avx2.inc" /* a part of this file: the AVX2 tiles */
 #else
 #define LINEAR_ISA 0
 #endif
 
-#include "cpu_linear_fma.h"
-
-/* Which fast path runs the linears (bf16 activations): AVX512-BF16 dot products or fp32 FMAs. One
- * choice for the process, made at start by timing both (spark_linear_set_path). */
-enum { LINEAR_PATH_DOT = 0, LINEAR_PATH_FMA = 1 };
-#if LINEAR_ISA == 2
-static int linear_path = LINEAR_PATH_DOT;
-#else
-static int linear_path = LINEAR_PATH_FMA;
-#endif
+#include "linear_fma.inc" /* a part of this file: the fp32 FMA tiles (AVX-512F) */
 
 /* Whether row r of M needs prepare_row: every row, except on the FMA path, which reads a row's u4 group
  * sums only where it folds them (fma_row_folds_sums; int8 activations do not run there). */
@@ -873,30 +842,34 @@ static inline int row_needs_prep(int fma, int64_t r, int64_t M) {
 /* y = x @ W^T (+ bias) for one packed weight. x: bf16 [M, K] with row stride ldx; y: [M, N] bf16
  * (or fp32 when y_f32) with row stride ldy. K must be a multiple of G, and G of 32 (u4) or 2.
  * act_int8 (u4 weights only): x is quantized to int8 per block of 32 first (see quantize_row_q8). */
-void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
-                  int64_t G, const float *bias, void *y, int64_t ldy, int y_f32, int act_int8, int portable,
-                  int num_threads) {
+int spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
+                 int64_t G, const float *bias, void *y, int64_t ldy, int y_f32, int act_int8, int path,
+                 int num_threads) {
+    if (path != SPARK_PATH_PORTABLE && !(spark_linear_paths() >> path & 1)) return SPARK_ERR_UNSUPPORTED;
+    const int portable = path == SPARK_PATH_PORTABLE;
+    (void)portable; /* the portable build has no other path */
     /* No rows (a step whose prompt chunks all end short of their last token asks the head for no logits):
      * nothing to compute, and the FMA path's panel width would be 0. */
-    if (M <= 0 || N <= 0) return;
+    if (M <= 0 || N <= 0) return SPARK_OK;
     const int64_t tiles = (N + TILE_N - 1) / TILE_N;
     const int64_t tile_bytes = (K / G) * tile_group_bytes(fmt, G);
     const uint8_t *w_end = w + tiles * tile_bytes;
+    (void)w_end; /* read by the AVX-512 paths' lookahead only */
     float *sums = NULL, *xs = NULL, *xf = NULL;
     int8_t *xq = NULL;
     act_int8 = act_int8 && fmt == WFMT_U4;
     if (fmt == WFMT_U4) {
         sums = (float *)malloc((size_t)(M * (K / G)) * sizeof(float));
-        if (!sums) return;
+        if (!sums) return SPARK_ERR_NOMEM;
     }
 #if defined(LINEAR_FMA)
-    if (!portable && !act_int8 && linear_path == LINEAR_PATH_FMA) {
+    if (!portable && !act_int8 && path == SPARK_PATH_FMA) {
         /* 64-byte aligned: a 16-row panel holds each input in one cache line */
         const int64_t P = FMA_PANEL_WIDTH(M);
         xf = (float *)aligned_alloc(64, (size_t)(((M + P - 1) / P * P * K * 4 + 63) / 64 * 64));
         if (!xf) {
             free(sums);
-            return;
+            return SPARK_ERR_NOMEM;
         }
     }
 #endif
@@ -905,7 +878,7 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
         xf = (float *)malloc((size_t)(M * K) * sizeof(float));
         if (!xf) {
             free(sums);
-            return;
+            return SPARK_ERR_NOMEM;
         }
     }
 #endif
@@ -914,7 +887,7 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
         xs = (float *)malloc((size_t)(M * (K / QBLOCK) * QFIELDS) * sizeof(float));
         if (!xq || !xs) {
             free(xq), free(xs), free(sums);
-            return;
+            return SPARK_ERR_NOMEM;
         }
     }
     /* A few rows' group sums (and int8 codes) here; many rows' split between the threads below (a
@@ -1031,18 +1004,22 @@ void spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
     free(xq);
     free(xs);
     free(xf);
+    return SPARK_OK;
 }
 
 /* Several linears back to back in one call: `count` descriptors of 13 int64 each, spark_linear's
- * arguments in order (pointers as integers) less portable and num_threads. bench_kernels.py times a
- * whole pass of the model's projections this way, without an interpreter call between them. */
-void spark_linear_many(int64_t count, const int64_t *desc, int num_threads) {
+ * arguments in order (pointers as integers) less path and num_threads. The start-up rate measurement
+ * and bench_kernels.py time a whole pass of the model's projections this way, without an interpreter
+ * call between them. Stops at the first failure and returns it. */
+int spark_linear_many(int64_t count, const int64_t *desc, int path, int num_threads) {
     for (int64_t i = 0; i < count; i++) {
         const int64_t *d = desc + 13 * i;
-        spark_linear((int)d[0], (const uint16_t *)(intptr_t)d[1], d[2], d[3], d[4], (const uint8_t *)(intptr_t)d[5],
-                     d[6], d[7], (const float *)(intptr_t)d[8], (void *)(intptr_t)d[9], d[10], (int)d[11], (int)d[12], 0,
-                     num_threads);
+        const int status = spark_linear((int)d[0], (const uint16_t *)(intptr_t)d[1], d[2], d[3], d[4],
+                                        (const uint8_t *)(intptr_t)d[5], d[6], d[7], (const float *)(intptr_t)d[8],
+                                        (void *)(intptr_t)d[9], d[10], (int)d[11], (int)d[12], path, num_threads);
+        if (status != SPARK_OK) return status;
     }
+    return SPARK_OK;
 }
 
 /* Whether int8 activations have their VNNI path in this build (else they run on portable C). */
@@ -1057,88 +1034,18 @@ int spark_linear_int8_act_fast(void) {
 /* Which fast path this build has: 2 = AVX512-BF16 (and AVX-512F FMAs), 1 = AVX2 FMAs, 0 = portable C only. */
 int spark_linear_isa(void) { return LINEAR_ISA; }
 
-/* The fast paths this build has, as bits: 1 << LINEAR_PATH_DOT (AVX512-BF16), 1 << LINEAR_PATH_FMA (AVX-512F). */
+/* The fast paths this build has, as bits of enum spark_linear_path: 1 << SPARK_PATH_DOT (AVX512-BF16),
+ * 1 << SPARK_PATH_FMA (fp32 FMAs on AVX-512F or AVX2). SPARK_PATH_PORTABLE, which every build has, is not
+ * among them. */
 int spark_linear_paths(void) {
     int paths = 0;
 #if LINEAR_ISA == 2
-    paths |= 1 << LINEAR_PATH_DOT;
+    paths |= 1 << SPARK_PATH_DOT;
 #endif
 #if defined(LINEAR_FMA) || defined(LINEAR_AVX2)
-    paths |= 1 << LINEAR_PATH_FMA;
+    paths |= 1 << SPARK_PATH_FMA;
 #endif
     return paths;
-}
-
-/* Chooses the path for every later call (one the build has; else nothing changes). Returns the path now. */
-int spark_linear_set_path(int path) {
-    if (path >= 0 && path <= LINEAR_PATH_FMA && (spark_linear_paths() >> path & 1)) linear_path = path;
-    spark_prefill_attention_fma = linear_path == LINEAR_PATH_FMA; /* the same fact decides both: which is faster here */
-    return linear_path;
-}
-
-/* The arithmetic ceiling of a fast path on this CPU: `rounds` of 12 independent register-resident
- * instructions a thread, nothing from memory: vdpbf16ps (kind 0: 32 multiply-adds each, the dot path),
- * fp32 FMAs (kind 1: 16, the FMA path) or vpdpbusd (kind 2: 64, the greedy head's int8 logits). Returns the
- * multiply-adds done, 0 where the build lacks the instruction. bench_load_split.py divides a load's
- * multiply-adds by this rate: how fast its arithmetic could possibly run here. */
-#define PEAK_CHAINS 12
-double spark_dot_peak(int kind, int64_t rounds, int num_threads) {
-    double done = 0.0;
-    float total = 0.f; /* the chains' sums, kept live so the loops are not optimised away */
-#pragma omp parallel num_threads(num_threads) reduction(+ : done, total)
-    {
-        float out = 0.f;
-#if LINEAR_ISA == 2
-        if (kind == 0) {
-            __m512 acc[PEAK_CHAINS];
-            for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = _mm512_set1_ps((float)i);
-            __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3800);
-            for (int64_t k = 0; k < rounds; k++) {
-#pragma GCC unroll 12
-                for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-                __asm__ volatile("" : "+v"(a), "+v"(b)); /* the inputs stay opaque: nothing folds away */
-            }
-            for (int i = 1; i < PEAK_CHAINS; i++) acc[0] = _mm512_add_ps(acc[0], acc[i]);
-            out = _mm512_reduce_add_ps(acc[0]);
-            done += (double)rounds * PEAK_CHAINS * 32;
-        }
-#endif
-#if defined(__AVX512F__)
-        if (kind == 1) {
-            __m512 acc[PEAK_CHAINS];
-            for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = _mm512_set1_ps((float)i);
-            __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
-            for (int64_t k = 0; k < rounds; k++) {
-#pragma GCC unroll 12
-                for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
-                __asm__ volatile("" : "+v"(a), "+v"(b));
-            }
-            for (int i = 1; i < PEAK_CHAINS; i++) acc[0] = _mm512_add_ps(acc[0], acc[i]);
-            out = _mm512_reduce_add_ps(acc[0]);
-            done += (double)rounds * PEAK_CHAINS * 16;
-        }
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-        if (kind == 2) {
-            __m512i acc[PEAK_CHAINS];
-            for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = _mm512_set1_epi32(i);
-            __m512i a = _mm512_set1_epi8(1), b = _mm512_set1_epi8(2);
-            for (int64_t k = 0; k < rounds; k++) {
-#pragma GCC unroll 12
-                for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
-                __asm__ volatile("" : "+v"(a), "+v"(b));
-            }
-            for (int i = 1; i < PEAK_CHAINS; i++) acc[0] = _mm512_add_epi32(acc[0], acc[i]);
-            out = (float)_mm512_reduce_add_epi32(acc[0]);
-            done += (double)rounds * PEAK_CHAINS * 64;
-        }
-#endif
-        total += out;
-    }
-    volatile float sink = total;
-    (void)sink;
-    (void)rounds;
-    return done;
 }
 
 /* Sum of every 64-bit word of a buffer, split between the threads: the plain-read bandwidth that

@@ -22,6 +22,10 @@
  * EPYC. Feeding x to vpdpbusd as an embedded {1to16} broadcast was no faster than a register broadcast
  * shared by two tiles.)
  */
+#include "greedy_head.h"
+
+#include "common.h"
+
 #define GH_META 32 /* floats of meta per tile and block: d[16], A[16] */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
@@ -58,7 +62,7 @@ static inline __mmask16 banned_lanes(const int64_t *ban_off, const int64_t *ban_
 /* Rows [r0, r0 + RB) against NT adjacent tiles (1 or 2): approx + bound into hi, and approx - bound into the
  * rows' running lane-wise maxima best16 [M, 16] (banned tokens -inf in both). Two tiles a pass share each
  * broadcast input quad (loads per vpdpbusd 0.75 instead of 1.125 at 8 rows against one). With ASK, the next
- * tiles' codes and meta are asked for, a share a block (struct lookahead, cpu_linear.h). */
+ * tiles' codes and meta are asked for, a share a block (struct lookahead, common.h). */
 static inline __attribute__((always_inline)) void greedy_head_tile_rows(
     const int RB, const int NT, const int ASK, const int8_t *xq, const float *scale, const float *amax,
     const int32_t *xstart, int64_t r0, int64_t K, const uint8_t *codes, const float *meta, int64_t n0, int64_t N,
@@ -198,21 +202,22 @@ int spark_greedy_head_fast(void) {
 
 /* hi [M, N] = the approximate logits of x [M, K] (bf16, row stride ldx) plus their bound; best [M] = each
  * row's largest approximate logit minus its bound. Row r's banned tokens, ban_ids[ban_off[r] .. ban_off[r + 1]],
- * are -inf in hi and left out of best. codes, meta: the repacked head (see the header). Returns 0, or -1
- * where this build has no VNNI path or scratch could not be had. */
+ * are -inf in hi and left out of best. codes, meta: the repacked head (see the top of this file). Returns
+ * SPARK_OK; SPARK_ERR_UNSUPPORTED where this build has no VNNI path or K is not a multiple of 32;
+ * SPARK_ERR_NOMEM where scratch could not be had. */
 int spark_greedy_head_bounds(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *codes,
                              const float *meta, int64_t N, float *hi, float *best, const int64_t *ban_off,
                              const int64_t *ban_ids, int num_threads) {
 #if defined(GREEDY_HEAD_FAST)
-    if (M <= 0 || N <= 0) return 0;
-    if (K % 32) return -1;
+    if (M <= 0 || N <= 0) return SPARK_OK;
+    if (K % 32) return SPARK_ERR_UNSUPPORTED;
     const int64_t blocks = K / 32, tiles = (N + 15) / 16;
     int8_t *xq = malloc((size_t)(M * K));
     float *scale = malloc((size_t)(M * blocks) * sizeof(float)), *amax = malloc((size_t)(M * blocks) * sizeof(float));
     int32_t *xstart = malloc((size_t)(M * blocks) * sizeof(int32_t));
     if (!xq || !scale || !amax || !xstart) {
         free(xq), free(scale), free(amax), free(xstart);
-        return -1;
+        return SPARK_ERR_NOMEM;
     }
     for (int64_t r = 0; r < M; r++) {
         greedy_head_quantize_row(x + r * ldx, K, xq + r * K, scale + r * blocks, amax + r * blocks,
@@ -251,11 +256,11 @@ int spark_greedy_head_bounds(const uint16_t *x, int64_t M, int64_t K, int64_t ld
         free(best16);
     }
     free(xq), free(scale), free(amax), free(xstart);
-    return failed ? -1 : 0;
+    return failed ? SPARK_ERR_NOMEM : SPARK_OK;
 #else
     (void)x, (void)M, (void)K, (void)ldx, (void)codes, (void)meta, (void)N, (void)hi, (void)best, (void)ban_off,
         (void)ban_ids, (void)num_threads;
-    return -1;
+    return SPARK_ERR_UNSUPPORTED;
 #endif
 }
 

@@ -18,6 +18,10 @@
  * differ from the torch path's only where u lands within rounding of a boundary between two tokens.
  */
 
+#include "sampling.h"
+
+#include "common.h"
+
 #define SAMPLE_CHUNK 256      /* the draw's scan sums this many weights before stepping through them */
 #define SAMPLE_WEIGHT_FLOOR -87.0f
 
@@ -180,6 +184,80 @@ static int64_t sample_one_row(float *l, int64_t V, float mx, int64_t top_k, floa
     return cand[draw_index(w, keep, u * weight_total(w, keep))].index;
 }
 
+/* counts[r] = how many entries of logits row r equal the row's maximum (1 when the top is unique). */
+void count_top_ties(const float *logits, int64_t rows, int64_t vocab, int64_t *counts) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = logits + r * vocab;
+        float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+        for (int64_t i = 0; i < vocab; i++) mx = row[i] > mx ? row[i] : mx;
+        int64_t n = 0;
+#pragma omp simd reduction(+ : n)
+        for (int64_t i = 0; i < vocab; i++) n += row[i] == mx;
+        counts[r] = n;
+    }
+}
+
+/* out[r] = torch.argmax of logits row r: the first maximum, or the first NaN where there is one. Vectorised
+ * max, then a scan for its first position, a vectorised test per chunk before any scalar step (torch's CPU
+ * argmax runs ~20x slower than its max; a plain scalar scan took most of the call). Rows split between the
+ * threads from ARGMAX_PARALLEL_ROWS. */
+#define ARGMAX_SCAN_CHUNK 256
+#define ARGMAX_PARALLEL_ROWS 4
+/* The first index of row that equals mx, or with nan the first NaN; a vectorised test per chunk first (one
+ * comparison per loop: a choice between two inside it kept the loop scalar). */
+static int64_t first_match(const float *row, int64_t vocab, float mx, int nan) {
+    for (int64_t c = 0; c < vocab; c += ARGMAX_SCAN_CHUNK) {
+        const int64_t end = c + ARGMAX_SCAN_CHUNK < vocab ? c + ARGMAX_SCAN_CHUNK : vocab;
+        int hit = 0;
+        if (nan) {
+#pragma omp simd reduction(| : hit)
+            for (int64_t i = c; i < end; i++) hit |= row[i] != row[i];
+        } else {
+#pragma omp simd reduction(| : hit)
+            for (int64_t i = c; i < end; i++) hit |= row[i] == mx;
+        }
+        if (hit)
+            for (int64_t i = c; i < end; i++)
+                if (nan ? row[i] != row[i] : row[i] == mx) return i;
+    }
+    return vocab - 1; /* unreachable: the maximum (or a NaN) is in the row */
+}
+
+void argmax_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *out) {
+#pragma omp parallel for schedule(static) if (rows >= ARGMAX_PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = logits + r * vocab;
+        float mx = -INFINITY;
+        int nan = 0;
+#pragma omp simd reduction(max : mx) reduction(| : nan)
+        for (int64_t i = 0; i < vocab; i++) {
+            mx = row[i] > mx ? row[i] : mx;
+            nan |= row[i] != row[i];
+        }
+        out[r] = first_match(row, vocab, mx, nan);
+    }
+}
+
+/* Structured output: for each listed row, every token whose bit is 0 in that row's mask becomes -inf
+   (tokens past the mask's width too). mask: n rows of `words` 32-bit words, bit t of word w = token 32w+t. */
+void apply_token_bitmask(float *logits, int64_t vocab, const int32_t *mask, int64_t words, const int64_t *rows,
+                         int64_t n) {
+    int64_t covered = words * 32 < vocab ? words * 32 : vocab;
+    for (int64_t i = 0; i < n; i++) {
+        float *row = logits + rows[i] * vocab;
+        const uint32_t *m = (const uint32_t *)(mask + i * words);
+        for (int64_t w = 0; w * 32 < covered; w++) {
+            uint32_t bits = m[w];
+            if (bits == 0xFFFFFFFFu) continue;
+            int64_t base = w * 32, end = base + 32 < covered ? base + 32 : covered;
+            for (int64_t t = base; t < end; t++)
+                if (!((bits >> (t - base)) & 1u)) row[t] = -INFINITY;
+        }
+        for (int64_t t = covered; t < vocab; t++) row[t] = -INFINITY;
+    }
+}
+
 /* A thread's scratch for rows of `vocab` entries: l and wt (floats), then cand; kept between calls (fresh
  * pages for every call cost more than the sampling itself at 32 rows), grown when a larger vocabulary comes. */
 static float *sample_scratch(int64_t vocab) {
@@ -195,10 +273,11 @@ static float *sample_scratch(int64_t vocab) {
 
 /* out[r] = a token drawn from row r of logits [rows, vocab] with its own temperature, top_k (0: off), top_p
  * (1: off), min_p (0: off) and uniform u. A row with a NaN or an infinite maximum, or nothing finite, gets
- * its argmax (torch's softmax would give NaNs there); -1 where scratch could not be had. Rows split between
- * the threads. */
-void sample_rows(const float *logits, int64_t rows, int64_t vocab, const float *temperature, const int64_t *top_k,
-                 const float *top_p, const float *min_p, const float *u, int64_t *out) {
+ * its argmax (torch's softmax would give NaNs there). Rows split between the threads. Returns SPARK_OK, or
+ * SPARK_ERR_NOMEM where a thread's scratch could not be had. */
+int sample_rows(const float *logits, int64_t rows, int64_t vocab, const float *temperature, const int64_t *top_k,
+                const float *top_p, const float *min_p, const float *u, int64_t *out) {
+    int failed = 0;
 #pragma omp parallel if (rows > 1)
     {
         float *l = sample_scratch(vocab), *wt = l ? l + vocab : NULL;
@@ -206,8 +285,9 @@ void sample_rows(const float *logits, int64_t rows, int64_t vocab, const float *
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < rows; r++) {
             const float *row = logits + r * vocab;
-            if (!l) { /* out of memory: the caller raises */
-                out[r] = -1;
+            if (!l) {
+#pragma omp atomic write
+                failed = 1;
                 continue;
             }
             const float t = temperature[r] < 1e-5f ? 1e-5f : temperature[r];
@@ -226,4 +306,5 @@ void sample_rows(const float *logits, int64_t rows, int64_t vocab, const float *
                 out[r] = sample_one_row(l, vocab, mx, top_k[r], top_p[r], min_p[r], u[r], wt, cand);
         }
     }
+    return failed ? SPARK_ERR_NOMEM : SPARK_OK;
 }
