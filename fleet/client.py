@@ -156,7 +156,7 @@ class RemoteEngine:
         name = served_model_name or backend_name or (EMBEDDED_MODEL_NAME if tokenizer_source in (None, "", "embedded")
                                                      else self.tokenizer_dir.name)
         self.backend_model = backend_name or name  # what the backends call the base model
-        max_len = max_model_len or backend_len or getattr(self.tokenizer, "model_max_length", 8192)
+        max_len = max_model_len or backend_len or getattr(self.tokenizer, "model_max_length", None) or 8192
         max_len = min(int(max_len), 1 << 20)
         self.model_info = ModelInfo(name=name, path=f"remote:{','.join(b.url for b in self.backends)}",
                                     model_type="remote", max_model_len=max_len, vocab_size=len(self.tokenizer),
@@ -217,11 +217,12 @@ class RemoteEngine:
 
     async def check_backends(self) -> None:
         """Probe every backend's /health (a router's own /health answers for its fleet)."""
-        assert self._client is not None
+        client = self._client
+        assert client is not None
 
         async def probe(b: Backend) -> None:
             try:
-                r = await self._client.get(f"{b.url}/health", timeout=self.connect_timeout_s)
+                r = await client.get(f"{b.url}/health", timeout=self.connect_timeout_s)
                 b.healthy, b.last_error = r.status_code == 200, "" if r.status_code == 200 else f"HTTP {r.status_code}"
                 b.workers = await self._router_workers(b) if b.healthy else {}
             except httpx.HTTPError as exc:
