@@ -15,6 +15,7 @@ not served in place: the caller converts them through transformers instead.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -23,7 +24,8 @@ import torch
 
 from engine.gguf_file import GgufFile
 from engine.quant.formats import QuantizedWeight
-from engine.quant.gguf_blocks import decode_blocks
+from engine.quant.gguf_blocks import BLOCK, decode_blocks
+from engine.quant.packing import TILE, PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +121,30 @@ class GgufWeights:
         order = self._row_order(hf, rows)
         return q.permute_rows(order) if order is not None else q
 
+    def raw_blocks(self, hf: str) -> torch.Tensor:
+        """The tensor's blocks as [rows, cols / 32, block bytes] (a view of the map; q and k rows in
+        transformers' order, a copy), for ``pack_blocks``."""
+        info = self.file.tensors[self.names[hf]]
+        rows, cols = info.shape
+        block_bytes = info.nbytes // (rows * cols // BLOCK)
+        with warnings.catch_warnings():  # a view of the read-only map: only ever read
+            warnings.simplefilter("ignore", UserWarning)
+            blocks = torch.from_numpy(self.file.raw(info.name).reshape(rows, cols // BLOCK, block_bytes))
+        order = self._row_order(hf, rows)
+        return blocks[order] if order is not None else blocks
+
     def dense(self, hf: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor dequantized into ``dtype`` (one tensor's fp32 copy at a time)."""
         gguf_name = self.names.get(hf)
         if gguf_name is None:
             raise KeyError(f"the GGUF file has no tensor for {hf}")
+        if self.file.tensors[gguf_name].type_name == "Q8_0":
+            # gguf's arithmetic (fp32 d times fp32 q, one rounding) in torch: ~10x its numpy loop
+            blocks = self.raw_blocks(hf)  # q and k rows already in order
+            d = blocks[..., :2].contiguous().view(torch.float16).float()
+            q = blocks[..., 2:].contiguous().view(torch.int8).float()
+            self.file.release(gguf_name)
+            return (d * q).reshape(blocks.shape[0], -1).to(dtype).contiguous()
         values = torch.from_numpy(np.array(self.file.dequantized(gguf_name)))  # owned: the map is read-only
         self.file.release(gguf_name)
         order = self._row_order(hf, values.shape[0])
@@ -167,6 +188,21 @@ class BlockWeights(Mapping[str, QuantizedWeight]):
             raise KeyError(name)
         return q
 
+    def packed(self, names: list[str]) -> tuple[PackedWeight, str] | None:
+        """(the projection's parts, stacked by rows, in the kernels' layout, what made them) packed from
+        the file's blocks directly (``pack_blocks``); None where the parts are not all of one block type."""
+        kinds = {self._weights.type_of(n) for n in names}
+        if not all(n in self._names for n in names) or len(kinds) != 1:
+            return None
+        kind = kinds.pop()
+        parts = [self._weights.raw_blocks(n) for n in names]
+        if len({p.shape[1] for p in parts}) != 1:
+            return None
+        packed = pack_blocks(kind, torch.cat(parts) if len(parts) > 1 else parts[0])
+        for n in names:
+            self._weights.file.release(self._weights.names[n])
+        return packed, f"gguf {kind}"
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
 
@@ -175,3 +211,38 @@ class BlockWeights(Mapping[str, QuantizedWeight]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._names
+
+
+def pack_blocks(kind: str, blocks: torch.Tensor) -> PackedWeight:
+    """A tensor's Q4_0 / Q4_1 / Q8_0 blocks ([rows, cols / 32, block bytes], uint8) straight into the
+    kernels' packed layout (engine/quant/packing.py), without unpacking the codes: a 4-bit block's 16
+    bytes hold inputs j and j + 16 in the low and high nibble of byte j, the pairing the u4 layout stores,
+    so each byte only moves. Equal, byte for byte, to ``pack_quantized(decode_blocks(...))``."""
+    rows, groups, block_bytes = blocks.shape
+    tiles = -(-rows // TILE)
+    if tiles * TILE != rows:  # zero rows to a whole tile, as pack_quantized pads
+        blocks = torch.cat([blocks, blocks.new_zeros(tiles * TILE - rows, groups, block_bytes)])
+    by_tile = blocks.view(tiles, TILE, groups, block_bytes)
+
+    def per_tile(values: torch.Tensor) -> torch.Tensor:  # [tiles, 16, groups, n] -> [tiles, groups, 16 * n]
+        return values.permute(0, 2, 1, 3).reshape(tiles, groups, -1)
+
+    if kind == "Q8_0":  # {fp16 d; int8 q[32]}: pairs (2p, 2p + 1) of a row at lanes (2r, 2r + 1)
+        codes = by_tile[..., 2:].reshape(tiles, TILE, groups, BLOCK // 2, 2).permute(0, 2, 3, 1, 4)
+        scales = by_tile[..., :2].contiguous().view(torch.float16).float().view(torch.uint8)
+        parts = [codes.reshape(tiles, groups, -1), per_tile(scales)]
+        fmt = "i8"
+    else:  # {fp16 d; (Q4_1: fp16 m;) uint8 qs[16]}
+        start = 4 if kind == "Q4_1" else 2
+        codes = by_tile[..., start:].reshape(tiles, TILE, groups, BLOCK // 4, 2).permute(0, 2, 3, 1, 4)
+        scales = by_tile[..., :2]
+        if kind == "Q4_1":
+            mins = by_tile[..., 2:4]
+        else:  # w = d * (q - 8): a min of -8 d, exact in fp16
+            d = by_tile[..., :2].contiguous().view(torch.float16)
+            mins = (d.float() * -8.0).to(torch.float16).view(torch.uint8)
+            mins.view(tiles * TILE, groups, 2)[rows:] = 0  # padding rows hold zeros, not -0.0
+        parts = [codes.reshape(tiles, groups, -1), per_tile(scales), per_tile(mins)]
+        fmt = "u4"
+    data = torch.cat(parts, dim=2).reshape(-1)
+    return PackedWeight(fmt, data, rows, groups * BLOCK, BLOCK)

@@ -108,14 +108,15 @@ class TwoTermBf16Linear:
 class PackedLinear:
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, kernels: CpuKernels,
                  quantized: QuantizedWeight | None = None, fallback: Linear | TwoTermBf16Linear | None = None,
-                 max_kernel_rows: int | None = None) -> None:
+                 max_kernel_rows: int | None = None, source: str | None = None) -> None:
         self.packed = packed
         self.bias = bias
         self._bias32 = bias.float().contiguous() if bias is not None else None
         self._bias_ptr = self._bias32.data_ptr() if self._bias32 is not None else None
         self.kernels = kernels
         self._quantized = quantized  # None: packed from bf16 weights (then ``fallback`` holds them), or released
-        self.source = quantized.source if quantized is not None else "bf16"  # what made the weight, for the log
+        # what made the weight, for the log
+        self.source = source or (quantized.source if quantized is not None else "bf16")
         self.fallback = fallback  # oneDNN, for batches over max_kernel_rows
         self.max_kernel_rows = max_kernel_rows
         # --linear-activations int8: 4-bit weights take x in int8 blocks (engine/quant/activations.py)

@@ -34,7 +34,7 @@ from engine.models.tuning import TuningCache
 from engine.quant.calibration import PROGRESS_EVERY_S
 from engine.quant.formats import QuantizedWeight, concat, quantize_int4, quantize_int8
 from engine.quant.gptq import quantize_int8_gptq
-from engine.quant.packing import pack_bf16, pack_quantized, packable
+from engine.quant.packing import pack_bf16, pack_quantized, packable, unpack_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +127,10 @@ class LinearBuilder:
         """One (possibly fused) projection: ``names`` are the HF weight names of its parts, in order."""
         if self.mode != "gguf":  # every other mode starts from the dense weights
             weights = self._read(names, weights)
+        direct = self._packed_directly(names, bias)
+        if direct is not None:
+            self.built.append(direct)
+            return direct
         quantized = self._quantized(names, weights)
         if quantized is not None:
             if self.reference:
@@ -147,6 +151,20 @@ class LinearBuilder:
                 linear = PackedLinear(pack_bf16(weight), bias, self.kernels, fallback=dense, max_kernel_rows=0)
         self.built.append(linear)
         return linear
+
+    def _packed_directly(self, names: list[str], bias: torch.Tensor | None) -> PackedLinear | None:
+        """A GGUF file's blocks packed for the kernels without unpacking their codes, where ``stored`` can
+        (engine/gguf_weights.py's BlockWeights); None otherwise."""
+        packer = getattr(self.stored, "packed", None)
+        if self.mode != "gguf" or self.reference or self.kernels is None or packer is None:
+            return None
+        made = packer(names)
+        if made is None:
+            return None
+        packed, source = made
+        # the head's plain codes serve the greedy head and tie-breaks; no other projection keeps them
+        kept = unpack_quantized(packed, source) if names == ["lm_head.weight"] else None
+        return PackedLinear(packed, bias, self.kernels, quantized=kept, source=source)
 
     def _read(self, names: list[str], weights: list[torch.Tensor]) -> list[torch.Tensor]:
         """``weights`` with those not read yet (meta tensors) read from ``dense_source``."""
