@@ -12,11 +12,18 @@ from __future__ import annotations
 import ctypes
 import time
 
-from engine.kernels import CpuKernels, ForwardStep, LayerDesc, build, build_library, find_compiler
-from engine.kernels.signatures import INT, I64, bind
+from engine.kernels import (
+    CpuKernels,
+    ForwardStep,
+    LayerDesc,
+    build,
+    build_library,
+    find_compiler,
+)
+from engine.kernels.signatures import I64, INT, Signature, bind
 
 # bench.h's declarations (tests/engine/test_kernel_signatures.py checks them against it)
-BENCH_SIGNATURES = {
+BENCH_SIGNATURES: dict[str, Signature] = {
     "spark_bench_dot_peak": (ctypes.c_double, [INT, I64, INT]),
     "spark_bench_forward_layers": (INT, [ctypes.POINTER(LayerDesc), I64, ctypes.POINTER(ForwardStep), INT, INT, INT]),
 }

@@ -8,12 +8,21 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.kernels.signatures import (LINEAR_PATHS, RETURNS_STATUS, SIGNATURES, STRUCTS, TARGETS, ForwardStep,
-                                       KernelUnsupported, bind)
+from engine.kernels.signatures import (
+    LINEAR_PATHS,
+    RETURNS_STATUS,
+    SIGNATURES,
+    STRUCTS,
+    TARGETS,
+    ForwardStep,
+    KernelUnsupported,
+    bind,
+)
 
 if TYPE_CHECKING:
     from engine.quant.packing import PackedWeight
@@ -23,7 +32,7 @@ FAST_PATHS = LINEAR_PATHS[:2]  # the linears' fast paths, by enum spark_linear_p
 LINEAR_PATH_NAMES = {"dot": "AVX512-BF16 dot products", "fma": "fp32 FMAs"}  # for logs and tables
 
 
-def open_library(path: str, origin: str = "") -> CpuKernels:
+def open_library(path: str | Path, origin: str = "") -> CpuKernels:
     return CpuKernels(ctypes.CDLL(str(path)), origin)
 
 
@@ -94,7 +103,7 @@ class CpuKernels:
         try:
             yield
         finally:
-            self.set_linear_path(saved)
+            self.linear_path = saved  # a path of this build, or None for a build without fast paths
 
     def supports(self, dtype: torch.dtype, head_dim: int, group: int) -> bool:
         return dtype in (torch.bfloat16, torch.float32) and head_dim <= self.max_head_dim and group <= self.max_group
@@ -125,7 +134,7 @@ class CpuKernels:
             y.data_ptr(), y.stride(0), n, out.data_ptr(), token_slots.data_ptr(), y.shape[0], b.data_ptr(),
             out_sizes.shape[0], out_sizes.data_ptr(), num_slots, rank, self.num_threads)
 
-    def linear(self, x: torch.Tensor, weight: "PackedWeight", bias: torch.Tensor | None = None,
+    def linear(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None, portable: bool = False,
                int8_activations: bool = False, path: str | None = None) -> torch.Tensor:
         """y = x @ W^T (+ bias) over a packed weight (engine/quant/packing.py); x bf16 [M, K] with unit
@@ -144,7 +153,7 @@ class CpuKernels:
                          path)
         return out
 
-    def linear_into(self, x: torch.Tensor, weight: "PackedWeight", bias_ptr: int | None, out: torch.Tensor,
+    def linear_into(self, x: torch.Tensor, weight: PackedWeight, bias_ptr: int | None, out: torch.Tensor,
                     int8_activations: bool, portable: bool = False, path: str | None = None) -> None:
         """``linear`` for callers that have checked x (bf16, unit column stride, in_features wide) and made
         ``out``: the engine's per-projection path, where each check costs a measurable share of a decode step.
@@ -154,7 +163,7 @@ class CpuKernels:
                      int(out.dtype == torch.float32), int(int8_activations),
                      self.path_code("portable" if portable else path), self.num_threads)
 
-    def linear_calls(self, calls: list[tuple[torch.Tensor, "PackedWeight", torch.Tensor]],
+    def linear_calls(self, calls: list[tuple[torch.Tensor, PackedWeight, torch.Tensor]],
                      int8_activations: bool = False) -> torch.Tensor:
         """Describes linears (x, weight, out: bf16, no bias) for ``run_linear_calls``: one C call runs them all."""
         rows = []

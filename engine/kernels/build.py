@@ -74,7 +74,7 @@ def sources_digest() -> str:
 
 
 def compiler_version(cc: str) -> str:
-    return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
 
 
 def compile_library(cc: str, flags: list[str], out: Path, units: tuple[Path, ...] = UNITS) -> None:

@@ -88,9 +88,8 @@ def build_library(cc: str, march: str | None = None, directory: Path | None = No
              *extra_flags]
     version = build.compiler_version(cc)
     # -march=native code is only valid on this CPU model: its flags are part of the key
-    key = hashlib.sha256(build.sources_digest().encode() + " ".join(flags).encode() + b"|".join(map(
-        lambda u: u.name.encode(), units)) + version.encode() + platform.machine().encode()
-        + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([build.sources_digest(), " ".join(flags), *(u.name for u in units), version,
+                                     platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     directory = directory or cache_dir()
     target = directory / f"{'bench_' if bench else ''}cpu_kernels-{key}.so"
     if target.exists():

@@ -8,19 +8,25 @@ from __future__ import annotations
 
 import ctypes
 import re
-from pathlib import Path
 
 import pytest
 
 from benchmarks.kernel_bench import BENCH_RETURNS_STATUS, BENCH_SIGNATURES
 from engine.kernels import build
-from engine.kernels.signatures import HEADERS, RETURNS_STATUS, SIGNATURES, STRUCTS, ForwardStep, LayerDesc
+from engine.kernels.signatures import (
+    HEADERS,
+    RETURNS_STATUS,
+    SIGNATURES,
+    STRUCTS,
+    ForwardStep,
+    LayerDesc,
+)
 
 SCALARS = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float, "double": ctypes.c_double,
            "uint64_t": ctypes.c_uint64, "void": None}
 STRUCT_POINTERS = {"struct spark_layer_desc": ctypes.POINTER(LayerDesc),
                    "struct spark_forward_step": ctypes.POINTER(ForwardStep)}
-DECLARATION = re.compile(r"(/\*(?:(?!\*/).)*\*/\s*)?^([A-Za-z_][\w ]*?)\s+(\w+)\(([^;{]*)\);", re.S | re.M)
+DECLARATION = re.compile(r"(/\*(?:(?!\*/).)*\*/\s*)?^([A-Za-z_][\w ]*?)\s+(\w+)\(([^;{]*)\);", re.DOTALL | re.MULTILINE)
 
 
 def c_type(text: str) -> object:
@@ -79,8 +85,8 @@ def test_every_public_header_is_covered() -> None:
 
 
 def parse_struct(source: str, name: str) -> list[tuple[str, str]]:
-    body = re.search(r"struct %s \{(.*?)\};" % name, source, re.S).group(1)
-    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    body = re.search(rf"struct {name} \{{(.*?)\}};", source, re.DOTALL).group(1)
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.DOTALL)
     fields = []
     for decl in body.split(";"):
         decl = " ".join(decl.split())
