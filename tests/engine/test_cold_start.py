@@ -83,7 +83,7 @@ def test_the_kernels_build_while_the_model_resolves(monkeypatch):
     """The model's directory is resolved (on a cold cache: converted) only once the kernels' build has
     begun: a start that did the two one after the other never gets past resolving."""
     building = threading.Event()
-    real_load, real_resolve = llm_engine.load_cpu_kernels, llm_engine.resolve_model_dir
+    real_load, real_resolve = llm_engine.load_cpu_kernels, llm_engine.resolve_served_model
 
     def load():
         building.set()
@@ -94,7 +94,7 @@ def test_the_kernels_build_while_the_model_resolves(monkeypatch):
         return real_resolve(model)
 
     monkeypatch.setattr(llm_engine, "load_cpu_kernels", load)
-    monkeypatch.setattr(llm_engine, "resolve_model_dir", resolve)
+    monkeypatch.setattr(llm_engine, "resolve_served_model", resolve)
     engine = llm_engine.LLMEngine(EngineConfig(device="cpu", num_kv_blocks=16))
     assert engine.model.kernels is not None or real_load() is None
 
