@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -78,9 +78,11 @@ class PagedKVCache:
         self.num_kv_heads = num_kv_heads
         self.kv = lazily_zeroed((num_layers, 2 * num_kv_heads, num_blocks * block_size, head_dim), dtype, device)
 
-    def prefault_in_background(self, blocks_per_span: int = 256) -> Prefault | None:
+    def prefault_in_background(self, blocks_per_span: int = 256,
+                               busy: Callable[[], bool] = lambda: False) -> Prefault | None:
         """Fault the CPU pool in on idle CPU time (engine/resident.py), blocks in the order the block manager
-        hands them out (lowest first), each layer's K and V heads for a run of blocks before the next run."""
+        hands them out (lowest first), each layer's K and V heads for a run of blocks before the next run;
+        the pass waits while ``busy()`` says the engine has work."""
         if self.kv.device.type != "cpu" or self.kv.numel() == 0:
             return None
         planes = self.kv.shape[0] * self.kv.shape[1]  # one [slots, D] plane per layer and K/V head
@@ -95,7 +97,7 @@ class PagedKVCache:
                     yield plane * plane_bytes + first * block_bytes, count * block_bytes
 
         size = self.kv.numel() * self.kv.element_size()
-        return Prefault(self.kv, spans(), f"KV cache ({size / (1 << 30):.2f} GiB)")
+        return Prefault(self.kv, spans(), f"KV cache ({size / (1 << 30):.2f} GiB)", busy)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -185,7 +185,9 @@ class LLMEngine:
                 self.dtype = resolve_dtype(config.dtype, self.device)
             # The pool first, so its pages are faulted in while the model loads (one core is idle meanwhile)
             kv_cache = self._make_kv_cache(model_cls, hf_config, self._weight_bytes(model_dir, in_place))
-            self.kv_prefault = kv_cache.prefault_in_background() if config.kv_cache_prefault else None
+            # the pass pauses while requests run or wait (engine/resident.py); the scheduler comes later
+            self.kv_prefault = (kv_cache.prefault_in_background(busy=self._has_work) if config.kv_cache_prefault
+                                else None)
             self.quantization = resolve_quantization(config.quantization, gguf is not None, kernels, self.dtype,
                                                      self.device)
             resolve_activations(config.linear_activations, self.quantization)  # refuses a bad pair before loading
@@ -246,8 +248,6 @@ class LLMEngine:
                                    attention_cost_per_key=self.model.attention_cost_per_key(),
                                    decode_cost_per_key=self.model.decode_cost_per_key(),
                                    decode_step_cost=self.model.decode_step_cost())
-        if self.kv_prefault is not None:  # the pass pauses while requests run or wait (engine/resident.py)
-            self.kv_prefault.busy = self.scheduler.has_work
         self.runner = ModelRunner(self.model, kv_cache, self.lora_manager)
         self.eos_token_ids = self._eos_ids(model_dir)
         self._argmax = self.model.kernels.argmax if self.model.kernels is not None else None  # greedy picks
@@ -542,6 +542,11 @@ class LLMEngine:
             return []
         self.num_aborted += 1
         return [self._finish(seq, "abort") for seq in list(seqs)]
+
+    def _has_work(self) -> bool:
+        """Requests running or waiting (False until the scheduler exists)."""
+        scheduler = getattr(self, "scheduler", None)
+        return scheduler is not None and scheduler.has_work()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

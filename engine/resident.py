@@ -80,11 +80,13 @@ def huge_page_bytes(start: int, end: int) -> int | None:
 class Prefault:
     """One background pass over a tensor's spans; ``done`` is set when every span is resident."""
 
-    def __init__(self, tensor: torch.Tensor, spans: Iterable[tuple[int, int]], what: str) -> None:
+    def __init__(self, tensor: torch.Tensor, spans: Iterable[tuple[int, int]], what: str,
+                 busy: Callable[[], bool] = lambda: False) -> None:
         self.done = threading.Event()
         self._cancelled = threading.Event()
-        # the engine's "I have work": the pass waits while it is true (set by the engine once it can say)
-        self.busy: Callable[[], bool] = lambda: False
+        # the engine's "I have work": the pass waits while it is true. Given before the thread starts, so no
+        # span runs before the pass can know the engine is busy.
+        self.busy = busy
         self.spans_done = 0
         self.paused_s = 0.0  # time the pass spent waiting for the engine to be idle
         self.policy: int | None = None  # the thread's scheduling policy, once it has set it

@@ -103,8 +103,7 @@ def test_prefault_waits_while_the_engine_has_work():
                          dtype=torch.bfloat16, device=torch.device("cpu"))
     busy = threading.Event()
     busy.set()
-    prefault = cache.prefault_in_background(blocks_per_span=16)
-    prefault.busy = busy.is_set  # as the engine sets it: requests running or waiting
+    prefault = cache.prefault_in_background(blocks_per_span=16, busy=busy.is_set)  # as the engine gives it
     time.sleep(0.3)
     done_while_busy = prefault.spans_done
     assert done_while_busy <= 1  # at most the span that was under way when it was told
@@ -116,7 +115,7 @@ def test_prefault_waits_while_the_engine_has_work():
 
 def test_the_engine_pauses_the_pass_while_it_has_work(async_engine):
     core = async_engine.engine
-    assert core.kv_prefault is not None and core.kv_prefault.busy == core.scheduler.has_work
+    assert core.kv_prefault is not None and core.kv_prefault.busy == core._has_work
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="needs Linux's SCHED_IDLE and MADV_POPULATE_WRITE")
