@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 9990
 STAMP  := $(VENV)/.installed
 
-.PHONY: install kernels serve test test-slow bench loadtest clean
+.PHONY: install kernels serve test test-slow lint bench loadtest clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ serve: $(STAMP) $(KERNEL_LIBS)
 # need a server's real thread count (the serve test) or an uneven kernel split set their own.
 test: $(STAMP) $(KERNEL_LIBS)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
+
+# Static checks over the whole tree (settings in pyproject.toml): ruff's rules, then mypy. mypy keeps its
+# cache in .mypy_cache, so a second run checks only what changed.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
