@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_kernels import best_of, cpu_model
-from benchmarks.kernel_bench import bench_kernels, engine_march
 from benchmarks.common import token_requests, wait_for_kv_pool
+from benchmarks.kernel_bench import bench_kernels, engine_march
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import ChatMessage, ChatPrompt, GenerationRequest

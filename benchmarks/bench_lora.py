@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.common import (print_table, run_load, save, start_engine, steady_decode_rate, token_requests,
-                               verdict)
+from benchmarks.common import print_table, run_load, save, start_engine, steady_decode_rate, token_requests, verdict
 from engine.lora import module_shapes
 from engine.request import LoraRef
 

@@ -17,8 +17,17 @@ import argparse
 import asyncio
 import sys
 
-from benchmarks.common import (HFBaselineProcess, print_table, run_load, save, start_engine, summarize, synthetic_prompt,
-                               token_requests, verdict)
+from benchmarks.common import (
+    HFBaselineProcess,
+    print_table,
+    run_load,
+    save,
+    start_engine,
+    summarize,
+    synthetic_prompt,
+    token_requests,
+    verdict,
+)
 
 PROMPT_LEN = 200
 OUTPUT_LEN = 128

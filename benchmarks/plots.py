@@ -20,7 +20,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on servers or in CI
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 @dataclass

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -100,8 +101,8 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 raise BridgeError(400, f"{where}.type: {kind!r} content blocks are not supported: this server "
                                        f"serves a text model (blocks: {', '.join(TEXT_BLOCKS)})",
                                   param=f"{where}.type")
-            if kind in ("tool_use", "thinking", "redacted_thinking") and role != "assistant" or \
-                    kind == "tool_result" and role != "user":
+            if (kind in ("tool_use", "thinking", "redacted_thinking") and role != "assistant") or \
+                    (kind == "tool_result" and role != "user"):
                 raise BridgeError(400, f"{where}.type: {kind} blocks belong to "
                                        f"{'user' if kind == 'tool_result' else 'assistant'} turns", param=f"{where}.type")
             if kind == "text":

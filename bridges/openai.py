@@ -3,24 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from bridges.common import (BridgeError, Completion, engine_of, int_list, now, request_id, served_model_or_adapter,
-                            sse)
 from bridges import reasoning as thinking
 from bridges import tool_formats, tools, unserved_fields
+from bridges.common import BridgeError, Completion, engine_of, int_list, now, request_id, served_model_or_adapter, sse
 from bridges.constraints import openai_constraint
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
 from bridges.serving import Handler, JSONAnswer, Plan, route
 from bridges.tools import ToolPlan
 from engine.protocol import EngineClient
-from engine.request import (ChatPrompt, GenerationRequest, LoraRef, Prompt, RequestOutput, TextPrompt,
-                            TokenLogprob, TokensPrompt)
+from engine.request import (
+    ChatPrompt,
+    GenerationRequest,
+    LoraRef,
+    Prompt,
+    RequestOutput,
+    TextPrompt,
+    TokenLogprob,
+    TokensPrompt,
+)
 from engine.sampling_params import SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse
 import schemas
 from bridges.registry import Operation, Protocol, Registry
 
+
 def _rewrite(node: Any, name: str) -> Any:
     """URN and local references -> pointers into components/schemas; drop per-file $id/$schema."""
     if isinstance(node, dict):

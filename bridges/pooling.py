@@ -17,8 +17,16 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from bridges.common import (BridgeError, client_identity, endpoint, engine_of, int_list, now, read_json,
-                            served_model_or_adapter)
+from bridges.common import (
+    BridgeError,
+    client_identity,
+    endpoint,
+    engine_of,
+    int_list,
+    now,
+    read_json,
+    served_model_or_adapter,
+)
 from bridges.openai import engine_priority, render_error, response_id
 from bridges.registry import Operation, Protocol
 from bridges.serving import JSONAnswer

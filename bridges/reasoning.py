@@ -62,7 +62,7 @@ class ReasoningParser:
                 return "thinking"
         return "thinking" if self.starts_thinking else "undecided"
 
-    def splitter(self, state: State | None = None) -> "ReasoningSplitter":
+    def splitter(self, state: State | None = None) -> ReasoningSplitter:
         """``state``: ``start_state``'s (default: with no prompt read)."""
         return ReasoningSplitter(self, state or self.start_state())
 

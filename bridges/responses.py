@@ -16,8 +16,9 @@ import json
 import logging
 import re
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -25,8 +26,16 @@ from starlette.responses import JSONResponse, Response
 from bridges import reasoning as thinking
 from bridges import tools
 from bridges.answer_volume import check_answer_volume
-from bridges.common import (BridgeError, Completion, bridge_error_from, collect_all, endpoint, engine_of, now,
-                            parse_json_field)
+from bridges.common import (
+    BridgeError,
+    Completion,
+    bridge_error_from,
+    collect_all,
+    endpoint,
+    engine_of,
+    now,
+    parse_json_field,
+)
 from bridges.openai import TokenNames, chat_logprobs, check_model, lower_chat
 from bridges.openai import render_error as openai_error
 from bridges.registry import Operation, Protocol

@@ -16,8 +16,9 @@ Protocols, and the object their sampling fields live in:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 def _stops(value: str | list[str]) -> list[str]:

@@ -10,11 +10,11 @@ from typing import Any
 
 from bridges.common import int_list
 from bridges.constraints import tgi_grammar
+from bridges.log_safety import protect
 from bridges.sampling_table import sampling_kwargs
 from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, TextPrompt, TokensPrompt
 from engine.sampling_params import SamplingParams
-from bridges.log_safety import protect
 
 logger = protect(logging.getLogger(__name__))
 

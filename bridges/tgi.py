@@ -5,10 +5,11 @@ shape it reads (an int id, a bool special, a non-streaming answer as a one-eleme
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from bridges import textgen
 from bridges.common import BridgeError, Completion, engine_of, request_id, sse

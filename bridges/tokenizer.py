@@ -8,8 +8,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from bridges.registry import Operation, Protocol
 from bridges.common import BridgeError, endpoint, engine_of, int_list, read_json, served_model_or_adapter
+from bridges.registry import Operation, Protocol
 from engine.request import ChatMessage, ChatPrompt
 
 

@@ -52,7 +52,7 @@ class ToolPlan:
     names: set[str] = field(default_factory=set)
     format: Any = None  # the model's call format (bridges/tool_formats.py); None: Hermes
 
-    def parse_answer(self, text: str) -> tuple[str | None, list["ToolCall"]]:
+    def parse_answer(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content or None, calls) of a whole answer, in this plan's format."""
         return self.format.parse(text, self.names) if self.format is not None else parse(text, self.names)
 

@@ -4,14 +4,15 @@ stream an error is sent as a data event."""
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bridges import textgen
-from bridges.registry import Operation, Protocol
 from bridges.common import BridgeError, Completion, engine_of, request_id, sse
+from bridges.registry import Operation, Protocol
 from bridges.serving import Handler, Plan, route
 from engine.request import RequestOutput
 

@@ -36,8 +36,26 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.errors import (EngineError, EngineOverloadedError, EngineShutdownError, InferenceError,
-                               InvalidRequestError, LoraUnavailableError, PromptTooLongError, RequestTimeoutError)
-    from engine.request import (ChatMessage, ChatPrompt, GenerationRequest, LoraRef, Prompt, RequestOutput,
-                                RequestTimings, TextPrompt, TokenLogprob, TokensPrompt)
+    from engine.errors import (
+        EngineError,
+        EngineOverloadedError,
+        EngineShutdownError,
+        InferenceError,
+        InvalidRequestError,
+        LoraUnavailableError,
+        PromptTooLongError,
+        RequestTimeoutError,
+    )
+    from engine.request import (
+        ChatMessage,
+        ChatPrompt,
+        GenerationRequest,
+        LoraRef,
+        Prompt,
+        RequestOutput,
+        RequestTimings,
+        TextPrompt,
+        TokenLogprob,
+        TokensPrompt,
+    )
     from engine.sampling_params import SamplingParams

@@ -16,11 +16,17 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from engine.config import EngineConfig
-from engine.errors import (EngineOverloadedError, EngineShutdownError, InferenceError, InvalidRequestError,
-                           LoraUnavailableError, RequestTimeoutError)
+from engine.errors import (
+    EngineOverloadedError,
+    EngineShutdownError,
+    InferenceError,
+    InvalidRequestError,
+    LoraUnavailableError,
+    RequestTimeoutError,
+)
 from engine.llm_engine import LLMEngine
 from engine.pooling import PoolingOutput, PoolingRequest
 from engine.protocol import EngineLimits, EngineStats
@@ -87,7 +93,7 @@ class AsyncEngine:
         self.finished_listeners: list[Callable[[RequestOutput], None]] = []
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
         """Build the engine on the thread that will run its steps.
 
         OpenMP keeps a thread team for every thread that has entered a parallel region. Building on

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import re
-from urllib.parse import unquote
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 from schemas.json_body import JsonBodyError, parse_json
 

@@ -71,7 +71,7 @@ class StopAutomaton:
     The tables are built at the first feed, not at admission: a request waiting for a slot holds only its
     strings. They take about 100 bytes a character of the stop strings (bounded by --max-stop-chars)."""
 
-    __slots__ = ("stops", "max_len", "edges", "fail", "out", "depth")
+    __slots__ = ("depth", "edges", "fail", "max_len", "out", "stops")
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = stops

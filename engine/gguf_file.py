@@ -118,8 +118,8 @@ class GgufFile:
 
     def dequantized(self, name: str) -> np.ndarray:
         """The tensor in fp32 (gguf's own dequantization, as transformers applies it), shaped [rows, cols]."""
-        from gguf.quants import dequantize
         from gguf.constants import GGMLQuantizationType
+        from gguf.quants import dequantize
 
         info = self.tensors[name]
         if info.type_name == "F32":

@@ -11,8 +11,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,24 +24,23 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, StopAutomaton, StopStringMatcher
 from engine.device import resolve_device, resolve_dtype
 from engine.errors import EngineOverloadedError, InvalidRequestError, LoraUnavailableError, PromptTooLongError
-from engine.gguf_parse import shared_gguf_readers
-from engine.grammar_worker import first_line
-from engine.kernels import CpuKernels, load_cpu_kernels
 from engine.file_identity import content_digest
 from engine.gguf_file import GgufFile
 from engine.gguf_metadata import resolve_served_model
+from engine.gguf_parse import shared_gguf_readers
 from engine.gguf_weights import GgufWeights, is_linear
-from engine.model_loader import EMBEDDED_MODEL_NAME, default_cache_dir, resolve_model_dir
+from engine.grammar_worker import first_line
+from engine.kernels import CpuKernels, load_cpu_kernels
 from engine.lora import LoraAdapter, LoraManager, read_adapter
+from engine.model_loader import EMBEDDED_MODEL_NAME, default_cache_dir, resolve_model_dir
 from engine.model_runner import ModelRunner, PromptLogits
-from engine.pooling import (Pooler, PoolerConfig, PoolingParams, PoolingRequest, matryoshka_of, read_head,
-                            resolve_task)
-from engine.prompts import PromptEncoder, read_chat_template
-from engine.protocol import EngineStats, ModelInfo
 from engine.models import LlamaForCausalLM, model_class
 from engine.models.skeleton import empty_model, fill, unfilled
 from engine.models.tuning import TuningCache, tuning_cache
 from engine.models.weights import resolve_activations, resolve_quantization
+from engine.pooling import Pooler, PoolerConfig, PoolingParams, PoolingRequest, matryoshka_of, read_head, resolve_task
+from engine.prompts import PromptEncoder, read_chat_template
+from engine.protocol import EngineStats, ModelInfo
 from engine.quant import cache as quant_cache
 from engine.quant.calibration import calibrate, sample_on_engine
 from engine.request import ChatPrompt, GenerationRequest, Prompt, RequestOutput, TokenLogprob

@@ -170,7 +170,7 @@ def _checked_fp32(name: str, key: str, tensor: torch.Tensor) -> torch.Tensor:
 class LoraBatch:
     """One step's per-token adapter assignment, ready to apply in every layer."""
 
-    def __init__(self, manager: "LoraManager", token_slots: torch.Tensor) -> None:
+    def __init__(self, manager: LoraManager, token_slots: torch.Tensor) -> None:
         self.manager = manager
         self.token_slots = token_slots
         self.masks: dict[str, torch.Tensor] = {}

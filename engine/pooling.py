@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence as Seq
+from typing import Any
 
 import torch
 
@@ -67,7 +68,7 @@ class PoolerConfig:
     softmax: bool | None = None
 
     @classmethod
-    def parse(cls, text: str | None) -> "PoolerConfig":
+    def parse(cls, text: str | None) -> PoolerConfig:
         if not text:
             return cls()
         try:
@@ -184,7 +185,7 @@ class PoolingState:
     """One sequence's pooled rows as its prompt is computed (chunk by chunk; again after a preemption,
     when positions already taken are skipped)."""
 
-    __slots__ = ("params", "kind", "upto", "rows", "total", "count")
+    __slots__ = ("count", "kind", "params", "rows", "total", "upto")
 
     def __init__(self, params: PoolingParams, kind: str) -> None:
         self.params = params

@@ -4,8 +4,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, Protocol
 
 from engine.pooling import PoolingOutput, PoolingRequest
 from engine.request import GenerationRequest, Prompt, RequestOutput

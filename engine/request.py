@@ -134,7 +134,7 @@ class RequestOutput:
             return texts
         return [""] * (len(self.new_token_ids) - 1) + [self.text_delta] if self.new_token_ids else []
 
-    def merge(self, later: "RequestOutput") -> "RequestOutput":
+    def merge(self, later: RequestOutput) -> RequestOutput:
         """Fold a later output of the same sample into this one (for consumers that fall behind)."""
         logprobs = None
         if self.logprobs is not None or later.logprobs is not None:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING, Any
 
 import torch
-
-from typing import TYPE_CHECKING, Any
 
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.request import GenerationRequest, RequestTimings, TokenLogprob
@@ -30,7 +29,7 @@ class Sequence:
     def __init__(self, request: GenerationRequest, prompt_token_ids: list[int],
                  detokenizer: IncrementalDetokenizer, max_model_len: int, cache_salt: str = "",
                  index: int = 0, seed: int | None = None, stop_matcher: StopStringMatcher | None = None,
-                 wait_for: "Sequence | None" = None, lora_adapter: "LoraAdapter | None" = None,
+                 wait_for: Sequence | None = None, lora_adapter: LoraAdapter | None = None,
                  matcher: Any = None) -> None:
         self.request_id = request.request_id
         self.index = index  # which of the request's n samples
@@ -84,13 +83,13 @@ class Sequence:
         # prompt-lookup speculation (engine/speculation.py): tokens proposed to follow token_ids[-1], computed
         # with it in this step's decode rows (the scheduler may shorten them), and the n-gram index behind them
         self.draft_token_ids: list[int] = []
-        self.ngram_index: "NgramIndex | None" = None
+        self.ngram_index: NgramIndex | None = None
         self.draft_tally = AcceptanceTally()  # how often this sequence's drafts held (DraftPolicy)
         # a sampled sequence with a draft: its generator's state before the step drew a uniform per row, so
         # it can be left having drawn only for the tokens kept (LLMEngine._take_picks)
         self.rng_before_draft: torch.Tensor | None = None
         # a pooling request's state (engine/pooling.py): it samples nothing, and ends when its prompt is computed
-        self.pooling: "PoolingState | None" = None
+        self.pooling: PoolingState | None = None
 
     @property
     def num_output_tokens(self) -> int:

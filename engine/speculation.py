@@ -30,7 +30,7 @@ class NgramIndex:
     An n-gram ending at the list's last token is indexed only once a later token follows it, so a lookup
     of the list's tail finds an earlier occurrence."""
 
-    __slots__ = ("min_n", "max_n", "last_end", "indexed")
+    __slots__ = ("indexed", "last_end", "max_n", "min_n")
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n

@@ -25,8 +25,7 @@ import torch
 
 from engine.constraint_budget import ConstraintBudget, ConstraintTooLarge, check_constraint
 from engine.errors import InvalidRequestError
-from engine.grammar_worker import (GrammarWorker, WorkerFailed, first_line, release_freed_memory,
-                                   start_compile_thread)
+from engine.grammar_worker import GrammarWorker, WorkerFailed, first_line, release_freed_memory, start_compile_thread
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ class Constraint:
     field: str = "constraint"  # the request field it came from, named in errors
 
     @staticmethod
-    def choice(options: list[str], field: str = "guided_choice") -> "Constraint":
+    def choice(options: list[str], field: str = "guided_choice") -> Constraint:
         return Constraint("choice", json.dumps(list(options)), field=field)
 
 

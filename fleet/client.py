@@ -26,13 +26,19 @@ from typing import Any
 
 import httpx
 
-from engine.errors import (EngineOverloadedError, EngineShutdownError, EngineUnavailableError, InferenceError,
-                           InvalidRequestError, LoraUnavailableError, RequestTimeoutError)
+from engine.errors import (
+    EngineOverloadedError,
+    EngineShutdownError,
+    EngineUnavailableError,
+    InferenceError,
+    InvalidRequestError,
+    LoraUnavailableError,
+    RequestTimeoutError,
+)
 from engine.pooling import PoolingOutput, PoolingRequest
 from engine.prompts import PromptEncoder, read_chat_template
 from engine.protocol import EngineLimits, EngineStats, ModelInfo
-from engine.request import (GenerationRequest, LoraRef, Prompt, RequestOutput, RequestTimings, TokenLogprob,
-                            TokensPrompt)
+from engine.request import GenerationRequest, LoraRef, Prompt, RequestOutput, RequestTimings, TokenLogprob, TokensPrompt
 from engine.sampling_params import SamplingParams
 from fleet.names import adapter_name, content_named
 

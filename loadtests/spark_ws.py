@@ -78,7 +78,7 @@ class SparkWebSocketUser(User):
                         break
             finally:
                 ws.close()
-        except Exception as exc:  # noqa: BLE001 - every failure is reported to locust
+        except Exception as exc:
             self._fire("spark session", (time.perf_counter() - start) * 1000, exc=exc)
             return
         total = last - start

@@ -19,10 +19,10 @@ import stat
 import tarfile
 import zipfile
 import zlib
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
-from typing import Iterator
 
 from engine.errors import LoraUnavailableError
 
@@ -53,13 +53,13 @@ class UnpackLimits:
     max_total_bytes: int = 2 << 30
 
     @classmethod
-    def for_pack_limit(cls, max_pack_bytes: int, disk_budget_bytes: int) -> "UnpackLimits":
+    def for_pack_limit(cls, max_pack_bytes: int, disk_budget_bytes: int) -> UnpackLimits:
         """The ceiling for any pack the server accepts (the largest pack's ratio, within the disk
         budget); ``unpack`` lowers it to each pack's own size."""
         total = min(UNPACK_RATIO * max_pack_bytes, disk_budget_bytes)
         return cls(max_file_bytes=total, max_total_bytes=total)
 
-    def for_pack(self, pack_bytes: int) -> "UnpackLimits":
+    def for_pack(self, pack_bytes: int) -> UnpackLimits:
         """These limits for one pack of ``pack_bytes`` bytes: it unpacks to at most UNPACK_RATIO times
         its own size plus UNPACK_SLACK, and never past these."""
         total = min(self.max_total_bytes, UNPACK_RATIO * pack_bytes + UNPACK_SLACK)
@@ -139,7 +139,7 @@ class _Budget:
             if self.kinds.get(parent) == "file":
                 raise invalid(f"{name!r} goes through {str(parent)!r}, which is a file in the pack")
         kind = self.kinds.get(path)
-        if kind == "file" and is_dir or kind == "dir" and not is_dir:
+        if (kind == "file" and is_dir) or (kind == "dir" and not is_dir):
             raise invalid(f"{name!r} is both a file and a directory in the pack")
         if kind == "file":
             raise invalid(f"{name!r} appears twice in the pack")

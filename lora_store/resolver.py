@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable
 
 from engine.errors import LoraUnavailableError
 from engine.request import GenerationRequest, LoraRef

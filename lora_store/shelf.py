@@ -12,8 +12,8 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from lora_store.pack import UnpackLimits, invalid, md5_of, unpack
 

@@ -19,9 +19,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable
 from urllib.parse import urljoin
 
 import httpx
@@ -99,7 +99,7 @@ class LoraStore:
             pack = stage / "pack"
             try:
                 await asyncio.wait_for(self._download(url, md5, pack), timeout=self.limits.total_timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise LoraUnavailableError(f"lora.url {url!r}: download timed out after "
                                            f"{self.limits.total_timeout_s:g}s", code="download_timeout") from None
             adapter = await asyncio.to_thread(unpack, pack, stage / "adapter", self.limits.unpack)

@@ -23,8 +23,8 @@ import asyncio
 import ipaddress
 import re
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 from urllib.parse import urlsplit
 
 from engine.errors import LoraUnavailableError
@@ -64,7 +64,7 @@ class CanonicalUrl:
         query = f"?{self.query}" if self.query else ""
         return f"{self.scheme}://{host}:{self.port}/{'/'.join(self.segments)}{query}"
 
-    def is_under(self, prefix: "CanonicalUrl") -> bool:
+    def is_under(self, prefix: CanonicalUrl) -> bool:
         if (self.scheme, self.host, self.port) != (prefix.scheme, prefix.host, prefix.port):
             return False
         wanted = prefix.segments[:-1] if prefix.segments and prefix.segments[-1] == "" else prefix.segments

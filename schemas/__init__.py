@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
+from functools import cache, lru_cache
 from importlib import resources
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError, best_match
@@ -19,20 +20,20 @@ URN_PREFIX = "urn:spark-server:"
 MAX_ERRORS_CONSIDERED = 8
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_schema(name: str) -> dict[str, Any]:
     text = resources.files(__name__).joinpath(f"{name}.schema.json").read_text(encoding="utf-8")
     return json.loads(text)
 
 
-@lru_cache(maxsize=None)
+@cache
 def registry() -> Registry:
     """Every schema by its ``$id`` (``urn:spark-server:NAME``), so bodies can share definitions."""
     resources = [(load_schema(n)["$id"], Resource.from_contents(load_schema(n))) for n in available()]
     return Registry().with_resources(resources)
 
 
-@lru_cache(maxsize=None)
+@cache
 def validator(name: str) -> Draft202012Validator:
     schema = load_schema(name)
     Draft202012Validator.check_schema(schema)

@@ -19,9 +19,9 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from datetime import datetime, timezone
+from collections.abc import Callable
+from datetime import UTC, datetime
 from email.utils import format_datetime, parsedate_to_datetime
-from typing import Callable
 from urllib.parse import urlencode, urlsplit
 
 from starlette.responses import JSONResponse
@@ -53,7 +53,7 @@ def signature(secret: str, host: str, date: str, path: str) -> str:
 def sign_url(url: str, key: str, secret: str, now: datetime | None = None) -> str:
     """The URL with ``authorization``, ``date`` and ``host`` query parameters for the key pair."""
     parts = urlsplit(url)
-    date = format_datetime(now or datetime.now(timezone.utc), usegmt=True)
+    date = format_datetime(now or datetime.now(UTC), usegmt=True)
     sig = signature(secret, parts.netloc, date, parts.path)
     origin = f'api_key="{key}", algorithm="hmac-sha256", headers="host date request-line", signature="{sig}"'
     query = urlencode({"authorization": base64.b64encode(origin.encode()).decode(), "date": date,
@@ -103,8 +103,8 @@ def verify_spark(query: dict[str, str], path: str, keys: dict[str, str], now: da
     try:
         date = parsedate_to_datetime(query["date"])
         if date.tzinfo is None:
-            date = date.replace(tzinfo=timezone.utc)
-        skew = abs(((now or datetime.now(timezone.utc)) - date).total_seconds())
+            date = date.replace(tzinfo=UTC)
+        skew = abs(((now or datetime.now(UTC)) - date).total_seconds())
     except (TypeError, ValueError, OverflowError, IndexError):
         raise AuthError(401, "date is not an RFC 1123 date the server can read") from None
     if skew > DATE_WINDOW_S:
@@ -167,7 +167,7 @@ class ApiKeyMiddleware:
             return
         headers = dict(scope["headers"])
         given, key = headers.get(b"authorization", b""), headers.get(b"x-api-key")
-        if not (hmac.compare_digest(given, self.expected) or key is not None and hmac.compare_digest(key, self.key)):
+        if not (hmac.compare_digest(given, self.expected) or (key is not None and hmac.compare_digest(key, self.key))):
             message = "invalid API key" if given or key is not None else "missing Authorization header"
             message += " (send Authorization: Bearer <key> or x-api-key: <key>)"
             render = self.refusal_of(scope["path"]) if self.refusal_of is not None else None

@@ -9,9 +9,17 @@ from __future__ import annotations
 from enum import IntEnum
 
 from bridges.common import BridgeError
-from engine.errors import (EngineError, EngineOverloadedError, EngineShutdownError, EngineUnavailableError,
-                           InferenceError, InvalidRequestError, LoraUnavailableError, PromptTooLongError,
-                           RequestTimeoutError)
+from engine.errors import (
+    EngineError,
+    EngineOverloadedError,
+    EngineShutdownError,
+    EngineUnavailableError,
+    InferenceError,
+    InvalidRequestError,
+    LoraUnavailableError,
+    PromptTooLongError,
+    RequestTimeoutError,
+)
 
 
 class SparkCode(IntEnum):

@@ -7,17 +7,24 @@ import contextvars
 import logging
 import time
 import uuid
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, ProcessCollector,
-                               generate_latest)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.requests import Request
 from starlette.responses import Response
 
+from bridges.log_safety import protect
 from bridges.registry import Registry
 from engine.request import RequestOutput
-from bridges.log_safety import protect
 
 logger = protect(logging.getLogger("spark_server.requests"))
 

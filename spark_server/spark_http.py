@@ -12,7 +12,6 @@ from spark_server import spark_protocol as sp
 from spark_server.errors import SparkCode, SparkError, http_status_for, spark_error_from
 from spark_server.spark_service import SparkService
 
-
 RET_MARKER = "<ret>"
 
 

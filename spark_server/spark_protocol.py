@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import schemas
+from bridges.constraints import response_format
+from bridges.sampling_table import sampling_kwargs
 from engine.errors import PromptTooLongError
 from engine.protocol import EngineClient
 from engine.request import ChatMessage, ChatPrompt, GenerationRequest, LoraRef, RequestOutput
-from bridges.constraints import response_format
-from bridges.sampling_table import sampling_kwargs
 from engine.sampling_params import SamplingParams
 from schemas.json_body import MAX_ITEMS, JsonContentError, JsonSyntaxError, parse_json
 from spark_server.errors import SparkCode, SparkError

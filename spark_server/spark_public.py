@@ -96,7 +96,7 @@ class PublicSettings:
     domains: dict[str, str] = field(default_factory=dict)  # domain -> served model or adapter name
 
     @classmethod
-    def from_flags(cls, app_ids: str | None, domains: str | None, signing: bool) -> "PublicSettings":
+    def from_flags(cls, app_ids: str | None, domains: str | None, signing: bool) -> PublicSettings:
         """``--spark-app-ids`` (APP_ID or APP_ID:KEY items, comma-joined) and ``--spark-domains``
         (DOMAIN=NAME items). An allow-list without ``--spark-auth`` would trust whatever app_id a client
         writes, so it is refused."""

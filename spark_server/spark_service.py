@@ -5,18 +5,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
+import schemas
+from bridges.log_safety import protect
 from engine.protocol import EngineClient
 from lora_store.resolver import LoraResolver, resolve_lora
-import schemas
 from schemas.json_body import MAX_ITEMS
 from spark_server import spark_protocol as sp
 from spark_server import spark_public
-from spark_server.spark_public import PublicSettings
 from spark_server.errors import SparkCode, spark_error_from
-from bridges.log_safety import protect
+from spark_server.spark_public import PublicSettings
 
 ABORTED = "aborted"  # the result label of a session whose client left mid-answer
 logger = protect(logging.getLogger("spark_server.sessions"))

@@ -11,11 +11,11 @@ from contextlib import aclosing
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from bridges.common import client_identity
+from bridges.log_safety import protect
 from spark_server import spark_protocol as sp
 from spark_server import spark_public
 from spark_server.auth import AuthError, check_origin, denial, verify_websocket
 from spark_server.errors import SparkCode, SparkError, spark_error_from
-from bridges.log_safety import protect
 from spark_server.spark_service import SparkService
 
 logger = protect(logging.getLogger(__name__))
@@ -67,7 +67,7 @@ async def _session(ws: WebSocket, public: bool) -> None:
     try:
         try:
             message = await asyncio.wait_for(ws.receive(), timeout=request_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise SparkError(SparkCode.SCHEMA_ERROR,
                              f"no request frame within {request_timeout:g}s of connecting") from None
         if message["type"] == "websocket.disconnect":

@@ -51,7 +51,7 @@ class ServerThread:
                                                               ws_max_size=int(4.5 * (1 << 20))))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:

@@ -9,18 +9,24 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
 
 import torch
 
 from engine.errors import InvalidRequestError
 from engine.model_loader import resolve_model_dir
-from engine.pooling import (PoolingOutput, PoolingRequest, activate, check_dimensions, finish_embedding,
-                            served_tasks)
+from engine.pooling import PoolingOutput, PoolingRequest, activate, check_dimensions, finish_embedding, served_tasks
 from engine.protocol import EngineLimits, EngineStats, ModelInfo
-from engine.request import (GenerationRequest, Prompt, RequestOutput, RequestTimings, TextPrompt, TokenLogprob,
-                            TokensPrompt)
+from engine.request import (
+    GenerationRequest,
+    Prompt,
+    RequestOutput,
+    RequestTimings,
+    TextPrompt,
+    TokenLogprob,
+    TokensPrompt,
+)
 
 FAKE_MODEL = "fake-model"
 FAKE_HIDDEN = 16  # the fake's embedding size

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -39,7 +39,7 @@ def _refused(url: str) -> tuple[int, str]:
 
 def test_a_signed_url_works(auth_server):
     # dated a few seconds back: a signed URL opens one socket, and the CLI test signs "now"
-    signed = sign_url(auth_server.ws_url, KEY, SECRET, datetime.now(timezone.utc) - timedelta(seconds=7))
+    signed = sign_url(auth_server.ws_url, KEY, SECRET, datetime.now(UTC) - timedelta(seconds=7))
     frames = asyncio.run(converse(signed, spark_request("Hi", max_tokens=3)))
     assert frames[-1]["header"]["code"] == 0
 
@@ -55,7 +55,7 @@ def test_cli_signs_urls(auth_server):
     (lambda u: u, 401, "missing"),
     (lambda u: sign_url(u, KEY, "wrong-secret"), 401, "signature"),
     (lambda u: sign_url(u, "nobody", SECRET), 401, "signature"),
-    (lambda u: sign_url(u, KEY, SECRET, datetime.now(timezone.utc) - timedelta(seconds=600)), 403, "clock"),
+    (lambda u: sign_url(u, KEY, SECRET, datetime.now(UTC) - timedelta(seconds=600)), 403, "clock"),
 ])
 def test_bad_credentials_are_refused_at_the_handshake(auth_server, make, status, needle):
     core = auth_server.engine.engine
@@ -87,7 +87,7 @@ def _signed_for(url: str, host: str, when: datetime) -> str:
 
 def test_hmac_gaps_are_closed(auth_server):
     url = auth_server.ws_url
-    when = datetime.now(timezone.utc) - timedelta(seconds=20)
+    when = datetime.now(UTC) - timedelta(seconds=20)
     # a date far beyond what a datetime holds
     signed = sign_url(url, KEY, SECRET, when)
     from urllib.parse import quote

@@ -15,7 +15,6 @@ Beside it, the user-facing documents' house rules: README.md at most 350 lines, 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import shlex
 import subprocess

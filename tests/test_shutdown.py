@@ -15,7 +15,6 @@ import websockets
 from tests.conftest import free_port, wait_healthy
 from tests.spark.client import spark_request
 
-
 MODEL = "SmolLM2-135M-Instruct"
 _LONG = "Write a very long story about the sea."
 _COUNT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"  # plain text that greedy decoding continues for long

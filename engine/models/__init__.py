@@ -25,4 +25,4 @@ def model_class(model_type: str) -> type[LlamaForCausalLM]:
     return cls
 
 
-__all__ = ["LlamaForCausalLM", "MODEL_REGISTRY", "SUPPORTED_MODEL_TYPES", "model_class"]
+__all__ = ["MODEL_REGISTRY", "SUPPORTED_MODEL_TYPES", "LlamaForCausalLM", "model_class"]

@@ -286,7 +286,7 @@ class LlamaForCausalLM:
         scratch = self._attention_scratch(nd * H * meta.decode_max_len) if nd else None
         descs = (self._layers_as_described() if self.layers_in_one_call and lora is None
                  and (meta.prefill_spans is not None or not meta.prefills) else None)
-        if descs is not None and T <= self._one_call_max_rows:
+        if descs is not None and self._one_call_max_rows >= T:
             kept = (logits_indices if self.trim_last_layer and hidden_indices is None and logits_indices.shape[0] < T
                     and _ascending(logits_indices) else None)  # decode-only steps: every row is a logits row
             down = self._layers_in_one_call(descs, x, h, a, act, positions, meta, cache, scratch, kept)

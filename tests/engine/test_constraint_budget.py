@@ -11,8 +11,14 @@ import time
 
 import pytest
 
-from engine.constraint_budget import (ConstraintBudget, ConstraintTooLarge, bracket_depth, check_constraint,
-                                      grammar_depth, json_depth)
+from engine.constraint_budget import (
+    ConstraintBudget,
+    ConstraintTooLarge,
+    bracket_depth,
+    check_constraint,
+    grammar_depth,
+    json_depth,
+)
 from engine.errors import InvalidRequestError
 from engine.structured import Constraint, GrammarCompiler
 

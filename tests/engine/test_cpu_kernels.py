@@ -7,12 +7,11 @@ attention must match a plain (causal) softmax attention over the same paged cont
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import os
 import platform
 import subprocess
 import sys
+from contextlib import nullcontext
 
 import pytest
 import torch

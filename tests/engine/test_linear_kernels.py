@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from engine.kernels import load_cpu_kernels
-from engine.models.linear import Linear, PackedLinear, TwoTermBf16Linear, _mkldnn_packing_available
 from engine.models import weights as weights_module
+from engine.models.linear import Linear, PackedLinear, TwoTermBf16Linear, _mkldnn_packing_available
 from engine.models.weights import attach_two_term_fallbacks
 from engine.quant.activations import linear_int8_activations, quantize_blocks
 from engine.quant.formats import QuantizedWeight, concat, quantize_int4, quantize_int8

@@ -249,9 +249,9 @@ def test_the_draft_policy_drafts_less_as_steps_fill_and_drafts_fail():
 def _chi_square_p(a: list[int], b: list[int]) -> float:
     """Two-sample chi-square test that two lists of tokens come from one distribution (categories with
     fewer than 10 draws in both lists pooled into one): the p-value."""
-    import torch
-
     from collections import Counter
+
+    import torch
 
     ca, cb = Counter(a), Counter(b)
     common = [t for t in set(ca) | set(cb) if ca[t] + cb[t] >= 10]

@@ -10,7 +10,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
-import pytest
 
 from spark_server.app import build_app
 from spark_server.settings import Settings
@@ -74,7 +73,7 @@ class FakeBackend:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> "FakeBackend":
+    def __enter__(self) -> FakeBackend:
         self.thread.start()
         return self
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import httpx
 import websockets
@@ -353,7 +354,7 @@ class PeakRss:
         self.peak = tree_rss(pid)
         self._task: asyncio.Task | None = None
 
-    async def __aenter__(self) -> "PeakRss":
+    async def __aenter__(self) -> PeakRss:
         async def sample() -> None:
             while True:
                 self.peak = max(self.peak, tree_rss(self.pid))
@@ -385,7 +386,7 @@ async def run_attack(attack: Attack, base: str, ws_url: str, pid: int, victim: V
         sent = time.perf_counter()
         try:
             reply = await attack.send(base, ws_url)
-        except (OSError, httpx.HTTPError, websockets.WebSocketException, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError, httpx.HTTPError, websockets.WebSocketException) as exc:
             reply = Reply(-1, f"no answer: {exc!r}")  # fails this attack's check, not the corpus
         answered = time.perf_counter()
         await asyncio.sleep(0.3)  # the stream just after the answer counts too

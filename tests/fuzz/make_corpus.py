@@ -13,8 +13,9 @@ on a bridge.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tests.fuzz.targets import TARGETS, Target
 

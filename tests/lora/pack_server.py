@@ -66,7 +66,7 @@ class PackServer:
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
-    def __enter__(self) -> "PackServer":
+    def __enter__(self) -> PackServer:
         self.thread.start()
         return self
 

@@ -47,8 +47,8 @@ def packs(tmp_path_factory, adapters):
     md5["evil.tar"] = md5_of(root / "evil.tar")
     # an adapter whose rank is over the server's limit
     (root / "wide").mkdir()
-    from tests.lora.adapters import make_random_adapter
     from engine.model_loader import resolve_model_dir
+    from tests.lora.adapters import make_random_adapter
     make_random_adapter(str(resolve_model_dir(None)), root / "wide" / "a", ["q_proj"], rank=32, seed=3)
     md5["wide.tar.gz"] = build_pack(root / "wide" / "a", root / "wide.tar.gz")
     md5.update(_hostile_packs(root, adapters["attn"]))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 QWEN3_TEMPLATE = Path(__file__).resolve().parent.parent / "data" / "qwen3_chat_template.jinja"
 
 

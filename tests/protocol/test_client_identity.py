@@ -4,7 +4,7 @@ Spark key that signed the socket's URL, else the peer's address, whatever the pr
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -42,7 +42,7 @@ def test_a_signed_spark_socket_names_its_key():
     settings = Settings(port=free_port(), spark_auth="tenant-a:secret-a,tenant-b:secret-b")
     with ServerThread(build_app(settings, engine), settings.port):
         server = FakeServer(engine, settings.port)
-        when = datetime.now(timezone.utc) - timedelta(seconds=3)
+        when = datetime.now(UTC) - timedelta(seconds=3)
         for key, secret in (("tenant-a", "secret-a"), ("tenant-b", "secret-b")):
             frames = asyncio.run(converse(sign_url(server.ws_url, key, secret, when), spark_request("hi")))
             assert frames[-1]["header"]["code"] == 0

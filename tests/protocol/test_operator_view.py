@@ -10,7 +10,6 @@ from pathlib import Path
 
 import httpx
 
-
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
 
 

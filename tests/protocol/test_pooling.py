@@ -11,12 +11,12 @@ import struct
 import httpx
 import pytest
 
+from engine.request import ChatPrompt, TokensPrompt
 from spark_server.app import build_app
 from spark_server.settings import Settings
 from tests.conftest import ServerThread, free_port
 from tests.fake_engine import FAKE_HIDDEN, FAKE_MODEL, FakeEngine, fake_vector
 from tests.protocol.conftest import FakeServer
-from engine.request import ChatPrompt, TextPrompt, TokensPrompt
 
 
 def _unit(v: list[float]) -> list[float]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 import schemas
-from engine.sampling_params import SamplingParams
 from bridges.sampling_table import OTHER_FIELDS, TABLE, default, fields_of, sampling_kwargs
+from engine.sampling_params import SamplingParams
 
 
 def _properties(schema: str, *pointer: str) -> dict:
