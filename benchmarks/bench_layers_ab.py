@@ -47,7 +47,8 @@ KINDS = ("prefill", "decode")  # steps with a prompt chunk, decode-only steps
 @dataclass
 class Build:
     name: str
-    forward_layers: Callable[[ctypes.Array, ForwardStep], None]  # the build's own, bound before the engine's is replaced
+    # the build's own, bound before the engine's is replaced
+    forward_layers: Callable[[ctypes.Array, ForwardStep], None]
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
 
 
@@ -160,7 +161,8 @@ def main() -> None:
     if not any(ab.sampled.values()):
         raise SystemExit("no step ran the layers as one native call (the model needs Python between its kernels)")
     print(f"CPU: {cpu_model()}; {args.streams} streams, {args.requests} requests of {args.prompt_tokens} prompt + "
-          f"{args.max_tokens} output tokens; one step in {args.every} run {args.reps} more times by each build, in turn")
+          f"{args.max_tokens} output tokens; one step in {args.every} run {args.reps} more times by each build, "
+          "in turn")
     print("\n".join(report(builds, ab.sampled)))
 
 

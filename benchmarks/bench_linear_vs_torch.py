@@ -49,7 +49,8 @@ def main() -> int:
             bf16 = best_of(lambda: torch.nn.functional.linear(x, wb), 7)
             mine = {name: best_of(lambda p=p: kern.linear(x, p), 7) for name, p in packs.items()}
             torch_best = min(fp32, bf16)
-            rows_out.append({"shape": f"{n}x{k}", "rows": rows, "torch_fp32_ms": fp32 * 1e3, "torch_bf16_ms": bf16 * 1e3,
+            rows_out.append({"shape": f"{n}x{k}", "rows": rows,
+                             "torch_fp32_ms": fp32 * 1e3, "torch_bf16_ms": bf16 * 1e3,
                              **{f"{name}_ms": t * 1e3 for name, t in mine.items()},
                              **{f"{name}_vs_torch": torch_best / t for name, t in mine.items()}})
             print(f"{n:>5}x{k:<5} {rows:>4} rows: torch fp32 {fp32 * 1e3:8.3f} ms, bf16 {bf16 * 1e3:8.3f} ms | "

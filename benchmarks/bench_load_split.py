@@ -5,7 +5,8 @@
 
 Runs the shape of `../shared/peers/compare.py`'s closed loop in process: each of `--streams` clients sends its
 next request when its last one finishes, `--requests` in all, distinct synthetic prompts (or, with
-`--loadgen-texts`, compare.py's own texts as chat messages), greedy, ignore_eos, on the engine's defaults. Every step is timed and its batch recorded, and the report gives
+`--loadgen-texts`, compare.py's own texts as chat messages), greedy, ignore_eos, on the engine's defaults. Every
+step is timed and its batch recorded, and the report gives
 
 - the wall split: steps that prefill (with the decode rows they carry) against decode-only steps; a decoding
   sequence computes a row for its last token and one for each token of its draft, and each counts;
@@ -250,7 +251,8 @@ def main() -> None:
     overlapped_s, phased_s = ceilings(steps, costs, peaks)
     print(f"CPU: {cpu_model()}; torch threads {torch.get_num_threads()}; {args.streams} streams, "
           f"{args.requests} requests of {args.prompt_tokens} prompt + {args.max_tokens} output tokens")
-    print("peaks: " + ", ".join(f"{kind} {rate / 1e9:.0f} G multiply-adds/s" for kind, rate in sorted(peaks.rates.items()))
+    print("peaks: " + ", ".join(f"{kind} {rate / 1e9:.0f} G multiply-adds/s"
+                                for kind, rate in sorted(peaks.rates.items()))
           + f"; plain read {peaks.read_bytes_per_s / 1e9:.1f} GB/s")
     print(f"work: linears {costs.linear_macs_per_token / 1e6:.1f} M multiply-adds a token ({costs.linear_kind}), "
           f"head {costs.head_macs_per_row / 1e6:.1f} M a row ({costs.head_kind}), weights "
@@ -263,7 +265,8 @@ def main() -> None:
               f"({sum(s.draft_rows for s in group)} of them drafts)")
     speculator = engine.speculator
     if speculator is not None and speculator.num_drafted:
-        print(f"drafts: {speculator.num_drafted} tokens drafted, {100 * speculator.num_accepted / speculator.num_drafted:.0f}%"
+        kept = 100 * speculator.num_accepted / speculator.num_drafted
+        print(f"drafts: {speculator.num_drafted} tokens drafted, {kept:.0f}%"
               " kept (the run's and the warm-up's)")
     print(f"ceiling: {overlapped_s:.3f} s with each step's arithmetic and bytes overlapped "
           f"({output_tokens / overlapped_s:.0f} output tok/s); {phased_s:.3f} s with its phases in sequence "

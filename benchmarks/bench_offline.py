@@ -50,7 +50,8 @@ async def engine_runs(args) -> tuple[dict[str, float], dict[int, dict[str, float
             await asyncio.to_thread(baseline.run, synthetic_prompt(r, PROMPT_LEN), OUTPUT_LEN)
         results[1] = summarize(wall, single)
         for c in (8, 32):
-            wall, timings = await run_load(engine, token_requests(f"c{c}", args.num_requests, PROMPT_LEN, OUTPUT_LEN, first=c * 1000), c)
+            requests = token_requests(f"c{c}", args.num_requests, PROMPT_LEN, OUTPUT_LEN, first=c * 1000)
+            wall, timings = await run_load(engine, requests, c)
             results[c] = summarize(wall, timings)
         summary = baseline.summary()
         baseline.close()

@@ -104,7 +104,8 @@ def steady_decode_rate(timings: list[RequestTiming]) -> float:
     return tokens / (end - start)
 
 
-async def run_load(engine: AsyncEngine, requests: list[GenerationRequest], concurrency: int) -> tuple[float, list[RequestTiming]]:
+async def run_load(engine: AsyncEngine, requests: list[GenerationRequest],
+                   concurrency: int) -> tuple[float, list[RequestTiming]]:
     """Keep ``concurrency`` requests in flight; returns (wall seconds, per-request timings)."""
     sem = asyncio.Semaphore(concurrency)
 
@@ -241,7 +242,8 @@ def save(name: str, data: dict[str, Any]) -> Path:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
     data = dict(data, machine={"cpus": os.cpu_count()}, when=time.strftime("%Y-%m-%d %H:%M:%S"))
-    path.write_text(json.dumps(data, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))
+    path.write_text(json.dumps(data, indent=2,
+                               default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)))
     return path
 
 

@@ -103,8 +103,8 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                                   param=f"{where}.type")
             if (kind in ("tool_use", "thinking", "redacted_thinking") and role != "assistant") or \
                     (kind == "tool_result" and role != "user"):
-                raise BridgeError(400, f"{where}.type: {kind} blocks belong to "
-                                       f"{'user' if kind == 'tool_result' else 'assistant'} turns", param=f"{where}.type")
+                owner = "user" if kind == "tool_result" else "assistant"
+                raise BridgeError(400, f"{where}.type: {kind} blocks belong to {owner} turns", param=f"{where}.type")
             if kind == "text":
                 texts.append(block["text"])
             elif kind == "tool_use":

@@ -33,6 +33,10 @@ def _int(value: Any) -> int:
     return int(value)
 
 
+def _bias(value: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    return tuple((int(t), float(b)) for t, b in value.items())  # OpenAI's {"<token id>": bias}
+
+
 @dataclass(frozen=True)
 class Knob:
     name: str  # the SamplingParams field
@@ -73,6 +77,7 @@ TABLE: tuple[Knob, ...] = (
     Knob("stop_token_ids", _ids, {"openai": "stop_token_ids", "vllm": "stop_token_ids", "sglang": "stop_token_ids"}),
     Knob("banned_token_ids", _ids, {"openai": "bad_words_token_ids"}),
     Knob("allowed_token_ids", _ids, {"openai": "allowed_token_ids"}),
+    Knob("logit_bias", _bias, {"openai": "logit_bias"}),
     Knob("include_stop_str_in_output", bool, {"openai": "include_stop_str_in_output",
                                               "vllm": "include_stop_str_in_output", "sglang": "no_stop_trim"}),
     Knob("ignore_eos", bool, {"openai": "ignore_eos", "vllm": "ignore_eos", "sglang": "ignore_eos"}),
@@ -92,8 +97,8 @@ TABLE: tuple[Knob, ...] = (
 # Fields of each protocol's sampling object that are not engine knobs, each handled by its bridge
 # (named here so the schema check can tell a forgotten knob from a field with another job).
 OTHER_FIELDS: dict[str, frozenset[str]] = {
-    "openai": frozenset({"model", "lora_path", "stream", "stream_options", "user", "bad_words", "return_token_ids", "priority",
-                         "parallel_tool_calls", "best_of", "length_penalty", "use_beam_search",
+    "openai": frozenset({"model", "lora_path", "stream", "stream_options", "user", "bad_words", "return_token_ids",
+                         "priority", "parallel_tool_calls", "best_of", "length_penalty", "use_beam_search",
                          "return_tokens_as_token_ids", "request_id", "metadata", "add_special_tokens",
                          "prompt_token_ids", "response_format", "guided_json", "guided_regex", "guided_choice",
                          "guided_grammar", "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern",

@@ -46,7 +46,8 @@ def read_metadata(gguf_path: Path) -> GgufTokenizerMetadata:
 
     special_ids = {key: int(token_id) for role, key in _ROLES.items()
                    if (token_id := field(f"{role}_token_id")) is not None}
-    return GgufTokenizerMetadata(field("model"), special_ids, bool(field("add_bos_token")), bool(field("add_eos_token")))
+    return GgufTokenizerMetadata(field("model"), special_ids, bool(field("add_bos_token")),
+                                 bool(field("add_eos_token")))
 
 
 def follow_gguf_metadata(directory: Path, metadata: GgufTokenizerMetadata) -> None:
@@ -56,7 +57,8 @@ def follow_gguf_metadata(directory: Path, metadata: GgufTokenizerMetadata) -> No
     tokenizer_path, config_path = directory / "tokenizer.json", directory / "tokenizer_config.json"
     tokenizer = json.loads(tokenizer_path.read_text())
     config = json.loads(config_path.read_text())
-    by_id = {i: t for t, i in tokenizer["model"]["vocab"].items()} | {a["id"]: a["content"] for a in tokenizer["added_tokens"]}
+    by_id = ({i: t for t, i in tokenizer["model"]["vocab"].items()}
+             | {a["id"]: a["content"] for a in tokenizer["added_tokens"]})
     special_ids = {key: token_id for key, token_id in metadata.special_ids.items() if token_id in by_id}
     special = {key: by_id[token_id] for key, token_id in special_ids.items()}
     add_bos = metadata.add_bos and "bos_token" in special
@@ -89,4 +91,5 @@ def _template(special: dict[str, str], special_ids: dict[str, int], add_bos: boo
         return [*map(mark, before), {"Sequence": {"id": sequence, "type_id": type_id}}, *map(mark, after)]
 
     return {"type": "TemplateProcessing", "single": around("A", 0), "pair": around("A", 0) + around("B", 1),
-            "special_tokens": {token: {"id": token, "ids": [ids[token]], "tokens": [token]} for token in before + after}}
+            "special_tokens": {token: {"id": token, "ids": [ids[token]], "tokens": [token]}
+                               for token in before + after}}

@@ -223,7 +223,8 @@ class LoraManager:
         rows = max_loras * max_rank
         self.stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = []
         self.b_compact: list[dict[str, torch.Tensor]] = []
-        self.out_sizes = {g: torch.tensor([self.shapes[m][0] for m in ms], dtype=torch.int64) for g, ms in GROUPS.items()}
+        self.out_sizes = {g: torch.tensor([self.shapes[m][0] for m in ms], dtype=torch.int64)
+                          for g, ms in GROUPS.items()}
         for _ in range(config.num_hidden_layers):
             layer: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
             compact = {}

@@ -83,7 +83,8 @@ class PoolerConfig:
                              "softmax)")
         kind = raw.get("pooling_type")
         if kind is not None and (not isinstance(kind, str) or kind.upper() not in POOLING_TYPES):
-            raise ValueError(f"--override-pooler-config: pooling_type {kind!r} is not one of {', '.join(POOLING_TYPES)}")
+            raise ValueError(f"--override-pooler-config: pooling_type {kind!r} is not one of "
+                             f"{', '.join(POOLING_TYPES)}")
         for key in ("normalize", "softmax", "activation"):
             if raw.get(key) is not None and not isinstance(raw[key], bool):
                 raise ValueError(f"--override-pooler-config: {key} must be true or false")

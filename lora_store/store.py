@@ -138,7 +138,8 @@ class LoraStore:
                         await self._save(resp, url, md5, dest, declared)
                         return
                 except httpx.TimeoutException:
-                    raise LoraUnavailableError(f"lora.url {url!r}: download timed out", code="download_timeout") from None
+                    raise LoraUnavailableError(f"lora.url {url!r}: download timed out",
+                                               code="download_timeout") from None
                 except httpx.HTTPError as exc:
                     raise LoraUnavailableError(f"lora.url {url!r}: download failed: {exc}",
                                                code="download_failed") from None

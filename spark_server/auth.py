@@ -154,7 +154,8 @@ class ApiKeyMiddleware:
     key alone in ``x-api-key`` (what Anthropic's clients send). ``refusal_of``: the body of a refusal
     in the protocol's own shape for a path (None: OpenAI's)."""
 
-    def __init__(self, app, api_key: str, refusal_of: Callable[[str], Callable[[int, str], dict] | None] | None = None) -> None:
+    def __init__(self, app, api_key: str,
+                 refusal_of: Callable[[str], Callable[[int, str], dict] | None] | None = None) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
         self.key = api_key.encode()

@@ -56,7 +56,8 @@ class Settings:
                              choices=["auto", "none", "int8", "int4", "gguf"])
     linear_activations: str = _opt("bf16", "what 4-bit weights (int4, gguf Q4_0/Q4_1) multiply: bf16 activations "
                                            "(exact products), or int8 per block of 32 as llama.cpp does: integer dot "
-                                           "products, ~1.2-1.4x faster prefill with AVX512-VNNI, less accurate (README)",
+                                           "products, faster prefill with AVX512-VNNI, less accurate "
+                                           "(docs/performance.md)",
                                    choices=["bf16", "int8"])
     max_model_len: int | None = _opt(None, "context length in tokens (default: the model's; more than the model's is "
                                            "refused at start)")
@@ -283,7 +284,8 @@ class Settings:
         return EngineConfig(
             model=self.model, served_model_name=self.served_model_name, tokenizer=self.tokenizer, device=self.device,
             dtype=DTYPE_ALIASES.get(self.dtype, self.dtype),
-            quantization=self.quantization, linear_activations=self.linear_activations, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+            quantization=self.quantization, linear_activations=self.linear_activations,
+            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             long_prefill_token_threshold=self.long_prefill_token_threshold, block_size=self.block_size,
             kv_cache_space_gib=self.kv_cache_space, max_logprobs=self.max_logprobs, seed=self.seed,

@@ -75,8 +75,8 @@ class DrainGuard:
         if not getattr(self.state, "draining", False) or scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        body = {"error": "the server is shutting down", "header": {"code": 12101, "message": "the server is shutting down",
-                                                                   "status": 2}}
+        message = "the server is shutting down"
+        body = {"error": message, "header": {"code": 12101, "message": message, "status": 2}}
         response = JSONResponse(body, status_code=503, headers={"Retry-After": "5", "Connection": "close"})
         if scope["type"] == "http":
             await response(scope, receive, send)

@@ -107,8 +107,8 @@ def _messages(body: dict[str, Any]) -> list[ChatMessage]:
         messages.append(ChatMessage(item["role"], content))
     last = messages[-1]
     if last.role != "user" or not last.content.strip():
-        raise SparkError(SparkCode.NO_DIALOGUE_CONTENT,
-                         f"payload.message.text[{len(messages) - 1}]: the latest turn must be a non-empty user question")
+        raise SparkError(SparkCode.NO_DIALOGUE_CONTENT, f"payload.message.text[{len(messages) - 1}]: "
+                         "the latest turn must be a non-empty user question")
     return messages
 
 
