@@ -207,7 +207,8 @@ class FakeEngine:
                         request_id=request.request_id, index=index, new_token_ids=[tid], text_delta=delta,
                         num_prompt_tokens=len(prompt_ids), num_output_tokens=k + 1,
                         logprobs=[TokenLogprob(tid, -0.5, [(tid, -0.5)] * p.top_logprobs)] if p.logprobs else None,
-                        prompt_logprobs=fake_prompt_logprobs(prompt_ids, p.prompt_logprobs) if k == index == 0 else None,
+                        prompt_logprobs=(fake_prompt_logprobs(prompt_ids, p.prompt_logprobs)
+                                         if k == index == 0 else None),
                         finished=last, finish_reason=reason if last else None,
                         stop_reason=stop_reason if last else None,
                         timings=RequestTimings(arrival=request.arrival_time, queue_s=0.001, first_token_s=0.002,

@@ -110,7 +110,8 @@ async def test_client_chosen_ids_never_collide(live_server):
             await ws.send(json.dumps(spark_request(LONG, max_tokens=16, top_k=1)))
             first = json.loads(await ws.recv())
             sid = first["header"]["sid"]
-            same_sid = client.post("/generate", json={"text": "Hi", "rid": sid, "sampling_params": {"max_new_tokens": 4}})
+            same_sid = client.post("/generate",
+                                   json={"text": "Hi", "rid": sid, "sampling_params": {"max_new_tokens": 4}})
             triton = [client.post(f"/v2/models/{m}/generate", json={"id": "same", "text_input": "Hi",
                                                                      "parameters": {"max_new_tokens": 4}})
                       for _ in range(3)]

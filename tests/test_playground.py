@@ -76,7 +76,8 @@ def test_a_two_turn_conversation_and_an_error_frame(live_server, browser):
     browser.set_window_size(420, 480)  # a short window: the conversation soon outgrows it
     browser.get(live_server.http_url + "/")
     assert browser.find_element(By.ID, "model").text == live_server.engine.model_info.name
-    browser.execute_script("document.getElementById('top_k').value = 1; document.getElementById('max_tokens').value = 24")
+    browser.execute_script("document.getElementById('top_k').value = 1; "
+                           "document.getElementById('max_tokens').value = 24")
 
     def ask(text: str, answers: int) -> None:
         browser.find_element(By.ID, "question").send_keys(text)

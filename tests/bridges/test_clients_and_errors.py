@@ -40,7 +40,8 @@ CASES = [
     ("mindie", "/infer", 400, {"inputs": "hi", "parameters": {"top_k": -3}}, 400, "error"),
     ("tokenizer", "/v1/tokenizer", 400, {"inputs": ""}, 400, "error"),
     ("openai", "/v1/completions", 400, {"model": "MODEL", "prompt": "hi", "max_tokens": 0}, 400, "error"),
-    ("triton", "/v2/models/MODEL/generate", 400, {"text_input": "hi", "parameters": {"max_new_tokens": 0}}, 400, "error"),
+    ("triton", "/v2/models/MODEL/generate", 400, {"text_input": "hi", "parameters": {"max_new_tokens": 0}}, 400,
+     "error"),
 ]
 
 
@@ -105,7 +106,8 @@ def test_each_bridge_greedy_answer_equals_spark(live_server):
             {"role": "user", "content": question}], "max_tokens": limit, "temperature": 0},
             timeout=60).json()["choices"][0]["message"]["content"],
         "openai-completion": httpx.post(base + "/v1/completions", json={"model": model, "prompt": ids,
-                                        "max_tokens": limit, "temperature": 0}, timeout=60).json()["choices"][0]["text"],
+                                        "max_tokens": limit, "temperature": 0},
+                                        timeout=60).json()["choices"][0]["text"],
     }
     for name, answer in answers.items():
         assert answer == spark, name
@@ -138,7 +140,8 @@ def test_client_hanging_up_on_a_non_streaming_call_aborts_it(live_server, path, 
 
 @pytest.mark.parametrize("path, body, last_event", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 32,
-                              "stream": True}, lambda events: events[-2].startswith('{"error"') and events[-1] == "[DONE]"),
+                              "stream": True},
+     lambda events: events[-2].startswith('{"error"') and events[-1] == "[DONE]"),
     ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 32, "stream": True},
      lambda events: events[-2].startswith('{"error"') and events[-1] == "[DONE]"),
     ("/generate_stream", {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 32}},

@@ -75,7 +75,8 @@ def test_bf16_forward_is_as_accurate_as_transformers_bf16(bf16_engine, llm_engin
         positions += len(seq)
     ours_top1, theirs_top1 = ours[0] / positions, theirs[0] / positions
     ours_kl, theirs_kl = ours[1] / positions, theirs[1] / positions
-    assert ours_top1 >= theirs_top1 - 0.01, f"top-1 agreement with fp32: ours {ours_top1:.4f}, hf bf16 {theirs_top1:.4f}"
+    assert ours_top1 >= theirs_top1 - 0.01, \
+        f"top-1 agreement with fp32: ours {ours_top1:.4f}, hf bf16 {theirs_top1:.4f}"
     assert ours_kl <= 1.25 * theirs_kl, f"mean KL from fp32: ours {ours_kl:.5f}, hf bf16 {theirs_kl:.5f}"
 
 

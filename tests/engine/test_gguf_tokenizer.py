@@ -41,8 +41,10 @@ def _directory_as_transformers_wrote_it(tmp_path):
     data["post_processor"] = {"type": "TemplateProcessing",  # a BOS on every text, as transformers 4 wrote
                               "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
                                          {"Sequence": {"id": "A", "type_id": 0}}],
-                              "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                              "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}}}
+                              "pair": [{"Sequence": {"id": "A", "type_id": 0}},
+                                       {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1],
+                                                                  "tokens": ["<|im_start|>"]}}}
     (tmp_path / "tokenizer.json").write_text(json.dumps(data))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "LlamaTokenizer", "legacy": True, "bos_token": "<|im_start|>", "eos_token": "<|im_start|>",

@@ -94,7 +94,8 @@ def test_calibration_samples_the_model_reproducibly_and_measures_every_linear(hf
     monkeypatch.setattr(calibration, "PROGRESS_EVERY_S", 0.0)  # a progress line after every step
     with caplog.at_level("INFO", logger=calibration.logger.name):
         tokens, mask = sample_tokens(on_engine, tokenizer, sequences=4, length=10)
-    assert [r.getMessage() for r in caplog.records] == [f"int8 calibration: {k} of 10 tokens sampled" for k in range(1, 10)]
+    assert [r.getMessage() for r in caplog.records] == [f"int8 calibration: {k} of 10 tokens sampled"
+                                                         for k in range(1, 10)]
     again, _ = sample_tokens(on_engine, tokenizer, sequences=4, length=10)
     assert torch.equal(tokens, again)  # seeded
     other, _ = sample_tokens(on_engine, tokenizer, sequences=4, length=10, seed=1)

@@ -15,7 +15,8 @@ OUTPUT_LEN = 12
 
 
 def _requests() -> list[GenerationRequest]:
-    return [GenerationRequest(f"m{i}", TokensPrompt([1] + [300 + (i * 31 + j * 17) % 20000 for j in range(PROMPT_LEN - 1)]),
+    return [GenerationRequest(f"m{i}",
+                              TokensPrompt([1] + [300 + (i * 31 + j * 17) % 20000 for j in range(PROMPT_LEN - 1)]),
                               SamplingParams(max_tokens=OUTPUT_LEN, temperature=0, ignore_eos=True))
             for i in range(NUM_REQUESTS)]
 

@@ -250,7 +250,8 @@ def test_a_pushed_pack_serves_sessions_across_the_fleet(fleet, tmp_path):
     # the replica's store verified it (a directory of the shared folder is not one)
     squat = fleet["shared"] / "squat"
     shutil.copytree(adapter, squat, dirs_exist_ok=True)
-    r = httpx.post(url["a"] + "/v1/load_lora_adapter", json={"lora_name": f"lora-{ref['md5']}", "lora_path": str(squat)})
+    r = httpx.post(url["a"] + "/v1/load_lora_adapter",
+                   json={"lora_name": f"lora-{ref['md5']}", "lora_path": str(squat)})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
 
     # a wrong md5 is refused by the front end before any replica sees the session

@@ -78,8 +78,9 @@ TARGETS: dict[str, Target] = {
                               ("text_input",), ("parameters", "max_new_tokens"), statuses={"too_large": 413}),
     "triton_stream": Target(f"/v2/models/{M}/generate_stream", {"text_input": "Hi", "parameters": {
         "max_new_tokens": 2}}, ("text_input",), ("parameters", "top_k")),
-    "triton_infer": Target(f"/v2/models/{M}/infer", {"inputs": [{"name": "input0", "shape": [1, 2], "datatype": "UINT32",
-                                                                 "data": [1, 2]}], "outputs": [{"name": "output0"}],
+    "triton_infer": Target(f"/v2/models/{M}/infer", {"inputs": [{"name": "input0", "shape": [1, 2],
+                                                                 "datatype": "UINT32", "data": [1, 2]}],
+                                                     "outputs": [{"name": "output0"}],
                                                      "parameters": {"max_new_tokens": 2}},
                            ("outputs", 0, "name"), ("parameters", "max_new_tokens"), ("inputs", 0, "data"),
                            skip=frozenset({"over the context, by size"})),

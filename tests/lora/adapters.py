@@ -77,7 +77,8 @@ def peft_greedy(model_dir: str, adapters: list[Path | None], prompts: list[list[
         outs = []
         with torch.inference_mode():
             for ids in prompts:
-                out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                out = model.generate(input_ids=torch.tensor([ids]),
+                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                      max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2)
                 outs.append(out[0, len(ids):].tolist())
         results.append(outs)

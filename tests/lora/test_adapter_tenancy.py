@@ -292,8 +292,9 @@ def test_operator_adapters_outlive_any_number_of_session_packs(engine, packs, pr
         assert not Path(resolver.registered["operator"]).exists()  # its files left the disk budget
         assert _close(named_first(base, "operator", prompt_ids), references["victim"])
         assert "operator" in [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]]
+        question = [{"role": "user", "content": SECRET_QUESTION}]
         r = httpx.post(base + "/v1/chat/completions", json={"model": "operator", "max_tokens": 12, "temperature": 0,
-                                                             "messages": [{"role": "user", "content": SECRET_QUESTION}]},
+                                                             "messages": question},
                        timeout=60)
         assert r.status_code == 200 and "pineapple" in r.json()["choices"][0]["message"]["content"], r.text
     engine.forget_adapter(resolver.identities["operator"])  # this app is gone: its registration ends

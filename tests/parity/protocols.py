@@ -250,7 +250,8 @@ def openai_responses(url: str, ask: Ask, prompt: str) -> Outcome:
     data = r.json()
     text = "".join(part["text"] for item in data["output"] if item["type"] == "message"
                    for part in item["content"] if part["type"] == "output_text")
-    calls = [(item["name"], json.loads(item["arguments"])) for item in data["output"] if item["type"] == "function_call"]
+    calls = [(item["name"], json.loads(item["arguments"]))
+             for item in data["output"] if item["type"] == "function_call"]
     finish = "tool_call" if calls else {"completed": "stop", "incomplete": "length"}.get(data["status"])
     usage = data["usage"]
     return Outcome(text, usage["input_tokens"], usage["output_tokens"], finish, calls)

@@ -83,7 +83,8 @@ def test_admin_endpoints_answer_403_without_a_key(tmp_path):
 def test_allow_unauthenticated_admin_opens_them(tmp_path):
     with serve(tmp_path, allow_unauthenticated_admin=True) as srv:
         base = srv["url"]
-        r = httpx.post(base + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(srv["shared"] / "good")})
+        r = httpx.post(base + "/v1/load_lora_adapter",
+                       json={"lora_name": "a", "lora_path": str(srv["shared"] / "good")})
         assert r.status_code == 200, r.text
         assert httpx.post(base + "/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 200
         data = _pack(tmp_path)

@@ -95,7 +95,8 @@ def test_tool_use_then_tool_result_then_answer(client, fake):
     m = client.messages.create(model="fake-model", max_tokens=64, messages=ASK, tools=[ADD])
     assert m.stop_reason == "tool_use"
     (use,) = m.content
-    assert use.type == "tool_use" and use.name == "add" and use.input == {"a": 1, "b": 2} and use.id.startswith("toolu_")
+    assert use.type == "tool_use" and use.name == "add" and use.input == {"a": 1, "b": 2}
+    assert use.id.startswith("toolu_")
     with client.messages.stream(model="fake-model", max_tokens=64, messages=ASK, tools=[ADD]) as stream:
         streamed = stream.get_final_message()
     assert [(b.type, b.name, b.input) for b in streamed.content] == [("tool_use", "add", {"a": 1, "b": 2})]

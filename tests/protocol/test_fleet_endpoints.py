@@ -24,7 +24,8 @@ def replica(tmp_path_factory):
     outside = tmp_path_factory.mktemp("outside")
     os.symlink(outside, shared / "escape")  # a link inside the shared directory that leads out of it
     settings = Settings(port=free_port(), api_key=KEY, lora_shared_dir=str(shared),
-                        lora_allowed_urls="http://127.0.0.1:9/packs/", lora_pack_dir=str(tmp_path_factory.mktemp("shelf")))
+                        lora_allowed_urls="http://127.0.0.1:9/packs/",
+                        lora_pack_dir=str(tmp_path_factory.mktemp("shelf")))
     engine = FakeEngine(lora_enabled=True)
     with ServerThread(build_app(settings, engine), settings.port):
         yield f"http://127.0.0.1:{settings.port}", shared, outside, engine

@@ -63,7 +63,8 @@ def test_embeddings_of_every_input_form(fake):
 
 
 def test_embeddings_of_chat_messages_go_through_the_chat_template(fake):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     body = _post(fake, "/v1/embeddings", {"messages": messages}).json()
     prompt = fake.engine.pooling_requests[-1].prompt
     assert isinstance(prompt, ChatPrompt) and [m.content for m in prompt.messages] == ["Be brief.", "hi"]
@@ -215,7 +216,8 @@ def test_classify_answers_probabilities_and_labels(classifier_server):
         logits = [3 * v for v in fake_vector(_ids(server, text))[:3]]
         exp = [math.exp(v - max(logits)) for v in logits]
         assert item["probs"] == pytest.approx([e / sum(exp) for e in exp], abs=1e-6)
-        assert item["num_classes"] == 3 and item["label"] == ("negative", "neutral", "positive")[logits.index(max(logits))]
+        assert item["num_classes"] == 3
+        assert item["label"] == ("negative", "neutral", "positive")[logits.index(max(logits))]
     raw = _post(server, "/classify", {"input": texts[0], "use_activation": False}).json()["data"][0]
     assert raw["probs"] == pytest.approx([3 * v for v in fake_vector(_ids(server, texts[0]))[:3]], abs=1e-5)
     _refused(_post(server, "/classify", {"input": "x", "activation": True, "use_activation": False}), "use_activation",

@@ -43,7 +43,8 @@ def _check(adapter: Adapter, case: Case, got: Outcome, expected_completion: int 
     caps, problems = adapter.caps, []
     if case.error is not None:
         if got.error != case.error or not re.search(case.error_names, got.message):
-            problems.append(f"error {got.error!r} ({got.message!r}); expected {case.error!r} naming {case.error_names!r}")
+            problems.append(f"error {got.error!r} ({got.message!r}); "
+                            f"expected {case.error!r} naming {case.error_names!r}")
         return problems
     if got.error is not None:
         return [f"failed: {got.error} {got.message!r}"]

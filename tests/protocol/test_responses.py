@@ -327,7 +327,8 @@ def test_with_a_reasoning_parser_the_thinking_is_a_reasoning_item(thinker):
     chat = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "1+2?"}]}).json()
     reasoning, message = data["output"]
     assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_") and reasoning["summary"] == []
-    assert reasoning["content"] == [{"type": "reasoning_text", "text": chat["choices"][0]["message"]["reasoning_content"]}]
+    expected = chat["choices"][0]["message"]["reasoning_content"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": expected}]
     assert message["content"][0]["text"] == chat["choices"][0]["message"]["content"] == "\n\n" + ANSWER
     tokens = chat["usage"]["completion_tokens_details"]["reasoning_tokens"]
     assert data["usage"]["output_tokens_details"]["reasoning_tokens"] == tokens > 0

@@ -93,7 +93,8 @@ def test_plain_answers_stay_content(servers, fake, name):
 def test_each_prompt_shows_the_tools_in_its_models_form(servers, fake):
     history = [{"role": "user", "content": "1+2?"},
                {"role": "assistant", "content": None, "tool_calls": [
-                   {"id": "abcdefghi", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+                   {"id": "abcdefghi", "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
                {"role": "tool", "tool_call_id": "abcdefghi", "content": "3"}]
     seen = {}
     for name, url in servers.items():
