@@ -467,6 +467,8 @@ class LLMEngine:
         strings within --max-stop-strings and --max-stop-chars."""
         for name in ("stop_token_ids", "banned_token_ids", "allowed_token_ids"):
             self.prompts.check_in_vocab(getattr(params, name), name)
+        # distinct ids, each in the vocabulary: a bias has at most one entry per token
+        self.prompts.check_in_vocab([t for t, _ in params.logit_bias], "logit_bias")
         limit = self.config.max_logprobs
         for name in ("top_logprobs", "prompt_logprobs"):
             value = getattr(params, name) or 0

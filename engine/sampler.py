@@ -56,10 +56,10 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 
 def banned_ids(seq: Sequence, eos_token_ids: list[int]) -> list[int]:
-    """The ids a row may not pick this step: its banned ids, its stop ids and EOS until min_tokens, and EOS
-    under ignore_eos."""
+    """The ids a row may not pick this step: its banned ids (a -100 logit bias included), its stop ids and
+    EOS until min_tokens, and EOS under ignore_eos."""
     p = seq.params
-    banned = list(p.banned_token_ids)
+    banned = list(seq.bans)
     if seq.num_output_tokens < p.min_tokens:
         banned += list(p.stop_token_ids)
         if not p.ignore_eos:
@@ -70,9 +70,9 @@ def banned_ids(seq: Sequence, eos_token_ids: list[int]) -> list[int]:
 
 
 def reads_only_logits(seq: Sequence) -> bool:
-    """Whether the row's pick reads nothing but its model logits, its banned_ids and its truncation (no
-    penalty, logprob, allow-list, grammar or forced token reads the tokens before it): rows for several
-    positions of one sequence can then be picked in one step, each as a step of its own would."""
+    """Whether the row's pick reads nothing but its model logits, its fixed logit bias, its banned_ids and its
+    truncation (no penalty, logprob, allow-list, grammar or forced token reads the tokens before it): rows for
+    several positions of one sequence can then be picked in one step, each as a step of its own would."""
     p = seq.params
     return (not p.logprobs and p.repetition_penalty == 1.0 and not p.presence_penalty
             and not p.frequency_penalty and not p.allowed_token_ids and seq.matcher is None
@@ -80,9 +80,23 @@ def reads_only_logits(seq: Sequence) -> bool:
 
 
 def takes_plain_argmax(seq: Sequence) -> bool:
-    """Whether the row's token is the argmax of its model logits with only banned_ids left out: the greedy
-    head can pick it."""
-    return seq.params.is_greedy and reads_only_logits(seq)
+    """Whether the row's token is the argmax of its model logits with only banned_ids left out (no bias moves
+    a logit): the greedy head can pick it."""
+    return seq.params.is_greedy and seq.bias_ids is None and reads_only_logits(seq)
+
+
+def apply_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """OpenAI's logit_bias: each row's biases added to its logits (one indexed add for the whole batch; a
+    row's ids are distinct). Bans (-100) are not here: ``banned_ids`` holds them."""
+    biased = [(row, seq.bias_ids, seq.bias_values) for row, seq in enumerate(seqs)
+              if seq.bias_ids is not None and seq.bias_values is not None]
+    if not biased:
+        return
+    rows = torch.tensor([row for row, _, _ in biased], dtype=torch.long).repeat_interleave(
+        torch.tensor([len(ids) for _, ids, _ in biased]))
+    ids = torch.cat([ids for _, ids, _ in biased])
+    values = torch.cat([values for _, _, values in biased]).to(logits.dtype)
+    logits.index_put_((rows, ids), values, accumulate=True)
 
 
 def apply_bans(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
@@ -177,6 +191,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
     raw_logprobs = None
     if any(s.params.logprobs for s in seqs):
         raw_logprobs = step_logprobs(logits, [s.params for s in seqs])
+    apply_bias(logits, seqs)  # on the model's logits, before penalties and truncation (OpenAI, vLLM)
     apply_penalties(logits, seqs)
     apply_constraints(logits, seqs, eos_token_ids, masks)
     greedy_rows = [i for i, s in enumerate(seqs) if s.params.is_greedy]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.structured import Constraint
@@ -40,6 +42,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     banned_token_ids: list[int] = field(default_factory=list)
     allowed_token_ids: list[int] = field(default_factory=list)  # non-empty: only these may be sampled
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs, each bias added to the token's logit before
+    # penalties and truncation; BAN_BIAS itself is a ban (``bans_and_bias``)
+    logit_bias: tuple[tuple[int, float], ...] = ()
     spaces_between_special_tokens: bool = True  # for slow tokenizers' decode (fast ones always join as written)
     n: int = 1
     logprobs: bool = False
@@ -62,11 +67,20 @@ class SamplingParams:
             ids = getattr(self, name)
             if any(isinstance(t, float) for t in ids):
                 setattr(self, name, [int(t) if isinstance(t, float) and t.is_integer() else t for t in ids])
+        self.logit_bias = _bias_pairs(self.logit_bias)
         self.validate()
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    def bans_and_bias(self) -> tuple[list[int], tuple[tuple[int, float], ...]]:
+        """(every id this request bans: ``banned_token_ids`` then the ids biased by BAN_BIAS, each once; the
+        other biases, of ids not banned). A bias of -100 is OpenAI's ban: treated as one, the greedy fast
+        paths, which know bans but no biases, still serve it."""
+        bans = list(dict.fromkeys([*self.banned_token_ids, *(t for t, b in self.logit_bias if b <= BAN_BIAS)]))
+        banned = set(bans)
+        return bans, tuple((t, b) for t, b in self.logit_bias if t not in banned)
 
     def validate(self) -> None:
         _require(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)), "seed",
@@ -92,6 +106,15 @@ class SamplingParams:
                  "must be non-negative token ids")
         _require(all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids), "allowed_token_ids",
                  "must be non-negative token ids")
+        _require(all(isinstance(pair, tuple) and len(pair) == 2 for pair in self.logit_bias), "logit_bias",
+                 "must map token ids to biases")
+        _require(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t, _ in self.logit_bias),
+                 "logit_bias", "keys must be non-negative token ids")
+        _require(all(isinstance(b, float) and math.isfinite(b) and BAN_BIAS <= b <= MAX_BIAS
+                     for _, b in self.logit_bias), "logit_bias",
+                 f"values must be numbers in [{BAN_BIAS:g}, {MAX_BIAS:g}]")
+        _require(len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias",
+                 "names a token id more than once")
         _require(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
                  "prompt_logprobs", "must be an integer >= 0")
         _require(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int)
@@ -108,8 +131,30 @@ class SamplingParams:
             self.top_k = 0
 
 
+# OpenAI's range for a logit bias: -100 bans the token, 100 all but forces it
+BAN_BIAS = -100.0
+MAX_BIAS = 100.0
+
 _INTEGER_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "n", "top_logprobs", "prompt_logprobs",
                    "truncate_prompt_tokens")
+
+
+def _bias_pairs(value: object) -> tuple[Any, ...]:
+    """logit_bias as (id, float bias) pairs: from pairs or the OpenAI form {id: bias}, whole-number float ids
+    and integer biases read as what they spell; anything else is left for ``validate`` to refuse."""
+    items = value.items() if isinstance(value, dict) else value
+    if not isinstance(items, (tuple, list, type({}.items()))):
+        return (value,)
+    out: list[Any] = []
+    pair: Any
+    for pair in items:
+        if isinstance(pair, (tuple, list)) and len(pair) == 2:
+            t, b = pair
+            t = int(t) if isinstance(t, float) and t.is_integer() else t
+            b = float(b) if isinstance(b, int) and not isinstance(b, bool) else b
+            pair = (t, b)
+        out.append(pair)
+    return tuple(out)
 
 
 def _require(ok: bool, parameter: str, rule: str) -> None:

@@ -53,6 +53,11 @@ class Sequence:
         if self.section_open:
             self.pending_matcher, self.matcher = matcher, None
         self.forced_token_ids: list[int] = []
+        # logit_bias split once (SamplingParams.bans_and_bias): its bans join banned_token_ids in ``bans``
+        # (sampler.banned_ids), the other biases are added to every step's logits (sampler.apply_bias)
+        self.bans, bias = self.params.bans_and_bias()
+        self.bias_ids = torch.tensor([t for t, _ in bias], dtype=torch.long) if bias else None
+        self.bias_values = torch.tensor([b for _, b in bias], dtype=torch.float32) if bias else None
         self.lora_slot = -1  # resident adapter slot while running; -1 = base model
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = list(prompt_token_ids)

@@ -163,3 +163,40 @@ def test_penalties_follow_tokens_added_between_steps_row_by_row():
     out = both[:1].clone()
     sample(out, [counted], [EOS])
     assert torch.allclose(out[0, :3], torch.tensor([4.0 - 1.1, 3.0 - 1.7, 2.0]))
+
+
+def test_logit_bias_is_added_to_the_model_logits_before_penalties_and_bans():
+    """Each row's logits after sampling (they are modified in place) against the definition computed
+    directly: bias added to the model's logits, then the repetition penalty, then bans (a -100 bias one)."""
+    torch.manual_seed(0)
+    model = torch.randn(4, 64) * 3
+    rows = [make_seq(prompt=(3, 9), temperature=0.0, logit_bias={5: 2.5, 9: -7.25, 40: 100.0}),
+            make_seq(prompt=(3, 9), temperature=0.0),  # no bias: untouched by its neighbours'
+            make_seq(prompt=(3, 9), temperature=0.0, repetition_penalty=1.5, logit_bias={3: 4.0, 9: -1.0}),
+            make_seq(prompt=(3, 9), temperature=0.7, seed=1, logit_bias={11: -100, 12: 0.5},
+                     banned_token_ids=[13])]
+    expected = model.clone()
+    for row, seq in enumerate(rows):
+        for token, bias in seq.params.logit_bias:
+            expected[row, token] += bias
+    for token in (3, 9):  # seen by row 2: divided if positive, multiplied if not
+        v = expected[2, token]
+        expected[2, token] = v / 1.5 if v > 0 else v * 1.5
+    expected[3, [11, 13]] = float("-inf")
+    got = model.clone()
+    picks = sample(got, rows, [EOS])
+    assert torch.equal(got, expected)
+    assert picks[0] == 40 and picks[1] == int(model[1].argmax()) and picks[2] == int(expected[2].argmax())
+    assert picks[3] not in (11, 13)
+
+
+def test_a_bias_other_than_a_ban_takes_the_row_off_the_plain_argmax_paths():
+    from engine.sampler import banned_ids, takes_plain_argmax
+
+    banning = make_seq(temperature=0.0, logit_bias={4: -100}, banned_token_ids=[2])
+    assert takes_plain_argmax(banning) and banned_ids(banning, [EOS]) == [2, 4]  # the greedy head serves bans
+    assert not takes_plain_argmax(make_seq(temperature=0.0, logit_bias={4: -100, 5: 1.0}))
+    # +100 all but forces a token, -100 bans the argmax
+    assert sample(logits_of(*BASE), [make_seq(temperature=0.0, logit_bias={6: 100})], [EOS]) == [6]
+    assert sample(logits_of(*BASE), [make_seq(temperature=0.0, logit_bias={0: -100})], [EOS]) == [1]
+    assert set(draws(200, temperature=1.0, logit_bias={5: 100})) == {5}
