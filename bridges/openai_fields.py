@@ -17,7 +17,7 @@ from typing import Any
 
 from bridges.sampling_table import TABLE
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import BAN_BIAS, SamplingParams
 from engine.structured import Constraint
 
 # SamplingParams fields no /v1/completions body can carry, and why: a request that sets one is refused
@@ -32,6 +32,11 @@ OUTSIDE_TABLE = ("logprobs", "top_logprobs", "constraint")
 # generation_config, and max_tokens' OpenAI default differs per endpoint; naming them keeps the answer
 # the one the front end asked for.
 ALWAYS_SENT = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# Knobs sent together as OpenAI's ``logit_bias``, the one token-level field vLLM, SGLang and this server
+# all read: each banned id as BAN_BIAS (this server's replicas read -100 as a ban; vLLM and SGLang add it,
+# which leaves the token out in practice), then the request's other biases. (bad_words_token_ids, the
+# table's field for bans, is read by this server and FastDeploy only: on vLLM the ban was dropped.)
+SENT_AS_LOGIT_BIAS = ("banned_token_ids", "logit_bias")
 # Knobs whose openai column lists several fields: the one a completions body carries
 # (max_completion_tokens exists on chat only).
 WIRE_NAME = {"max_tokens": "max_tokens"}
@@ -95,12 +100,15 @@ def openai_fields(params: SamplingParams) -> dict[str, Any]:
     body: dict[str, Any] = {}
     for knob in TABLE:
         names = knob.fields.get("openai")
-        if names is None:
+        if names is None or knob.name in SENT_AS_LOGIT_BIAS:
             continue
         value = getattr(params, knob.name)
         lowered_default = knob.defaults.get("openai", ENGINE_DEFAULTS[knob.name])
         if knob.name in ALWAYS_SENT or value != lowered_default:
             body[_wire_name(knob.name, names)] = WIRE_VALUE.get(knob.name, _same)(value)
+    bans, bias = params.bans_and_bias()
+    if bans or bias:
+        body["logit_bias"] = {str(t): BAN_BIAS for t in bans} | {str(t): b for t, b in bias}
     if params.logprobs:  # completions' logprobs: the number of top candidates; present means "return them"
         body["logprobs"] = params.top_logprobs
     if params.constraint is not None:

@@ -27,15 +27,18 @@ def test_the_backend_gets_the_requests_params_in_the_tables_words():
         with ServerThread(build_app(settings, engine), settings.port):
             resp = httpx.post(f"http://127.0.0.1:{settings.port}/v1/completions", timeout=60, json={
                 "model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "top_k": 4, "seed": 9, "stop": "x",
-                "bad_words_token_ids": [11], "logprobs": 2, "guided_regex": "a+"})
+                "bad_words_token_ids": [11], "logit_bias": {"12": 1.5, "13": -100}, "logprobs": 2,
+                "guided_regex": "a+"})
             assert resp.status_code == 200, resp.text
     (body,) = backend.bodies
-    sent = SamplingParams(max_tokens=3, top_k=4, seed=9, stop=["x"], banned_token_ids=[11], logprobs=True,
-                          top_logprobs=2)
+    sent = SamplingParams(max_tokens=3, top_k=4, seed=9, stop=["x"], banned_token_ids=[11],
+                          logit_bias=((12, 1.5), (13, -100.0)), logprobs=True, top_logprobs=2)
     expected = openai_fields(sent) | {"guided_regex": "a+"}
     assert {k: v for k, v in body.items() if k in expected} == expected
     assert body["stream"] is True and body["return_tokens_as_token_ids"] is True
-    assert "logit_bias" not in body  # banned ids travel in the table's field, which this server's replicas read
+    # bans and biases travel as OpenAI's logit_bias, which vLLM, SGLang and this server's replicas all read
+    assert body["logit_bias"] == {"11": -100, "13": -100, "12": 1.5}
+    assert "bad_words_token_ids" not in body
 
 
 def test_a_parameter_the_backends_cannot_carry_is_refused_before_any_backend_sees_it():

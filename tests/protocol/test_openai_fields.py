@@ -60,6 +60,9 @@ DOMAINS: dict[str, st.SearchStrategy] = {
     "stop_token_ids": _ids,
     "banned_token_ids": _ids,
     "allowed_token_ids": _ids,
+    # the ban (-100) and the bounds often, any bias in [-100, 100] else
+    "logit_bias": st.dictionaries(st.integers(0, 2000), st.sampled_from([-100.0, 100.0, 0.0]) | _floats(-100, 100),
+                                  max_size=4).map(lambda d: tuple(d.items())),
     "include_stop_str_in_output": st.booleans(),
     "ignore_eos": st.booleans(),
     "skip_special_tokens": st.booleans(),
@@ -79,13 +82,20 @@ DOMAINS: dict[str, st.SearchStrategy] = {
 def sampling_params(draw) -> SamplingParams:
     kw = {name: draw(domain) for name, domain in DOMAINS.items()}
     kw["min_tokens"] = draw(st.integers(0, kw["max_tokens"]))
+    if kw["banned_token_ids"] and draw(st.booleans()):  # a banned id biased as well: the ban wins
+        kw["logit_bias"] = ((kw["banned_token_ids"][0], draw(_floats(-100, 100))),
+                            *((t, b) for t, b in kw["logit_bias"] if t != kw["banned_token_ids"][0]))
     if not kw["logprobs"]:
         kw["top_logprobs"] = 0  # without logprobs it selects nothing, and no request field states it
     return SamplingParams(**kw)
 
 
 def _knobs(p: SamplingParams) -> SamplingParams:
-    """``p`` with its constraint's ``field`` (the request field named in errors: where it arrived) set aside."""
+    """``p`` with its constraint's ``field`` (the request field named in errors: where it arrived) set aside,
+    and its bans in one form: banned_token_ids and -100 biases mean the same (``bans_and_bias``), and the
+    body carries both as logit_bias -100."""
+    bans, bias = p.bans_and_bias()
+    p = dataclasses.replace(p, banned_token_ids=bans, logit_bias=bias)
     if p.constraint is None:
         return p
     return dataclasses.replace(p, constraint=dataclasses.replace(p.constraint, field="constraint"))
