@@ -14,6 +14,7 @@ documented code within 2 s.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import socket
@@ -148,7 +149,7 @@ async def measure(abuse: Abuse, base: str, ws_url: str, rss: RssSampler) -> dict
     stop.set()
     await streamer
     window = [t for t in frames if sent - 0.2 <= t <= answered + 0.5]
-    gaps = [b - a for a, b in zip(window, window[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(window)]
     return {"answer_s": answered - sent, "code": code, "message": message, "max_gap_s": max(gaps, default=float("inf")),
             "frames_in_window": len(window), "peak_rss": peak}
 

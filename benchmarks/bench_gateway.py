@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -54,7 +55,7 @@ def start(port: int, *extra: str) -> subprocess.Popen:
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (and its reaped children), from /proc."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 

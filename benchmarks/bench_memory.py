@@ -27,7 +27,7 @@ async def run() -> dict:
         start = time.perf_counter()
         failures = 0
         try:
-            wall, timings = await run_load(engine, token_requests("mem", NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN),
+            _, timings = await run_load(engine, token_requests("mem", NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN),
                                            NUM_REQUESTS)
         except Exception as exc:  # any failed request fails the benchmark
             print(f"request failed: {exc!r}")

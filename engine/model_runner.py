@@ -146,7 +146,7 @@ class ModelRunner:
                 if last > start:
                     wanted.append((seq, start, last - start, q_start))
         prompt_rows: list[int] = []
-        for _, start, count, q_start in wanted:
+        for _, _, count, q_start in wanted:
             prompt_rows.extend(range(q_start, q_start + count))
 
         prefill_spans = prefill_block_tables = None

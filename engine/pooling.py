@@ -134,7 +134,7 @@ def read_head(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor | None] | Non
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for key in ("score.weight", "score.bias"):
-                if key in f.keys():
+                if key in f.keys():  # noqa: SIM118 (safetensors' handle has keys() but no __contains__)
                     found[key] = f.get_tensor(key).float()
     if "score.weight" not in found:
         return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal
 
 from engine.sampling_params import SamplingParams
 
@@ -49,7 +49,7 @@ class TokensPrompt:
     token_ids: list[int]
 
 
-Prompt = Union[ChatPrompt, TextPrompt, TokensPrompt]
+Prompt = ChatPrompt | TextPrompt | TokensPrompt
 
 
 @dataclass(slots=True, frozen=True)

@@ -154,7 +154,8 @@ class LoraStore:
         h = hashlib.md5()
         received = 0
         last_log = time.monotonic()
-        with open(dest, "wb") as out:
+        # a local file written in 1 MB chunks: page-cache writes, too short to hand to a thread
+        with open(dest, "wb") as out:  # noqa: ASYNC230
             async for chunk in resp.aiter_bytes(1 << 20):
                 received += len(chunk)
                 if received > self.limits.max_pack_bytes:

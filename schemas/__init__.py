@@ -7,7 +7,7 @@ import itertools
 import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import cache, lru_cache
+from functools import cache
 from importlib import resources
 from typing import Any, TypeVar
 

@@ -227,7 +227,8 @@ async def _receive_pack(request: Request, dest: Path) -> tuple[str, int] | Respo
     started = loop.time()
     digest, received = hashlib.md5(), 0
     chunks = request.stream().__aiter__()
-    with open(dest, "wb") as out:
+    # a local file written chunk by chunk: page-cache writes, too short to hand to a thread
+    with open(dest, "wb") as out:  # noqa: ASYNC230
         while True:
             left = started + total - loop.time()
             try:

@@ -104,21 +104,21 @@ async def test_a_refused_fan_out_leaves_nothing_running(live_server, path, body)
 
 async def test_client_chosen_ids_never_collide(live_server):
     m = _model(live_server)
-    async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as client:
-        # a Spark session's sid, then the same string as an SGLang rid while it runs
-        async with websockets.connect(live_server.ws_url) as ws:
-            await ws.send(json.dumps(spark_request(LONG, max_tokens=16, top_k=1)))
-            first = json.loads(await ws.recv())
-            sid = first["header"]["sid"]
-            same_sid = client.post("/generate",
-                                   json={"text": "Hi", "rid": sid, "sampling_params": {"max_new_tokens": 4}})
-            triton = [client.post(f"/v2/models/{m}/generate", json={"id": "same", "text_input": "Hi",
-                                                                     "parameters": {"max_new_tokens": 4}})
-                      for _ in range(3)]
-            sglang = [client.post("/generate", json={"text": "Hi", "rid": "dup", "sampling_params": {
-                "max_new_tokens": 4}}) for _ in range(2)]
-            replies = await asyncio.gather(same_sid, *triton, *sglang)
-            frames = [first] + [json.loads(f) async for f in ws]
+    # a Spark session's sid, then the same string as an SGLang rid while it runs
+    async with (httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as client,
+                websockets.connect(live_server.ws_url) as ws):
+        await ws.send(json.dumps(spark_request(LONG, max_tokens=16, top_k=1)))
+        first = json.loads(await ws.recv())
+        sid = first["header"]["sid"]
+        same_sid = client.post("/generate",
+                               json={"text": "Hi", "rid": sid, "sampling_params": {"max_new_tokens": 4}})
+        triton = [client.post(f"/v2/models/{m}/generate", json={"id": "same", "text_input": "Hi",
+                                                                 "parameters": {"max_new_tokens": 4}})
+                  for _ in range(3)]
+        sglang = [client.post("/generate", json={"text": "Hi", "rid": "dup", "sampling_params": {
+            "max_new_tokens": 4}}) for _ in range(2)]
+        replies = await asyncio.gather(same_sid, *triton, *sglang)
+        frames = [first] + [json.loads(f) async for f in ws]
     assert [r.status_code for r in replies] == [200] * 6, [r.text for r in replies]
     assert replies[0].json()["meta_info"]["id"] == sid
     assert all(r.json()["id"] == "same" for r in replies[1:4])

@@ -82,8 +82,8 @@ def test_an_idle_keep_alive_connection_is_closed_and_requests_still_work(short_t
 def test_a_body_trickling_in_below_the_minimum_rate_gets_408(async_engine):
     settings = Settings(port=free_port(), body_timeout=60, body_min_rate_kb=1, log_level="warning")
     app = build_app(settings, async_engine, owns_engine=False)
-    with ServerThread(app, settings.port, uvicorn_config(app, settings)):
-        with socket.create_connection(("127.0.0.1", settings.port)) as sock:
+    with (ServerThread(app, settings.port, uvicorn_config(app, settings)),
+          socket.create_connection(("127.0.0.1", settings.port)) as sock):
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 100000\r\n\r\n")
             started = time.monotonic()

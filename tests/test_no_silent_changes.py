@@ -54,7 +54,7 @@ def test_allowed_origins_take_vllms_json_list_and_the_comma_form(value, origins)
 
 def test_a_malformed_json_origin_list_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--allowed-origins"):
-        Settings(allowed_origins='["*"').origins
+        _ = Settings(allowed_origins='["*"').origins
 
 
 def test_a_context_longer_than_the_models_is_refused_at_start():

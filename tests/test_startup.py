@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
+from typing import ClassVar
 
 import pytest
 
@@ -83,7 +84,7 @@ def test_the_grammar_warm_up_is_done_before_the_engine_serves():
 
     class Core:
         tokenizer = model_info = None
-        requests: dict = {}
+        requests: ClassVar[dict] = {}
 
         def warm_grammars(self) -> None:
             order.append("warm")

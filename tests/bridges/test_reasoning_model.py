@@ -61,7 +61,7 @@ def test_the_thinking_budget_forces_its_end_and_the_constraint_follows(qwen3_ser
 
 
 def test_enable_thinking_false_with_the_real_template(qwen3_servers):
-    urls, tok = qwen3_servers
+    urls, _ = qwen3_servers
     for url in urls.values():
         r = httpx.post(url, json={**ASK, "chat_template_kwargs": {"enable_thinking": False},
                                   "guided_choice": ["yes", "no"]}, timeout=60).json()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import httpx
@@ -67,10 +68,10 @@ def test_vllm_cumulative_and_full_text_variants(variant_server):
     r = post(variant_server, "/generate", dict(ex.VLLM_GENERATE, stream=True, temperature=0))
     lines = [json.loads(x) for x in r.text.splitlines() if x]
     assert all(x["text"][0].startswith(ex.VLLM_GENERATE["prompt"]) for x in lines)
-    assert all(b["text"][0].startswith(a["text"][0]) for a, b in zip(lines, lines[1:]))
+    assert all(b["text"][0].startswith(a["text"][0]) for a, b in itertools.pairwise(lines))
     events = sse_events(post(variant_server, "/generate_stream", ex.TGI_GENERATE_STREAM))
     texts = [e["token"]["text"] for e in events]
-    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # fullTextEnabled: cumulative
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))  # fullTextEnabled: cumulative
     assert events[-1]["generated_text"] == texts[-1]
 
 

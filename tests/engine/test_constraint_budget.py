@@ -135,7 +135,7 @@ def test_a_crash_of_the_compiler_costs_the_worker_not_the_server(compiler_with):
 
 def test_a_compile_past_its_deadline_is_refused_and_the_next_one_served(compiler_with):
     compiler = compiler_with(compile_timeout_s=0.05)
-    with pytest.raises(InvalidRequestError, match="took longer than 0.05 s.*--constraint-compile-timeout"):
+    with pytest.raises(InvalidRequestError, match=r"took longer than 0\.05 s.*--constraint-compile-timeout"):
         compiler.compile(Constraint("choice", slow_choices(), field="guided_choice"))
     slow_ok = compiler_with(compile_timeout_s=30)
     assert slow_ok.compile(Constraint("regex", "[0-9]+")) is not None
@@ -178,7 +178,7 @@ def test_a_compile_nobody_waits_for_is_stopped(compiler_with):
 
 def test_one_compiled_grammar_over_its_memory_budget_is_refused(compiler_with):
     compiler = compiler_with(max_compiled_bytes=1 << 20)
-    with pytest.raises(InvalidRequestError, match="MiB are kept for one constraint.*--max-constraint-compiled-mb"):
+    with pytest.raises(InvalidRequestError, match=r"MiB are kept for one constraint.*--max-constraint-compiled-mb"):
         compiler.compile(Constraint("json", big_enum(6000, "big"), field="guided_json"))
 
 

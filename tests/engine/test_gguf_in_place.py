@@ -127,7 +127,7 @@ def test_the_weights_count_beside_the_kv_cache(monkeypatch):
     """A KV budget that fits alone but not beside the weights is refused, naming both."""
     monkeypatch.setattr(llm_engine, "_available_memory_bytes", lambda: 3 << 30)
     llm_engine._check_kv_fits(2 << 30, torch.device("cpu"), weight_bytes=512 << 20)
-    with pytest.raises(ValueError, match="the weights .*--kv-cache-space"):
+    with pytest.raises(ValueError, match=r"the weights .*--kv-cache-space"):
         llm_engine._check_kv_fits(2 << 30, torch.device("cpu"), weight_bytes=2 << 30)
 
 

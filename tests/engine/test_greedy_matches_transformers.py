@@ -37,8 +37,8 @@ def _strip_eos(tokens, eos):
     return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
 
-def _check(engine, results, references, count=len(PROMPTS)):
-    for i in range(count):
+def _check(engine, results, references, count: int | None = None):
+    for i in range(len(PROMPTS) if count is None else count):
         ref = _strip_eos(references[i], engine.eos_token_ids[0])
         assert tokens_of(results[f"p{i}"]) == ref, f"prompt {i}: {PROMPTS[i]!r}"
 

@@ -72,7 +72,7 @@ def test_other_architectures_are_refused_at_start(tmp_path, llm_engine):
     from transformers import GPT2Config
 
     path = _save_tiny(tmp_path, llm_engine, GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=49152))
-    with pytest.raises(ValueError, match="gpt2.*not supported"):
+    with pytest.raises(ValueError, match=r"gpt2.*not supported"):
         LLMEngine(EngineConfig(model=path, kv_cache_space_gib=0.5))
 
 

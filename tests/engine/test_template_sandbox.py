@@ -54,9 +54,9 @@ def test_a_template_error_names_the_field(sandbox):
 
 
 def test_the_sandbox_keeps_python_internals_out(sandbox):
-    with pytest.raises(InvalidRequestError, match="SecurityError|unsafe"):
+    with pytest.raises(InvalidRequestError, match=r"SecurityError|unsafe"):
         render(sandbox, "{{ messages.__class__.__mro__[1].__subclasses__() }}")
-    with pytest.raises(InvalidRequestError, match="SecurityError|unsafe"):
+    with pytest.raises(InvalidRequestError, match=r"SecurityError|unsafe"):
         render(sandbox, "{{ messages.append(1) }}")  # the immutable sandbox: no changes to the variables
 
 

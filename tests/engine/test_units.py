@@ -175,7 +175,7 @@ def test_the_long_prompt_cap_counts_each_chunks_attention():
                 seq.num_computed_tokens += 1
                 seq.append_token(1)
 
-        def cost(keys: int, n: int) -> float:
+        def cost(keys: int, n: int, per_key: float = per_key) -> float:
             return n * (1 + (keys + n) * per_key)
 
         sizes = [n for _, n in chunks]

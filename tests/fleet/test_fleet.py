@@ -182,7 +182,7 @@ def test_a_conversation_keeps_landing_on_the_replica_with_its_history(fleet):
     url = fleet["url"]
     before = {k: prefix_hits(url[k]) for k in ("a", "b")}
     history = [{"role": "system", "content": "You are a helpful travel guide who answers briefly."}]
-    for turn, question in enumerate(["Name a city in Italy.", "What is it famous for?", "Name a dish from there.",
+    for question in (["Name a city in Italy.", "What is it famous for?", "Name a dish from there.",
                                      "How is it cooked?", "What wine goes with it?", "Thanks, and goodbye."]):
         history.append({"role": "user", "content": question})
         answer, frames = spark_answer(url["front"], history, max_tokens=24)
@@ -351,7 +351,7 @@ def test_a_replica_killed_mid_stream(fleet):
     assert set(codes) <= {0, 11000} and 11000 in codes, codes  # some were on the killed replica
     # new sessions go to the surviving replica
     for i in range(4):
-        text, frames = spark_answer(url["front"], f"What is {i} plus {i}?", max_tokens=8)
+        _, frames = spark_answer(url["front"], f"What is {i} plus {i}?", max_tokens=8)
         assert frames[-1]["header"]["code"] == 0, frames[-1]
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:

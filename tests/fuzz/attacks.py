@@ -8,6 +8,7 @@ field (or the flag), or a bounded answer."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -309,7 +310,7 @@ class Victim:
         first = max((i for i, t in enumerate(self.times) if t <= start), default=0)
         last = next((i for i, t in enumerate(self.times) if t >= end), len(self.times) - 1)
         window = self.times[first:last + 1]
-        return max((b - a for a, b in zip(window, window[1:])), default=float("inf"))
+        return max((b - a for a, b in itertools.pairwise(window)), default=float("inf"))
 
 
 def tree_rss(pid: int) -> int:

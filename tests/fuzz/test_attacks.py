@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import ClassVar
 
 import httpx
 import pytest
@@ -22,9 +23,9 @@ CORPUS = attacks.corpus()
 
 class Run:
     baseline_gap_s: float = 0.0
-    outcomes: dict[str, attacks.Outcome] = {}
-    unhealthy: list[str] = []
-    victim_failures: list[str] = []
+    outcomes: ClassVar[dict[str, attacks.Outcome]] = {}
+    unhealthy: ClassVar[list[str]] = []
+    victim_failures: ClassVar[list[str]] = []
     exit_code: int | None = None
 
 

@@ -43,5 +43,5 @@ def test_the_server_is_idle_and_serving_after_the_corpus(live_server):
     assert frames[-1]["header"]["code"] == 0
     metrics = httpx.get(live_server.http_url + "/metrics").text
     for gauge in ("spark:num_requests_running", "spark:num_requests_waiting"):
-        line = next(l for l in metrics.splitlines() if l.startswith((gauge + " ", gauge + "{")))
+        line = next(x for x in metrics.splitlines() if x.startswith((gauge + " ", gauge + "{")))
         assert float(line.split()[-1]) == 0.0, line

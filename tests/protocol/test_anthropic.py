@@ -194,9 +194,9 @@ def test_a_failure_mid_stream_is_an_error_event(client, fake):
     assert events[0][0] == "message_start" and any(n == "content_block_delta" for n, _ in events)
     assert events[-1] == ("error", {"type": "error", "error": {"type": "api_error",
                                                               "message": "inference failed: scripted failure"}})
-    with pytest.raises(anthropic.APIStatusError, match="scripted failure"):
-        with client.messages.stream(model="fake-model", max_tokens=64, messages=ASK) as stream:
-            list(stream.text_stream)
+    with (pytest.raises(anthropic.APIStatusError, match="scripted failure"),
+          client.messages.stream(model="fake-model", max_tokens=64, messages=ASK) as stream):
+        list(stream.text_stream)
 
 
 @pytest.fixture(scope="module")
@@ -245,5 +245,5 @@ def test_thinking_comes_back_as_thinking_blocks_whole_and_streamed(thinking_serv
     enabled = {"type": "enabled", "budget_tokens": 1024}
     with pytest.raises(anthropic.BadRequestError, match="must be less than max_tokens"):
         client.messages.create(model="fake-model", max_tokens=1024, messages=ASK, thinking=enabled)
-    with pytest.raises(anthropic.BadRequestError, match="thinking.budget_tokens: .* cannot be capped"):
+    with pytest.raises(anthropic.BadRequestError, match=r"thinking\.budget_tokens: .* cannot be capped"):
         client.messages.create(model="fake-model", max_tokens=2048, messages=ASK, thinking=enabled)

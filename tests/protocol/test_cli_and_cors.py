@@ -65,7 +65,7 @@ def test_the_engine_package_names_resolve():
     for name in engine.__all__:
         assert getattr(engine, name) is not None  # each resolves, from its own module
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
-        engine.Nope
+        _ = engine.Nope
 
 
 def test_a_taken_port_fails_before_the_model_loads(capsys):

@@ -187,7 +187,7 @@ def test_domains_map_to_the_model_or_an_adapter():
     assert public.target("mine", FAKE_MODEL, set()) is None
     assert public.target("4.0Ultra", FAKE_MODEL, {"ad"}).name == "ad"
     assert public.target("ad", FAKE_MODEL, {"ad"}).name == "ad"
-    with pytest.raises(SparkError, match="parameter.chat.domain: 'x' is not served here"):
+    with pytest.raises(SparkError, match=r"parameter\.chat\.domain: 'x' is not served here"):
         public.target("x", FAKE_MODEL, {"ad"})
     with pytest.raises(ValueError, match="--spark-app-ids needs --spark-auth"):
         PublicSettings.from_flags("app", None, signing=False)
