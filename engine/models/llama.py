@@ -22,7 +22,7 @@ from engine.kernels import CpuKernels, ForwardStep, LayerDesc, LinearDesc, load_
 from engine.models.greedy_head import GreedyHead, GreedyPicks
 from engine.models.linear import Linear, PackedLinear, ReferenceLinear
 from engine.models.tuning import TuningCache
-from engine.models.weights import LinearBuilder, MeasuredRates
+from engine.models.weights import AnyLinear, LinearBuilder, MeasuredRates
 from engine.progress import track
 from engine.quant.formats import QuantizedWeight
 
@@ -89,11 +89,11 @@ class LlamaForCausalLM:
         served in place, engine/models/skeleton.py); ``show_progress`` reports the layers as they are
         built (long loads); ``tuning`` keeps the kernel probes' results beside the model
         (engine/models/tuning.py)."""
-        cfg = hf_model.config
+        cfg: Any = hf_model.config  # a transformers config: attributes by model family
         self.config = cfg
         self.num_layers, self.num_kv_heads, self.head_dim = self.kv_geometry(cfg)
-        self.num_heads = cfg.num_attention_heads
-        self.eps = cfg.rms_norm_eps
+        self.num_heads: int = cfg.num_attention_heads
+        self.eps: float = cfg.rms_norm_eps
         self.dtype = dtype
         self.device = device
         self.kernels: CpuKernels | None = None
@@ -108,12 +108,13 @@ class LlamaForCausalLM:
         def w(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(device=device, dtype=dtype).contiguous()
 
-        def linear(prefix: str, parts: list[str], modules: list[torch.nn.Module], bias: torch.Tensor | None = None):
+        def linear(prefix: str, parts: list[str], modules: list[Any], bias: torch.Tensor | None = None) -> AnyLinear:
             return self.builder.build([f"{prefix}.{p}.weight" for p in parts], [m.weight for m in modules], bias)
 
-        inner = hf_model.model
+        inner: Any = hf_model.model  # the decoder stack (transformers' attribute, not typed by torch)
         self.embed = w(inner.embed_tokens.weight)
-        self.lm_head = self.builder.build(["lm_head.weight"], [hf_model.lm_head.weight], None)
+        head: Any = hf_model.lm_head
+        self.lm_head = self.builder.build(["lm_head.weight"], [head.weight], None)
         # greedy rows' picks through int8 logits and a bound (int8 heads on VNNI CPUs; None elsewhere)
         self.greedy_head = (GreedyHead.build(self.lm_head.quantized, self.kernels)
                             if isinstance(self.lm_head, PackedLinear) and self.lm_head.takes(1) else None)
@@ -184,12 +185,15 @@ class LlamaForCausalLM:
         kernel takes (above it some go to oneDNN); None where some layer needs Python between the kernels
         (dense or reference linears, Qwen3's head norms, fp32)."""
         linears = [lin for lw in self.layers for lin in lw.linears()]
+        packed_linears = [lin for lin in linears if isinstance(lin, PackedLinear)]
         if (self.kernels is None or self.dtype != torch.bfloat16 or any(lw.q_norm is not None for lw in self.layers)
-                or not all(isinstance(lin, PackedLinear) for lin in linears)):
+                or len(packed_linears) != len(linears)):
             return None, 0
-        limits = [lin.max_kernel_rows for lin in linears if lin.fallback is not None and lin.max_kernel_rows is not None]
+        limits = [lin.max_kernel_rows for lin in packed_linears
+                  if lin.fallback is not None and lin.max_kernel_rows is not None]
 
-        def describe(lin: PackedLinear) -> LinearDesc:
+        def describe(lin: AnyLinear) -> LinearDesc:
+            assert isinstance(lin, PackedLinear)  # checked above for every projection
             packed = lin.packed
             return LinearDesc(packed.fmt_code, packed.data.data_ptr(), packed.out_features, packed.in_features,
                               packed.group, lin.bias_pointer, int(lin.int8_activations))
@@ -267,7 +271,8 @@ class LlamaForCausalLM:
                                        hidden_indices)
         return self._forward_torch(input_ids, positions, meta, cache, logits_indices, lora, hidden_indices)
 
-    def _project(self, lora: LoraBatch | None, layer: int, group: str, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    def _project(self, lora: LoraBatch | None, layer: int, group: str, linear: AnyLinear,
+                 x: torch.Tensor) -> torch.Tensor:
         return linear(x) if lora is None else lora.project(layer, group, x)
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -294,6 +299,16 @@ class LlamaForCausalLM:
                 n = kept.shape[0]
                 x, down, logits_indices = x[:n], down[:n], torch.arange(n)
             return self._with_hidden(x, down, logits_indices, greedy_bans, hidden_indices)
+        # the runner fills the decode tables whenever there are decodes, the prefill ones with prefill_spans
+        decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        prefill: tuple[torch.Tensor, torch.Tensor] | None = None
+        if nd:
+            tables, lens = meta.decode_block_tables, meta.decode_context_lens
+            assert tables is not None and lens is not None and scratch is not None
+            decode = tables, lens, scratch
+        if meta.prefill_spans is not None:
+            assert meta.prefill_block_tables is not None
+            prefill = meta.prefill_spans, meta.prefill_block_tables
         kern.add_rms_norm(x, None, self.layers[0].input_norm, h, self.eps)
         for i, lw in enumerate(self.layers):
             qkv = self._project(lora, i, "qkv", lw.qkv, h)
@@ -301,11 +316,11 @@ class LlamaForCausalLM:
                 self._norm_heads(qkv, lw)
             layer_kv = cache.kv[i]
             kern.rope_cache_write(qkv, positions, self.cos, self.sin_signed, layer_kv, meta.slot_mapping, H, Hkv, D)
-            if nd:
-                kern.decode_attention(qkv, layer_kv, meta.decode_block_tables, meta.decode_context_lens,
-                                      cache.block_size, nd, H, Hkv, D, meta.decode_max_len, scratch, a)
-            if meta.prefill_spans is not None:
-                kern.prefill_attention(qkv, layer_kv, meta.prefill_spans, meta.prefill_block_tables,
+            if decode is not None:
+                kern.decode_attention(qkv, layer_kv, decode[0], decode[1],
+                                      cache.block_size, nd, H, Hkv, D, meta.decode_max_len, decode[2], a)
+            if prefill is not None:
+                kern.prefill_attention(qkv, layer_kv, prefill[0], prefill[1],
                                        cache.block_size, H, Hkv, D, a)
             elif meta.prefills:
                 q = qkv[:, : H * D].view(T, H, D)
@@ -388,6 +403,7 @@ class LlamaForCausalLM:
 
     def _norm_heads(self, qkv: torch.Tensor, lw: _LayerWeights) -> None:
         """Qwen3: RMSNorm over each head of q and of k (before RoPE), in place in the fused qkv rows."""
+        assert lw.q_norm is not None and lw.k_norm is not None
         T, H, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q = qkv[:, : H * D].view(T, H, D)
         k = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
