@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent
 def _kernel_build():
     # by path: the package itself cannot be imported before its dependencies are installed
     spec = importlib.util.spec_from_file_location("spark_kernel_build", ROOT / "engine" / "kernels" / "build.py")
+    assert spec is not None and spec.loader is not None  # a .py path always has a source loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclass-free, but keep the usual import invariants
     spec.loader.exec_module(module)

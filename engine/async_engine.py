@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from engine.config import EngineConfig
 from engine.errors import (
@@ -164,7 +164,7 @@ class AsyncEngine:
     async def encode_prompt(self, prompt: Prompt) -> list[int]:
         return await asyncio.to_thread(self.engine.encode_prompt, prompt)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         """Stream outputs; leaving the iterator before the final output aborts the request."""
         if self._stop.is_set():
             raise EngineShutdownError("the engine is shutting down")

@@ -179,6 +179,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     nd = meta.num_decodes
     decoded = None
     if nd:
+        assert meta.decode_gather is not None  # the runner gathers decode keys whenever there are decodes
         gathered = layer_kv.index_select(1, meta.decode_gather).view(2 * Hkv, nd, meta.decode_max_len, -1)
         decoded = _decode_attention(q[:nd], gathered, meta.decode_mask)
         if not meta.prefills:

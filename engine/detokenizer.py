@@ -101,10 +101,11 @@ class StopAutomaton:
                 ends[node] = rank
         fail = array("i", bytes(4 * len(depth)))
         out: list[tuple[int, int] | None] = [None] * len(depth)
-        queue = deque()
+        queue: deque[int] = deque()
         for key in children[0]:
             child = edges[key]
-            out[child] = (1, ends[child]) if ends[child] is not None else None
+            end = ends[child]
+            out[child] = (1, end) if end is not None else None
             queue.append(child)
         while queue:  # breadth first: a node's fail link is shallower, so already known
             node = queue.popleft()
@@ -116,7 +117,8 @@ class StopAutomaton:
                 fail[child] = edges.get(f << 21 | code, 0)
                 # the longest stop ending here: this node's own, else its fail node's (every stop that is a
                 # suffix of this node's text is a suffix of the fail node's)
-                out[child] = (depth[child], ends[child]) if ends[child] is not None else out[fail[child]]
+                end = ends[child]
+                out[child] = (depth[child], end) if end is not None else out[fail[child]]
                 queue.append(child)
         self.fail, self.out, self.depth = fail, out, depth
         self.edges = edges
@@ -146,6 +148,7 @@ class StopStringMatcher:
             return delta, None
         a.build()
         edges, fail, out = a.edges, a.fail, a.out
+        assert edges is not None  # build() made it
         node = self.node
         base = len(self.buffer)
         best_start = best_len = best_rank = -1

@@ -40,7 +40,7 @@ def shared_gguf_readers() -> Iterator[None]:
         original = gguf.GGUFReader
         readers: dict[tuple[str, str], object] = {}
 
-        def shared(path, mode: str = "r"):
+        def shared(path: Any, mode: Any = "r") -> Any:
             key = (os.path.realpath(os.fspath(path)), mode)
             if key not in readers:
                 readers[key] = original(path, mode)
@@ -55,13 +55,14 @@ def shared_gguf_readers() -> Iterator[None]:
             return name_maps[(arch, n_blocks)]
 
         # transformers imports both names from the module at each call
-        gguf.GGUFReader, gguf.get_tensor_name_map = shared, shared_name_map
+        patched: Any = gguf  # the module, its attributes swapped for the block
+        patched.GGUFReader, patched.get_tensor_name_map = shared, shared_name_map
         _depth = 1
         try:
             yield
         finally:
             _depth = 0
-            gguf.GGUFReader, gguf.get_tensor_name_map = original, original_name_map
+            patched.GGUFReader, patched.get_tensor_name_map = original, original_name_map
 
 
 def metadata_value(reader: Any, name: str) -> Any:

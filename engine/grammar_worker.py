@@ -53,9 +53,9 @@ def grammar_text(kind: str, value: str, whitespace_pattern: str | None) -> str:
     try:
         if kind in ("json", "json_object"):
             schema = json.loads(value) if kind == "json" else {"type": "object"}
-            if not isinstance(schema, (dict, bool)):
+            if not isinstance(schema, dict):  # true / false schemas too: the compiler's options need an object
                 raise ValueError("a JSON schema must be an object")
-            options: dict[str, Any] = {"whitespace_flexible": whitespace_pattern is not None}
+            options: Any = {"whitespace_flexible": whitespace_pattern is not None}
             if whitespace_pattern:
                 options["whitespace_pattern"] = whitespace_pattern
             return M.grammar_from_json_schema(schema, defaults=options)

@@ -193,6 +193,7 @@ class LoraBatch:
             m.kernels.lora_expand(y, n, out, self.token_slots, m.b_compact[layer][group], m.out_sizes[group],
                                   m.max_loras, m.max_rank)
             return out
+        assert b is not None  # without the kernels every group keeps its block-diagonal B
         return y[:, :n] + b(y[:, n:] * self.masks[group])
 
 
@@ -327,6 +328,7 @@ class LoraManager:
                         if b_stack is not None:
                             b_stack[out_off:out_off + out_f, lo:lo + adapter.rank] = scaled
                         else:
+                            assert compact is not None  # set above wherever there is no B stack
                             compact[slot, :adapter.rank] = scaled.T
                     out_off += out_f
 

@@ -242,6 +242,8 @@ class Pooler:
         self.task = task
         self.model = model
         self.hidden_size = hidden_size
+        self.weight: torch.Tensor | None
+        self.bias: torch.Tensor | None
         self.weight, self.bias = head if head is not None else (None, None)
         self.num_labels = self.weight.shape[0] if self.weight is not None else 0
         self.config = config

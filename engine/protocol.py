@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -65,8 +65,8 @@ class EngineClient(Protocol):
     # Called with each sample's final output (metrics); must be cheap and must not raise.
     finished_listeners: list[Callable[[RequestOutput], None]]
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; leaving the iterator early aborts it. A LoRA reference must
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
+        """Stream a request's outputs; closing the generator early (``aclose``) aborts it. A LoRA reference must
         already be resolved to a local adapter (``LoraRef.path``)."""
         ...
 

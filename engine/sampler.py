@@ -130,6 +130,8 @@ def _truncate(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     ks = [k if 0 < k < vocab else vocab for k in (s.params.top_k for s in seqs)]
     top_ps = [s.params.top_p for s in seqs]
     min_ps = [s.params.min_p for s in seqs]
+    sorted_logits: torch.Tensor | None
+    sorted_idx: torch.Tensor | None
     if max(ks) < vocab:
         # Every row has a top-k: only the best max(k) can survive, and topk is ~60x cheaper than
         # sorting the whole vocabulary (Spark sessions always sample with a top-k).
@@ -147,6 +149,7 @@ def _truncate(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
             cut = cum_before >= torch.tensor(top_ps, dtype=probs.dtype)[:, None]
             cut[:, 0] = False  # the most likely token always survives
             sorted_logits = sorted_logits.masked_fill(cut, _NEG_INF)
+        assert sorted_idx is not None  # made with sorted_logits
         logits = torch.full_like(logits, _NEG_INF).scatter_(-1, sorted_idx, sorted_logits)
     if any(p > 0.0 for p in min_ps):
         probs = logits.softmax(-1)

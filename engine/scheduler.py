@@ -16,7 +16,7 @@ from bisect import insort
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.lora import LoraManager
+from engine.lora import LoraAdapter, LoraManager
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -153,6 +153,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _lora_of(self, seq: Sequence) -> tuple[LoraManager, LoraAdapter]:
+        """A LoRA sequence's slot manager and adapter: the engine loads the adapter before it queues the
+        sequence, and has a manager wherever it serves adapters."""
+        assert self.lora_manager is not None and seq.lora_adapter is not None
+        return self.lora_manager, seq.lora_adapter
+
     def _fit(self, seq: Sequence, wanted: int) -> int:
         """How many of ``wanted`` tokens fit in the blocks the sequence has plus the free ones."""
         bm = self.block_manager
@@ -224,8 +230,10 @@ class Scheduler:
                 break
             if seq.is_blocked:
                 continue
-            if seq.lora_name is not None and not self.lora_manager.can_acquire(seq.lora_key):
-                continue  # every adapter slot is pinned by running sequences: wait for one
+            if seq.lora_name is not None:
+                manager, adapter = self._lora_of(seq)
+                if not manager.can_acquire(adapter.key):
+                    continue  # every adapter slot is pinned by running sequences: wait for one
             if not seq.block_table:
                 bm.allocate_cached_prefix(seq)
             n = self._fit(seq, min(seq.num_uncomputed_tokens, self._prefill_limit(seq, budget, prefill_budget, capped)))
@@ -235,7 +243,8 @@ class Scheduler:
                 break
             self._dequeue(seq, admitted=True)
             if seq.lora_name is not None:
-                seq.lora_slot = self.lora_manager.acquire(seq.lora_adapter)
+                manager, adapter = self._lora_of(seq)
+                seq.lora_slot = manager.acquire(adapter)
             seq.status = SequenceStatus.RUNNING
             seq.mark_scheduled()
             self.running.append(seq)

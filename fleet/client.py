@@ -20,7 +20,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -312,7 +312,7 @@ class RemoteEngine:
     def fail_all(self, exc: BaseException) -> None:
         self._stopping = True
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         if self._stopping:
             raise EngineShutdownError("the server is shutting down")
         if self._client is None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import io
 import lzma
 import os
 import stat
@@ -23,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
+from typing import IO
 
 from engine.errors import LoraUnavailableError
 
@@ -159,7 +159,7 @@ def _writing(name: str) -> Iterator[None]:
         raise invalid(f"{name!r} cannot be unpacked: {exc.strerror or exc}") from None
 
 
-def _copy_bounded(src: io.BufferedIOBase, dest: Path, declared: int, name: str) -> None:
+def _copy_bounded(src: IO[bytes], dest: Path, declared: int, name: str) -> None:
     written = 0
     with open(dest, "wb") as out:
         for chunk in iter(lambda: src.read(1 << 20), b""):

@@ -178,7 +178,7 @@ class UrlPolicy:
         except OSError as exc:
             raise LoraUnavailableError(f"lora.url {url!r}: host {canonical.host!r} does not resolve ({exc})",
                                        code="download_failed") from None
-        private = sorted({info[4][0] for info in infos if not _is_public(info[4][0])})
+        private = sorted({str(info[4][0]) for info in infos if not _is_public(str(info[4][0]))})
         if private:
             raise refused(url, f"host {canonical.host!r} resolves to a private or loopback address "
                                f"({', '.join(private)}); name that address in --lora-allowed-urls to allow it")

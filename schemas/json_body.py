@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from typing import Any
 
 MAX_DEPTH = 64
@@ -85,6 +86,7 @@ def _check_tree(value: Any, max_depth: int, max_items: int, surrogates: bool) ->
     stack: list[tuple[Any, str, int]] = [(value, "$", 0)]
     while stack:
         node, path, depth = stack.pop()
+        items: Iterable[tuple[Any, Any]]
         if isinstance(node, dict):
             items = node.items()
         elif isinstance(node, list):

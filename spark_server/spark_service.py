@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -80,7 +80,7 @@ class SparkService:
         return sp.SparkSession(sid=sid, trace_id=trace_id or "", request=request, question_tokens=question_tokens,
                                num_dropped_messages=dropped, function_names=names)
 
-    async def frames(self, session: sp.SparkSession) -> AsyncIterator[dict[str, Any]]:
+    async def frames(self, session: sp.SparkSession) -> AsyncGenerator[dict[str, Any], None]:
         """The session's frames; engine failures surface as SparkError. Closing early aborts."""
         builder = sp.FrameBuilder(session.sid, session.question_tokens) if session.function_names is None else \
             spark_public.FunctionFrameBuilder(session.sid, session.question_tokens, session.function_names)

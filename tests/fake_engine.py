@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -171,7 +171,7 @@ class FakeEngine:
 
     # ---- generation ----------------------------------------------------------------------------
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         script = self.script
         self.requests.append(request)
         if script.fail_before is not None:

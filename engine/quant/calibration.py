@@ -16,11 +16,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.request import GenerationRequest, TokensPrompt
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +105,7 @@ def sample_on_engine(engine, starts: list[list[int]], length: int, seed: int) ->
     return [sampled[request_id] for request_id in ids]
 
 
-def input_second_moments(model: torch.nn.Module, tokens: torch.Tensor,
+def input_second_moments(model: PreTrainedModel, tokens: torch.Tensor,
                          mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per ``nn.Linear`` of ``model``, keyed by its weight's name: the mean of x x^T over its inputs at the
     real tokens (``mask``, 1 = real, left padding 0) while ``model`` reads ``tokens`` [sequences, length].
@@ -141,7 +145,7 @@ def input_second_moments(model: torch.nn.Module, tokens: torch.Tensor,
     return {name: total / count for name, total in sums.items()}
 
 
-def calibrate(model: torch.nn.Module, tokenizer, sample: Sampler, sequences: int | None = None,
+def calibrate(model: PreTrainedModel, tokenizer, sample: Sampler, sequences: int | None = None,
               length: int | None = None) -> dict[str, torch.Tensor]:
     """Sample calibration text with ``sample``, then measure every linear's input statistics on it with
     ``model`` (the checkpoint's own weights)."""
