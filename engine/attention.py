@@ -50,10 +50,10 @@ class AttentionMetadata:
 def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor. On the CPU its memory is an anonymous mapping, which the OS hands out zeroed page by
     page on first touch: the KV pool (gigabytes by default) costs nothing at start, where torch.zeros
-    wrote every page (0.6-2.4 s of a 6-10 s start on a 2-core Xeon), and pages the load never reaches
-    are never touched. Private, not shared (Python's default for an anonymous mmap): a fresh page then
-    comes through the anonymous-memory fault path instead of shmem's, and a KV block's first write costs
-    71-85 us instead of 111-120 us (30 layers x 6 heads x 16 slots, AMD EPYC, 2 cores)."""
+    wrote every page (a large share of the start), and pages the load never reaches are never touched.
+    Private, not shared (Python's default for an anonymous mmap): a fresh page then comes through the
+    anonymous-memory fault path instead of shmem's, and a KV block's first write costs about a third
+    less."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)

@@ -3,9 +3,9 @@
 The KV pool is an anonymous mapping whose pages the OS zeroes on first touch (attention.lazily_zeroed), so
 start-up costs nothing. But every fresh page is then faulted inside a model step, by the kernel writing
 the step's K and V, while the other thread waits at the step's barrier; and a FIFO free list reaches
-every page of the pool before it reuses one. On a 2-core virtual machine (AMD EPYC) a first touch costs
-~1.2-2 ms a MiB (the host backs the memory then too), ~45 us for each token's 23 KB of KV with the
-embedded model: ~6% of a 32-stream load's samples were in clear_page alone.
+every page of the pool before it reuses one. On a virtual machine a first touch costs milliseconds a MiB
+(the host backs the memory then too): a visible share of a loaded engine's step time goes to clearing
+pages.
 
 So after start a thread asks the kernel to fault the pool in (madvise MADV_POPULATE_WRITE, Linux 5.14+:
 what a first write would do, without writing), in the order the free list hands blocks out, one small
@@ -15,19 +15,18 @@ progress (about a millisecond). Where the call is missing, it stops and pages ar
 
 The thread runs at nice 19, not under SCHED_IDLE. An idle-class thread gets no CPU at all while any
 other thread on the machine wants one, and it holds the GIL between spans and the process's mmap lock
-inside each: on a loaded 2-core machine a starved idle thread holding either stalled the event loop and
+inside each: on a loaded small machine a starved idle thread holding either stalled the event loop and
 the first steps for tens of seconds after "ready". At nice 19 it still yields to everything else, but it
 always gets some CPU, so whatever it holds is released within a scheduling period.
 
 Each span is first marked for transparent huge pages (MADV_HUGEPAGE, where the kernel's THP mode is
 `madvise` or `always`), so the pool it populates is mostly 2 MiB pages. Decode attention reads a sequence's
-KV as 2 KB blocks scattered over gigabytes, one 4 KiB page each, and nearly every block was a TLB miss:
-on 2 MiB pages the decode-attention kernel took 7-9% less time on a running engine's own block tables
-(32 x ~310 keys, 30 layers, AMD EPYC) and a 16-query prefill chunk over 1,000 keys 7-11% less. The mark
+KV as 2 KB blocks scattered over gigabytes, one 4 KiB page each, and nearly every block was a TLB miss;
+on 2 MiB pages decode and prefill attention take measurably less time (docs/performance.md). The mark
 goes on a span only as the pass reaches it, never on the whole pool at start: a region the engine writes
 before the pass gets there stays in 4 KiB pages, so a first request does not wait for 2 MiB pages to be
 zeroed (180 of them for one block of the embedded model, one per layer and K/V head). The pass itself takes
-longer in huge pages (a 2 GiB pool: 4.6-6.0 s against 3.3-3.6 s of otherwise idle CPU on that machine).
+longer in huge pages, on CPU time nothing else wants.
 """
 
 from __future__ import annotations

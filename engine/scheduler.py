@@ -40,21 +40,10 @@ class ScheduledBatch:
 # A long prompt's prefill per step while others decode, as a multiple of what the decoding sequences cost
 # (Scheduler.decode_cost: the step's pass over the weights, a row per sequence and its attention over its
 # context), times the square of the long prompts pending; each prompt token counted with its attention
-# over the keys before it (Scheduler.attention_cost_per_key). History, each step measured with
-# `bench_interactivity` (16 streams decode, a 2,000-token prompt arrives; bar: p99 token gap under 3x the
-# median) against the TTFT of `compare.py --prompt-tokens 1000 --concurrency 24`:
-# - Counted in tokens per decoding stream (2-core AMD EPYC, 2026-11-23): 1 -> gap p99/median 1.32, TTFT
-#   p50 10.2 s; 2 -> 2.24, 7.0 s; 4 -> 3.48 (over the bar). On the Intel Xeon (model 207) 2 gave 2.40-3.24:
-#   the chunks at the end of the 2,000-token prompt cost ~3x a decode step, two thirds of it their
-#   attention; weighing that attention: 1.23-1.40. Squaring the pending count (Intel Xeon, 24 streams):
-#   TTFT p50 4.87 -> 2.69 s at ~500 tokens, ~11 -> 6.2 s at ~1,000, throughput level.
-# - Counting what the decoding streams cost (AMD EPYC, session 55): a stream 1,000 tokens in makes a decode
-#   step ~3.5x dearer than one 100 tokens in, so under 2 tokens a stream a step with the chunk of a prompt
-#   arriving beside long-context streams cost only ~1.3x a decode-only one, far under the bar. With the
-#   streams' cost counted, 1.0 of it makes such a step ~2x a decode-only one beside short contexts and
-#   ~2.4x beside 1,500-token ones (p99/median 1.9-2.0 and 2.4; 1.2 of it without the weights' pass had
-#   given 2.4-3.8 there, over the bar once), and at ~1,000 tokens x 24 streams (in process, alternating)
-#   TTFT p50 1.69-1.77 -> 1.24-1.32 s at the same throughput. The README's "The prefill policy" has the table.
+# over the keys before it (Scheduler.attention_cost_per_key). At 1.0 a step that carries a long prompt's
+# chunk costs about 2-2.5 decode-only steps, which keeps the decoding streams' p99 token gap under
+# 3x their median; squaring the pending count lets a queue of long prompts through sooner at the same
+# throughput. The measurements behind both: docs/performance.md, "Why the constants are what they are".
 LONG_PREFILL_SHARE = 1.0
 
 
@@ -258,8 +247,8 @@ class Scheduler:
         """What this step's decoding sequences cost, in prompt tokens' linears: the step's own (its pass over
         the weights), then a row each and its attention over its context. Their draft rows are left out: a
         draft row costs far less than a sequence's first row at the batch sizes where a long prompt is
-        capped, and counting each as one row took greedy streams' gap ratio in bench_interactivity over the
-        bar (3.1)."""
+        capped, and counting each as one row shrinks the prompt's chunks until greedy streams' token gaps
+        grow past the 3x-median limit instead."""
         k = self.decode_cost_per_key
         return self.decode_step_cost + sum(1 + k * seq.num_computed_tokens for seq in self.running
                                            if seq.num_uncomputed_tokens == 1)

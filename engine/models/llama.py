@@ -32,17 +32,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # decode_cost_per_key and decode_step_cost where the linears' rates were not measured (torch's path, a
-# GPU): the 2-core AMD EPYC's measured figures, with which the long-prefill cap was calibrated
-# (engine/scheduler.py)
+# GPU): the figures the long-prefill cap was calibrated with (engine/scheduler.py)
 DEFAULT_DECODE_COST_PER_KEY = 1 / 360
 DEFAULT_DECODE_STEP_COST = 7.0
-# and at most this (the AMD EPYC measured 1/288-1/433 over its starts), so that a start timed while a
-# neighbour took the memory bandwidth cannot hand a long prompt more of a step than the interactivity bar
+# and at most this (above every value measured on an idle machine), so that a start timed while a
+# neighbour took the memory bandwidth cannot hand a long prompt more of a step than the token-gap limit
 # allows beside long-context streams
 MAX_DECODE_COST_PER_KEY = 1 / 250
 # Decode attention reads its keys' K and V in blocks scattered through the pool, between its own
-# arithmetic: at about this share of the weights' one-row stream rate (AMD EPYC: 31-34 GB/s against
-# 55-57; Intel Xeon, session 39: ~65% of a plain read)
+# arithmetic: at about this share of the weights' one-row stream rate (scattered blocks stream slower
+# than one contiguous weight)
 KV_READ_SHARE = 0.6
 
 
@@ -229,8 +228,7 @@ class LlamaForCausalLM:
 
     def decode_step_cost(self) -> float:
         """What a decode step costs before any row, as a fraction of a token's linears: it streams every
-        weight once (at the measured one-row rate). SmolLM2-135M's 98 MB of GGUF blocks on a 2-core AMD EPYC:
-        ~7 tokens' linears. Where nothing was measured, DEFAULT_DECODE_STEP_COST."""
+        weight once (at the measured one-row rate). Where nothing was measured, DEFAULT_DECODE_STEP_COST."""
         rates = self.builder.rates
         if rates is None:
             return DEFAULT_DECODE_STEP_COST
@@ -240,8 +238,7 @@ class LlamaForCausalLM:
         """A decoding sequence's attention over one key of its context, as a fraction of a token's linears.
         Its first row reads the key's K and V in every layer from memory, so this is those bytes at
         KV_READ_SHARE of the weights' one-row stream rate against the token's multiply-adds at a batch's
-        arithmetic rate, both rates measured at start (LinearBuilder.tune). SmolLM2-135M on a 2-core AMD
-        EPYC: 1/288-1/433 over its starts, so a sequence 1,000 tokens in costs a step ~3.5 rows' worth.
+        arithmetic rate, both rates measured at start (LinearBuilder.tune), capped at MAX_DECODE_COST_PER_KEY.
         Where nothing was measured (torch's path), DEFAULT_DECODE_COST_PER_KEY."""
         rates = self.builder.rates
         if rates is None:
