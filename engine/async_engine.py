@@ -98,8 +98,8 @@ class AsyncEngine:
 
         OpenMP keeps a thread team for every thread that has entered a parallel region. Building on
         one thread and stepping on another leaves two teams, so libgomp counts more threads than cores
-        and its barrier spin-waits turn into futex sleeps at every kernel: on 2 cores the decode step
-        went from 7.7 ms to 15 ms, with ~330 context switches a step instead of none.
+        and its barrier spin-waits turn into futex sleeps at every kernel: a decode step takes about twice
+        as long, with hundreds of context switches a step instead of none.
         """
         built: concurrent.futures.Future[AsyncEngine] = concurrent.futures.Future()
         go = threading.Event()

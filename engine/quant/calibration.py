@@ -109,8 +109,8 @@ def input_second_moments(model: PreTrainedModel, tokens: torch.Tensor,
                          mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per ``nn.Linear`` of ``model``, keyed by its weight's name: the mean of x x^T over its inputs at the
     real tokens (``mask``, 1 = real, left padding 0) while ``model`` reads ``tokens`` [sequences, length].
-    The head's input is the decoder's last hidden state: the logits themselves are never computed (at
-    64 x ~170 tokens they were 2.1 GB of fp32 and ~3 s of a 2-core Xeon's time)."""
+    The head's input is the decoder's last hidden state: the logits themselves are never computed (at the
+    calibration's size they would be gigabytes of fp32 and seconds of CPU)."""
     mask = torch.ones_like(tokens) if mask is None else mask
     keep = mask.reshape(-1).bool()
     sums: dict[str, torch.Tensor] = {}

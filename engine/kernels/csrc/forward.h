@@ -2,10 +2,9 @@
  * with the same arguments, as the engine's per-kernel Python loop (LlamaForCausalLM._forward_fused),
  * so the results are bit-identical to it.
  *
- * Why: that loop makes ~9 calls a layer, ~270 a step, each through ctypes and a torch allocation. At
- * batch 1 on a 2-core AMD EPYC they were ~2.5 ms of a 7.5 ms decode step, with the second thread idle
- * the whole time (perf: 17% of all samples in libgomp's wait for the next parallel region). Here the
- * interpreter is entered once a step.
+ * Why: that loop makes ~9 calls a layer, ~270 a step, each through ctypes and a torch allocation: at
+ * batch 1 a third of a decode step, with the other threads idle the whole time (docs/performance.md).
+ * Here the interpreter is entered once a step.
  *
  * The descriptors are plain structs of int64 (pointers as integers), mirrored by ctypes in
  * engine/kernels/signatures.py (LinearDesc, LayerDesc, ForwardStep); tests/engine/test_kernel_signatures.py

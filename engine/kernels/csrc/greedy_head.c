@@ -17,10 +17,9 @@
  * (token i's inputs 4j .. 4j + 3 at bytes 4i .. 4i + 3 of quad-row j: one 32-bit lane of vpdpbusd each), each
  * code stored as q + 128 (vpdpbusd's unsigned operand), and per tile, block: d[16], A[16] (fp32). x is the
  * signed operand: each row's block sum starts from -128 x sum q_x (one broadcast a row and block), so it ends
- * as the signed dot product. (With x unsigned instead, the correction was -128 x sum q per token, a third of
- * the meta's bytes and a vector load per tile and block; the head ran 1.18-1.30x slower at 8-44 rows, AMD
- * EPYC. Feeding x to vpdpbusd as an embedded {1to16} broadcast was no faster than a register broadcast
- * shared by two tiles.)
+ * as the signed dot product. (With x unsigned instead, the correction is -128 x sum q per token, a third of
+ * the meta's bytes and a vector load per tile and block, and the head runs slower. Feeding x to vpdpbusd as
+ * an embedded {1to16} broadcast is no faster than a register broadcast shared by two tiles.)
  */
 #include "greedy_head.h"
 
@@ -136,9 +135,8 @@ static inline __attribute__((always_inline)) void greedy_head_tile_rows(
 /* Every row of xq against NT tiles from tile t: 8 rows a pass against one tile, 4 against two. The passes ask
  * for the next tiles' codes and meta as they go: several passes read a tile pair from memory once and then
  * from cache, so memory idled through most of the work, and a lone pass of 2-4 rows streams two tiles at
- * once, which the hardware prefetcher kept too little ahead of (AMD EPYC, 2 cores, the embedded model's
- * head: 2-5 rows 1.06-1.57x, 8-32 rows 1.1-1.3x, 64 unchanged). One row does not ask: it ran 12-16% slower
- * when it did. */
+ * once, which the hardware prefetcher keeps too little ahead of (the gains by row count:
+ * docs/performance.md). One row does not ask: it runs slower when it does. */
 static void greedy_head_tiles(int NT, const int8_t *xq, const float *scale, const float *amax, const int32_t *xstart,
                               int64_t M, int64_t K, const uint8_t *codes, const float *meta, int64_t n0, int64_t N,
                               float *hi, float *best16,
@@ -268,8 +266,8 @@ int spark_greedy_head_bounds(const uint16_t *x, int64_t M, int64_t K, int64_t ld
  * candidate's logit computed as the reference defines it: its weights dequantized to fp32 (code x d, from
  * the repacked head's codes and meta), then multiplied by x (bf16, row stride ldx) in fp32 and summed (in
  * the vector order: the bound covers any fp32 evaluation). The first maximum wins, a NaN over any number
- * (torch.argmax's rules). In Python these few dot products were ~10 small torch ops: ~0.37 ms of a
- * 32-row decode step on a 2-core AMD EPYC, most of it dispatch. */
+ * (torch.argmax's rules). In Python these few dot products were ~10 small torch ops a row, most of their
+ * time dispatch. */
 void spark_greedy_exact(const uint16_t *x, int64_t rows, int64_t K, int64_t ldx, const uint8_t *codes,
                         const float *meta, const int64_t *idx, const int64_t *count, int64_t cap, int64_t *out) {
     const int64_t blocks = K / 32;
