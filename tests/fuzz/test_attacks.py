@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import ClassVar
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -21,11 +21,12 @@ from tests.fuzz import attacks
 CORPUS = attacks.corpus()
 
 
+@dataclass
 class Run:
     baseline_gap_s: float = 0.0
-    outcomes: ClassVar[dict[str, attacks.Outcome]] = {}
-    unhealthy: ClassVar[list[str]] = []
-    victim_failures: ClassVar[list[str]] = []
+    outcomes: dict[str, attacks.Outcome] = field(default_factory=dict)
+    unhealthy: list[str] = field(default_factory=list)
+    victim_failures: list[str] = field(default_factory=list)
     exit_code: int | None = None
 
 
