@@ -1,4 +1,4 @@
-"""Fused CPU kernels: a C library (csrc/) built at install for three instruction-set targets and picked at
+"""Fused CPU kernels: a C library (csrc/) built at install for four instruction-set targets and picked at
 run time by what the CPU has (loader.py; docs/kernels.md).
 
 ``load_cpu_kernels()`` returns the engine's ``CpuKernels``, or None where none can be had (disabled, or

@@ -27,7 +27,7 @@ from engine.kernels.signatures import (
 if TYPE_CHECKING:
     from engine.quant.packing import PackedWeight
 
-ABI_VERSION = 11  # target.c's SPARK_KERNELS_ABI_VERSION: a library built from other sources is refused
+ABI_VERSION = 12  # target.c's SPARK_KERNELS_ABI_VERSION: a library built from other sources is refused
 FAST_PATHS = LINEAR_PATHS[:2]  # the linears' fast paths, by enum spark_linear_path value ("dot", "fma")
 LINEAR_PATH_NAMES = {"dot": "AVX512-BF16 dot products", "fma": "fp32 FMAs"}  # for logs and tables
 
@@ -59,8 +59,8 @@ class CpuKernels:
         self._linear_many = fns["spark_linear_many"]
         self._forward_layers = fns["spark_forward_layers"]
         self._read_sum = fns["spark_read_sum"]
-        # 2: AVX512-BF16 dot products (and AVX-512F FMAs); 1: AVX2 FMAs; 0: the portable C path only (correct
-        # everywhere, slower)
+        # 2: AVX512-BF16 dot products (and AVX-512F FMAs); 1: fp32 FMAs only (AVX2, or AVX-512F without BF16);
+        # 0: the portable C path only (correct everywhere, slower)
         self.linear_isa = fns["spark_linear_isa"]()
         # the fast paths for bf16 activations this build has ("dot": AVX512-BF16, "fma": fp32 FMAs on AVX-512F,
         # or on AVX2 where the build has no AVX-512)

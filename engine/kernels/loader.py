@@ -39,7 +39,7 @@ BUILD_ENV = "SPARK_KERNELS_BUILD"  # truthy: compile for this CPU at first use i
 # another -march target instead of this CPU's (e.g. x86-64-v3: what a CPU with AVX2 but no AVX-512 runs), to
 # see and test that build's paths on this machine; implies the developer build
 MARCH_ENV = "SPARK_KERNELS_MARCH"
-TARGET_ENV = "SPARK_KERNELS_TARGET"  # the highest installed target to pick (portable, avx2, avx512)
+TARGET_ENV = "SPARK_KERNELS_TARGET"  # the highest installed target to pick: portable, avx2, avx512, avx512bf16
 LIB_DIR_ENV = "SPARK_KERNELS_LIB_DIR"  # where the installed libraries are (default: the package's _lib)
 NATIVE = "-march=native"  # this CPU's full instruction set (AVX-512 where it has it)
 UNITS = build.UNITS
@@ -84,8 +84,8 @@ def build_library(cc: str, march: str | None = None, directory: Path | None = No
     benchmark variant's -D switches (tuning.h; with ``bench``). ``bench``: with the benchmarks' own unit
     (bench.c) and its variant switches allowed; such a library is never the engine's."""
     units = build.UNITS + ((build.BENCH_UNIT,) if bench else ())
-    flags = [*build.CFLAGS, *(kernel_march() if march is None else march).split(), *(("-DSPARK_BENCH_VARIANT",) if bench else ()),
-             *extra_flags]
+    flags = [*build.CFLAGS, *(kernel_march() if march is None else march).split(),
+             *(("-DSPARK_BENCH_VARIANT",) if bench else ()), *extra_flags]
     version = build.compiler_version(cc)
     # -march=native code is only valid on this CPU model: its flags are part of the key
     key = hashlib.sha256("\0".join([build.sources_digest(), " ".join(flags), *(u.name for u in units), version,

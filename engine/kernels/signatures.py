@@ -22,7 +22,7 @@ SPARK_OK, SPARK_ERR_NOMEM, SPARK_ERR_UNSUPPORTED = 0, 1, 2
 # enum spark_linear_path (spark_types.h): the paths' names by value
 LINEAR_PATHS = ("dot", "fma", "portable")
 # enum spark_target (spark_types.h): the built libraries, lowest first
-TARGETS = ("portable", "avx2", "avx512")
+TARGETS = ("portable", "avx2", "avx512", "avx512bf16")
 
 
 class LinearDesc(ctypes.Structure):

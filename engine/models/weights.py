@@ -385,7 +385,7 @@ def choose_linear_path(packed: list[PackedLinear], margin: float = _PATH_MARGIN)
     if not paths:
         return "linear kernels: portable C"
     if len(paths) == 1:
-        return f"linear kernels: {LINEAR_PATH_NAMES[kern.linear_path]}{' (AVX2)' if kern.linear_isa == 1 else ''}"
+        return f"linear kernels: {LINEAR_PATH_NAMES[kern.linear_path]}{' (AVX2)' if kern.target == 'avx2' else ''}"
     layers, _ = _split_repeated(packed)
     probe = max(layers or packed, key=lambda lin: lin.out_features * lin.in_features)
     gen = torch.Generator().manual_seed(0)

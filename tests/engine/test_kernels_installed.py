@@ -53,7 +53,7 @@ def test_a_machine_without_a_compiler_serves_the_prebuilt_kernels(installed, tmp
         assert target != "portable"
 
 
-@pytest.mark.parametrize("cap", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("cap", ["portable", "avx2", "avx512", "avx512bf16"])
 def test_the_pick_is_the_best_target_built_up_to_the_cap(installed, monkeypatch, cap) -> None:
     monkeypatch.setenv(TARGET_ENV, cap)
     picked = loader.best_installed_target(installed)

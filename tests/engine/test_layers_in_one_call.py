@@ -131,7 +131,7 @@ def test_the_one_call_loop_equals_the_per_kernel_loop_on_other_weights(tmp_path,
     from engine.quant import cache, calibration
 
     if quantization == "none" and kernels.linear_isa != 2:
-        pytest.skip("bf16 weights are packed only with AVX-512 (an AVX2 build leaves them to torch)")
+        pytest.skip("bf16 weights are packed only with AVX512-BF16 (an AVX2 or AVX-512F build leaves them to torch)")
     monkeypatch.setattr(cache, "default_cache_dir", lambda: tmp_path)  # int8's weights cached here, not at home
     monkeypatch.setattr(calibration, "DEFAULT_SEQUENCES", 4)  # int8's calibration, small: the loop is under
     monkeypatch.setattr(calibration, "DEFAULT_LENGTH", 32)  # test here, not the rounding

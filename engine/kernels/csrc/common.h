@@ -75,6 +75,17 @@ static inline __m512 load16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* f32_to_bf16 on 16 lanes (round to nearest even, NaN kept NaN and quiet), each result in the low half
+ * of its 32-bit lane. Integer arithmetic: AVX-512F alone has no conversion, and vcvtneps2bf16 (AVX512-BF16)
+ * flushes denormals to zero. */
+static inline __m512i f32_to_bf16_v(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 /* load16_bf16 of the lanes in `live` only (the others 0.0f, their memory not read): a row's ragged tail. */
 static inline __m512 maskz_load16_bf16(__mmask16 live, const uint16_t *p) {

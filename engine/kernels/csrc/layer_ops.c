@@ -41,16 +41,6 @@ static inline float f32_round(float v) { return v; }
 #if defined(__AVX512F__)
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 
-/* f32_to_bf16 on 16 lanes (round to nearest even, NaN kept NaN and quiet), each result in the low half
- * of its 32-bit lane. Integer arithmetic rather than vcvtneps2bf16, which flushes denormals to zero. */
-static inline __m512i f32_to_bf16_v(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-}
-
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 /* round(silu(g)) on 16 lanes, as the scalar loop in layer_ops_dtype.inc computes it but with exp_clamped_v (its
  * fused multiply-adds round differently from exp_clamped's separate ones: within 2 ulp of expf, like it). */

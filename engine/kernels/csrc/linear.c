@@ -337,6 +337,26 @@ static void tile_generic_q8(const int8_t *xq, const float *xs, int64_t r0, int64
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* A tile's 16 outputs of row r (+ bias), the lanes past N left alone: the AVX-512 tiles' store (the BF16
+ * dot products' and linear_fma.inc's). bf16 outputs round to nearest even: vcvtneps2bf16 where the build
+ * has AVX512-BF16, else the same rounding in integer arithmetic. */
+static inline void store_acc(__m512 acc, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy,
+                             int64_t r, int y_f32) {
+    const int64_t live = N - n0 < TILE_N ? N - n0 : TILE_N;
+    const __mmask16 mask = live == TILE_N ? (__mmask16)0xffff : (__mmask16)((1u << live) - 1);
+    if (bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, bias + n0));
+    if (y_f32)
+        _mm512_mask_storeu_ps((float *)y + r * ldy + n0, mask, acc);
+    else
+#if defined(__AVX512BF16__)
+        _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(acc));
+#else
+        _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy + n0, mask, _mm512_cvtepi32_epi16(f32_to_bf16_v(acc)));
+#endif
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define LINEAR_ISA 2
 
@@ -353,17 +373,6 @@ static inline __m512bh pair_bcast(const uint16_t *xr, int64_t k) {
     int32_t v;
     memcpy(&v, xr + k, sizeof v);
     return (__m512bh)_mm512_set1_epi32(v);
-}
-
-static inline void store_acc(__m512 acc, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy,
-                             int64_t r, int y_f32) {
-    const int64_t live = N - n0 < TILE_N ? N - n0 : TILE_N;
-    const __mmask16 mask = live == TILE_N ? (__mmask16)0xffff : (__mmask16)((1u << live) - 1);
-    if (bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(mask, bias + n0));
-    if (y_f32)
-        _mm512_mask_storeu_ps((float *)y + r * ldy + n0, mask, acc);
-    else
-        _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(acc));
 }
 
 /* Pair-row j of a bf16 or i8 group as 32 bf16 lanes (int8 codes are exact in bf16). */
@@ -1031,8 +1040,18 @@ int spark_linear_int8_act_fast(void) {
 #endif
 }
 
-/* Which fast path this build has: 2 = AVX512-BF16 (and AVX-512F FMAs), 1 = AVX2 FMAs, 0 = portable C only. */
-int spark_linear_isa(void) { return LINEAR_ISA; }
+/* Which fast path this build has: 2 = AVX512-BF16 dot products (and AVX-512F FMAs); 1 = fp32 FMAs only
+ * (AVX2, or AVX-512F without BF16: the engine treats both alike, packed kernels for quantized weights);
+ * 0 = portable C only. */
+int spark_linear_isa(void) {
+#if LINEAR_ISA == 2
+    return 2;
+#elif defined(LINEAR_FMA) || defined(LINEAR_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* The fast paths this build has, as bits of enum spark_linear_path: 1 << SPARK_PATH_DOT (AVX512-BF16),
  * 1 << SPARK_PATH_FMA (fp32 FMAs on AVX-512F or AVX2). SPARK_PATH_PORTABLE, which every build has, is not

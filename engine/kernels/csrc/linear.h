@@ -22,7 +22,8 @@ int spark_linear_many(int64_t count, const int64_t *desc, int path, int num_thre
 /* The fast paths this build has, as bits of enum spark_linear_path (SPARK_PATH_PORTABLE is not among them). */
 int spark_linear_paths(void);
 
-/* Which fast linears this build has: 2 = AVX512-BF16 (and AVX-512F FMAs), 1 = AVX2 FMAs, 0 = portable C only. */
+/* Which fast linears this build has: 2 = AVX512-BF16 (and AVX-512F FMAs), 1 = fp32 FMAs only (AVX2, or
+ * AVX-512F without BF16), 0 = portable C only. */
 int spark_linear_isa(void);
 
 /* Whether int8 activations against u4 weights have their AVX512-VNNI path here (else they run on portable C). */

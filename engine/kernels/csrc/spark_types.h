@@ -22,11 +22,13 @@ enum spark_linear_path {
     SPARK_PATH_PORTABLE = 2,
 };
 
-/* The instruction-set targets the library is built for (engine/kernels/build.py), lowest first. */
+/* The instruction-set targets the library is built for (engine/kernels/build.py), lowest first: each runs
+ * on a subset of the CPUs the one below it runs on. */
 enum spark_target {
-    SPARK_TARGET_PORTABLE = 0,
-    SPARK_TARGET_AVX2 = 1,
-    SPARK_TARGET_AVX512 = 2,
+    SPARK_TARGET_PORTABLE = 0,   /* x86-64 */
+    SPARK_TARGET_AVX2 = 1,       /* x86-64-v3 */
+    SPARK_TARGET_AVX512 = 2,     /* x86-64-v4: AVX-512 F/BW/CD/DQ/VL */
+    SPARK_TARGET_AVX512BF16 = 3, /* x86-64-v4 plus AVX512-BF16, VNNI and VBMI */
 };
 
 #endif
