@@ -12,6 +12,7 @@ import os
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -450,8 +451,8 @@ def resolve_with_sources(cli: dict[str, Any] | None = None, environ: dict[str, s
     launch = launch if launch is not None else launch_compat.Launch()
     cli = launch.take({k: v for k, v in (cli or {}).items() if v is not None}, "flag")
     cli = {k: (",".join(v) if isinstance(v, list) else v) for k, v in cli.items() if v is not None}
-    environ = os.environ if environ is None else environ
-    config_path = cli.get("config") or environ.get(f"{ENV_PREFIX}CONFIG")
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    config_path = cli.get("config") or env.get(f"{ENV_PREFIX}CONFIG")
     from_file: dict[str, Any] = {}
     if config_path:
         from_file = launch.take({k.replace("-", "_"): v for k, v in read_config_file(config_path).items()},
@@ -465,7 +466,7 @@ def resolve_with_sources(cli: dict[str, Any] | None = None, environ: dict[str, s
     sources: dict[str, str] = {}
     for f in fields(Settings):
         kind = _base_type(f.type)
-        env_value = environ.get(f"{ENV_PREFIX}{f.name.upper()}")
+        env_value = env.get(f"{ENV_PREFIX}{f.name.upper()}")
         if f.name in cli:
             values[f.name], sources[f.name] = _convert(f.name, kind, cli[f.name]), "flag"
         elif env_value is not None and env_value != "":
