@@ -1,4 +1,5 @@
-"""Shared fixtures: one real engine with the embedded model, served by uvicorn on a free port."""
+"""Shared fixtures: one real engine with the embedded model, served by uvicorn on a free port; and the scripted
+fake engine (tests/fake_engine.py) behind the same server, for every test that needs no model's answers."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -19,6 +22,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from spark_server.app import SPARK_HTTP_PATH, SPARK_WS_PATH, build_app
 from spark_server.settings import Settings
+from tests.fake_engine import FakeEngine, Script
 
 
 def free_port() -> int:
@@ -111,6 +115,66 @@ def live_server(async_engine: AsyncEngine) -> LiveServer:
     app = build_app(settings, async_engine, owns_engine=False)
     with ServerThread(app, settings.port):
         yield LiveServer(async_engine, settings.port)
+
+
+@dataclass
+class FakeServer:
+    """A server on the scripted fake engine (tests/fake_engine.py): no model, milliseconds per request."""
+
+    engine: FakeEngine
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return self.url
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}{SPARK_WS_PATH}"
+
+    @property
+    def spark_http_url(self) -> str:
+        return self.url + SPARK_HTTP_PATH
+
+    def last_request(self):
+        assert self.engine.requests, "no request reached the engine"
+        return self.engine.requests[-1]
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until no scripted answer is still being generated."""
+        deadline = time.monotonic() + timeout
+        while self.engine.active and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert self.engine.active == 0, f"{self.engine.active} scripted answers still running"
+
+
+@contextmanager
+def fake_server_with(settings: Settings, engine: FakeEngine | None = None) -> Iterator[FakeServer]:
+    """A fake-engine server with these settings (a fresh engine unless one is given), for the test's span."""
+    engine = engine or FakeEngine()
+    with ServerThread(build_app(settings, engine, owns_engine=False), settings.port):
+        yield FakeServer(engine, settings.port)
+
+
+@pytest.fixture(scope="session")
+def fake_server() -> FakeServer:
+    engine = FakeEngine()
+    settings = Settings(port=free_port())
+    with ServerThread(build_app(settings, engine), settings.port):
+        yield FakeServer(engine, settings.port)
+
+
+@pytest.fixture
+def fake(fake_server: FakeServer) -> FakeServer:
+    """The shared fake server with a fresh script and request log for this test."""
+    fake_server.engine.script = Script()
+    fake_server.engine.requests.clear()
+    yield fake_server
+    fake_server.engine.script = Script()
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,6 @@
-"""Auth on: signed Spark URLs pass, bad or stale ones are refused at the handshake; HTTP needs the key."""
+"""Auth on: signed Spark URLs pass, bad or stale ones are refused at the handshake; HTTP needs the key.
+
+Auth is the server's door, in front of any engine: these run on the scripted fake engine (no model)."""
 
 from __future__ import annotations
 
@@ -11,20 +13,18 @@ import httpx
 import pytest
 import websockets
 
-from spark_server.app import build_app
 from spark_server.auth import sign_url
 from spark_server.settings import Settings
-from tests.conftest import LiveServer, ServerThread, free_port
+from tests.conftest import fake_server_with, free_port
 from tests.spark.client import converse, spark_request
 
 KEY, SECRET, API_KEY = "app-key", "app-secret", "sk-test"
 
 
 @pytest.fixture(scope="module")
-def auth_server(async_engine):
-    settings = Settings(port=free_port(), spark_auth=f"{KEY}:{SECRET}", api_key=API_KEY)
-    with ServerThread(build_app(settings, async_engine, owns_engine=False), settings.port):
-        yield LiveServer(async_engine, settings.port)
+def auth_server():
+    with fake_server_with(Settings(port=free_port(), spark_auth=f"{KEY}:{SECRET}", api_key=API_KEY)) as server:
+        yield server
 
 
 def _refused(url: str) -> tuple[int, str]:
@@ -58,11 +58,10 @@ def test_cli_signs_urls(auth_server):
     (lambda u: sign_url(u, KEY, SECRET, datetime.now(UTC) - timedelta(seconds=600)), 403, "clock"),
 ])
 def test_bad_credentials_are_refused_at_the_handshake(auth_server, make, status, needle):
-    core = auth_server.engine.engine
-    before = core.block_manager.num_prefix_queries
+    before = len(auth_server.engine.requests)
     code, body = _refused(make(auth_server.ws_url))
     assert code == status and needle in body and '"code":11200' in body.replace(" ", "")
-    assert core.block_manager.num_prefix_queries == before  # no engine work
+    assert len(auth_server.engine.requests) == before  # no engine work
 
 
 def test_http_bridges_need_the_key(auth_server):
@@ -128,16 +127,15 @@ def test_logs_hold_no_credentials():
     assert "authorization=REDACTED" in records[0]
 
 
-def test_a_refused_handshake_logs_no_error(async_engine, caplog):
+def test_a_refused_handshake_logs_no_error(caplog):
     import logging
 
     from bridges.log_safety import protect_server_logs
 
-    settings = Settings(port=free_port(), spark_auth=f"{KEY}:{SECRET}")
-    with ServerThread(build_app(settings, async_engine, owns_engine=False), settings.port):
+    with fake_server_with(Settings(port=free_port(), spark_auth=f"{KEY}:{SECRET}")) as server:
         protect_server_logs()  # as the CLI does once uvicorn has set up its loggers
         with caplog.at_level(logging.INFO, logger="uvicorn.error"):
-            assert _refused(LiveServer(async_engine, settings.port).ws_url)[0] == 401
-            assert _refused(LiveServer(async_engine, settings.port).ws_url + "?date=x")[0] == 401
+            assert _refused(server.ws_url)[0] == 401
+            assert _refused(server.ws_url + "?date=x")[0] == 401
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == []
