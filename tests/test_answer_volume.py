@@ -1,6 +1,9 @@
 """The answer-volume budget (--max-logprob-entries): a request whose answers could hold more logprob
 entries than the budget is refused at admission, before any engine work, with the protocol's own 400
-naming the field; one just within it is served; a large answer is rendered off the event loop."""
+naming the field; one just within it is served; a large answer is rendered off the event loop.
+
+Admission is counted by the server from the request and the tokenizer: those tests run on the scripted fake
+engine (real tokenizer, no model). The large answer rendered beside a running session runs on the real one."""
 
 from __future__ import annotations
 
@@ -11,27 +14,26 @@ import httpx
 import openai
 import pytest
 
-from spark_server.app import build_app
 from spark_server.settings import Settings
-from tests.conftest import LiveServer, ServerThread, free_port
+from tests.conftest import FakeServer, LiveServer, fake_server_with, free_port
 from tests.spark.client import converse, spark_request
 
 BUDGET = 60
 
 
 @pytest.fixture(scope="module")
-def small_budget_server(async_engine):
-    settings = Settings(port=free_port(), max_logprob_entries=BUDGET)
-    with ServerThread(build_app(settings, async_engine, owns_engine=False), settings.port):
-        yield LiveServer(async_engine, settings.port)
+def small_budget_server():
+    with fake_server_with(Settings(port=free_port(), max_logprob_entries=BUDGET)) as server:
+        yield server
 
 
-def _model(live: LiveServer) -> str:
+def _model(live: LiveServer | FakeServer) -> str:
     return live.engine.model_info.name
 
 
-def _queries(live: LiveServer) -> int:
-    return live.engine.engine.block_manager.num_prefix_queries
+def _queries(server: FakeServer) -> int:
+    """Requests that reached the engine."""
+    return len(server.engine.requests)
 
 
 def _ids(k: int) -> list[int]:
@@ -100,12 +102,12 @@ async def test_every_protocol_refuses_in_its_own_form(small_budget_server, path,
     assert _queries(live) == before
 
 
-def test_a_small_request_with_a_huge_answer_is_refused_fast_through_the_openai_client(live_server):
+def test_a_small_request_with_a_huge_answer_is_refused_fast_through_the_openai_client(fake):
     """~30 KB of prompts asking for every prompt position's 20 best tokens, 32 times over: the default
     budget refuses it at once (1.7 million entries), and the server goes on answering."""
-    client = openai.OpenAI(base_url=live_server.http_url + "/v1", api_key="none", max_retries=0, timeout=60)
-    model = _model(live_server)
-    before = _queries(live_server)
+    client = openai.OpenAI(base_url=fake.http_url + "/v1", api_key="none", max_retries=0, timeout=60)
+    model = _model(fake)
+    before = _queries(fake)
     prompts = ["hi " * 2500] * 4  # 4 x 7.5 KB, 2,500 tokens each
     started = time.monotonic()
     with pytest.raises(openai.BadRequestError) as err:
@@ -120,7 +122,7 @@ def test_a_small_request_with_a_huge_answer_is_refused_fast_through_the_openai_c
                                        logprobs=True, top_logprobs=20)
     assert err.value.body["param"] == "top_logprobs", err.value.body
     assert time.monotonic() - started < 5.0
-    assert _queries(live_server) == before  # refused before the engine
+    assert _queries(fake) == before  # refused before the engine
     ok = client.completions.create(model=model, prompt="Hi", max_tokens=2, logprobs=2)
     assert ok.choices[0].logprobs.top_logprobs
 

@@ -1,6 +1,7 @@
 """HTTP sockets are timed out: one that never sends its headers (idle, or a byte at a time), one
 that announces a body and never sends it, and one idle between keep-alive requests. The server is
-configured exactly as the CLI configures it (spark_server.app.uvicorn_config)."""
+configured exactly as the CLI configures it (spark_server.app.uvicorn_config), on the scripted fake engine:
+the timers are the transport's."""
 
 from __future__ import annotations
 
@@ -13,15 +14,16 @@ import pytest
 from spark_server.app import build_app, uvicorn_config
 from spark_server.settings import Settings
 from tests.conftest import ServerThread, free_port
+from tests.fake_engine import FakeEngine
 
 TIMEOUT_S = 0.6
 
 
 @pytest.fixture(scope="module")
-def short_timeouts(async_engine):
+def short_timeouts():
     settings = Settings(port=free_port(), header_timeout=TIMEOUT_S, body_timeout=TIMEOUT_S,
                         timeout_keep_alive=TIMEOUT_S, log_level="warning")
-    app = build_app(settings, async_engine, owns_engine=False)
+    app = build_app(settings, FakeEngine())
     with ServerThread(app, settings.port, uvicorn_config(app, settings)):
         yield settings.port
 
@@ -79,9 +81,9 @@ def test_an_idle_keep_alive_connection_is_closed_and_requests_still_work(short_t
     assert httpx.get(f"http://127.0.0.1:{short_timeouts}/health").status_code == 200
 
 
-def test_a_body_trickling_in_below_the_minimum_rate_gets_408(async_engine):
+def test_a_body_trickling_in_below_the_minimum_rate_gets_408():
     settings = Settings(port=free_port(), body_timeout=60, body_min_rate_kb=1, log_level="warning")
-    app = build_app(settings, async_engine, owns_engine=False)
+    app = build_app(settings, FakeEngine())
     with (ServerThread(app, settings.port, uvicorn_config(app, settings)),
           socket.create_connection(("127.0.0.1", settings.port)) as sock):
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

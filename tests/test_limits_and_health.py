@@ -1,4 +1,7 @@
-"""Input limits, default deadlines and a stuck engine turning /health red."""
+"""Input limits, default deadlines and a stuck engine turning /health red.
+
+The size limits are the transport's and the protocol layer's: they run on the scripted fake engine. The
+deadline and the stuck step are kept by the real engine's loop, so those two run on it."""
 
 from __future__ import annotations
 
@@ -13,15 +16,15 @@ import websockets
 from tests.spark.client import converse, spark_request
 
 
-def test_http_body_over_the_limit_is_413(live_server):
-    r = httpx.post(live_server.http_url + "/v1/completions", content=b"x" * (9 << 20),
+def test_http_body_over_the_limit_is_413(fake):
+    r = httpx.post(fake.http_url + "/v1/completions", content=b"x" * (9 << 20),
                    headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
 
 
-def test_websocket_frame_over_the_limit_is_closed_with_1009(live_server):
+def test_websocket_frame_over_the_limit_is_closed_with_1009(fake):
     async def go():
-        async with websockets.connect(live_server.ws_url, max_size=None) as ws:
+        async with websockets.connect(fake.ws_url, max_size=None) as ws:
             await ws.send("x" * (5 << 20))
             await ws.recv()
 
@@ -30,10 +33,10 @@ def test_websocket_frame_over_the_limit_is_closed_with_1009(live_server):
     assert err.value.rcvd is not None and err.value.rcvd.code == 1009  # message too big
 
 
-def test_a_4mb_frame_is_accepted_and_parsed(live_server):
+def test_a_4mb_frame_is_accepted_and_parsed(fake):
     # a frame just under the spec's 4 MB passes the transport and gets a protocol answer
     body = spark_request("hi " * 1_300_000, max_tokens=2)
-    frames = asyncio.run(converse(live_server.ws_url, body))
+    frames = asyncio.run(converse(fake.ws_url, body))
     assert frames[-1]["header"]["code"] == 10003  # too many tokens, said in the protocol's own form
 
 
