@@ -1,6 +1,7 @@
 """One request must never hurt another: out-of-vocabulary ids, refused fan-outs, client-chosen ids,
-forged log lines, and the API key on the WebSocket. Each runs beside a real Spark session that must
-finish normally."""
+forged log lines, and the API key on the WebSocket. Those about the engine run beside a real Spark session
+that must finish normally; those decided at the server's door (the key, bounds checked before admission, log
+lines) run on the scripted fake engine."""
 
 from __future__ import annotations
 
@@ -17,9 +18,8 @@ import schemas
 from engine.errors import InvalidRequestError
 from engine.request import GenerationRequest, TextPrompt
 from engine.sampling_params import SamplingParams
-from spark_server.app import build_app
 from spark_server.settings import Settings
-from tests.conftest import LiveServer, ServerThread, free_port
+from tests.conftest import FakeServer, LiveServer, fake_server_with, free_port
 from tests.spark.client import converse, spark_request
 
 LONG = "Count slowly from one to fifty, one number per line."
@@ -46,7 +46,7 @@ async def _first_frame_seen(live: LiveServer) -> None:
     raise AssertionError("the Spark session never started")
 
 
-def _model(live: LiveServer) -> str:
+def _model(live: LiveServer | FakeServer) -> str:
     return live.engine.model_info.name
 
 
@@ -127,10 +127,10 @@ async def test_client_chosen_ids_never_collide(live_server):
     live_server.wait_idle()
 
 
-async def test_a_trace_id_cannot_forge_a_log_line(live_server, caplog):
+async def test_a_trace_id_cannot_forge_a_log_line(fake, caplog):
     forged = "x\nINFO spark_server.sessions: session sid=FORGED code=0\r"
     with caplog.at_level(logging.INFO, logger="spark_server.sessions"):
-        frames = await converse(live_server.ws_url, spark_request("Hi", trace_id=forged, max_tokens=2, top_k=1))
+        frames = await converse(fake.ws_url, spark_request("Hi", trace_id=forged, max_tokens=2, top_k=1))
         assert frames[-1]["header"]["code"] == 0
         for _ in range(100):
             lines = [r.getMessage() for r in caplog.records if r.name == "spark_server.sessions"
@@ -189,10 +189,9 @@ API_KEY = "sk-only-this"
 
 
 @pytest.fixture(scope="module")
-def key_only_server(async_engine):
-    settings = Settings(port=free_port(), api_key=API_KEY)
-    with ServerThread(build_app(settings, async_engine, owns_engine=False), settings.port):
-        yield LiveServer(async_engine, settings.port)
+def key_only_server():
+    with fake_server_with(Settings(port=free_port(), api_key=API_KEY)) as server:
+        yield server
 
 
 async def _handshake(url: str, headers: dict[str, str] | None = None) -> int:
@@ -223,18 +222,16 @@ async def test_api_key_alone_protects_the_websocket(key_only_server):
         assert (await client.get("/health")).status_code == 200
 
 
-async def test_a_fan_out_over_the_limit_is_refused_before_any_work(live_server):
-    m = _model(live_server)
-    core = live_server.engine.engine
-    queries = core.block_manager.num_prefix_queries
-    async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as client:
+async def test_a_fan_out_over_the_limit_is_refused_before_any_work(fake):
+    m = _model(fake)
+    async with httpx.AsyncClient(base_url=fake.http_url, timeout=60) as client:
         resp = await client.post("/v1/completions", json={"model": m, "prompt": [f"p{i}" for i in range(8)],
                                                           "n": 16, "max_tokens": 4})
         assert resp.status_code == 400 and "--max-seqs-per-request" in resp.text, resp.text
         resp = await client.post("/generate", json={"text": [f"p{i}" for i in range(8)],
                                                     "sampling_params": {"n": 16, "max_new_tokens": 4}})
         assert resp.status_code == 400 and "--max-seqs-per-request" in resp.text, resp.text
-    assert core.block_manager.num_prefix_queries == queries  # nothing reached the engine
+    assert fake.engine.requests == []  # nothing reached the engine
 
 
 async def test_an_overloaded_fan_out_leaves_nothing_running(live_server):
@@ -255,7 +252,8 @@ async def test_an_overloaded_fan_out_leaves_nothing_running(live_server):
 
 async def test_stop_strings_over_the_budget_are_refused_naming_stop(live_server):
     """--max-stop-strings (64) and --max-stop-chars (4,096 in all): every stop string is matched against
-    every token of every sample, so their number and size are bounded before admission."""
+    every token of every sample, so their number and size are bounded before admission (by the engine's
+    own parameter check: the real one)."""
     m = _model(live_server)
     async with httpx.AsyncClient(base_url=live_server.http_url, timeout=60) as client:
         resp = await client.post("/generate", json={"text": "hi", "sampling_params": {
