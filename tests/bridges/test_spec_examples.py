@@ -1,4 +1,8 @@
-"""Every spec example body, sent verbatim; each answer checked field by field against the spec's shape."""
+"""Every spec example body, sent verbatim; each answer checked field by field against the spec's shape.
+
+Shapes are the bridges' own: they run on the scripted fake engine (real tokenizer, scripted answers). The
+SGLang example, whose answer must name Paris, runs on the real model, as does each bridge's greedy answer in
+test_clients_and_errors."""
 
 from __future__ import annotations
 
@@ -19,8 +23,8 @@ def sse_events(resp) -> list:
             if line.startswith("data:") and line.strip() != "data: [DONE]"]
 
 
-def test_tgi_generate(live_server):
-    r = post(live_server, "/generate", ex.TGI_GENERATE)
+def test_tgi_generate(fake):
+    r = post(fake, "/generate", ex.TGI_GENERATE)
     assert r.status_code == 200
     data = r.json()
     assert isinstance(data["generated_text"], str) and data["generated_text"]
@@ -35,8 +39,8 @@ def test_tgi_generate(live_server):
     assert r.headers["X-Ignored-Parameters"] == "typical_p"
 
 
-def test_tgi_generate_stream(live_server):
-    r = post(live_server, "/generate_stream", ex.TGI_GENERATE_STREAM)
+def test_tgi_generate_stream(fake):
+    r = post(fake, "/generate_stream", ex.TGI_GENERATE_STREAM)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r)
     for e in events[:-1]:
@@ -48,36 +52,36 @@ def test_tgi_generate_stream(live_server):
     assert last["details"]["generated_tokens"] == len(events)
 
 
-def test_vllm_generate(live_server):
-    r = post(live_server, "/generate", ex.VLLM_GENERATE)
+def test_vllm_generate(fake):
+    r = post(fake, "/generate", ex.VLLM_GENERATE)
     assert r.status_code == 200
     text = r.json()["text"]
     assert isinstance(text, list) and len(text) == 1 and text[0].startswith(ex.VLLM_GENERATE["prompt"])
 
 
-def test_vllm_generate_stream_is_nul_separated_deltas(live_server):
+def test_vllm_generate_stream_is_nul_separated_deltas(fake):
     body = dict(ex.VLLM_GENERATE, stream=True, temperature=0)
-    r = post(live_server, "/generate", body)
+    r = post(fake, "/generate", body)
     chunks = [json.loads(c) for c in r.content.decode().split("\0") if c]
     assert len(chunks) > 1 and all(list(c) == ["text"] and len(c["text"]) == 1 for c in chunks)
-    full = post(live_server, "/generate", dict(ex.VLLM_GENERATE, temperature=0)).json()["text"][0]
+    full = post(fake, "/generate", dict(ex.VLLM_GENERATE, temperature=0)).json()["text"][0]
     assert ex.VLLM_GENERATE["prompt"] + "".join(c["text"][0] for c in chunks) == full
 
 
-def test_vllm_cumulative_and_full_text_variants(variant_server):
-    r = post(variant_server, "/generate", dict(ex.VLLM_GENERATE, stream=True, temperature=0))
+def test_vllm_cumulative_and_full_text_variants(fake_variant_server):
+    r = post(fake_variant_server, "/generate", dict(ex.VLLM_GENERATE, stream=True, temperature=0))
     lines = [json.loads(x) for x in r.text.splitlines() if x]
     assert all(x["text"][0].startswith(ex.VLLM_GENERATE["prompt"]) for x in lines)
     assert all(b["text"][0].startswith(a["text"][0]) for a, b in itertools.pairwise(lines))
-    events = sse_events(post(variant_server, "/generate_stream", ex.TGI_GENERATE_STREAM))
+    events = sse_events(post(fake_variant_server, "/generate_stream", ex.TGI_GENERATE_STREAM))
     texts = [e["token"]["text"] for e in events]
     assert all(b.startswith(a) for a, b in itertools.pairwise(texts))  # fullTextEnabled: cumulative
     assert events[-1]["generated_text"] == texts[-1]
 
 
-def test_triton_generate(live_server):
-    model = live_server.engine.model_info.name
-    r = post(live_server, f"/v2/models/{model}/generate", ex.TRITON_GENERATE)
+def test_triton_generate(fake):
+    model = fake.engine.model_info.name
+    r = post(fake, f"/v2/models/{model}/generate", ex.TRITON_GENERATE)
     assert r.status_code == 200
     data = r.json()
     assert data["id"] == "a123" and data["model_name"] == model and data["model_version"] is None
@@ -88,9 +92,9 @@ def test_triton_generate(live_server):
     assert len(d["perf_stat"]) == d["generated_tokens"]
 
 
-def test_triton_generate_stream(live_server):
-    model = live_server.engine.model_info.name
-    r = post(live_server, f"/v2/models/{model}/generate_stream", ex.TRITON_GENERATE)
+def test_triton_generate_stream(fake):
+    model = fake.engine.model_info.name
+    r = post(fake, f"/v2/models/{model}/generate_stream", ex.TRITON_GENERATE)
     events = sse_events(r)
     assert 1 <= len(events) <= 5
     assert r.text.count("data:") == len(events)  # one event per write
@@ -106,9 +110,9 @@ def test_triton_generate_stream(live_server):
     assert events[-1]["details"]["finish_reason"] in ("length", "eos_token", "stop_sequence")
 
 
-def test_triton_infer(live_server):
-    model = live_server.engine.model_info.name
-    r = post(live_server, f"/v2/models/{model}/infer", ex.TRITON_INFER)
+def test_triton_infer(fake):
+    model = fake.engine.model_info.name
+    r = post(fake, f"/v2/models/{model}/infer", ex.TRITON_INFER)
     assert r.status_code == 200
     data = r.json()
     assert data["id"] == "42"
@@ -119,12 +123,12 @@ def test_triton_infer(live_server):
     assert r.headers["X-Ignored-Parameters"] == "watermark"
 
 
-def test_mindie_infer(live_server):
-    r = post(live_server, "/infer", ex.MINDIE_INFER)
+def test_mindie_infer(fake):
+    r = post(fake, "/infer", ex.MINDIE_INFER)
     data = r.json()
     assert isinstance(data["generated_text"], str)
     assert set(data["details"]) == {"finish_reason", "generated_tokens", "seed"}
-    stream = sse_events(post(live_server, "/infer", dict(ex.MINDIE_INFER, stream=True)))
+    stream = sse_events(post(fake, "/infer", dict(ex.MINDIE_INFER, stream=True)))
     assert stream[0]["prefill_time"] is not None and stream[0]["decode_time"] is None
     for e in stream[1:]:
         assert e["prefill_time"] is None and e["decode_time"] is not None
@@ -134,15 +138,15 @@ def test_mindie_infer(live_server):
     assert stream[-1]["details"]["generated_tokens"] == sum(len(e["token"]["id"]) for e in stream)
 
 
-def test_tokenizer(live_server):
-    data = post(live_server, "/v1/tokenizer", ex.TOKENIZER).json()
+def test_tokenizer(fake):
+    data = post(fake, "/v1/tokenizer", ex.TOKENIZER).json()
     assert data["token_number"] == len(data["tokens"]) > 0
     assert "".join(data["tokens"]).endswith(ex.TOKENIZER["inputs"])
-    ids = post(live_server, "/tokenize", {"prompt": ex.TOKENIZER["inputs"]}).json()
+    ids = post(fake, "/tokenize", {"prompt": ex.TOKENIZER["inputs"]}).json()
     assert ids["count"] == data["token_number"] and ids["max_model_len"] > 0
-    bare = post(live_server, "/tokenize", {"prompt": ex.TOKENIZER["inputs"], "add_special_tokens": False}).json()
+    bare = post(fake, "/tokenize", {"prompt": ex.TOKENIZER["inputs"], "add_special_tokens": False}).json()
     assert bare["count"] == ids["count"]  # the model's GGUF says add_bos_token false: no BOS to leave out
-    assert post(live_server, "/detokenize", {"tokens": bare["tokens"]}).json()["prompt"] == ex.TOKENIZER["inputs"]
+    assert post(fake, "/detokenize", {"tokens": bare["tokens"]}).json()["prompt"] == ex.TOKENIZER["inputs"]
 
 
 def test_sglang_generate(live_server):
@@ -164,8 +168,8 @@ def test_sglang_generate(live_server):
     assert info["is_generation"] is True
 
 
-def test_openapi_document(live_server):
-    doc = httpx.get(live_server.http_url + "/openapi.json").json()
+def test_openapi_document(fake):
+    doc = httpx.get(fake.http_url + "/openapi.json").json()
     assert doc["openapi"].startswith("3.1")
     for path in ("/v1/chat/completions", "/generate", "/v2/models/{model}/infer", "/infer", "/v1/tokenizer",
                  "/turing/v3/func/gpt"):
@@ -176,16 +180,16 @@ def test_openapi_document(live_server):
     assert "urn:" not in json.dumps(doc)
 
 
-def test_details_only_when_asked_for(live_server):
+def test_details_only_when_asked_for(fake):
     """TGI stream and MindIE: `details` only when the request says details=true (the spec's rule);
     decoder_input_details=true is refused on a TGI stream."""
     plain = {"inputs": "My name is Olivier and I", "parameters": {"max_new_tokens": 4}}
-    tgi = sse_events(post(live_server, "/generate_stream", plain))
+    tgi = sse_events(post(fake, "/generate_stream", plain))
     assert all(e["details"] is None for e in tgi) and tgi[-1]["generated_text"] is not None
-    refused = httpx.post(live_server.http_url + "/generate_stream", json={
+    refused = httpx.post(fake.http_url + "/generate_stream", json={
         "inputs": "hi", "parameters": {"max_new_tokens": 4, "decoder_input_details": True}}, timeout=60)
     assert refused.status_code == 422 and "decoder_input_details" in refused.json()["error"]
-    mindie = post(live_server, "/infer", plain).json()
+    mindie = post(fake, "/infer", plain).json()
     assert "details" not in mindie and isinstance(mindie["generated_text"], str)
-    stream = sse_events(post(live_server, "/infer", dict(plain, stream=True)))
+    stream = sse_events(post(fake, "/infer", dict(plain, stream=True)))
     assert all("details" not in e for e in stream) and "generated_text" in stream[-1]
