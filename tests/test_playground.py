@@ -3,7 +3,7 @@ distribution's chromedriver; nothing downloads a browser). It holds a two-turn c
 WebSocket, the second request carrying the first turn (with `<end>`), follows new answers down the page,
 marks an answer cut at max_tokens, shows the model's name and an error frame's code, names a refused
 handshake (401) instead of a closed connection, and leaves a screenshot in test-artifacts/. Skipped where
-chromium is not installed."""
+chromium is not installed. The page is the server's, whatever answers: it runs on the scripted fake engine."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from spark_server.app import build_app
 from spark_server.settings import Settings
-from tests.conftest import ServerThread, free_port
+from tests.conftest import fake_server_with, free_port
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -25,22 +24,21 @@ ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 API_KEY = "playground-key"
 
 
-def test_the_page_is_served_without_a_key_and_works_offline(live_server):
-    r = httpx.get(live_server.http_url + "/")
+def test_the_page_is_served_without_a_key_and_works_offline(fake):
+    r = httpx.get(fake.http_url + "/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     assert "/turing/v3/gpt" in r.text and "http://" not in r.text and "https://cdn" not in r.text
     config = json.loads(re.search(r"const CONFIG = (\{.*?\}) \|\|", r.text).group(1))
-    assert config == {"model": live_server.engine.model_info.name, "api_key": False, "spark_auth": False,
+    assert config == {"model": fake.engine.model_info.name, "api_key": False, "spark_auth": False,
                       "path": "/turing/v3/gpt"}
-    assert httpx.get(live_server.http_url + "/playground/check").json()["status"] == 101
+    assert httpx.get(fake.http_url + "/playground/check").json()["status"] == 101
 
 
 @pytest.fixture(scope="module")
-def keyed_server(async_engine):
-    """A second server on the same engine that wants --api-key."""
-    settings = Settings(port=free_port(), api_key=API_KEY)
-    with ServerThread(build_app(settings, async_engine, owns_engine=False), settings.port):
-        yield f"http://127.0.0.1:{settings.port}"
+def keyed_server():
+    """A server that wants --api-key."""
+    with fake_server_with(Settings(port=free_port(), api_key=API_KEY)) as server:
+        yield server.http_url
 
 
 def test_the_handshake_check_says_why_a_socket_is_refused(keyed_server):
@@ -67,15 +65,15 @@ def browser():
     driver.quit()
 
 
-def test_a_two_turn_conversation_and_an_error_frame(live_server, browser):
+def test_a_two_turn_conversation_and_an_error_frame(fake, browser):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
     wait = WebDriverWait(browser, 60)
     browser.set_window_size(420, 480)  # a short window: the conversation soon outgrows it
-    browser.get(live_server.http_url + "/")
-    assert browser.find_element(By.ID, "model").text == live_server.engine.model_info.name
+    browser.get(fake.http_url + "/")
+    assert browser.find_element(By.ID, "model").text == fake.engine.model_info.name
     browser.execute_script("document.getElementById('top_k').value = 1; "
                            "document.getElementById('max_tokens').value = 24")
 
@@ -97,7 +95,7 @@ def test_a_two_turn_conversation_and_an_error_frame(live_server, browser):
     last = browser.find_elements(By.CSS_SELECTOR, ".assistant[data-done='1']")[-1]
     assert last.get_attribute("data-finish") == "length"
     assert "cut at max_tokens = 3 (length)" in last.find_element(By.CSS_SELECTOR, ".cut").text
-    assert live_server.engine.model_info.name in last.find_element(By.CSS_SELECTOR, ".meta").text
+    assert fake.engine.model_info.name in last.find_element(By.CSS_SELECTOR, ".meta").text
     scrolled = browser.execute_script(
         "const r = arguments[0].getBoundingClientRect(); return [window.scrollY, r.bottom, window.innerHeight, "
         "document.documentElement.scrollHeight];", last)
