@@ -38,6 +38,6 @@ def test_triton_timeout_ends_the_request(live_server):
     live_server.wait_idle()
 
 
-def test_mindie_unknown_adapter(live_server):
-    r = _post(live_server, "/infer", {"inputs": "hi", "parameters": {"adapter_id": "nope"}})
+def test_mindie_unknown_adapter(fake):
+    r = _post(fake, "/infer", {"inputs": "hi", "parameters": {"adapter_id": "nope"}})
     assert r.status_code == 404 and "nope" in r.json()["error"]

@@ -95,7 +95,10 @@ def test_a_call_result_answer_conversation_runs_through_the_template(client, mod
     assert "18 degrees and sunny" in prompt and "<tool_call>" in prompt  # the earlier call and its result
 
 
-def test_tool_choice_errors(client, model):
+def test_tool_choice_errors(fake):
+    """Refused by the bridge before any engine: on the scripted fake engine."""
+    client = openai.OpenAI(base_url=fake.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    model = fake.engine.model_info.name
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "nope"}})

@@ -293,9 +293,10 @@ def test_url_tricks_never_reach_outside_the_allowed_prefix(lora_server, packs, o
     assert ok[-1]["header"]["code"] == 0
 
 
-def test_lora_off_by_default_answers_12000(live_server):
+def test_lora_off_by_default_answers_12000(fake):
+    """A server started without LoRA flags (the scripted fake engine: the refusal comes before any engine)."""
     body = _lora_body("http://127.0.0.1:1/pack.tar", "0" * 32)
-    frames = asyncio.run(converse(live_server.ws_url, body))
+    frames = asyncio.run(converse(fake.ws_url, body))
     assert frames[-1]["header"]["code"] == 12000 and "not enabled" in frames[-1]["header"]["message"]
 
 
