@@ -1,4 +1,6 @@
-"""The Spark WebSocket session end to end, against the real server and model."""
+"""The Spark WebSocket session end to end, against the real server and model; the frames' shape, the Java
+example's top-level chat and the history fitting (the server's, with the real tokenizer) on the scripted fake
+engine."""
 
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ SPEC_SAMPLE = {
 }
 
 
-async def test_spec_sample_frames(live_server):
-    frames = await converse(live_server.ws_url, SPEC_SAMPLE)
+async def test_spec_sample_frames(fake):
+    frames = await converse(fake.ws_url, SPEC_SAMPLE)
     assert len(frames) >= 2
     statuses = [f["header"]["status"] for f in frames]
     assert statuses[0] == 0 and statuses[-1] == 2 and all(s == 1 for s in statuses[1:-1])
@@ -68,10 +70,10 @@ async def test_chinese_streams_without_replacement_characters(live_server):
         assert "\ufffd" not in f["payload"]["choices"]["text"][0]["content"]
 
 
-async def test_top_level_chat_from_the_java_example(live_server):
+async def test_top_level_chat_from_the_java_example(fake):
     body = spark_request("Say hello.")
     body["chat"] = {"max_tokens": 5, "temperature": 0.1, "top_k": 1}
-    frames = await converse(live_server.ws_url, body)
+    frames = await converse(fake.ws_url, body)
     assert frames[-1]["header"]["status"] == 2
     assert frames[-1]["payload"]["usage"]["text"]["completion_tokens"] <= 5
 
@@ -90,15 +92,15 @@ async def test_end_marker_is_stripped_from_history(live_server, async_engine):
     assert a == b
 
 
-async def test_adjust_tokens_drops_oldest_turns(live_server):
+async def test_adjust_tokens_drops_oldest_turns(fake):
     long_turn = "历史对话内容很长。" * 700  # several thousand tokens
     history = [{"role": "system", "content": "You are terse."},
                {"role": "user", "content": long_turn}, {"role": "assistant", "content": "好的<end>"},
                {"role": "user", "content": long_turn}, {"role": "assistant", "content": "好的<end>"},
                {"role": "user", "content": "Say OK."}]
-    refused = await converse(live_server.ws_url, spark_request(history, max_tokens=4, top_k=1))
+    refused = await converse(fake.ws_url, spark_request(history, max_tokens=4, top_k=1))
     assert refused[-1]["header"]["code"] == 10003
-    adjusted = await converse(live_server.ws_url, spark_request(history, max_tokens=4, top_k=1, adjustTokens=True))
+    adjusted = await converse(fake.ws_url, spark_request(history, max_tokens=4, top_k=1, adjustTokens=True))
     assert adjusted[-1]["header"]["code"] == 0 and adjusted[-1]["header"]["status"] == 2
     assert adjusted[-1]["payload"]["usage"]["text"]["prompt_tokens"] < 8192
 
