@@ -86,6 +86,9 @@ class GgufWeights:
                 unmapped.append(name)
         if "lm_head.weight" not in self.names and "model.embed_tokens.weight" in self.names:
             self.names["lm_head.weight"] = self.names["model.embed_tokens.weight"]  # tied embeddings
+        # where the config ties them, the head is the embedding's tensor, read once (as transformers ties them)
+        self.tied_head = bool(getattr(config, "tie_word_embeddings", False))
+        self.auto_dtype = torch.float32  # "auto" (int8 / int4 start from the weights' meaning): dequantized fp32
         self.unservable: str | None = None
         if self.arch not in MAPPED_ARCHITECTURES:
             self.unservable = f"architecture {self.arch!r} (in place: {', '.join(MAPPED_ARCHITECTURES)})"
@@ -164,6 +167,10 @@ class GgufWeights:
             else:
                 total += int(np.prod(info.shape, dtype=np.int64)) * dtype_size
         return total
+
+    def release_all(self) -> None:
+        """Drop every page of the file from the process (after the load has read what it needs)."""
+        self.file.release_all()
 
     def blocks(self) -> BlockWeights:
         return BlockWeights(self)

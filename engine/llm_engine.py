@@ -28,14 +28,14 @@ from engine.file_identity import content_digest
 from engine.gguf_file import GgufFile
 from engine.gguf_metadata import resolve_served_model
 from engine.gguf_parse import shared_gguf_readers
-from engine.gguf_weights import GgufWeights, is_linear
+from engine.gguf_weights import GgufWeights
 from engine.grammar_worker import first_line
 from engine.kernels import CpuKernels, load_cpu_kernels
 from engine.lora import LoraAdapter, LoraManager, read_adapter
 from engine.model_loader import EMBEDDED_MODEL_NAME, default_cache_dir, resolve_model_dir
 from engine.model_runner import ModelRunner, PromptLogits
 from engine.models import LlamaForCausalLM, model_class
-from engine.models.skeleton import empty_model, fill, unfilled
+from engine.models.skeleton import WeightSource, parameter_shapes, read_skeleton
 from engine.models.tuning import TuningCache, tuning_cache
 from engine.models.weights import resolve_activations, resolve_quantization
 from engine.pooling import Pooler, PoolerConfig, PoolingParams, PoolingRequest, matryoshka_of, read_head, resolve_task
@@ -44,6 +44,7 @@ from engine.protocol import EngineStats, ModelInfo
 from engine.quant import cache as quant_cache
 from engine.quant.calibration import calibrate, sample_on_engine
 from engine.request import ChatPrompt, GenerationRequest, Prompt, RequestOutput, TokenLogprob
+from engine.safetensors_weights import SafetensorsWeights
 from engine.sampler import reads_only_logits, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import LONG_PREFILL_SHARE, Scheduler
@@ -145,7 +146,8 @@ def _in_background(work: Callable[[], Any]) -> Future:
 
 def _packed_kernels_run(kernels: CpuKernels | None, quantization: str, is_gguf: bool) -> bool:
     """Whether the linears will run on the packed kernels, which take bf16 activations (``--dtype auto``
-    then means bf16). With AVX-512 they run every mode. With AVX2 alone they run the quantized weights
+    then means bf16). With AVX512-BF16 they run every mode. With fp32 FMAs alone (AVX2, or AVX-512 without
+    BF16: ``linear_isa`` 1) they run the quantized weights
     (the GGUF file's own blocks by default): against torch's fp32 linears held to AVX2, 4-bit weights ran
     1.5-2.8x at 1-8 rows, 0.9-1.2x at 32-128 and 0.85-0.9x at 512 (the head 1.1-2.8x throughout);
     bf16 weights stay with torch's fp32 there (torch's bf16 matmul has no fast AVX2 path)."""
@@ -168,10 +170,11 @@ class LLMEngine:
         with shared_gguf_readers():  # a cold start reads a GGUF file's tokenizer and config: one parse for both
             model_dir, gguf = resolve_served_model(config.model)
             hf_config = AutoConfig.from_pretrained(model_dir)
-            in_place = self._in_place(gguf, hf_config)
+            model_cls = model_class(hf_config.model_type)  # refuses an unsupported family before any loading
+            in_place: WeightSource | None = (self._in_place(gguf, hf_config) if gguf is not None
+                                             else self._safetensors_in_place(model_dir, hf_config))
             if gguf is not None and in_place is None:
                 model_dir = resolve_model_dir(config.model)  # transformers' conversion, written once
-            model_cls = model_class(hf_config.model_type)  # refuses an unsupported family before any loading
             # --task, and the checkpoint's sequence-classification head: refused before any loading too
             head = read_head(model_dir)
             task = resolve_task(config.task, getattr(hf_config, "architectures", None) or (), head is not None,
@@ -190,7 +193,8 @@ class LLMEngine:
             self.quantization = resolve_quantization(config.quantization, gguf is not None, kernels, self.dtype,
                                                      self.device)
             resolve_activations(config.linear_activations, self.quantization)  # refuses a bad pair before loading
-            stored, cache_file = self._stored_weights(model_dir, gguf, hf_config, in_place)
+            stored, cache_file = self._stored_weights(model_dir, gguf, hf_config,
+                                                      in_place if isinstance(in_place, GgufWeights) else None)
         self.tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir(config.tokenizer) if config.tokenizer
                                                        else model_dir)
         if len(self.tokenizer) > hf_config.vocab_size:  # ids past the embedding would fail a shared step
@@ -202,12 +206,13 @@ class LLMEngine:
         # Quantizing starts from the checkpoint's own precision, not from a bf16 rounding of it.
         load_dtype = self.dtype if self.quantization in ("none", "gguf") else "auto"
         if in_place is None:
-            hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=load_dtype)
+            hf_model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=load_dtype)
             dense_source = None
         else:
             # the calibration runs the whole model: int8's first start reads every weight
-            hf_model, dense_source = self._skeleton(in_place, hf_config, load_dtype,
-                                                    whole=self.quantization == "int8" and stored is None)
+            hf_model, dense_source = read_skeleton(
+                in_place, hf_config, load_dtype if isinstance(load_dtype, torch.dtype) else in_place.auto_dtype,
+                whole=self.quantization == "int8" and stored is None)
         # int8 rounds against the layers' calibrated inputs (GPTQ): measured once, then the cache serves
         hessians = (calibrate(hf_model, self.tokenizer, self._sample_for_calibration)
                     if self.quantization == "int8" and stored is None else None)
@@ -224,7 +229,7 @@ class LLMEngine:
             quant_cache.save(cache_file, self.model.builder.made)
         del hf_model, dense_source, stored
         if in_place is not None:
-            in_place.file.release_all()
+            in_place.release_all()
         logger.info("weights: --quantization %s; %s", self.quantization, self.model.linears_summary)
         if config.max_model_len and config.max_model_len > self.model.max_position:
             # Positions past the model's training length give no sensible answers: refused, never shortened quietly.
@@ -375,22 +380,18 @@ class LLMEngine:
                        "the cache directory", gguf.name, weights.unservable)
         return None
 
-    def _skeleton(self, in_place: GgufWeights, hf_config: Any, load_dtype: Any,
-                  whole: bool) -> tuple[torch.nn.Module, Callable[[str], torch.Tensor]]:
-        """The transformers model with its small weights read from the file (norms, the embedding, biases)
-        and its projections left to be read one at a time by the builder (all of them where ``whole``)."""
-        dtype = load_dtype if isinstance(load_dtype, torch.dtype) else torch.float32  # "auto": dequantized fp32
-        model = empty_model(hf_config, dtype)
-        for name in unfilled(model):
-            if name == "lm_head.weight" and getattr(hf_config, "tie_word_embeddings", False):
-                if whole:
-                    fill(model, name, model.get_parameter("model.embed_tokens.weight").data)
-                continue
-            if whole or not is_linear(name):
-                fill(model, name, in_place.dense(name, dtype))
-        return model, lambda name: in_place.dense(name, dtype)
+    @staticmethod
+    def _safetensors_in_place(model_dir: Path, hf_config: Any) -> SafetensorsWeights | None:
+        """The HF directory's safetensors weights, read one tensor at a time where the engine maps them;
+        None (and a line saying why) where transformers' ``from_pretrained`` has to load them instead."""
+        weights = SafetensorsWeights(model_dir, hf_config, parameter_shapes(hf_config))
+        if weights.unservable is None:
+            return weights
+        logger.warning("%s is not read in place (%s): loading it through transformers, which holds a whole copy "
+                       "of the weights beside the engine's while it loads", model_dir.name, weights.unservable)
+        return None
 
-    def _weight_bytes(self, model_dir: Path, in_place: GgufWeights | None) -> int:
+    def _weight_bytes(self, model_dir: Path, in_place: WeightSource | None) -> int:
         """What the weights will hold in memory, estimated before they load (for the refusal at start)."""
         if in_place is not None:
             return in_place.resident_bytes(self.dtype.itemsize)

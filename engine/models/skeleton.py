@@ -1,13 +1,78 @@
 """A transformers model with no weights in it: its modules, config and buffers (RoPE's frequencies), its
 parameters on the meta device until ``fill`` puts one in. The engine's model reads the parameters it
 needs from it (norms, the embedding) and has the projections read one at a time from their source
-(engine/models/weights.py, ``dense_source``), so a load never holds a whole dense copy of the model."""
+(engine/models/weights.py, ``dense_source``), so a load never holds a whole dense copy of the model.
+Sources: a GGUF file (engine/gguf_weights.py) and an HF directory's safetensors
+(engine/safetensors_weights.py)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
+
+from engine.gguf_weights import is_linear
+
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+class WeightSource(Protocol):
+    """Where a model's weights are read from, one tensor at a time, by transformers' parameter names."""
+
+    @property
+    def tied_head(self) -> bool:
+        """Whether the output head is the token embedding (read once, shared)."""
+        ...
+
+    @property
+    def auto_dtype(self) -> torch.dtype:
+        """The dtype ``--dtype auto`` loads in where the weights start from their own precision."""
+        ...
+
+    def dense(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor in ``dtype``, a copy of its own."""
+        ...
+
+    def resident_bytes(self, dtype_size: int) -> int:
+        """An estimate of what the engine will hold for these weights, made before any is read."""
+        ...
+
+    def release_all(self) -> None:
+        """Let go of the source's pages once the load has read what it needs."""
+        ...
+
+
+def parameter_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Every parameter the config's causal-LM model has, by state-dict name (a tied head included)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def read_skeleton(source: WeightSource, config: Any, dtype: torch.dtype,
+                  whole: bool) -> tuple[torch.nn.Module, Callable[[str], torch.Tensor]]:
+    """The transformers model with its small weights read (norms, the embedding, biases) and its
+    projections left to be read one at a time by the builder through the returned reader (all of them
+    read now where ``whole``: a calibration runs the whole model). A tied head is the embedding's tensor,
+    not a second read of it."""
+    model = empty_model(config, dtype)
+    for name in unfilled(model):
+        if name == HEAD and source.tied_head:
+            continue
+        if whole or not is_linear(name):
+            fill(model, name, source.dense(name, dtype))
+    if whole and source.tied_head:
+        fill(model, HEAD, model.get_parameter(EMBEDDING).data)
+
+    def read(name: str) -> torch.Tensor:
+        if name == HEAD and source.tied_head:
+            return model.get_parameter(EMBEDDING).data
+        return source.dense(name, dtype)
+
+    return model, read
 
 
 def empty_model(config: Any, dtype: torch.dtype) -> torch.nn.Module:
