@@ -13,6 +13,7 @@ import torch
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.model_loader import resolve_model_dir
 from spark_server.app import build_app
 from spark_server.settings import Settings
 from tests.conftest import ServerThread, free_port
@@ -30,8 +31,9 @@ def reference(live_server):
     """transformers' fp32 forward of the served model's converted directory: text -> embedding."""
     from transformers import AutoModelForCausalLM
 
-    engine = live_server.engine
-    model = AutoModelForCausalLM.from_pretrained(engine.model_info.path, dtype=torch.float32).eval()
+    # the embedded GGUF file the live server serves, as transformers converts it (model_info.path is its
+    # metadata directory: no weights there)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=torch.float32).eval()
 
     def embed(ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
