@@ -36,9 +36,11 @@ serve: $(STAMP) $(KERNEL_LIBS)
 
 # Two workers, one OpenMP thread each: half the suite waits on sockets and subprocesses, so two files at a
 # time fill both cores (two workers of two threads each would oversubscribe them and spin). Tests that
-# need a server's real thread count (the serve test) or an uneven kernel split set their own.
+# need a server's real thread count (the serve test) or an uneven kernel split set their own. Files are
+# handed out in collection order, the longest first (LONG_FILES in tests/conftest.py), rather than in
+# xdist's order by test count, which could leave a long file of few tests for the end.
 test: $(STAMP) $(KERNEL_LIBS)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # Static checks over the whole tree (settings in pyproject.toml): ruff's rules, then mypy. mypy keeps its
 # cache in .mypy_cache, so a second run checks only what changed.

@@ -82,21 +82,21 @@ class Census:
             census.record(_model_kind(getattr(config, "model", None)))
             engine_init(engine, *args, **kwargs)
 
-        llm_engine.LLMEngine.__init__ = counted_engine_init  # type: ignore[method-assign]
+        setattr(llm_engine.LLMEngine, "__init__", counted_engine_init)  # noqa: B010 (a method swapped in)
 
         popen_init = subprocess.Popen.__init__
 
         @functools.wraps(popen_init)
         def counted_popen_init(proc: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
-            argv = [args] if isinstance(args, str | bytes) else list(args)
-            if len(argv) == 1 and isinstance(argv[0], str):
+            argv = [str(a) for a in ([args] if isinstance(args, str | bytes) else args)]
+            if len(argv) == 1:
                 argv = argv[0].split()
             kind = _server_model(argv)
             if kind is not None:
                 census.record(kind)
             popen_init(proc, args, *rest, **kwargs)
 
-        subprocess.Popen.__init__ = counted_popen_init  # type: ignore[method-assign]
+        setattr(subprocess.Popen, "__init__", counted_popen_init)  # noqa: B010 (a method swapped in)
 
         try:
             from transformers import AutoModelForCausalLM
@@ -165,9 +165,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     yield
     census.tests[item.nodeid] |= census.diff(before, census.events)
     info = getattr(item, "_fixtureinfo", None)
-    closure = []
+    closure: list[tuple[str, str]] = []
     if info is not None:
-        for name in item.fixturenames:
+        for name in getattr(item, "fixturenames", ()):
             defs = info.name2fixturedefs.get(name)
             if defs:
                 closure.extend((d.baseid, d.argname) for d in defs)

@@ -118,7 +118,7 @@ async def test_lora_is_refused_until_supported(fake):
 def test_silent_client_is_closed_with_an_error():
     async def go(url: str) -> str:
         async with websockets.connect(url) as ws:
-            return await ws.recv()  # the server gives up after --ws-request-timeout
+            return str(await ws.recv())  # the server gives up after --ws-request-timeout
 
     with fake_server_with(Settings(port=free_port(), ws_request_timeout=0.5)) as server:
         frame = asyncio.run(go(server.ws_url))
