@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bridges.common import BridgeError, Completion, engine_of
+from bridges.common import BridgeError, Completion
+from bridges.context import ServingContext
 from engine.request import GenerationRequest, TextPrompt, TokensPrompt
 
 # Special tokens a tokenizer may add to a text prompt on top of one token per byte (BOS, EOS, a
@@ -46,7 +47,7 @@ class Volume:
     def total(self) -> int:
         return self.prompt + self.output
 
-    def __iadd__(self, other: "Volume") -> "Volume":
+    def __iadd__(self, other: Volume) -> Volume:
         self.prompt += other.prompt
         self.output += other.output
         return self
@@ -82,16 +83,15 @@ def entries(req: GenerationRequest, prompt_tokens: int, context: int, exact: boo
     return volume
 
 
-async def check_answer_volume(request, reqs: list[GenerationRequest],
+async def check_answer_volume(ctx: ServingContext, reqs: list[GenerationRequest],
                               fields: tuple[str, str, str]) -> Volume:
     """Refuse (400 naming the field) a request whose answers could hold more logprob entries than
     ``--max-logprob-entries``; returns the bound it passed with. ``fields``: the protocol's names of
     (prompt logprobs, top candidates of the output, output logprobs), for the refusal."""
-    limit = request.app.state.settings.max_logprob_entries
+    limit = ctx.options.max_logprob_entries
     if not any(_wants_logprobs(r) for r in reqs):
         return Volume()
-    engine = engine_of(request)
-    context = engine.model_info.max_model_len
+    context = ctx.model.max_model_len
     volume = Volume()
     for r in reqs:
         volume += entries(r, _prompt_bound(r, context), context, exact=False)
@@ -102,7 +102,7 @@ async def check_answer_volume(request, reqs: list[GenerationRequest],
     for r in reqs:
         if not _wants_logprobs(r):
             continue
-        ids = await engine.encode_prompt(r.prompt)
+        ids = await ctx.tokenizer.prompt_ids(r.prompt)
         n = len(ids) if not r.params.truncate_prompt_tokens else min(len(ids), r.params.truncate_prompt_tokens)
         volume += entries(r, min(n, context), context, exact=True)
     if volume.total <= limit:

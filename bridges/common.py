@@ -8,21 +8,29 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 
 import schemas
-from schemas.json_body import JsonBodyError, JsonSyntaxError, parse_json
-from engine.errors import (EngineError, EngineOverloadedError, EngineShutdownError, EngineUnavailableError,
-                           InvalidRequestError, LoraUnavailableError, PromptTooLongError, RequestTimeoutError)
+from bridges.context import ServingContext
+from engine.errors import (
+    EngineError,
+    EngineOverloadedError,
+    EngineShutdownError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    LoraUnavailableError,
+    PromptTooLongError,
+    RequestTimeoutError,
+)
 from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, RequestOutput, TokenLogprob
-from lora_store.resolver import resolve_lora
-
+from schemas.json_body import JsonBodyError, JsonSyntaxError, parse_json
 
 logger = logging.getLogger("spark_server.requests")
 INVALID_JSON = "invalid_json"  # BridgeError.code of a body that is not JSON at all
@@ -70,6 +78,20 @@ def served_model_or_adapter(request: Request, name: Any) -> LoraRef | None:
                       kind="NotFoundError", code="model_not_found")
 
 
+def requested_adapter(ctx: ServingContext, name: Any) -> LoraRef | None:
+    """The adapter a request's model name selects, None for the served model (also when the name is
+    omitted, empty, "default" or "null", as vLLM and FastDeploy accept, or one of its further names),
+    or 404 naming what exists."""
+    served = ctx.model.name
+    if name in (None, "", "default", "null", "None", served) or name in ctx.options.model_aliases:
+        return None
+    if name in ctx.adapters:
+        return LoraRef(name=name)
+    known = ", ".join([served, *ctx.adapters.registered])
+    raise BridgeError(404, f"The model `{name}` does not exist (served: {known}).", param="model",
+                      kind="NotFoundError", code="model_not_found")
+
+
 def bridge_error_from(exc: BaseException) -> BridgeError:
     """The one mapping from engine errors to HTTP statuses for every bridge."""
     if isinstance(exc, BridgeError):
@@ -95,16 +117,38 @@ def bridge_error_from(exc: BaseException) -> BridgeError:
     return BridgeError(500, f"unexpected error: {type(exc).__name__}", kind="internal_server_error")
 
 
-async def read_json(request: Request, schema: str) -> dict[str, Any]:
+async def read_json(request: Request, schema: str, max_items: int | None = None) -> dict[str, Any]:
+    """The request's body: JSON (at most ``max_items`` values in an array or object), an object, valid
+    against ``schema``; a large body is parsed and checked off the event loop."""
     raw = await request.body()
-    max_items = request.app.state.settings.max_request_items
+    if max_items is None:
+        max_items = request.app.state.settings.max_request_items
     if len(raw) > schemas.OFF_LOOP_BYTES:
         return await schemas.off_loop(_checked_body, raw, max_items, schema)
     return _checked_body(raw, max_items, schema)
 
 
+async def read_any_json(request: Request, max_items: int) -> Any:
+    """The request's body as JSON of any shape (a shared path's dispatcher looks at it before a schema
+    is chosen); a large body is parsed off the event loop."""
+    raw = await request.body()
+    if len(raw) > schemas.OFF_LOOP_BYTES:
+        return await schemas.off_loop(parse_body, raw, max_items)
+    return parse_body(raw, max_items)
+
+
+async def checked_body(body: Any, schema: str, large: bool) -> dict[str, Any]:
+    """A parsed body as an object valid against ``schema``; ``large``: checked off the event loop."""
+    if large:
+        return await schemas.off_loop(_checked, body, schema)
+    return _checked(body, schema)
+
+
 def _checked_body(raw: bytes, max_items: int, schema: str) -> dict[str, Any]:
-    body = parse_body(raw, max_items)
+    return _checked(parse_body(raw, max_items), schema)
+
+
+def _checked(body: Any, schema: str) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BridgeError(400, "request body must be a JSON object")
     check(schema, body)
@@ -181,22 +225,17 @@ def client_identity(connection: HTTPConnection, key: str | None = None) -> str |
     return f"addr:{peer.host}" if peer is not None and peer.host else None
 
 
-def _generate(request: Request, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
-    if req.client is None:
-        req.client = client_identity(request)
-
-    async def outputs() -> AsyncIterator[RequestOutput]:
-        await resolve_lora(request.app.state.lora_resolver, req)
-        async with aclosing(engine_of(request).generate(req)) as stream:
-            async for out in stream:
-                yield out
-    return outputs()
+async def _generate(ctx: ServingContext, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    await ctx.adapters.resolve(req)
+    async with aclosing(ctx.engine.generate(req)) as stream:
+        async for out in stream:
+            yield out
 
 
-async def primed(request: Request, req: GenerationRequest) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+async def primed(ctx: ServingContext, req: GenerationRequest) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
     """Start generating and wait for the first output, so errors before it still get a 4xx/5xx status
     instead of a 200 stream. The caller must close the returned iterator (or exhaust it)."""
-    stream = _generate(request, req)
+    stream = _generate(ctx, req)
     try:
         first = await stream.__anext__()
     except BaseException:
@@ -233,9 +272,9 @@ class Completion:
     decode_s: float = 0.0
 
 
-async def collect(request: Request, req: GenerationRequest) -> list[Completion]:
+async def collect(ctx: ServingContext, req: GenerationRequest) -> list[Completion]:
     done = {i: Completion(i) for i in range(req.params.n)}
-    async with aclosing(_generate(request, req)) as stream:
+    async with aclosing(_generate(ctx, req)) as stream:
         async for out in stream:
             c = done[out.index]
             c.text += out.text_delta
@@ -305,10 +344,10 @@ def endpoint(render: Callable[[BridgeError], dict[str, Any]], invalid_status: in
     JSON but is invalid (TGI answers 422; a body that is not JSON stays 400). ``statuses``: a
     protocol's own status for one of the common ones (Anthropic: 529 for a busy server)."""
 
-    def wrap(handler: Callable[[Request], Awaitable[Response]]):
-        async def run(request: Request) -> Response:
+    def wrap(handler: Callable[..., Awaitable[Response]]):
+        async def run(request: Request, *args: Any) -> Response:  # args: the serving context, a parsed body
             try:
-                return await unless_disconnected(request, handler(request))
+                return await unless_disconnected(request, handler(request, *args))
             except Exception as exc:
                 err = bridge_error_from(exc)
                 if err.status == 400 and err.code != INVALID_JSON:
@@ -321,6 +360,8 @@ def endpoint(render: Callable[[BridgeError], dict[str, Any]], invalid_status: in
 
         run.__name__ = handler.__name__
         run.__doc__ = handler.__doc__
+        if getattr(handler, "takes_context", False):
+            run.takes_context = True  # type: ignore[attr-defined]
         return run
 
     return wrap
@@ -373,21 +414,21 @@ async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def check_fan_out(request: Request, num_prompts: int, n: int) -> None:
-    """A request may start at most --max-seqs-per-request sequences (prompts x n), checked before any."""
-    limit = request.app.state.settings.max_seqs_per_request
+def check_fan_out(limit: int, num_prompts: int, n: int) -> None:
+    """A request may start at most ``limit`` (--max-seqs-per-request) sequences (prompts x n), checked
+    before any."""
     if num_prompts * n > limit:
         raise BridgeError(400, f"{num_prompts} prompt(s) x n={n} would start {num_prompts * n} sequences; at most "
                                f"{limit} per request (--max-seqs-per-request)", param="n")
 
 
-async def start_streams(request: Request, reqs: list[GenerationRequest]) -> list[AsyncIterator[RequestOutput]]:
+async def start_streams(ctx: ServingContext, reqs: list[GenerationRequest]) -> list[AsyncIterator[RequestOutput]]:
     """Prime every request (errors before the first token get a proper status), then stream them.
     All or nothing: when one is refused, the ones already started are aborted."""
     started: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]] = []
     try:
         for r in reqs:
-            started.append(await primed(request, r))
+            started.append(await primed(ctx, r))
     except BaseException:
         for _, rest in started:
             await rest.aclose()  # leaves the engine stream early: aborts it and frees its cache
@@ -395,10 +436,10 @@ async def start_streams(request: Request, reqs: list[GenerationRequest]) -> list
     return [replay(first, rest) for first, rest in started]
 
 
-async def collect_all(request: Request, reqs: list[GenerationRequest]) -> list[list[Completion]]:
+async def collect_all(ctx: ServingContext, reqs: list[GenerationRequest]) -> list[list[Completion]]:
     """``collect`` for a fan-out (prompt lists, batches), all or nothing: when one request fails, the
     others are cancelled, which aborts their engine requests, and the failure is raised."""
-    tasks = [asyncio.ensure_future(collect(request, r)) for r in reqs]
+    tasks = [asyncio.ensure_future(collect(ctx, r)) for r in reqs]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:

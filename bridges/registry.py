@@ -3,20 +3,30 @@ label (metrics and logs), its operations (path, method, handler, request schemas
 Starlette routes, ``/openapi.json`` and the metrics' path -> protocol map are all derived from it, so a
 new protocol is one module plus its schema.
 
+Every route is made with the ``ServingContext`` (bridges/context.py): a handler marked ``with_context``
+is called as ``handler(request, ctx)``.
+
 Several protocols may share a path (POST /generate: TGI, vLLM and SGLang); each then says which bodies
-it ``claims``, and one dispatcher hands the body to the first that does."""
+it ``claims``, and one dispatcher parses the body once and hands it to the first that does, as
+``handler(request, ctx, body)``."""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute, compile_path
+
+from bridges.context import bind, with_context
+
+if TYPE_CHECKING:
+    from bridges.context import ServingContext
 
 Handler = Callable[..., Awaitable[Any]]
 
@@ -29,7 +39,8 @@ class Operation:
     summary: str
     schemas: tuple[str, ...] = ()  # JSON schemas of the request body (in schemas/)
     streams: bool = False  # may answer text/event-stream (or NDJSON)
-    claims: Callable[[dict], bool] | None = None  # on a shared path: is this body this protocol's?
+    # on a shared path: is this body this protocol's? (the handler is then called with the parsed body)
+    claims: Callable[[dict], bool] | None = None
     claim_hint: str = ""  # what such a body has, for the error when none claims it ("`inputs` (TGI)")
     enabled: Callable[[Any], bool] | None = None  # by the settings; None: always
 
@@ -68,18 +79,18 @@ class Registry:
             if op.method == "POST":
                 self._labels.append((compile_path(op.path)[0], op.method, p))
 
-    def routes(self) -> list[BaseRoute]:
+    def routes(self, ctx: ServingContext) -> list[BaseRoute]:
         by_path: dict[tuple[str, str], list[tuple[Protocol, Operation]]] = {}
         for p, op in self.operations:
             by_path.setdefault((op.path, op.method), []).append((p, op))
         routes: list[BaseRoute] = []
         for (path, method), ops in by_path.items():
             if method == "WEBSOCKET":
-                routes.append(WebSocketRoute(path, ops[0][1].handler))
+                routes.append(WebSocketRoute(path, bind(ops[0][1].handler, ctx)))
             elif len(ops) == 1:
-                routes.append(Route(path, _labelled(ops[0][0].label, ops[0][1].handler), methods=[method]))
+                routes.append(Route(path, _labelled(ops[0][0].label, bind(ops[0][1].handler, ctx)), methods=[method]))
             else:
-                routes.append(Route(path, _dispatcher(ops), methods=[method]))
+                routes.append(Route(path, bind(_dispatcher(ops), ctx), methods=[method]))
         return routes
 
     def protocol_of(self, path: str) -> Protocol | None:
@@ -100,20 +111,22 @@ def _labelled(label: str, handler: Handler) -> Handler:
 
 
 def _dispatcher(ops: list[tuple[Protocol, Operation]]) -> Handler:
-    """One handler for a path several protocols share, choosing by the body's shape."""
-    from bridges.common import BridgeError, parse_body
+    """One handler for a path several protocols share, choosing by the body's shape: the body is parsed
+    here, once, and handed to the protocol that claims it."""
+    from bridges.common import BridgeError, read_any_json
 
     render = next((p.render_unclaimed for p, _ in ops if p.render_unclaimed), lambda m: {"error": m})
 
-    async def dispatch(request: Request) -> Response:
+    @with_context
+    async def dispatch(request: Request, ctx: ServingContext) -> Response:
         try:
-            body = parse_body(await request.body(), request.app.state.settings.max_request_items)
+            body = await read_any_json(request, ctx.options.max_request_items)
         except BridgeError as err:
             return JSONResponse(render(err.message), status_code=400)
         for protocol, op in ops:
             if isinstance(body, dict) and op.claims is not None and op.claims(body):
                 request.state.protocol = protocol.label
-                return await op.handler(request)
+                return await op.handler(request, ctx, body)
         hints = ", ".join(op.claim_hint or p.label for p, op in ops)
         return JSONResponse(render(f"cannot tell the protocol: send {hints}"), status_code=422)
 

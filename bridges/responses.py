@@ -30,11 +30,13 @@ from bridges.common import (
     BridgeError,
     Completion,
     bridge_error_from,
+    client_identity,
     collect_all,
     endpoint,
     engine_of,
     now,
     parse_json_field,
+    read_json,
 )
 from bridges.openai import TokenNames, chat_logprobs, check_model, lower_chat
 from bridges.openai import render_error as openai_error
@@ -243,7 +245,7 @@ class Responses(Handler):
         if body is not None:
             return body
         try:
-            return await super().read(request)
+            return await read_json(request, self.schema)
         except BridgeError as err:
             missing = re.match(r"\$: '(\w+)' is a required property", err.message)
             if err.param is None and missing:  # the body's own required field: name it
@@ -566,7 +568,7 @@ async def _run_background(request: Request, plan: Plan, entry: StoredResponse) -
     ctx: _Context = plan.context
     entry.response = {**entry.response, "status": "in_progress"}
     try:
-        results = await collect_all(request, plan.requests)
+        results = await collect_all(request.app.state.serving, plan.requests)
         final = _final(ctx, results[0][0])
     except asyncio.CancelledError:
         final = _response(ctx, "cancelled", [])
@@ -582,7 +584,9 @@ async def _run_background(request: Request, plan: Plan, entry: StoredResponse) -
 
 async def _start_background(request: Request, body: dict[str, Any]) -> Response:
     plan = await HANDLER.lower(request, body)
-    await check_answer_volume(request, plan.requests, HANDLER.logprob_fields)
+    await check_answer_volume(request.app.state.serving, plan.requests, HANDLER.logprob_fields)
+    for r in plan.requests:
+        r.client = r.client or client_identity(request)
     ctx: _Context = plan.context
     queued = _response(ctx, "queued", [])
     entry = StoredResponse(queued, ctx.input_items, ctx.history + ctx.input_items, background=True)
@@ -602,7 +606,7 @@ async def create(request: Request) -> Response:
     if body.get("background"):
         return await _start_background(request, body)
     request.state.responses_body = body
-    return await serve(request, HANDLER)
+    return await serve(request, request.app.state.serving, HANDLER)
 
 
 def _stored(request: Request) -> tuple[str, StoredResponse]:

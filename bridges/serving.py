@@ -9,15 +9,30 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, Generic, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+import schemas
 from bridges.answer_volume import RENDER_IN_THREAD_ENTRIES, check_answer_volume, collected_entries
-from bridges.common import (BridgeError, Completion, check_fan_out, collect_all, endpoint, ending_with_error_event,
-                            merged, read_json, sse, start_streams)
+from bridges.common import (
+    BridgeError,
+    Completion,
+    check_fan_out,
+    checked_body,
+    client_identity,
+    collect_all,
+    ending_with_error_event,
+    endpoint,
+    merged,
+    read_json,
+    sse,
+    start_streams,
+)
+from bridges.context import ServingContext, with_context
 from engine.request import GenerationRequest, RequestOutput
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -96,19 +111,24 @@ class JSONAnswer(JSONResponse):
         return "".join(out).encode("utf-8")
 
 
+C = TypeVar("C")  # a protocol's own rendering context
+
+
 @dataclass
-class Plan:
+class Plan(Generic[C]):
     """A lowered request: what goes to the engine, and what rendering needs to know about it."""
 
     requests: list[GenerationRequest]
     stream: bool
     body: dict[str, Any]
+    context: C  # the protocol's own (model name, response id, shape switches...): a small frozen dataclass
     headers: dict[str, str] = field(default_factory=dict)  # e.g. X-Ignored-Parameters
-    context: Any = None  # the protocol's own (model name, response id, shape switches...)
 
 
-class Handler:
-    """One protocol operation. Subclasses set ``schema`` and implement ``lower`` and the renderers."""
+class Handler(Generic[C]):
+    """One protocol operation. Subclasses set ``schema`` and implement ``lower`` and the renderers:
+    ``lower(body, ctx)`` makes the plan from the body and the serving context alone (no request, no app);
+    the renderers make the answer from the plan and the engine's outputs."""
 
     schema: str = ""
     invalid_status: int = 400  # a body that parses but is invalid (TGI: 422)
@@ -117,58 +137,78 @@ class Handler:
     # the body fields an answer-volume refusal names: (prompt logprobs, the output's top candidates, the
     # output's logprobs)
     logprob_fields: tuple[str, str, str] = ("prompt_logprobs", "logprobs", "logprobs")
+    legacy = True  # lowers and renders with the Starlette request (protocols not moved to the context yet)
 
     def render_error(self, err: BridgeError) -> dict[str, Any]:
         raise NotImplementedError
 
-    def error_event(self, err: BridgeError, plan: Plan) -> bytes:
+    def error_event(self, err: BridgeError, plan: Plan[C]) -> bytes:
         """A failure after the first byte, in the stream's own framing."""
         return sse(self.render_error(err))
 
-    async def read(self, request: Request) -> dict[str, Any]:
-        return await read_json(request, self.schema)
+    async def read(self, request: Request, ctx: ServingContext) -> dict[str, Any]:
+        """The body, parsed and checked against ``schema``."""
+        return await read_json(request, self.schema, ctx.options.max_request_items)
 
-    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
+    async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[C]:
         raise NotImplementedError
 
-    def render_stream(self, request: Request, plan: Plan,
-                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+    def render_stream(self, plan: Plan[C], outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
         """The stream's events from (request position, output) pairs as they come."""
         raise NotImplementedError
 
-    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
+    async def render_final(self, plan: Plan[C], results: list[list[Completion]]) -> Response:
         """The whole answer: per request, its samples."""
         raise NotImplementedError
 
 
-async def serve(request: Request, handler: Handler) -> Response:
-    body = await handler.read(request)
-    plan = await handler.lower(request, body)
-    check_fan_out(request, len(plan.requests), max(r.params.n for r in plan.requests))
-    await check_answer_volume(request, plan.requests, handler.logprob_fields)
+async def _body(request: Request, ctx: ServingContext, handler: Handler, parsed: Any) -> dict[str, Any]:
+    """The request's body checked against the handler's schema; ``parsed``: the body parsed already (a
+    shared path's dispatcher parses it once to choose the protocol), else None."""
+    if parsed is None:
+        if handler.legacy and type(handler).read is not Handler.read:
+            return await handler.read(request)  # type: ignore[call-arg]
+        return await handler.read(request, ctx)
+    return await checked_body(parsed, handler.schema, large=len(await request.body()) > schemas.OFF_LOOP_BYTES)
+
+
+async def serve(request: Request, ctx: ServingContext, handler: Handler, body: Any = None) -> Response:
+    body = await _body(request, ctx, handler, body)
+    legacy = handler.legacy
+    plan = await (handler.lower(request, body) if legacy else handler.lower(body, ctx))  # type: ignore
+    check_fan_out(ctx.options.max_seqs_per_request, len(plan.requests), max(r.params.n for r in plan.requests))
+    await check_answer_volume(ctx, plan.requests, handler.logprob_fields)
+    client = client_identity(request)
+    for r in plan.requests:
+        r.client = r.client or client
     if plan.stream:
         # every request admitted and its first output in before the 200: a refusal is still a 4xx
-        streams = await start_streams(request, plan.requests)
-        events = ending_with_error_event(handler.render_stream(request, plan, merged(streams)),
-                                         lambda err: handler.error_event(err, plan))
+        streams = merged(await start_streams(ctx, plan.requests))
+        rendered = handler.render_stream(request, plan, streams) if legacy else handler.render_stream(plan, streams)  # type: ignore
+        events = ending_with_error_event(rendered, lambda err: handler.error_event(err, plan))
         headers = {**SSE_HEADERS, **plan.headers} if handler.media_type == "text/event-stream" else plan.headers
         return StreamingResponse(events, media_type=handler.media_type, headers=headers)
-    results = await collect_all(request, plan.requests)
+    results = await collect_all(ctx, plan.requests)
+    render = (lambda: handler.render_final(request, plan, results)) if legacy else (  # type: ignore
+        lambda: handler.render_final(plan, results))
     if collected_entries(plan.requests, results) > RENDER_IN_THREAD_ENTRIES:
         # building and serializing a large answer takes seconds of CPU: not on the event loop, where it
         # would stall every other client (their WebSockets time out)
-        response = await asyncio.to_thread(asyncio.run, handler.render_final(request, plan, results))
+        response = await asyncio.to_thread(asyncio.run, render())
     else:
-        response = await handler.render_final(request, plan, results)
+        response = await render()
     response.headers.update(plan.headers)
     return response
 
 
 def route(handler: Handler):
-    """The Starlette endpoint of a handler: ``serve`` with every failure in that protocol's error form."""
+    """The endpoint of a handler, called with the request and the serving context (and, on a path several
+    protocols share, the body its dispatcher parsed): ``serve`` with every failure in that protocol's
+    error form."""
 
-    async def run(request: Request) -> Response:
-        return await serve(request, handler)
+    @with_context
+    async def run(request: Request, ctx: ServingContext, body: Any = None) -> Response:
+        return await serve(request, ctx, handler, body)
 
     run.__name__ = type(handler).__name__
     return endpoint(handler.render_error, invalid_status=handler.invalid_status, statuses=handler.statuses)(run)

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bridges import textgen
-from bridges.common import BridgeError, Completion, engine_of, request_id, sse
+from bridges.common import BridgeError, Completion, engine_of, read_json, request_id, sse
 from bridges.registry import Operation, Protocol
 from bridges.serving import Handler, Plan, route
 from engine.request import RequestOutput
@@ -42,7 +42,7 @@ class _TritonHandler(Handler):
 
     async def read(self, request: Request) -> dict[str, Any]:
         _model(request)  # an unknown model is a 404 before the body is looked at
-        return await super().read(request)
+        return await read_json(request, self.schema)
 
 
 class Generate(_TritonHandler):

@@ -5,31 +5,42 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 
+from bridges.context import Adapters, ProtocolOptions, ServingContext, Tokenizer
 from bridges.reasoning import check_reasoning_parser
 from bridges.registry import Operation, Protocol, Registry, discover
+from bridges.responses_store import ResponseStore
 from engine.model_loader import default_cache_dir
 from engine.protocol import EngineClient
 from lora_store.pack import UnpackLimits
 from lora_store.resolver import RESERVED_PREFIXES, LoraResolver, reserved, store_validator
 from lora_store.store import LoraStore, StoreLimits
 from spark_server.auth import AdminGate, AllowedHosts, ApiKeyMiddleware, ReplayGuard, parse_key_pairs
-from spark_server.fleet import (get_pack, load_lora_adapter, model_info, publish_pack, server_info, unload_lora_adapter,
-                                version_endpoint)
+from spark_server.fleet import (
+    get_pack,
+    load_lora_adapter,
+    model_info,
+    publish_pack,
+    server_info,
+    unload_lora_adapter,
+    version_endpoint,
+)
 from spark_server.health import health
-from spark_server.playground import check, playground, sign
-from spark_server.metrics import Metrics, RequestCounter, metrics_endpoint, note_in_request_context
-from spark_server.settings import Settings
 from spark_server.limits import BodySizeLimit
+from spark_server.metrics import Metrics, RequestCounter, metrics_endpoint, note_in_request_context
+from spark_server.playground import check, playground, sign
+from spark_server.settings import Settings
 from spark_server.shutdown import DrainGuard
 from spark_server.spark_http import spark_http
-from spark_server.spark_service import SparkService
 from spark_server.spark_public import PATH_DOMAINS, PublicSettings
+from spark_server.spark_service import SparkService
 from spark_server.spark_ws import public_spark_websocket, spark_websocket
 
 if TYPE_CHECKING:
@@ -69,8 +80,19 @@ SERVER_PROTOCOL = Protocol("server", (
 ))
 
 
-def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True) -> Starlette:
-    """``engine`` is started/stopped with the app when ``owns_engine``."""
+def protocol_options(settings: Settings, overrides: Mapping[str, Any] | None = None) -> ProtocolOptions:
+    """The settings the protocols read, each under its own name; ``overrides``: what start-up decided
+    beside the settings (vLLM's further served names, --return-tokens-as-token-ids)."""
+    values = {f.name: getattr(settings, f.name) for f in fields(ProtocolOptions) if hasattr(settings, f.name)}
+    values.update(overrides or {})
+    values["model_aliases"] = tuple(values.get("model_aliases", ()))
+    return ProtocolOptions(**values)
+
+
+def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True,
+              protocol_overrides: Mapping[str, Any] | None = None) -> Starlette:
+    """``engine`` is started/stopped with the app when ``owns_engine``. ``protocol_overrides``: options the
+    protocols read that start-up sets beside the settings (``ProtocolOptions``' names)."""
 
     taken = [name for name in settings.lora_sources() if reserved(name)]
     if taken:
@@ -93,7 +115,14 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
                 engine.shutdown()
 
     registry = Registry([SPARK_PROTOCOL, SERVER_PROTOCOL, *discover()], settings)
-    app = Starlette(routes=registry.routes(), lifespan=lifespan)
+    serving = ServingContext(
+        engine=engine, options=protocol_options(settings, protocol_overrides), adapters=Adapters(resolver),
+        tokenizer=Tokenizer(engine), registry=registry,
+        responses=ResponseStore(settings.responses_store_max_items, int(settings.responses_store_max_mb * (1 << 20))))
+    app = Starlette(routes=registry.routes(serving), lifespan=lifespan)
+    app.state.serving = serving
+    app.state.model_aliases = serving.options.model_aliases  # read by the protocols not moved to the context yet
+    app.state.return_tokens_as_token_ids = serving.options.return_tokens_as_token_ids
     app.state.registry = registry
     metrics = Metrics(app.state, engine.model_info.name)
     app.state.metrics = metrics
@@ -129,6 +158,7 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
     app.state.spark = SparkService(engine, history_limit=settings.max_history_tokens, on_result=metrics.count,
                                    max_items=settings.max_request_items, lora_resolver=resolver)
     app.state.lora_resolver = resolver
+    app.state.responses_store = serving.responses
     return app
 
 
@@ -148,7 +178,7 @@ def attach_lora(settings: Settings, engine: EngineClient) -> LoraResolver | None
     return LoraResolver(store, engine.check_adapter, pin=engine.register_adapter, unpin=engine.forget_adapter)
 
 
-def uvicorn_config(app: Starlette, settings: Settings) -> "uvicorn.Config":
+def uvicorn_config(app: Starlette, settings: Settings) -> uvicorn.Config:
     """The one uvicorn configuration (the CLI's and the tests'): frame and time limits included."""
     import uvicorn
 

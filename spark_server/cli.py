@@ -67,11 +67,10 @@ def _serve(args: argparse.Namespace) -> int:
         print("spark-server: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
         return 2
     try:
-        app = build_app(settings, engine)
+        app = build_app(settings, engine, protocol_overrides=launch.protocol_options())
     except ValueError as exc:  # e.g. a malformed --spark-auth or --lora
         print(f"spark-server: {exc}", file=sys.stderr)
         return 2
-    launch.apply_to_app(app)
     frozen = settle_startup_heap()
     logging.getLogger("spark_server").info("start-up heap: %d objects frozen out of the cyclic collector's walks",
                                            frozen)

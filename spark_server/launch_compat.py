@@ -615,9 +615,10 @@ class Launch:
 
     # --- applied at start ----------------------------------------------------------------------------------
 
-    def apply_to_app(self, app: Any) -> None:
-        app.state.model_aliases = tuple(self.effects.get("model_aliases", ()))
-        app.state.return_tokens_as_token_ids = bool(self.effects.get("return_tokens_as_token_ids"))
+    def protocol_options(self) -> dict[str, Any]:
+        """What the protocols read beside the settings (bridges/context.py ``ProtocolOptions``' names)."""
+        return {"model_aliases": tuple(self.effects.get("model_aliases", ())),
+                "return_tokens_as_token_ids": bool(self.effects.get("return_tokens_as_token_ids"))}
 
     def apply_to_logging(self) -> None:
         """After uvicorn configured its loggers (it resets their levels when it does)."""
