@@ -31,7 +31,6 @@ from engine.request import (
 )
 from engine.sampling_params import SamplingParams
 
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
 
 def render_error(err: BridgeError) -> dict[str, Any]:
@@ -72,13 +71,12 @@ def banned_ids(engine: EngineClient, words: list[str] | None) -> list[int]:
     return ids
 
 
-def sampling_params(request: Request, body: dict[str, Any], default_max_tokens: int, logprobs: bool,
+def sampling_params(request: Request, body: dict[str, Any], endpoint: str, logprobs: bool,
                     top_logprobs: int) -> SamplingParams:
     """The body's sampling fields through the one table; what the table cannot say (best_of, the
     tokenizer-dependent bad_words, -1 truncation) is settled here."""
     engine = engine_of(request)
-    kw = sampling_kwargs("openai", body)
-    kw.setdefault("max_tokens", default_max_tokens)
+    kw = sampling_kwargs("openai", body, endpoint=endpoint, context=engine.model_info.max_model_len)
     n = kw.get("n", 1)
     best_of = body.get("best_of")
     if best_of is not None:
@@ -227,7 +225,7 @@ def completion_prompts(body: dict[str, Any]) -> list[Prompt]:
 
 def lower_completion(request: Request, body: dict[str, Any], rid: str) -> list[GenerationRequest]:
     lp = body.get("logprobs")
-    params = sampling_params(request, body, COMPLETION_DEFAULT_MAX_TOKENS, lp is not None, lp or 0)
+    params = sampling_params(request, body, "completions", lp is not None, lp or 0)
     prompts = completion_prompts(body)
     return [GenerationRequest(f"{rid}-{i}", p, params, priority=engine_priority(body.get("priority")))
             for i, p in enumerate(prompts)]
@@ -382,7 +380,7 @@ def lower_chat(request: Request, body: dict[str, Any], rid: str) -> tuple[Genera
     want_logprobs = bool(body.get("logprobs"))
     if body.get("top_logprobs") and not want_logprobs:
         raise BridgeError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    params = sampling_params(request, body, info.max_model_len, want_logprobs, body.get("top_logprobs") or 0)
+    params = sampling_params(request, body, "chat", want_logprobs, body.get("top_logprobs") or 0)
     if tool_plan.constraint is not None:  # tool_choice required / named: the calls' format is enforced
         if params.constraint is not None:
             raise BridgeError(400, f"tool_choice {body.get('tool_choice')!r} already constrains the answer; "

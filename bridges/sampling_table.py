@@ -12,6 +12,9 @@ Protocols, and the object their sampling fields live in:
     ollama   ``options``
     spark    ``parameter.chat``
     anthropic  the body of /v1/messages
+
+A default may belong to one endpoint of a protocol (``"openai/completions"`` before ``"openai"``), and
+may be ``CONTEXT``: the served model's whole context (``max_model_len``), given to ``sampling_kwargs``.
 """
 
 from __future__ import annotations
@@ -37,21 +40,26 @@ def _bias(value: dict[str, Any]) -> tuple[tuple[int, float], ...]:
     return tuple((int(t), float(b)) for t, b in value.items())  # OpenAI's {"<token id>": bias}
 
 
+CONTEXT: Any = "<the model's context>"  # a default that is the served model's max_model_len
+
+
 @dataclass(frozen=True)
 class Knob:
     name: str  # the SamplingParams field
     convert: Callable[[Any], Any]
     fields: dict[str, str | tuple[str, ...]]  # protocol -> its field (first non-None of a tuple wins)
-    defaults: dict[str, Any] = field(default_factory=dict)  # protocol -> its own default
+    defaults: dict[str, Any] = field(default_factory=dict)  # protocol (or protocol/endpoint) -> its own default
 
 
 TABLE: tuple[Knob, ...] = (
-    # max_tokens' openai default depends on the endpoint (16 for completions, the context for chat): the
-    # bridge passes it; textgen 20 and sglang 128 are their documents' defaults.
+    # OpenAI: 16 for the legacy completions, the context for chat (vLLM's); textgen 20 and sglang 128 are
+    # their documents' defaults; Ollama's -1 is "until the context is full" (its bridge reads any negative
+    # num_predict so); Anthropic's is required.
     Knob("max_tokens", _int, {"openai": ("max_completion_tokens", "max_tokens"), "vllm": "max_tokens",
                               "sglang": "max_new_tokens", "textgen": "max_new_tokens", "ollama": "num_predict",
                               "spark": "max_tokens", "anthropic": "max_tokens"},
-         {"sglang": 128, "textgen": 20, "ollama": -1, "spark": 2048}),
+         {"openai": CONTEXT, "openai/completions": 16, "vllm": CONTEXT, "sglang": 128, "textgen": 20, "ollama": -1,
+          "spark": 2048}),
     Knob("min_tokens", _int, {"openai": "min_tokens", "vllm": "min_tokens", "sglang": "min_new_tokens"}),
     Knob("temperature", float, {"openai": "temperature", "vllm": "temperature", "sglang": "temperature",
                                 "textgen": "temperature", "ollama": "temperature", "spark": "temperature",
@@ -119,14 +127,22 @@ OTHER_FIELDS: dict[str, frozenset[str]] = {
 }
 
 
-def default(protocol: str, name: str) -> Any:
-    """A protocol's default for an engine knob (None: the engine's own)."""
-    return next(k.defaults.get(protocol) for k in TABLE if k.name == name)
+def _default(knob: Knob, protocol: str, endpoint: str | None) -> Any:
+    if endpoint is not None and f"{protocol}/{endpoint}" in knob.defaults:
+        return knob.defaults[f"{protocol}/{endpoint}"]
+    return knob.defaults.get(protocol)
 
 
-def sampling_kwargs(protocol: str, source: dict[str, Any] | None) -> dict[str, Any]:
-    """The engine knobs a protocol's sampling object sets, with that protocol's defaults for the rest;
-    knobs it neither sets nor has a default for are left out (the engine's default applies)."""
+def default(protocol: str, name: str, endpoint: str | None = None) -> Any:
+    """A protocol's (or one of its endpoints') default for an engine knob (None: the engine's own)."""
+    return next(_default(k, protocol, endpoint) for k in TABLE if k.name == name)
+
+
+def sampling_kwargs(protocol: str, source: dict[str, Any] | None, *, endpoint: str | None = None,
+                    context: int | None = None) -> dict[str, Any]:
+    """The engine knobs a protocol's sampling object sets, with that protocol's (or ``endpoint``'s)
+    defaults for the rest; knobs it neither sets nor has a default for are left out (the engine's default
+    applies). ``context``: the served model's context, for a default that is ``CONTEXT``."""
     source = source or {}
     out: dict[str, Any] = {}
     for knob in TABLE:
@@ -139,7 +155,11 @@ def sampling_kwargs(protocol: str, source: dict[str, Any] | None) -> dict[str, A
                 value = source[name]
                 break
         if value is None:
-            value = knob.defaults.get(protocol)
+            value = _default(knob, protocol, endpoint)
+            if value is CONTEXT:
+                if context is None:
+                    raise ValueError(f"{protocol}'s default for {knob.name} is the model's context: pass context")
+                value = context
         if value is not None:
             out[knob.name] = knob.convert(value)
     return out

@@ -18,7 +18,6 @@ from engine.sampling_params import SamplingParams
 
 logger = protect(logging.getLogger(__name__))
 
-DEFAULT_MAX_NEW_TOKENS = 20  # TGI / MindIE default
 DEFAULT_PRIORITY = 5
 # Accepted because the spec lists them, with no effect ("当前后处理不支持"): reported in a header when
 # set to anything but their default.

@@ -195,6 +195,14 @@ class FakeEngine:
             for index in range(p.n):
                 text = ""
                 pending: RequestOutput | None = None
+                if not ids:  # nothing left before the stop string: one finished output without text, as the
+                    # real engine ends such an answer (never a stream with no output at all)
+                    yield RequestOutput(request_id=request.request_id, index=index, new_token_ids=[], text_delta="",
+                                        num_prompt_tokens=len(prompt_ids), num_output_tokens=0, finished=True,
+                                        finish_reason=reason, stop_reason=stop_reason,
+                                        timings=RequestTimings(arrival=request.arrival_time, queue_s=0.001,
+                                                               first_token_s=None, prefill_s=0.001, decode_s=0.0,
+                                                               last_token_gap_s=0.0))
                 for k, tid in enumerate(ids):
                     if script.fail_after is not None and k == script.fail_after[0]:
                         raise script.fail_after[1]

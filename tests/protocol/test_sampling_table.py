@@ -70,3 +70,13 @@ def test_a_field_is_read_only_when_set_and_defaults_come_from_the_table():
         sampling_kwargs("sglang", {"seed": 46997.0})["seed"], int)
     assert sampling_kwargs("ollama", {})["temperature"] == 0.8
     assert sampling_kwargs("textgen", {"stop": "x"})["stop"] == ["x"]
+
+
+def test_max_tokens_defaults_per_endpoint_and_the_context_come_from_the_table():
+    assert sampling_kwargs("openai", {}, endpoint="completions", context=4096)["max_tokens"] == 16
+    assert sampling_kwargs("openai", {}, endpoint="chat", context=4096)["max_tokens"] == 4096
+    assert sampling_kwargs("vllm", {}, context=512)["max_tokens"] == 512
+    assert sampling_kwargs("openai", {"max_tokens": 3}, endpoint="chat")["max_tokens"] == 3  # no context needed
+    assert default("openai", "max_tokens", "completions") == 16
+    with pytest.raises(ValueError, match="context"):
+        sampling_kwargs("openai", {}, endpoint="chat")
