@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bridges import textgen
-from bridges.common import BridgeError, Completion, engine_of, request_id, sse
+from bridges.common import BridgeError, Completion, request_id, sse
+from bridges.context import ServingContext
 from bridges.registry import Operation, Protocol
 from bridges.serving import Handler, Plan, route
 from engine.request import RequestOutput
@@ -23,29 +23,30 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 2)
 
 
-class Infer(Handler):
+class Infer(Handler[textgen.TextGenRequest]):
     schema = "mindie-infer"
     logprob_fields = textgen.LOGPROB_FIELDS
+    legacy = False
 
     def render_error(self, err: BridgeError) -> dict[str, Any]:
         return render_error(err)
 
-    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
-        tg = await textgen.lower(engine_of(request), request_id("mindie"), body["inputs"], body.get("parameters"))
-        return Plan([tg.request], bool(body.get("stream")), body, headers=textgen.ignored_header(tg), context=tg)
+    async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[textgen.TextGenRequest]:
+        tg = textgen.lower(request_id("mindie"), body["inputs"], body.get("parameters"))
+        return Plan([tg.request], bool(body.get("stream")), body, headers=tg.headers, context=tg)
 
-    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
+    async def render_final(self, plan: Plan[textgen.TextGenRequest], results: list[list[Completion]]) -> Response:
         ((c,),) = results
-        tg: textgen.TextGenRequest = plan.context
+        tg = plan.context
         result: dict[str, Any] = {"generated_text": c.text}
         if tg.details:  # the spec: details only when asked for
             result["details"] = {"finish_reason": textgen.finish_reason(c.finish_reason, c.stop_reason),
                                  "generated_tokens": len(c.token_ids), "seed": tg.seed}
         return JSONResponse(result)
 
-    async def render_stream(self, request: Request, plan: Plan,
+    async def render_stream(self, plan: Plan[textgen.TextGenRequest],
                             outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
-        tg: textgen.TextGenRequest = plan.context
+        tg = plan.context
         text = ""
         async for _, out in outputs:
             if not out.new_token_ids and not out.finished:

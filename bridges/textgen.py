@@ -1,4 +1,6 @@
-"""The `parameters` vocabulary TGI, Triton and MindIE share, lowered once onto SamplingParams."""
+"""The `parameters` vocabulary TGI, Triton and MindIE share, lowered once onto a GenerationRequest
+(``lower``, pure), and the finish reasons they share. Each of the three protocols renders its own answer
+from the ``TextGenRequest``."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ from bridges.common import int_list
 from bridges.constraints import tgi_grammar
 from bridges.log_safety import protect
 from bridges.sampling_table import sampling_kwargs
-from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, TextPrompt, TokensPrompt
 from engine.sampling_params import SamplingParams
 
@@ -32,7 +33,7 @@ def _is_default(value: object, default: object) -> bool:
     return value == default
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class TextGenRequest:
     request: GenerationRequest
     seed: int
@@ -41,7 +42,11 @@ class TextGenRequest:
     return_full_text: bool
     perf_stat: bool
     top_n_tokens: int
-    no_effect: list[str]
+    no_effect: tuple[str, ...]  # fields accepted with no effect (answered in X-Ignored-Parameters)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-Ignored-Parameters": ",".join(self.no_effect)} if self.no_effect else {}
 
 
 def finish_reason(reason: str | None, stop_reason: str | int | None) -> str:
@@ -53,8 +58,8 @@ def finish_reason(reason: str | None, stop_reason: str | int | None) -> str:
     return reason or "length"
 
 
-async def lower(engine: EngineClient, rid: str, inputs: str | list[int], parameters: dict[str, Any] | None,
-                adapter_field: str = "adapter_id") -> TextGenRequest:
+def lower(rid: str, inputs: str | list[int], parameters: dict[str, Any] | None,
+          adapter_field: str = "adapter_id") -> TextGenRequest:
     p = dict(parameters or {})
     sampling = p.get("do_sample")
     if sampling is None:  # TGI's rule: any sampling knob turns sampling on
@@ -74,14 +79,10 @@ async def lower(engine: EngineClient, rid: str, inputs: str | list[int], paramet
     deadline = time.monotonic() + p["timeout"] if p.get("timeout") else None
     request = GenerationRequest(rid, prompt, params, lora=lora, priority=int(p.get("priority") or DEFAULT_PRIORITY),
                                 deadline=deadline)
-    no_effect = [k for k, default in NO_EFFECT.items() if p.get(k) is not None and not _is_default(p[k], default)]
+    no_effect = tuple(k for k, default in NO_EFFECT.items() if p.get(k) is not None and not _is_default(p[k], default))
     if no_effect:
         logger.info("request %s: %s accepted with no effect (not supported)", rid, ", ".join(no_effect))
     return TextGenRequest(request=request, seed=seed, details=bool(p.get("details")),
                           decoder_input_details=bool(p.get("decoder_input_details")),
                           return_full_text=bool(p.get("return_full_text")), perf_stat=bool(p.get("perf_stat")),
                           top_n_tokens=top_n, no_effect=no_effect)
-
-
-def ignored_header(tg: TextGenRequest) -> dict[str, str]:
-    return {"X-Ignored-Parameters": ",".join(tg.no_effect)} if tg.no_effect else {}

@@ -6,16 +6,16 @@ shape it reads (an int id, a bool special, a non-streaming answer as a one-eleme
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import Request
 from starlette.responses import Response
 
 from bridges import textgen
-from bridges.common import BridgeError, Completion, engine_of, request_id, sse
+from bridges.common import BridgeError, Completion, request_id, sse
+from bridges.context import ServingContext, Tokenizer
 from bridges.registry import Operation, Protocol
 from bridges.serving import Handler, JSONAnswer, Plan, route
-from engine.protocol import EngineClient
 from engine.request import RequestOutput
 
 
@@ -25,27 +25,35 @@ def render_error(err: BridgeError) -> dict[str, Any]:
     return {"error": err.message, "error_type": kinds.get(err.status, "generation")}
 
 
-class Shape:
-    def __init__(self, hf: bool, full_text: bool) -> None:
-        self.hf = hf
-        self.full_text = full_text
+@dataclass(frozen=True)
+class TgiContext:
+    """What rendering a TGI answer needs: the lowered parameters and the answer's shape."""
 
-    def token(self, engine: EngineClient, token_id: int, text: str, logprob: float | None,
-              stream: bool = False) -> dict[str, Any]:
+    tg: textgen.TextGenRequest
+    inputs: str  # the prompt as sent (return_full_text puts it before the answer)
+    hf: bool  # the HF client's shape: an int id, a bool special, logprobs (else the spec's)
+    full_text: bool  # --full-text-enabled: each stream event's token text is the output so far
+    root: bool  # the HF client's root POST /: a non-streaming answer is a one-element array
+    tokenizer: Tokenizer
+
+    def token(self, token_id: int, text: str, logprob: float | None, stream: bool = False) -> dict[str, Any]:
         if self.hf:
-            return {"id": token_id, "text": text, "logprob": logprob,
-                    "special": token_id in engine.tokenizer.all_special_ids}
+            return {"id": token_id, "text": text, "logprob": logprob, "special": self.tokenizer.is_special(token_id)}
         # the MindIE document: a stream event's token.id is a list, details.tokens[].id an int
         return {"id": [token_id] if stream else token_id, "text": text, "logprob": None, "special": None}
 
+    def generated_text(self, text: str) -> str:
+        return (self.inputs if self.tg.return_full_text else "") + text
 
-class Generate(Handler):
+
+class Generate(Handler[TgiContext]):
     """/generate (stream when the body says so), /generate_stream (always), and the HF client's root
     (stream when the body says so; a non-streaming answer is a one-element array there)."""
 
     schema = "tgi-generate"
     logprob_fields = textgen.LOGPROB_FIELDS
     invalid_status = 422  # TGI: 422 for a body that parses but is invalid (400 only for one that is not JSON)
+    legacy = False
 
     def __init__(self, always_stream: bool = False, hf_root: bool = False) -> None:
         self.always_stream = always_stream
@@ -54,44 +62,38 @@ class Generate(Handler):
     def render_error(self, err: BridgeError) -> dict[str, Any]:
         return render_error(err)
 
-    def _shape(self, request: Request) -> Shape:
-        s = request.app.state.settings
-        return Shape(hf=self.hf_root or s.tgi_compat == "hf", full_text=s.full_text_enabled)
-
-    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
-        tg = await textgen.lower(engine_of(request), request_id("tgi"), body["inputs"], body.get("parameters"))
+    async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[TgiContext]:
+        tg = textgen.lower(request_id("tgi"), body["inputs"], body.get("parameters"))
         stream = self.always_stream or bool(body.get("stream"))
         if stream and tg.decoder_input_details:  # the spec: "对于流式接口，该参数只能为false"
             raise BridgeError(422, "decoder_input_details must be false on a stream (the prompt's tokens are only "
                                    "returned by the non-streaming /generate)", param="decoder_input_details")
-        return Plan([tg.request], stream, body, headers=textgen.ignored_header(tg), context=(tg, self._shape(request)))
+        shape = TgiContext(tg, body["inputs"], hf=self.hf_root or ctx.options.tgi_compat == "hf",
+                           full_text=ctx.options.full_text_enabled, root=self.hf_root, tokenizer=ctx.tokenizer)
+        return Plan([tg.request], stream, body, context=shape, headers=tg.headers)
 
-    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
+    async def render_final(self, plan: Plan[TgiContext], results: list[list[Completion]]) -> Response:
         ((c,),) = results
-        tg, shape = plan.context
-        engine = engine_of(request)
-        text = (plan.body["inputs"] if tg.return_full_text else "") + c.text
-        result: dict[str, Any] = {"generated_text": text}
+        shape, tg, tok = plan.context, plan.context.tg, plan.context.tokenizer
+        result: dict[str, Any] = {"generated_text": shape.generated_text(c.text)}
         if tg.details or tg.decoder_input_details or shape.hf:
             logprobs = [e.logprob for e in c.logprobs] if c.logprobs else [None] * len(c.token_ids)
-            tokens = [shape.token(engine, t, engine.tokenizer.decode([t]), lp) for t, lp in zip(c.token_ids, logprobs)]
-            details: dict[str, Any] = {"finish_reason": textgen.finish_reason(c.finish_reason, c.stop_reason),
-                                       "generated_tokens": len(c.token_ids), "seed": tg.seed,
-                                       "prompt_tokens": c.num_prompt_tokens, "prefill": [], "tokens": tokens}
+            details: dict[str, Any] = {
+                "finish_reason": textgen.finish_reason(c.finish_reason, c.stop_reason),
+                "generated_tokens": len(c.token_ids), "seed": tg.seed, "prompt_tokens": c.num_prompt_tokens,
+                "prefill": [], "tokens": [shape.token(t, tok.decode([t]), lp) for t, lp in zip(c.token_ids, logprobs)]}
             if tg.decoder_input_details:
-                ids = await engine.encode_prompt(tg.request.prompt)
-                details["prefill"] = [{"id": i, "text": engine.tokenizer.decode([i]), "logprob": None,
-                                       **({} if shape.hf else {"special": None})} for i in ids]
+                details["prefill"] = [{"id": i, "text": tok.decode([i]), "logprob": None,
+                                       **({} if shape.hf else {"special": None})}
+                                      for i in await tok.prompt_ids(tg.request.prompt)]
             if tg.top_n_tokens:
-                details["top_tokens"] = [[shape.token(engine, t, engine.tokenizer.decode([t]), v) for t, v in e.top]
-                                         for e in c.logprobs]
+                details["top_tokens"] = [[shape.token(t, tok.decode([t]), v) for t, v in e.top] for e in c.logprobs]
             result["details"] = details
-        return JSONAnswer([result] if self.hf_root else result)
+        return JSONAnswer([result] if shape.root else result)
 
-    async def render_stream(self, request: Request, plan: Plan,
+    async def render_stream(self, plan: Plan[TgiContext],
                             outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
-        tg, shape = plan.context
-        engine = engine_of(request)
+        shape, tg = plan.context, plan.context.tg
         text = ""
         async for _, out in outputs:
             ids = out.new_token_ids
@@ -101,12 +103,12 @@ class Generate(Handler):
                 last = k == len(ids) - 1
                 text += texts[k]
                 shown = text if shape.full_text else texts[k]
-                event: dict[str, Any] = {"token": shape.token(engine, token_id, shown, lps[k], stream=True),
+                event: dict[str, Any] = {"token": shape.token(token_id, shown, lps[k], stream=True),
                                          "generated_text": None, "details": None}
                 if shape.hf:
                     event["top_tokens"] = None
                 if last and out.finished:
-                    event["generated_text"] = (plan.body["inputs"] if tg.return_full_text else "") + text
+                    event["generated_text"] = shape.generated_text(text)
                 if last and out.finished and tg.details:  # the spec: details only with details=true
                     event["details"] = {"finish_reason": textgen.finish_reason(out.finish_reason, out.stop_reason),
                                         "generated_tokens": out.num_output_tokens, "seed": tg.seed,

@@ -5,15 +5,17 @@ stream an error is sent as a data event."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bridges import textgen
-from bridges.common import BridgeError, Completion, engine_of, read_json, request_id, sse
+from bridges.common import BridgeError, Completion, request_id, sse
+from bridges.context import ServingContext, with_context
 from bridges.registry import Operation, Protocol
-from bridges.serving import Handler, Plan, route
+from bridges.serving import C, Handler, Plan, route
 from engine.request import RequestOutput
 
 
@@ -21,9 +23,10 @@ def render_error(err: BridgeError) -> dict[str, Any]:
     return {"error": err.message}
 
 
-def _model(request: Request) -> str:
+def _model(request: Request, ctx: ServingContext) -> str:
+    """The path's model: the served one, else 404."""
     name = request.path_params["model"]
-    served = engine_of(request).model_info.name
+    served = ctx.model.name
     if name != served:
         raise BridgeError(404, f"Request for unknown model: '{name}' is not found (serving '{served}')",
                           param="model")
@@ -34,18 +37,26 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
 
 
-class _TritonHandler(Handler):
+@dataclass(frozen=True)
+class TritonContext:
+    model: str  # the served model, which the path names
+    rid: str  # the answer's id: the body's, else a fresh one
+    tg: textgen.TextGenRequest
+
+
+class _TritonHandler(Handler[C]):
     logprob_fields = textgen.LOGPROB_FIELDS
+    legacy = False
 
     def render_error(self, err: BridgeError) -> dict[str, Any]:
         return render_error(err)
 
-    async def read(self, request: Request) -> dict[str, Any]:
-        _model(request)  # an unknown model is a 404 before the body is looked at
-        return await read_json(request, self.schema)
+    async def read(self, request: Request, ctx: ServingContext) -> dict[str, Any]:
+        _model(request, ctx)  # an unknown model is a 404 before the body is looked at
+        return await super().read(request, ctx)
 
 
-class Generate(_TritonHandler):
+class Generate(_TritonHandler[TritonContext]):
     """generate and generate_stream: text in, text out (the stream: one data event per token)."""
 
     schema = "triton-generate"
@@ -53,16 +64,16 @@ class Generate(_TritonHandler):
     def __init__(self, stream: bool) -> None:
         self.stream = stream
 
-    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
+    async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[TritonContext]:
         rid = body.get("id") or request_id("triton")
-        tg = await textgen.lower(engine_of(request), rid, body["text_input"], body.get("parameters"))
-        return Plan([tg.request], self.stream, body, headers=textgen.ignored_header(tg),
-                    context=(_model(request), rid, tg))
+        tg = textgen.lower(rid, body["text_input"], body.get("parameters"))
+        return Plan([tg.request], self.stream, body, headers=tg.headers, context=TritonContext(ctx.model.name, rid, tg))
 
-    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
+    async def render_final(self, plan: Plan[TritonContext], results: list[list[Completion]]) -> Response:
         ((c,),) = results
-        model, rid, tg = plan.context
-        result: dict[str, Any] = {"id": rid, "model_name": model, "model_version": None, "text_output": c.text}
+        tg = plan.context.tg
+        result: dict[str, Any] = {"id": plan.context.rid, "model_name": plan.context.model, "model_version": None,
+                                  "text_output": c.text}
         if tg.details or tg.perf_stat:
             details: dict[str, Any] = {"finish_reason": textgen.finish_reason(c.finish_reason, c.stop_reason),
                                        "generated_tokens": len(c.token_ids), "first_token_cost": None,
@@ -75,9 +86,9 @@ class Generate(_TritonHandler):
             result["details"] = details
         return JSONResponse(result)
 
-    async def render_stream(self, request: Request, plan: Plan,
+    async def render_stream(self, plan: Plan[TritonContext],
                             outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
-        model, rid, tg = plan.context
+        model, rid, tg = plan.context.model, plan.context.rid, plan.context.tg
         batch_size = (plan.body.get("parameters") or {}).get("batch_size") or 1
         perf: list[list[Any]] = []
         async for _, out in outputs:
@@ -104,21 +115,22 @@ class Generate(_TritonHandler):
             yield sse(event)
 
 
-class Infer(_TritonHandler):
+class Infer(_TritonHandler[str]):
     """Token ids in (a UINT32 tensor), the input ids followed by the generated ids out, as the spec's example."""
 
     schema = "triton-infer"
 
-    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
+    async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[str]:
+        """The plan's context: the answer's id."""
         rid = body.get("id") or request_id("triton")
         tensor = body["inputs"][0]
         shape = tensor["shape"]
         if shape[-1] != len(tensor["data"]) or (len(shape) == 2 and shape[0] != 1):
             raise BridgeError(400, f"inputs[0].shape {shape} does not match {len(tensor['data'])} data items")
-        tg = await textgen.lower(engine_of(request), rid, tensor["data"], body.get("parameters"))
-        return Plan([tg.request], False, body, headers=textgen.ignored_header(tg), context=rid)
+        tg = textgen.lower(rid, tensor["data"], body.get("parameters"))
+        return Plan([tg.request], False, body, headers=tg.headers, context=rid)
 
-    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
+    async def render_final(self, plan: Plan[str], results: list[list[Completion]]) -> Response:
         ((c,),) = results
         tensor = plan.body["inputs"][0]
         data = list(tensor["data"]) + c.token_ids
@@ -132,21 +144,22 @@ generate_stream = route(Generate(stream=True))
 infer = route(Infer())
 
 
-async def model_metadata(request: Request) -> Response:
+@with_context
+async def model_metadata(request: Request, ctx: ServingContext) -> Response:
     try:
-        name = _model(request)
+        name = _model(request, ctx)
     except BridgeError as err:
         return JSONResponse(render_error(err), status_code=404)
-    info = engine_of(request).model_info
-    return JSONResponse({"name": name, "versions": ["1"], "platform": "spark-server", "max_model_len": info.max_model_len,
+    info = ctx.model
+    return JSONResponse({"name": name, "versions": ["1"], "platform": "spark-server",
+                         "max_model_len": info.max_model_len,
                          "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
                          "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [-1]}]})
 
 
-async def health_ready(request: Request) -> Response:
-    engine = getattr(request.app.state, "engine", None)
-    ready = engine is not None and engine.is_healthy()
-    return Response(status_code=200 if ready else 503)
+@with_context
+async def health_ready(request: Request, ctx: ServingContext) -> Response:
+    return Response(status_code=200 if ctx.engine.is_healthy() else 503)
 
 
 async def health_live(request: Request) -> Response:
