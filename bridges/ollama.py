@@ -8,14 +8,16 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from bridges.common import BridgeError, Completion, engine_of, int_list, request_id, served_model_or_adapter
+from bridges.common import BridgeError, Completion, int_list, request_id, requested_adapter
 from bridges.constraints import ollama_format
+from bridges.context import ServingContext, Tokenizer, with_context
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
 from bridges.serving import Handler, Plan, route
@@ -49,13 +51,13 @@ def _is_served(name: str, served: str) -> bool:
     return base.lower() in {served.lower(), LIBRARY_NAMES.get(served, served).lower()}
 
 
-def _model(request: Request, name: str) -> LoraRef | None:
+def _model(ctx: ServingContext, name: str) -> LoraRef | None:
     """The served model (by any of its Ollama names), else an adapter, else 404 in Ollama's words."""
-    served = engine_of(request).model_info.name
+    served = ctx.model.name
     if name == served or _is_served(name, served):
         return None
     try:
-        return served_model_or_adapter(request, name)
+        return requested_adapter(ctx, name)
     except BridgeError:
         raise BridgeError(404, f'model "{name}" not found, try pulling it first', param="model") from None
 
@@ -81,44 +83,42 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         raise BridgeError(400, "tools are not supported on /api/chat yet", param="tools")
 
 
-def sampling_params(request: Request, body: dict[str, Any]) -> SamplingParams:
+def sampling_params(ctx: ServingContext, body: dict[str, Any]) -> SamplingParams:
     options = body.get("options") or {}
     typical = options.get("typical_p")
     if typical is not None and typical != 1.0:
         raise BridgeError(400, "options.typical_p: only 1.0 (off) is supported", param="options.typical_p")
     kw = sampling_kwargs("ollama", options)
     if kw["max_tokens"] < 0:  # -1: until the context is full, -2: fill the context
-        kw["max_tokens"] = engine_of(request).model_info.max_model_len
+        kw["max_tokens"] = ctx.model.max_model_len
     if kw.get("seed", 0) < 0:  # Ollama: a negative seed means "random"
         del kw["seed"]
     kw["top_p"] = kw["top_p"] or 1.0  # 0 turns the cut off
     return SamplingParams(**kw, constraint=ollama_format(body.get("format")))
 
 
-async def lower_generate(request: Request, body: dict[str, Any], rid: str) -> GenerationRequest:
+async def lower_generate(ctx: ServingContext, body: dict[str, Any], rid: str) -> GenerationRequest:
     _refuse_unsupported(body)
-    engine = engine_of(request)
     prompt_text = body.get("prompt") or ""
     context = int_list(body.get("context"))
     prompt: Any
     if body.get("raw"):
-        prompt = TokensPrompt(context + engine.tokenizer.encode(prompt_text, add_special_tokens=False))
+        prompt = TokensPrompt(context + ctx.tokenizer.encode(prompt_text, add_special_tokens=False))
     else:
         messages = [ChatMessage("system", body["system"])] if body.get("system") else []
         messages.append(ChatMessage("user", prompt_text))
         prompt = ChatPrompt(messages)
         if context:  # the conversation so far, then this turn in the chat template
-            prompt = TokensPrompt(context + await engine.encode_prompt(prompt))
-    return GenerationRequest(rid, prompt, sampling_params(request, body), lora=_model(request, body["model"]))
+            prompt = TokensPrompt(context + await ctx.tokenizer.prompt_ids(prompt))
+    return GenerationRequest(rid, prompt, sampling_params(ctx, body), lora=_model(ctx, body["model"]))
 
 
-async def lower_chat(request: Request, body: dict[str, Any], rid: str) -> GenerationRequest:
+async def lower_chat(ctx: ServingContext, body: dict[str, Any], rid: str) -> GenerationRequest:
     _refuse_unsupported(body)
     messages = [ChatMessage(m["role"], m.get("content") or "") for m in body.get("messages") or []]
     if not messages:
         raise BridgeError(400, "messages: at least one message is needed to answer", param="messages")
-    return GenerationRequest(rid, ChatPrompt(messages), sampling_params(request, body),
-                             lora=_model(request, body["model"]))
+    return GenerationRequest(rid, ChatPrompt(messages), sampling_params(ctx, body), lora=_model(ctx, body["model"]))
 
 
 def _done_reason(reason: str | None) -> str:
@@ -143,11 +143,18 @@ def _ordered(final: dict[str, Any], chat: bool) -> dict[str, Any]:
     return {**{k: final[k] for k in head if k in final}, **{k: v for k, v in final.items() if k not in head}}
 
 
-class _Call(Handler):
+@dataclass(frozen=True)
+class OllamaContext:
+    started: float  # monotonic time of arrival (total_duration)
+    tokenizer: Tokenizer  # /api/generate's answer carries the prompt's ids in ``context``
+
+
+class _Call(Handler[OllamaContext]):
     """/api/generate and /api/chat: NDJSON lines unless ``stream`` is false; the last line (or the
     whole answer) carries the counts and durations; /api/generate also its ``context``."""
 
     media_type = "application/x-ndjson"
+    legacy = False
 
     def __init__(self, chat: bool) -> None:
         self.chat = chat
@@ -156,28 +163,29 @@ class _Call(Handler):
     def render_error(self, err: BridgeError) -> dict[str, Any]:
         return render_error(err)
 
-    def error_event(self, err: BridgeError, plan: Plan) -> bytes:
+    def error_event(self, err: BridgeError, plan: Plan[OllamaContext]) -> bytes:
         return _line(render_error(err))  # Ollama's own form mid-stream: an {"error": ...} line
 
-    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
+    async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[OllamaContext]:
         lower = lower_chat if self.chat else lower_generate
-        req = await lower(request, body, request_id("ollama"))
+        req = await lower(ctx, body, request_id("ollama"))
         ignored = ignored_options(body)
         headers = {"X-Ignored-Parameters": ",".join(ignored)} if ignored else {}
-        return Plan([req], body.get("stream") is not False, body, headers=headers, context=time.monotonic())
+        return Plan([req], body.get("stream") is not False, body, headers=headers,
+                    context=OllamaContext(time.monotonic(), ctx.tokenizer))
 
     def _content(self, text: str) -> dict[str, Any]:
         return {"message": {"role": "assistant", "content": text}} if self.chat else {"response": text}
 
-    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
+    async def render_final(self, plan: Plan[OllamaContext], results: list[list[Completion]]) -> Response:
         ((c,),) = results
-        result = _final_fields(plan.body["model"], plan.context, c.num_prompt_tokens, len(c.token_ids), c.prefill_s,
-                               c.decode_s, c.finish_reason) | self._content(c.text)
+        result = _final_fields(plan.body["model"], plan.context.started, c.num_prompt_tokens, len(c.token_ids),
+                               c.prefill_s, c.decode_s, c.finish_reason) | self._content(c.text)
         if not self.chat:
-            result["context"] = await engine_of(request).encode_prompt(plan.requests[0].prompt) + c.token_ids
+            result["context"] = await plan.context.tokenizer.prompt_ids(plan.requests[0].prompt) + c.token_ids
         return JSONResponse(_ordered(result, self.chat))
 
-    async def render_stream(self, request: Request, plan: Plan,
+    async def render_stream(self, plan: Plan[OllamaContext],
                             outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
         model = plan.body["model"]
         output_ids: list[int] = []
@@ -190,10 +198,10 @@ class _Call(Handler):
                              "done": False})
         assert last is not None
         t = last.timings
-        final = _final_fields(model, plan.context, last.num_prompt_tokens, last.num_output_tokens, t.prefill_s,
+        final = _final_fields(model, plan.context.started, last.num_prompt_tokens, last.num_output_tokens, t.prefill_s,
                               t.decode_s, last.finish_reason) | self._content("")
         if not self.chat:
-            final["context"] = await engine_of(request).encode_prompt(plan.requests[0].prompt) + output_ids
+            final["context"] = await plan.context.tokenizer.prompt_ids(plan.requests[0].prompt) + output_ids
         yield _line(_ordered(final, self.chat))
 
 
@@ -207,11 +215,11 @@ def _tag(name: str, family: str, parent: str | None = None) -> dict[str, Any]:
                         "families": [family], "parameter_size": "", "quantization_level": ""}}
 
 
-async def tags(request: Request) -> Response:
-    info = engine_of(request).model_info
+@with_context
+async def tags(request: Request, ctx: ServingContext) -> Response:
+    info = ctx.model
     models = [_tag(info.name, info.model_type)]
-    resolver = request.app.state.lora_resolver
-    for name in sorted(resolver.registered if resolver is not None else {}):
+    for name in ctx.adapters.registered:
         models.append(_tag(name, info.model_type, parent=info.name))
     return JSONResponse({"models": models})
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from bridges import unserved_fields
-from bridges.common import BridgeError, Completion, engine_of, int_list, request_id, sse
+from bridges.common import BridgeError, Completion, int_list, request_id, sse
 from bridges.constraints import sglang_constraint
+from bridges.context import ServingContext, Tokenizer, with_context
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
 from bridges.serving import Handler, JSONAnswer, Plan, route
@@ -104,9 +106,17 @@ def _meta(rid: str, c: Completion | RequestOutput, n_out: int, started: float, l
     return meta
 
 
-class Generate(Handler):
+@dataclass(frozen=True)
+class SglangContext:
+    batch: bool  # the body was a batch: the answer is a list even of one
+    started: float  # monotonic time of arrival (meta_info.e2e_latency)
+    tokenizer: Tokenizer  # the prompts' ids, for input_token_logprobs
+
+
+class Generate(Handler[SglangContext]):
     schema = "sglang-generate"
     logprob_fields = ("logprob_start_len", "top_logprobs_num", "return_logprob")
+    legacy = False
 
     def render_error(self, err: BridgeError) -> dict[str, Any]:
         return render_error(err)
@@ -114,35 +124,35 @@ class Generate(Handler):
     def error_event(self, err: BridgeError, plan: Plan) -> bytes:
         return sse(render_error(err)) + sse("[DONE]")  # the stream still ends as SGLang's do
 
-    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
+    async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[SglangContext]:
         rid = request_id("sgl")
         reqs, batch, ignored = lower(body, rid)
-        return Plan(reqs, bool(body.get("stream")), body, context=(batch, time.monotonic()),
+        return Plan(reqs, bool(body.get("stream")), body, context=SglangContext(batch, time.monotonic(), ctx.tokenizer),
                     headers=unserved_fields.report(ignored, body.get("rid") or rid))
 
-    async def _input_logprobs(self, request: Request, plan: Plan, i: int,
+    async def _input_logprobs(self, plan: Plan[SglangContext], i: int,
                               entries: list[TokenLogprob | None] | None) -> dict[str, list]:
         """The prompt's logprobs from logprob_start_len, where they were asked for."""
         if entries is None:
             return {}
         start = per_prompt(plan.body, "logprob_start_len", len(plan.requests), -1)[i]
-        prompt_ids = await engine_of(request).encode_prompt(plan.requests[i].prompt)
+        prompt_ids = await plan.context.tokenizer.prompt_ids(plan.requests[i].prompt)
         return input_logprobs(entries, prompt_ids, int(start))
 
-    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
-        batch, started = plan.context
+    async def render_final(self, plan: Plan[SglangContext], results: list[list[Completion]]) -> Response:
+        batch, started = plan.context.batch, plan.context.started
         answers = []
         for i, (req, comps) in enumerate(zip(plan.requests, results)):
-            prompt_part = await self._input_logprobs(request, plan, i, comps[0].prompt_logprobs)
+            prompt_part = await self._input_logprobs(plan, i, comps[0].prompt_logprobs)
             for c in comps:
                 answers.append({"text": c.text, "output_ids": c.token_ids,
                                 "meta_info": _meta(req.request_id, c, len(c.token_ids), started,
                                                    c.logprobs if req.params.logprobs else None) | prompt_part})
         return JSONAnswer(answers if batch or len(answers) > 1 else answers[0])
 
-    async def render_stream(self, request: Request, plan: Plan,
+    async def render_stream(self, plan: Plan[SglangContext],
                             outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
-        reqs, (_, started) = plan.requests, plan.context
+        reqs, started = plan.requests, plan.context.started
         texts: dict[tuple[int, int], str] = {}
         ids: dict[tuple[int, int], list[int]] = {}
         lps: dict[tuple[int, int], list] = {}
@@ -153,7 +163,7 @@ class Generate(Handler):
             lps.setdefault(key, []).extend(out.logprobs or [])
             meta = _meta(reqs[i].request_id, out, len(ids[key]), started, lps[key] if reqs[i].params.logprobs else None)
             if out.prompt_logprobs is not None:  # once, with the first output (as the engine sends them)
-                meta |= await self._input_logprobs(request, plan, i, out.prompt_logprobs)
+                meta |= await self._input_logprobs(plan, i, out.prompt_logprobs)
             yield sse({"text": texts[key], "output_ids": ids[key], "index": i * reqs[i].params.n + out.index,
                        "meta_info": meta})
         yield sse("[DONE]")
@@ -162,8 +172,9 @@ class Generate(Handler):
 generate = route(Generate())
 
 
-async def get_model_info(request: Request) -> Response:
-    info = engine_of(request).model_info
+@with_context
+async def get_model_info(request: Request, ctx: ServingContext) -> Response:
+    info = ctx.model
     return JSONResponse({"model_path": info.path, "tokenizer_path": info.path, "is_generation": True,
                          "served_model_name": info.name, "max_context_length": info.max_model_len})
 
