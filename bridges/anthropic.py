@@ -20,7 +20,8 @@ from starlette.responses import JSONResponse, Response
 
 from bridges import reasoning as thinking
 from bridges import tool_formats, tools
-from bridges.common import BridgeError, Completion, endpoint, engine_of, read_json
+from bridges.common import BridgeError, Completion, endpoint, read_json
+from bridges.context import ServingContext, with_context
 from bridges.openai import check_model
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
@@ -149,17 +150,16 @@ def chat_tools(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def conversation(request: Request, body: dict[str, Any]) -> tuple[ChatPrompt, tools.ToolPlan, dict[str, Any]]:
+def conversation(ctx: ServingContext, body: dict[str, Any]) -> tuple[ChatPrompt, tools.ToolPlan, dict[str, Any]]:
     """(the chat prompt, its tool plan, the tool fields in OpenAI's words) of a Messages body."""
-    settings = request.app.state.settings
-    if (body.get("thinking") or {}).get("type") == "enabled" and not settings.reasoning_parser:
+    options = ctx.options
+    if (body.get("thinking") or {}).get("type") == "enabled" and not options.reasoning_parser:
         raise BridgeError(400, "thinking: extended thinking needs a reasoning parser (--reasoning-parser), and this "
                                "server runs without one; send thinking {\"type\": \"disabled\"} or leave it out",
                           param="thinking")
     tool_body = chat_tools(body)
-    info = engine_of(request).model_info
-    tool_plan = tools.plan(tool_body, chat_messages(body), native=info.chat_template_tools,
-                           fmt=tool_formats.get_format(settings.tool_call_parser))
+    tool_plan = tools.plan(tool_body, chat_messages(body), native=ctx.model.chat_template_tools,
+                           fmt=tool_formats.get_format(options.tool_call_parser))
     messages = tool_plan.messages
     # Anthropic's prefill: a last assistant turn is the start of the answer, continued as written
     prefill = bool(messages) and messages[-1].role == "assistant" and not messages[-1].tool_calls \
@@ -172,8 +172,10 @@ def conversation(request: Request, body: dict[str, Any]) -> tuple[ChatPrompt, to
 # ---- /v1/messages -------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class _Answer:
+@dataclass(frozen=True, slots=True)
+class AnthropicContext:
+    """What rendering a message needs besides its engine request."""
+
     model: str
     rid: str
     stops: list[str]  # the client's stop_sequences (stop_reason "stop_sequence" names one)
@@ -190,7 +192,8 @@ def _usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict[str, int
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-def _stop_reason(answer: _Answer, finish: str | None, stop: str | int | None, calls: int) -> tuple[str, str | None]:
+def _stop_reason(answer: AnthropicContext, finish: str | None, stop: str | int | None,
+                 calls: int) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) in Anthropic's words."""
     if calls:
         return "tool_use", None
@@ -201,7 +204,7 @@ def _stop_reason(answer: _Answer, finish: str | None, stop: str | int | None, ca
     return "end_turn", None
 
 
-def _closing(answer: _Answer, stop: str | int | None) -> str:
+def _closing(answer: AnthropicContext, stop: str | int | None) -> str:
     """The call's end the engine stopped at (one_call): given back, so the call parses."""
     return tools.CALL_CLOSE if answer.stop_at_call_end and stop == tools.CALL_CLOSE else ""
 
@@ -216,23 +219,23 @@ def _tool_use(call: tools.ToolCall) -> dict[str, Any]:
             "input": json.loads(call.arguments)}
 
 
-class Messages(Handler):
+class Messages(Handler[AnthropicContext]):
     schema = "anthropic-messages"
     statuses = STATUSES
+    legacy = False
 
     def render_error(self, err: BridgeError) -> dict[str, Any]:
         return render_error(err)
 
-    def error_event(self, err: BridgeError, plan: Plan) -> bytes:
+    def error_event(self, err: BridgeError, plan: Plan[AnthropicContext]) -> bytes:
         """A failure after the first byte: Anthropic's ``error`` event."""
         err.status = STATUSES.get(err.status, err.status)
         return event("error", render_error(err))
 
-    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
-        model, lora = check_model(request, body)
-        prompt, tool_plan, tool_body = conversation(request, body)
-        if tool_plan.parse and tool_body.get("tool_choice") == "auto" \
-                and not request.app.state.settings.enable_auto_tool_choice:
+    async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[AnthropicContext]:
+        model, lora = check_model(ctx, body)
+        prompt, tool_plan, tool_body = conversation(ctx, body)
+        if tool_plan.parse and tool_body.get("tool_choice") == "auto" and not ctx.options.enable_auto_tool_choice:
             raise BridgeError(400, 'tool_choice "auto" needs the server to run with --enable-auto-tool-choice',
                               param="tool_choice")
         kw = sampling_kwargs("anthropic", body)
@@ -244,21 +247,21 @@ class Messages(Handler):
         params = SamplingParams(**kw, constraint=tool_plan.constraint)
         rid = f"msg_{uuid.uuid4().hex}"
         req = GenerationRequest(rid, prompt, params, lora=lora)
-        answer = _Answer(model, rid, stops, tool_plan if tool_plan.parse else None, one_call, one_call and hermes)
-        parser = thinking.get_parser(request.app.state.settings.reasoning_parser)
+        parser = thinking.get_parser(ctx.options.reasoning_parser)
+        state: thinking.State = "undecided"
         if parser is not None:  # the thinking apart, as thinking blocks; budget_tokens caps it
             config = body.get("thinking") or {}
             budget = config.get("budget_tokens") if config.get("type") == "enabled" else None
             if budget is not None and budget >= params.max_tokens:
                 raise BridgeError(400, f"thinking.budget_tokens ({budget}) must be less than max_tokens "
                                        f"({params.max_tokens})", param="thinking.budget_tokens")
-            answer.reasoning = parser
-            answer.reasoning_state = await thinking.prepare(engine_of(request), parser, req, budget,
-                                                            budget_field="thinking.budget_tokens")
+            state = await thinking.prepare(ctx.engine, parser, req, budget, budget_field="thinking.budget_tokens")
+        answer = AnthropicContext(model, rid, stops, tool_plan if tool_plan.parse else None, one_call,
+                                  one_call and hermes, parser, state)
         return Plan([req], bool(body.get("stream")), body, context=answer)
 
-    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
-        answer: _Answer = plan.context
+    async def render_final(self, plan: Plan[AnthropicContext], results: list[list[Completion]]) -> Response:
+        answer = plan.context
         (c,) = results[0]
         text, calls, thought = c.text, [], ""
         if answer.reasoning is not None:
@@ -277,12 +280,12 @@ class Messages(Handler):
                            "model": answer.model, "stop_reason": reason, "stop_sequence": sequence,
                            "usage": _usage(c.num_prompt_tokens, c.num_cached_tokens, len(c.token_ids))})
 
-    def render_stream(self, request: Request, plan: Plan,
+    def render_stream(self, plan: Plan[AnthropicContext],
                       outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
         return _stream(plan.context, outputs)
 
 
-async def _stream(answer: _Answer, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+async def _stream(answer: AnthropicContext, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
     """message_start, ping, then content blocks (text deltas; each tool call a tool_use block whose input
     comes as one input_json_delta), message_delta with the stop reason and usage, message_stop."""
     parser = answer.tools.stream_parser() if answer.tools is not None else None
@@ -357,12 +360,13 @@ async def _stream(answer: _Answer, outputs: AsyncIterator[tuple[int, RequestOutp
 # ---- /v1/messages/count_tokens ------------------------------------------------------------------
 
 
-async def _count_tokens(request: Request) -> Response:
+@with_context
+async def _count_tokens(request: Request, ctx: ServingContext) -> Response:
     """The prompt's tokens as /v1/messages would send it to the model (tools and system included)."""
-    body = await read_json(request, "anthropic-count-tokens")
-    check_model(request, body)
-    prompt, _, _ = conversation(request, body)
-    ids = await engine_of(request).encode_prompt(prompt)
+    body = await read_json(request, "anthropic-count-tokens", ctx.options.max_request_items)
+    check_model(ctx, body)
+    prompt, _, _ = conversation(ctx, body)
+    ids = await ctx.tokenizer.prompt_ids(prompt)
     return JSONResponse({"input_tokens": len(ids)})
 
 

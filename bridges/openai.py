@@ -12,13 +12,13 @@ from starlette.responses import JSONResponse, Response
 
 from bridges import reasoning as thinking
 from bridges import tool_formats, tools, unserved_fields
-from bridges.common import BridgeError, Completion, engine_of, int_list, now, request_id, served_model_or_adapter, sse
+from bridges.common import BridgeError, Completion, int_list, now, request_id, requested_adapter, sse
 from bridges.constraints import openai_constraint
+from bridges.context import ServingContext, Tokenizer, with_context
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
 from bridges.serving import Handler, JSONAnswer, Plan, route
 from bridges.tools import ToolPlan
-from engine.protocol import EngineClient
 from engine.request import (
     ChatPrompt,
     GenerationRequest,
@@ -30,7 +30,6 @@ from engine.request import (
     TokensPrompt,
 )
 from engine.sampling_params import SamplingParams
-
 
 
 def render_error(err: BridgeError) -> dict[str, Any]:
@@ -48,21 +47,21 @@ def _error_event(err: BridgeError) -> bytes:
     return sse(render_error(err)) + sse("[DONE]")
 
 
-def check_model(request: Request, body: dict[str, Any]) -> tuple[str, LoraRef | None]:
+def check_model(ctx: ServingContext, body: dict[str, Any]) -> tuple[str, LoraRef | None]:
     """(the model name to answer with, the adapter it selects or None for the served model). SGLang's
     ``lora_path`` names the adapter beside the base model (routers that route by model name pass it on)."""
     if body.get("lora_path"):
-        lora = served_model_or_adapter(request, body["lora_path"])
-        return body.get("model") or engine_of(request).model_info.name, lora
-    lora = served_model_or_adapter(request, body.get("model"))
-    return (lora.name if lora else engine_of(request).model_info.name), lora
+        lora = requested_adapter(ctx, body["lora_path"])
+        return body.get("model") or ctx.model.name, lora
+    lora = requested_adapter(ctx, body.get("model"))
+    return (lora.name if lora else ctx.model.name), lora
 
 
-def banned_ids(engine: EngineClient, words: list[str] | None) -> list[int]:
+def banned_ids(tokenizer: Tokenizer, words: list[str] | None) -> list[int]:
     """OpenAI-style bad_words: each must be one token (alone or after a space) to be banned."""
     ids: list[int] = []
     for word in words or []:
-        forms = [engine.tokenizer.encode(w, add_special_tokens=False) for w in (word, " " + word)]
+        forms = [tokenizer.encode(w, add_special_tokens=False) for w in (word, " " + word)]
         singles = [f[0] for f in forms if len(f) == 1]
         if not singles:
             raise BridgeError(400, f"bad_words: {word!r} is more than one token; only single-token words "
@@ -71,12 +70,11 @@ def banned_ids(engine: EngineClient, words: list[str] | None) -> list[int]:
     return ids
 
 
-def sampling_params(request: Request, body: dict[str, Any], endpoint: str, logprobs: bool,
+def sampling_params(ctx: ServingContext, body: dict[str, Any], endpoint: str, logprobs: bool,
                     top_logprobs: int) -> SamplingParams:
     """The body's sampling fields through the one table; what the table cannot say (best_of, the
     tokenizer-dependent bad_words, -1 truncation) is settled here."""
-    engine = engine_of(request)
-    kw = sampling_kwargs("openai", body, endpoint=endpoint, context=engine.model_info.max_model_len)
+    kw = sampling_kwargs("openai", body, endpoint=endpoint, context=ctx.model.max_model_len)
     n = kw.get("n", 1)
     best_of = body.get("best_of")
     if best_of is not None:
@@ -90,8 +88,8 @@ def sampling_params(request: Request, body: dict[str, Any], endpoint: str, logpr
         raise BridgeError(400, "use_beam_search: beam search is not supported (best_of ranks sampled answers)",
                           param="use_beam_search")
     if kw.get("truncate_prompt_tokens") == -1:
-        kw["truncate_prompt_tokens"] = engine.model_info.max_model_len - 1
-    kw["banned_token_ids"] = banned_ids(engine, body.get("bad_words")) + kw.get("banned_token_ids", [])
+        kw["truncate_prompt_tokens"] = ctx.model.max_model_len - 1
+    kw["banned_token_ids"] = banned_ids(ctx.tokenizer, body.get("bad_words")) + kw.get("banned_token_ids", [])
     ranked = best_of is not None and best_of > n
     return SamplingParams(**kw, logprobs=logprobs or ranked, top_logprobs=top_logprobs,
                           constraint=openai_constraint(body))
@@ -127,10 +125,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0, reasoning
     return out
 
 
-def token_ids_named(request: Request, body: dict[str, Any]) -> bool:
+def token_ids_named(ctx: ServingContext, body: dict[str, Any]) -> bool:
     """A request's return_tokens_as_token_ids, else the server's (vLLM's --return-tokens-as-token-ids)."""
     own = body.get("return_tokens_as_token_ids")
-    return bool(own) if own is not None else bool(getattr(request.app.state, "return_tokens_as_token_ids", False))
+    return bool(own) if own is not None else ctx.options.return_tokens_as_token_ids
 
 
 class TokenNames:
@@ -138,8 +136,8 @@ class TokenNames:
     Each id is decoded once per answer: an answer with many logprobs names the same tokens over and
     over, and a decode costs more than the rest of an entry's rendering."""
 
-    def __init__(self, engine: EngineClient, as_ids: bool) -> None:
-        self.engine = engine
+    def __init__(self, tokenizer: Tokenizer, as_ids: bool) -> None:
+        self.tokenizer = tokenizer
         self.as_ids = as_ids
         self._names: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
@@ -147,7 +145,7 @@ class TokenNames:
     def __call__(self, token_id: int) -> str:
         name = self._names.get(token_id)
         if name is None:
-            name = f"token_id:{token_id}" if self.as_ids else self.engine.tokenizer.decode([token_id])
+            name = f"token_id:{token_id}" if self.as_ids else self.tokenizer.decode([token_id])
             self._names[token_id] = name
         return name
 
@@ -223,62 +221,65 @@ def completion_prompts(body: dict[str, Any]) -> list[Prompt]:
     return [TokensPrompt(int_list(x)) for x in p]
 
 
-def lower_completion(request: Request, body: dict[str, Any], rid: str) -> list[GenerationRequest]:
+def lower_completion(ctx: ServingContext, body: dict[str, Any], rid: str) -> list[GenerationRequest]:
     lp = body.get("logprobs")
-    params = sampling_params(request, body, "completions", lp is not None, lp or 0)
+    params = sampling_params(ctx, body, "completions", lp is not None, lp or 0)
     prompts = completion_prompts(body)
     return [GenerationRequest(f"{rid}-{i}", p, params, priority=engine_priority(body.get("priority")))
             for i, p in enumerate(prompts)]
 
 
-def _echo_text(engine: EngineClient, prompt: Prompt) -> str:
+def _echo_text(tokenizer: Tokenizer, prompt: Prompt) -> str:
     if isinstance(prompt, TextPrompt):
         return prompt.text
-    return engine.tokenizer.decode(prompt.token_ids)
+    return tokenizer.decode(prompt.token_ids)
 
 
-@dataclass(slots=True)
-class _Answer:
+@dataclass(frozen=True, slots=True)
+class OpenAIContext:
     """What rendering an OpenAI answer needs besides the requests."""
 
     model: str
     rid: str
     names: TokenNames
+    tokenizer: Tokenizer  # echo of token prompts, return_token_ids' prompt ids
     tools: ToolPlan | None = None  # chat with tools: the answer is parsed for calls
     reasoning: thinking.ReasoningParser | None = None  # chat with --reasoning-parser: thinking split out
     reasoning_state: thinking.State = "undecided"  # where the answer begins (the prompt's end)
 
 
-class _OpenAIHandler(Handler):
+class _OpenAIHandler(Handler[OpenAIContext]):
+    legacy = False
+
     def render_error(self, err: BridgeError) -> dict[str, Any]:
         return render_error(err)
 
-    def error_event(self, err: BridgeError, plan: Plan) -> bytes:
+    def error_event(self, err: BridgeError, plan: Plan[OpenAIContext]) -> bytes:
         return _error_event(err)
 
 
 class Completions(_OpenAIHandler):
     schema = "openai-completion"
 
-    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
-        model, lora = check_model(request, body)
+    async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[OpenAIContext]:
+        model, lora = check_model(ctx, body)
         rid = response_id("cmpl", body)
-        reqs = lower_completion(request, body, rid)
+        reqs = lower_completion(ctx, body, rid)
         for r in reqs:
             r.lora = lora
-        names = TokenNames(engine_of(request), token_ids_named(request, body))
-        return Plan(reqs, bool(body.get("stream")), body, context=_Answer(model, rid, names),
+        names = TokenNames(ctx.tokenizer, token_ids_named(ctx, body))
+        return Plan(reqs, bool(body.get("stream")), body, context=OpenAIContext(model, rid, names, ctx.tokenizer),
                     headers=unserved_fields.report(unserved_fields.openai(body), rid))
 
-    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
-        engine, body, answer = engine_of(request), plan.body, plan.context
+    async def render_final(self, plan: Plan[OpenAIContext], results: list[list[Completion]]) -> Response:
+        body, answer = plan.body, plan.context
         n = body.get("n") or 1
         choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
         for i, (req, comps) in enumerate(zip(plan.requests, results)):
             prompt_tokens += comps[0].num_prompt_tokens
             cached += comps[0].num_cached_tokens
             completion_tokens += sum(len(c.token_ids) for c in comps)  # best_of: every sample generated counts
-            prefix = _echo_text(engine, req.prompt) if body.get("echo") else ""
+            prefix = _echo_text(answer.tokenizer, req.prompt) if body.get("echo") else ""
             for c in best_samples(comps, n, body.get("length_penalty")):
                 choice = {"index": i * n + c.index, "text": prefix + c.text,
                           "logprobs": (completion_logprobs(answer.names, c.logprobs)
@@ -287,15 +288,15 @@ class Completions(_OpenAIHandler):
                 if req.params.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_field(answer.names, comps[0].prompt_logprobs)
                 if body.get("return_token_ids"):
-                    choice["prompt_token_ids"] = await engine.encode_prompt(req.prompt)
+                    choice["prompt_token_ids"] = await answer.tokenizer.prompt_ids(req.prompt)
                     choice["token_ids"] = choice["completion_token_ids"] = c.token_ids  # vLLM's, FastDeploy's
                 choices.append(choice)
         return JSONAnswer({"id": answer.rid, "object": "text_completion", "created": now(), "model": answer.model,
                            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached)})
 
-    def render_stream(self, request: Request, plan: Plan,
+    def render_stream(self, plan: Plan[OpenAIContext],
                       outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
-        return _stream_completions(engine_of(request), plan.body, plan.requests, outputs, plan.context)
+        return _stream_completions(plan.body, plan.requests, outputs, plan.context)
 
 
 def _stream_usage(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -305,9 +306,9 @@ def _stream_usage(body: dict[str, Any]) -> tuple[bool, bool]:
     return include, include and bool(options.get("continuous_usage_stats"))
 
 
-async def _stream_completions(engine: EngineClient, body: dict[str, Any], reqs: list[GenerationRequest],
+async def _stream_completions(body: dict[str, Any], reqs: list[GenerationRequest],
                               outputs: AsyncIterator[tuple[int, RequestOutput]],
-                              answer: _Answer) -> AsyncIterator[bytes]:
+                              answer: OpenAIContext) -> AsyncIterator[bytes]:
     n, rid, model, name = reqs[0].params.n, answer.rid, answer.model, answer.names
     include_usage, continuous = _stream_usage(body)
     created = now()
@@ -321,7 +322,7 @@ async def _stream_completions(engine: EngineClient, body: dict[str, Any], reqs: 
         text = out.text_delta
         if body.get("echo") and index not in echoed:
             echoed.add(index)
-            text = _echo_text(engine, reqs[i].prompt) + text
+            text = _echo_text(answer.tokenizer, reqs[i].prompt) + text
         prompt_tokens[i] = out.num_prompt_tokens
         completion_tokens += len(out.new_token_ids)
         if not text and not out.finished and not out.new_token_ids:
@@ -338,7 +339,7 @@ async def _stream_completions(engine: EngineClient, body: dict[str, Any], reqs: 
             choice["token_ids"] = choice["completion_token_ids"] = out.new_token_ids
             if index not in with_prompt_ids:
                 with_prompt_ids.add(index)
-                choice["prompt_token_ids"] = await engine.encode_prompt(reqs[i].prompt)
+                choice["prompt_token_ids"] = await answer.tokenizer.prompt_ids(reqs[i].prompt)
         choice["arrival_time"] = arrival_time(out)
         chunk = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
         if include_usage:
@@ -364,23 +365,22 @@ def prompt_ids_of(body: dict[str, Any]) -> list[Any] | None:
     return messages if all(ids) else None
 
 
-def lower_chat(request: Request, body: dict[str, Any], rid: str) -> tuple[GenerationRequest, ToolPlan]:
+def lower_chat(ctx: ServingContext, body: dict[str, Any], rid: str) -> tuple[GenerationRequest, ToolPlan]:
     # a request's own chat_template is rendered by the engine in a bounded sandbox (engine/template_sandbox.py)
-    info = engine_of(request).model_info
+    info, options = ctx.model, ctx.options
     prompt_ids = prompt_ids_of(body)
     if body.get("tools") and body.get("tool_choice", "auto") == "auto" \
-            and not request.app.state.settings.enable_auto_tool_choice:
+            and not options.enable_auto_tool_choice:
         raise BridgeError(400, 'tool_choice "auto" needs the server to run with --enable-auto-tool-choice',
                           param="tool_choice")
-    settings = request.app.state.settings
-    tool_format = tool_formats.get_format(settings.tool_call_parser)
+    tool_format = tool_formats.get_format(options.tool_call_parser)
     tool_plan = tools.plan(body, body["messages"] if prompt_ids is not body["messages"] else [],
                            native=info.chat_template_tools, fmt=tool_format)
     messages = tool_plan.messages
     want_logprobs = bool(body.get("logprobs"))
     if body.get("top_logprobs") and not want_logprobs:
         raise BridgeError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    params = sampling_params(request, body, "chat", want_logprobs, body.get("top_logprobs") or 0)
+    params = sampling_params(ctx, body, "chat", want_logprobs, body.get("top_logprobs") or 0)
     if tool_plan.constraint is not None:  # tool_choice required / named: the calls' format is enforced
         if params.constraint is not None:
             raise BridgeError(400, f"tool_choice {body.get('tool_choice')!r} already constrains the answer; "
@@ -414,40 +414,41 @@ def _echo_prefix(body: dict[str, Any], req: GenerationRequest) -> str:
     return last.content if last.role == "assistant" else ""
 
 
-async def plan_reasoning(request: Request, body: dict[str, Any], req: GenerationRequest, answer: _Answer) -> None:
+async def plan_reasoning(ctx: ServingContext, body: dict[str, Any], req: GenerationRequest
+                         ) -> tuple[thinking.ReasoningParser | None, thinking.State]:
     """With --reasoning-parser: the answer's thinking is split out (bridges/reasoning.py), structured output
-    and tool calls apply after it, and FastDeploy's reasoning_max_tokens caps it."""
-    parser = thinking.get_parser(request.app.state.settings.reasoning_parser)
+    and tool calls apply after it, and FastDeploy's reasoning_max_tokens caps it. Returns the parser (None
+    without one) and where the answer begins."""
+    parser = thinking.get_parser(ctx.options.reasoning_parser)
     budget = body.get("reasoning_max_tokens")
     if parser is None:
         if budget is not None:
             raise BridgeError(400, "reasoning_max_tokens needs the server to run with --reasoning-parser: without "
                                    "one the thinking is not told apart from the answer", param="reasoning_max_tokens")
-        return
-    answer.reasoning = parser
-    answer.reasoning_state = await thinking.prepare(engine_of(request), parser, req, budget)
+        return None, "undecided"
+    return parser, await thinking.prepare(ctx.engine, parser, req, budget)
 
 
 class ChatCompletions(_OpenAIHandler):
     schema = "openai-chat"
     logprob_fields = ("prompt_logprobs", "top_logprobs", "logprobs")
 
-    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
-        model, lora = check_model(request, body)
+    async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[OpenAIContext]:
+        model, lora = check_model(ctx, body)
         rid = response_id("chatcmpl", body)
-        req, tool_plan = lower_chat(request, body, rid)
+        req, tool_plan = lower_chat(ctx, body, rid)
         req.lora = lora
-        names = TokenNames(engine_of(request), token_ids_named(request, body))
-        answer = _Answer(model, rid, names, tool_plan if tool_plan.parse else None)
-        await plan_reasoning(request, body, req, answer)
+        names = TokenNames(ctx.tokenizer, token_ids_named(ctx, body))
+        parser, state = await plan_reasoning(ctx, body, req)
+        answer = OpenAIContext(model, rid, names, ctx.tokenizer, tool_plan if tool_plan.parse else None, parser, state)
         return Plan([req], bool(body.get("stream")), body, context=answer,
                     headers=unserved_fields.report(unserved_fields.openai(body), rid))
 
-    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
-        engine, body, answer, (req,), (comps,) = engine_of(request), plan.body, plan.context, plan.requests, results
+    async def render_final(self, plan: Plan[OpenAIContext], results: list[list[Completion]]) -> Response:
+        body, answer, (req,), (comps,) = plan.body, plan.context, plan.requests, results
         prefix = _echo_prefix(body, req)
         token_ids = bool(body.get("return_token_ids"))
-        prompt_ids = await engine.encode_prompt(req.prompt) if token_ids else None
+        prompt_ids = await answer.tokenizer.prompt_ids(req.prompt) if token_ids else None
         choices = []
         reasoning_tokens = 0
         for c in best_samples(comps, body.get("n") or 1, body.get("length_penalty")):
@@ -485,13 +486,13 @@ class ChatCompletions(_OpenAIHandler):
             result["prompt_logprobs"] = prompt_logprobs_field(answer.names, comps[0].prompt_logprobs)
         return JSONAnswer(result)
 
-    def render_stream(self, request: Request, plan: Plan,
+    def render_stream(self, plan: Plan[OpenAIContext],
                       outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
-        return _stream_chat(engine_of(request), plan.body, plan.requests[0], outputs, plan.context)
+        return _stream_chat(plan.body, plan.requests[0], outputs, plan.context)
 
 
-async def _stream_chat(engine: EngineClient, body: dict[str, Any], req: GenerationRequest,
-                       outputs: AsyncIterator[tuple[int, RequestOutput]], answer: _Answer) -> AsyncIterator[bytes]:
+async def _stream_chat(body: dict[str, Any], req: GenerationRequest, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                       answer: OpenAIContext) -> AsyncIterator[bytes]:
     rid, model, name = answer.rid, answer.model, answer.names
     include_usage, continuous = _stream_usage(body)
     token_ids = bool(body.get("return_token_ids"))
@@ -521,7 +522,7 @@ async def _stream_chat(engine: EngineClient, body: dict[str, Any], req: Generati
             delta: dict[str, Any] = {"role": "assistant", "content": prefix}
             extra: dict[str, Any] = {}
             if token_ids:  # vLLM: prompt ids in the first chunk; FastDeploy: in the delta
-                ids = await engine.encode_prompt(req.prompt)
+                ids = await answer.tokenizer.prompt_ids(req.prompt)
                 extra["prompt_token_ids"] = delta["prompt_token_ids"] = ids
             first = [{"index": out.index, "delta": delta, "logprobs": None, "finish_reason": None}]
             if out.prompt_logprobs is not None:  # a whole prompt's worth at once: rendered off the event loop
@@ -572,14 +573,14 @@ async def _stream_chat(engine: EngineClient, body: dict[str, Any], req: Generati
 # ---- /v1/models --------------------------------------------------------------------------------
 
 
-async def models(request: Request) -> Response:
-    info = engine_of(request).model_info
+@with_context
+async def models(request: Request, ctx: ServingContext) -> Response:
+    info = ctx.model
     created = now()
     data = [{"id": name, "object": "model", "created": created, "owned_by": "spark-server", "root": info.path,
              "parent": None, "max_model_len": info.max_model_len}
-            for name in (info.name, *getattr(request.app.state, "model_aliases", ()))]  # vLLM lists every name
-    resolver = getattr(request.app.state, "lora_resolver", None)
-    for name, path in sorted((resolver.registered if resolver else {}).items()):
+            for name in (info.name, *ctx.options.model_aliases)]  # vLLM lists every name
+    for name, path in ctx.adapters.registered.items():
         data.append({"id": name, "object": "model", "created": created, "owned_by": "spark-server", "root": path,
                      "parent": info.name, "max_model_len": info.max_model_len})
     return JSONResponse({"object": "list", "data": data})

@@ -253,7 +253,7 @@ class Responses(Handler):
             raise
 
     async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
-        model, lora = check_model(request, body)
+        model, lora = check_model(request.app.state.serving, body)
         keep = body.get("store") is not False
         if body.get("background") and not keep:
             raise BridgeError(400, "background: a background response must be stored (store: true)",
@@ -287,7 +287,7 @@ class Responses(Handler):
         logprobs = LOGPROBS_INCLUDE in include or body.get("top_logprobs") is not None
         rid = _new_id("resp")
         try:
-            req, tool_plan = lower_chat(request, _chat_body(body, messages, logprobs), rid)
+            req, tool_plan = lower_chat(request.app.state.serving, _chat_body(body, messages, logprobs), rid)
         except BridgeError as err:
             raise _renamed(err, origins) from None
         constraint = format_constraint((body.get("text") or {}).get("format"))
@@ -300,7 +300,7 @@ class Responses(Handler):
         ignored = _ignored(body)
         if ignored:
             logger.info("response %s: %s accepted with no effect", rid, ", ".join(ignored))
-        ctx = _Context(rid, model, body, TokenNames(engine_of(request), False), items, history,
+        ctx = _Context(rid, model, body, TokenNames(request.app.state.serving.tokenizer, False), items, history,
                        store if keep else None, tool_plan if tool_plan.parse else None, logprobs)
         ctx.reasoning = thinking.get_parser(request.app.state.settings.reasoning_parser)
         if ctx.reasoning is not None:  # after the constraint is set: it then starts after the thinking
