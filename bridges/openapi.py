@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 import schemas
+from bridges.context import ServingContext, with_context
 from bridges.registry import Operation, Protocol, Registry
 
 
@@ -68,8 +69,9 @@ def build_document(registry: Registry, title: str = "spark-server") -> dict[str,
             "paths": paths, "components": {"schemas": components}}
 
 
-async def openapi_json(request: Request) -> JSONResponse:
-    return JSONResponse(build_document(request.app.state.registry))
+@with_context
+async def openapi_json(request: Request, ctx: ServingContext) -> JSONResponse:
+    return JSONResponse(build_document(ctx.registry))
 
 
 PROTOCOL = Protocol("openapi", (Operation("GET", "/openapi.json", openapi_json, "this document"),))

@@ -21,12 +21,12 @@ from bridges.common import (
     BridgeError,
     client_identity,
     endpoint,
-    engine_of,
     int_list,
     now,
     read_json,
-    served_model_or_adapter,
+    requested_adapter,
 )
+from bridges.context import ServingContext, Tokenizer, with_context
 from bridges.openai import engine_priority, render_error, response_id
 from bridges.registry import Operation, Protocol
 from bridges.serving import JSONAnswer
@@ -41,17 +41,17 @@ _API = {"embed": "Embeddings API", "classify": "Classification API", "score": "S
 # ---- lowering ----------------------------------------------------------------------------------
 
 
-def _model(request: Request, body: dict[str, Any]) -> str:
+def _model(ctx: ServingContext, body: dict[str, Any]) -> str:
     """The served model's name; 404 for an unknown one; adapters are not applied to pooling."""
-    lora = served_model_or_adapter(request, body.get("model"))
+    lora = requested_adapter(ctx, body.get("model"))
     if lora is not None:
         raise BridgeError(400, f"model: {lora.name!r} is a LoRA adapter; pooling runs the base model only",
                           param="model")
-    return engine_of(request).model_info.name
+    return ctx.model.name
 
 
-def _serves(request: Request, task: str) -> None:
-    info = engine_of(request).model_info
+def _serves(ctx: ServingContext, task: str) -> None:
+    info = ctx.model
     if not info.pooling_tasks:
         raise BridgeError(400, f"The model does not support {_API[task]}: this server pools nothing (a front end "
                                "over --engine-url, or a model without pooling)", param="model")
@@ -61,10 +61,10 @@ def _serves(request: Request, task: str) -> None:
                                "(docs/pooling.md)", param="model")
 
 
-def _truncation(request: Request, body: dict[str, Any]) -> int | None:
+def _truncation(ctx: ServingContext, body: dict[str, Any]) -> int | None:
     """truncate_prompt_tokens: -1 is the model's context (less the one position the engine keeps free)."""
     value = body.get("truncate_prompt_tokens")
-    limit = engine_of(request).model_info.max_model_len
+    limit = ctx.model.max_model_len
     if value is None:
         return None
     if value == -1:
@@ -90,7 +90,7 @@ def _content(message: dict[str, Any]) -> str:
     return content or ""
 
 
-def _prompts(request: Request, body: dict[str, Any]) -> list[Prompt]:
+def _prompts(ctx: ServingContext, body: dict[str, Any]) -> list[Prompt]:
     """``input`` (a string, strings, token ids, token-id lists) or ``messages`` (one prompt, through the chat
     template, as vLLM's chat form of these bodies)."""
     has_input, has_messages = body.get("input") is not None, body.get("messages") is not None
@@ -98,7 +98,7 @@ def _prompts(request: Request, body: dict[str, Any]) -> list[Prompt]:
         raise BridgeError(400, "give either input or messages" + (", not both" if has_input else ""),
                           param="messages" if has_input else "input")
     if has_messages:
-        if body.get("chat_template") and not request.app.state.settings.trust_request_chat_template:
+        if body.get("chat_template") and not ctx.options.trust_request_chat_template:
             raise BridgeError(400, "chat_template: a request's own chat template is refused unless the server runs "
                                    "with --trust-request-chat-template", param="chat_template")
         continue_final = bool(body.get("continue_final_message"))
@@ -121,15 +121,15 @@ def _prompts(request: Request, body: dict[str, Any]) -> list[Prompt]:
     return [TokensPrompt(int_list(value))]
 
 
-async def _pool_all(request: Request, body: dict[str, Any], prompts: list[Prompt], params: PoolingParams,
+async def _pool_all(ctx: ServingContext, client: str | None, body: dict[str, Any], prompts: list[Prompt],
+                    params: PoolingParams,
                     field: str) -> list[PoolingOutput]:
     """Every prompt through the engine, in order; at most --max-seqs-per-request at once (a batch of a thousand
     inputs waits its turn instead of holding every running slot); all or nothing. Engine refusals name
     ``field`` where they named the prompt."""
-    engine = engine_of(request)
-    gate = asyncio.Semaphore(request.app.state.settings.max_seqs_per_request)
+    engine = ctx.engine
+    gate = asyncio.Semaphore(ctx.options.max_seqs_per_request)
     rid = response_id("pool", body)
-    client = client_identity(request)
     priority = engine_priority(body.get("priority"))
 
     async def one(i: int, prompt: Prompt) -> PoolingOutput:
@@ -181,39 +181,42 @@ def _listing(prefix: str, body: dict[str, Any], model: str, data: list[dict[str,
 
 
 @endpoint(render_error)
-async def embeddings(request: Request) -> Response:
-    body = await read_json(request, "pooling-embeddings")
-    model = _model(request, body)
-    _serves(request, "embed")
+@with_context
+async def embeddings(request: Request, ctx: ServingContext) -> Response:
+    body = await read_json(request, "pooling-embeddings", ctx.options.max_request_items)
+    model = _model(ctx, body)
+    _serves(ctx, "embed")
     params = PoolingParams("embed", dimensions=body.get("dimensions"), normalize=body.get("normalize"),
-                           truncate_prompt_tokens=_truncation(request, body))
-    outs = await _pool_all(request, body, _prompts(request, body), params, "input")
+                           truncate_prompt_tokens=_truncation(ctx, body))
+    outs = await _pool_all(ctx, client_identity(request), body, _prompts(ctx, body), params, "input")
     fmt = body.get("encoding_format")
     return _listing("embd", body, model, [{"index": i, "object": "embedding", "embedding": _encoded(o.data, fmt)}
                                           for i, o in enumerate(outs)], outs)
 
 
 @endpoint(render_error)
-async def pooling(request: Request) -> Response:
-    body = await read_json(request, "pooling-pooling")
-    model = _model(request, body)
-    _serves(request, "encode")
+@with_context
+async def pooling(request: Request, ctx: ServingContext) -> Response:
+    body = await read_json(request, "pooling-pooling", ctx.options.max_request_items)
+    model = _model(ctx, body)
+    _serves(ctx, "encode")
     params = PoolingParams("encode", dimensions=body.get("dimensions"), normalize=body.get("normalize"),
-                           activation=_activation(body), truncate_prompt_tokens=_truncation(request, body))
-    outs = await _pool_all(request, body, _prompts(request, body), params, "input")
+                           activation=_activation(body), truncate_prompt_tokens=_truncation(ctx, body))
+    outs = await _pool_all(ctx, client_identity(request), body, _prompts(ctx, body), params, "input")
     fmt = body.get("encoding_format")
     return _listing("pool", body, model, [{"index": i, "object": "pooling", "data": _encoded(o.data, fmt)}
                                           for i, o in enumerate(outs)], outs)
 
 
 @endpoint(render_error)
-async def classify(request: Request) -> Response:
-    body = await read_json(request, "pooling-classify")
-    model = _model(request, body)
-    _serves(request, "classify")
-    labels = engine_of(request).model_info.labels
-    params = PoolingParams("classify", activation=_activation(body), truncate_prompt_tokens=_truncation(request, body))
-    outs = await _pool_all(request, body, _prompts(request, body), params, "input")
+@with_context
+async def classify(request: Request, ctx: ServingContext) -> Response:
+    body = await read_json(request, "pooling-classify", ctx.options.max_request_items)
+    model = _model(ctx, body)
+    _serves(ctx, "classify")
+    labels = ctx.model.labels
+    params = PoolingParams("classify", activation=_activation(body), truncate_prompt_tokens=_truncation(ctx, body))
+    outs = await _pool_all(ctx, client_identity(request), body, _prompts(ctx, body), params, "input")
     data = []
     for i, o in enumerate(outs):
         probs = list(o.data)
@@ -232,7 +235,7 @@ def _cosine(a: list[float], b: list[float]) -> float:
     return dot / norm if norm else 0.0
 
 
-def _cut(tokenizer: Any, text: str, max_tokens: int | None) -> str:
+def _cut(tokenizer: Tokenizer, text: str, max_tokens: int | None) -> str:
     """A document cut to its first ``max_tokens`` tokens (Cohere's max_tokens_per_doc)."""
     if max_tokens is None:
         return text
@@ -240,54 +243,56 @@ def _cut(tokenizer: Any, text: str, max_tokens: int | None) -> str:
     return text if len(ids) <= max_tokens else tokenizer.decode(ids[:max_tokens])
 
 
-async def _scores(request: Request, body: dict[str, Any], pairs: list[tuple[str, str]], fields: tuple[str, str],
-                  max_doc_tokens: int | None = None) -> tuple[list[float], list[PoolingOutput]]:
+async def _scores(ctx: ServingContext, client: str | None, body: dict[str, Any], pairs: list[tuple[str, str]],
+                  fields: tuple[str, str], max_doc_tokens: int | None = None
+                  ) -> tuple[list[float], list[PoolingOutput]]:
     """One score per (first, second) pair, and the engine answers behind them (for usage)."""
-    _serves(request, "score")
-    engine = engine_of(request)
-    truncate = _truncation(request, body)
+    _serves(ctx, "score")
+    truncate = _truncation(ctx, body)
     activation = _activation(body)
-    tokenizer = engine.tokenizer
+    tokenizer = ctx.tokenizer
     if max_doc_tokens is not None:
         cut = await asyncio.to_thread(lambda: {b: _cut(tokenizer, b, max_doc_tokens) for _, b in pairs})
         pairs = [(a, cut[b]) for a, b in pairs]
-    if engine.model_info.labels:  # a cross-encoder: each pair is one prompt, as its tokenizer joins a pair
-        ids = await asyncio.to_thread(lambda: [tokenizer(a, text_pair=b)["input_ids"] for a, b in pairs])
+    if ctx.model.labels:  # a cross-encoder: each pair is one prompt, as its tokenizer joins a pair
+        ids = await asyncio.to_thread(lambda: [tokenizer.pair(a, b) for a, b in pairs])
         params = PoolingParams("score", activation=activation, truncate_prompt_tokens=truncate)
-        outs = await _pool_all(request, body, [TokensPrompt(list(i)) for i in ids], params, fields[1])
+        outs = await _pool_all(ctx, client, body, [TokensPrompt(i) for i in ids], params, fields[1])
         return [float(o.data[0]) for o in outs], outs
     if activation is not None:
         raise BridgeError(400, "use_activation applies to a classification head; this model scores by the cosine "
                                "of embeddings", param="use_activation")
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text embedded once
     params = PoolingParams("embed", truncate_prompt_tokens=truncate)
-    outs = await _pool_all(request, body, [TextPrompt(t) for t in texts], params, fields[1])
+    outs = await _pool_all(ctx, client, body, [TextPrompt(t) for t in texts], params, fields[1])
     vectors = {t: o.data for t, o in zip(texts, outs)}
     return [_cosine(vectors[a], vectors[b]) for a, b in pairs], outs
 
 
 @endpoint(render_error)
-async def score(request: Request) -> Response:
-    body = await read_json(request, "pooling-score")
-    model = _model(request, body)
+@with_context
+async def score(request: Request, ctx: ServingContext) -> Response:
+    body = await read_json(request, "pooling-score", ctx.options.max_request_items)
+    model = _model(ctx, body)
     first = [body["text_1"]] if isinstance(body["text_1"], str) else body["text_1"]
     second = [body["text_2"]] if isinstance(body["text_2"], str) else body["text_2"]
     if len(first) > 1 and len(first) != len(second):
         raise BridgeError(400, f"text_1 has {len(first)} texts and text_2 {len(second)}: pairs are 1:1, 1:N or N:N",
                           param="text_2")
     pairs = [(first[0] if len(first) == 1 else first[i], b) for i, b in enumerate(second)]
-    scores, outs = await _scores(request, body, pairs, ("text_1", "text_2"))
+    scores, outs = await _scores(ctx, client_identity(request), body, pairs, ("text_1", "text_2"))
     return _listing("score", body, model, [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
                     outs)
 
 
 @endpoint(render_error)
-async def rerank(request: Request) -> Response:
-    body = await read_json(request, "pooling-rerank")
-    model = _model(request, body)
+@with_context
+async def rerank(request: Request, ctx: ServingContext) -> Response:
+    body = await read_json(request, "pooling-rerank", ctx.options.max_request_items)
+    model = _model(ctx, body)
     documents = [d if isinstance(d, str) else d["text"] for d in body["documents"]]
-    scores, outs = await _scores(request, body, [(body["query"], d) for d in documents], ("query", "documents"),
-                                 body.get("max_tokens_per_doc"))
+    scores, outs = await _scores(ctx, client_identity(request), body, [(body["query"], d) for d in documents],
+                                 ("query", "documents"), body.get("max_tokens_per_doc"))
     order = sorted(range(len(documents)), key=lambda i: -scores[i])
     top_n = body.get("top_n") or len(documents)
     results = []
