@@ -79,7 +79,7 @@ def empty_model(config: Any, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.requires_grad_(False)
     # Buffers are computed from the config, not read: the rotary embedding's are made again on the CPU.
     for name, module in list(model.named_modules()):
