@@ -121,8 +121,6 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
         responses=ResponseStore(settings.responses_store_max_items, int(settings.responses_store_max_mb * (1 << 20))))
     app = Starlette(routes=registry.routes(serving), lifespan=lifespan)
     app.state.serving = serving
-    app.state.model_aliases = serving.options.model_aliases  # read by the protocols not moved to the context yet
-    app.state.return_tokens_as_token_ids = serving.options.return_tokens_as_token_ids
     app.state.registry = registry
     metrics = Metrics(app.state, engine.model_info.name)
     app.state.metrics = metrics

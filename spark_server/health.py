@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from bridges.context import ServingContext, with_context
 
-async def health(request: Request) -> JSONResponse:
-    engine = getattr(request.app.state, "engine", None)
-    if engine is None:
-        return JSONResponse({"status": "loading"}, status_code=503)
+
+@with_context
+async def health(request: Request, ctx: ServingContext) -> JSONResponse:
+    engine = ctx.engine
     healthy = engine.is_healthy()
-    body = {"status": "ok" if healthy else "unhealthy", "model": engine.model_info.name}
+    body: dict[str, Any] = {"status": "ok" if healthy else "unhealthy", "model": engine.model_info.name}
     stats = engine.stats()
     body.update(num_requests_running=stats.num_requests_running, num_requests_waiting=stats.num_requests_waiting,
                 kv_cache_usage=round(stats.kv_cache_usage, 6), kv_cache_blocks_used=stats.kv_cache_blocks_used)
