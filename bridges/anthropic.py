@@ -22,6 +22,7 @@ from bridges import reasoning as thinking
 from bridges import tool_formats, tools
 from bridges.common import BridgeError, Completion, endpoint, read_json
 from bridges.context import ServingContext, with_context
+from bridges.errors import ErrorInfo
 from bridges.openai import check_model
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
@@ -29,11 +30,6 @@ from bridges.serving import Handler, JSONAnswer, Plan, route
 from engine.request import ChatPrompt, GenerationRequest, RequestOutput
 from engine.sampling_params import SamplingParams
 
-# Anthropic's error type for each status its API answers with; a status it does not use is mapped to
-# its nearest one first (``STATUSES``)
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-               504: "timeout_error", 529: "overloaded_error"}
 # a full queue and an engine that is unavailable or shutting down are "overloaded" to Anthropic's
 # clients (529, which they retry); TGI-style 422 is its 400
 STATUSES = {422: 400, 429: 529, 503: 529}
@@ -41,22 +37,14 @@ STATUSES = {422: 400, 429: 529, 503: 529}
 TEXT_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 
 
-def error_type(status: int) -> str:
-    return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-
-
-def render_error(err: BridgeError) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": error_type(err.status), "message": err.message}}
+def render_error(err: ErrorInfo) -> dict[str, Any]:
+    """Anthropic's error body (also a refusal made before a handler runs, such as a missing API key)."""
+    return {"type": "error", "error": {"type": err.anthropic_type, "message": err.message}}
 
 
 def event(name: str, data: dict[str, Any]) -> bytes:
     """One server-sent event in Anthropic's framing: its type as the event name, the object as data."""
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-
-
-def refusal(status: int, message: str) -> dict[str, Any]:
-    """A refusal made before a handler runs (a missing API key), in Anthropic's shape."""
-    return {"type": "error", "error": {"type": error_type(status), "message": message}}
 
 
 # ---- the conversation ---------------------------------------------------------------------------
@@ -224,12 +212,11 @@ class Messages(Handler[AnthropicContext]):
     statuses = STATUSES
     legacy = False
 
-    def render_error(self, err: BridgeError) -> dict[str, Any]:
+    def render_error(self, err: ErrorInfo) -> dict[str, Any]:
         return render_error(err)
 
-    def error_event(self, err: BridgeError, plan: Plan[AnthropicContext]) -> bytes:
+    def error_event(self, err: ErrorInfo, plan: Plan[AnthropicContext]) -> bytes:
         """A failure after the first byte: Anthropic's ``error`` event."""
-        err.status = STATUSES.get(err.status, err.status)
         return event("error", render_error(err))
 
     async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[AnthropicContext]:
@@ -378,4 +365,4 @@ PROTOCOL = Protocol("anthropic", (
     Operation("POST", "/v1/messages", messages, "Anthropic Messages", ("anthropic-messages",), streams=True),
     Operation("POST", "/v1/messages/count_tokens", count_tokens, "Anthropic token count of a Messages prompt",
               ("anthropic-count-tokens",)),
-), render_refusal=refusal)
+), render_refusal=render_error)

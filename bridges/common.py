@@ -1,5 +1,5 @@
-"""What every HTTP bridge shares: body parsing and validation, the one engine-error -> HTTP status
-map, request ids, SSE framing, and streaming that reports early errors with a proper status."""
+"""What every HTTP bridge shares: body parsing and validation, request ids, SSE framing, and streaming
+that reports early errors with a proper status (errors themselves: bridges/errors.py's one table)."""
 
 from __future__ import annotations
 
@@ -18,47 +18,13 @@ from starlette.responses import JSONResponse, Response
 
 import schemas
 from bridges.context import ServingContext
-from engine.errors import (
-    EngineError,
-    EngineOverloadedError,
-    EngineShutdownError,
-    EngineUnavailableError,
-    InvalidRequestError,
-    LoraUnavailableError,
-    PromptTooLongError,
-    RequestTimeoutError,
-)
+from bridges.errors import BridgeError, ErrorInfo, error_info
 from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, RequestOutput, TokenLogprob
 from schemas.json_body import JsonBodyError, JsonSyntaxError, parse_json
 
 logger = logging.getLogger("spark_server.requests")
-INVALID_JSON = "invalid_json"  # BridgeError.code of a body that is not JSON at all
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer; nobody reads it
-
-
-class BridgeError(Exception):
-    """A request a bridge refuses; each bridge renders it in its own protocol's error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.kind = kind
-        self.code = code
-
-
-# LoRA failures by cause: only an unknown adapter is "not found"; a bad pack is the client's (400), a
-# pack server that fails or is slow is upstream's (502 / 504).
-_LORA_STATUS: dict[str, tuple[int, str]] = {
-    "unknown_adapter": (404, "not_found_error"), "disabled": (404, "not_found_error"),
-    "host_not_allowed": (400, "invalid_request_error"), "too_large": (400, "invalid_request_error"),
-    "md5_mismatch": (400, "invalid_request_error"), "invalid_pack": (400, "invalid_request_error"),
-    "incompatible": (400, "invalid_request_error"),
-    "download_failed": (502, "bad_gateway"), "download_timeout": (504, "timeout_error"),
-}
 
 
 def served_model_or_adapter(request: Request, name: Any) -> LoraRef | None:
@@ -75,7 +41,7 @@ def served_model_or_adapter(request: Request, name: Any) -> LoraRef | None:
         return LoraRef(name=name)
     known = ", ".join([served, *adapters])
     raise BridgeError(404, f"The model `{name}` does not exist (served: {known}).", param="model",
-                      kind="NotFoundError", code="model_not_found")
+                      kind="model_not_found")
 
 
 def requested_adapter(ctx: ServingContext, name: Any) -> LoraRef | None:
@@ -89,32 +55,7 @@ def requested_adapter(ctx: ServingContext, name: Any) -> LoraRef | None:
         return LoraRef(name=name)
     known = ", ".join([served, *ctx.adapters.registered])
     raise BridgeError(404, f"The model `{name}` does not exist (served: {known}).", param="model",
-                      kind="NotFoundError", code="model_not_found")
-
-
-def bridge_error_from(exc: BaseException) -> BridgeError:
-    """The one mapping from engine errors to HTTP statuses for every bridge."""
-    if isinstance(exc, BridgeError):
-        return exc
-    if isinstance(exc, PromptTooLongError):
-        return BridgeError(400, str(exc), param=exc.parameter, code="context_length_exceeded")
-    if isinstance(exc, InvalidRequestError):
-        return BridgeError(400, str(exc), param=exc.parameter)
-    if isinstance(exc, LoraUnavailableError):
-        status, kind = _LORA_STATUS.get(exc.code, (404, "not_found_error"))
-        return BridgeError(status, str(exc), param="model", kind=kind,
-                           code="model_not_found" if status == 404 else f"lora_{exc.code}")
-    if isinstance(exc, EngineOverloadedError):
-        return BridgeError(429, str(exc), kind="rate_limit_error", code="server_busy")
-    if isinstance(exc, RequestTimeoutError):
-        return BridgeError(504, str(exc), kind="timeout_error", code="timeout")
-    if isinstance(exc, EngineShutdownError):
-        return BridgeError(503, str(exc), kind="service_unavailable", code="shutting_down")
-    if isinstance(exc, EngineUnavailableError):
-        return BridgeError(503, str(exc), kind="service_unavailable", code="engine_unavailable")
-    if isinstance(exc, EngineError):
-        return BridgeError(500, str(exc), kind="internal_server_error", code="inference_error")
-    return BridgeError(500, f"unexpected error: {type(exc).__name__}", kind="internal_server_error")
+                      kind="model_not_found")
 
 
 async def read_json(request: Request, schema: str, max_items: int | None = None) -> dict[str, Any]:
@@ -160,7 +101,7 @@ def parse_body(raw: bytes, max_items: int) -> Any:
     try:
         return parse_json(raw, max_items=max_items)
     except JsonSyntaxError as exc:
-        raise BridgeError(400, exc.message.replace("request is", "request body is", 1), code=INVALID_JSON) from None
+        raise BridgeError(400, exc.message.replace("request is", "request body is", 1), kind="invalid_json") from None
     except JsonBodyError as exc:
         raise BridgeError(400, exc.message) from None
 
@@ -203,7 +144,7 @@ def sse(data: Any) -> bytes:
 
 
 async def ending_with_error_event(events: AsyncIterator[bytes],
-                                  error_event: Callable[[BridgeError], bytes]) -> AsyncIterator[bytes]:
+                                  error_event: Callable[[ErrorInfo], bytes]) -> AsyncIterator[bytes]:
     """A stream whose failure after the first byte (the status is sent by then) ends it with the
     protocol's own error event, never a cut connection."""
     try:
@@ -211,7 +152,7 @@ async def ending_with_error_event(events: AsyncIterator[bytes],
             async for chunk in events:
                 yield chunk
     except Exception as exc:
-        yield error_event(bridge_error_from(exc))
+        yield error_event(error_info(exc))
 
 
 def client_identity(connection: HTTPConnection, key: str | None = None) -> str | None:
@@ -300,9 +241,18 @@ async def collect(ctx: ServingContext, req: GenerationRequest) -> list[Completio
     return [done[i] for i in sorted(done)]
 
 
-def error_response(err: BridgeError, render: Callable[[BridgeError], dict[str, Any]]) -> JSONResponse:
-    headers = {"Retry-After": "1"} if err.status in (429, 503, 529) else None
-    return JSONResponse(render(err), status_code=err.status, headers=headers)
+def error_response(info: ErrorInfo, render: Callable[[ErrorInfo], dict[str, Any]],
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """``info`` rendered by a protocol's ``render``, with its status (and Retry-After where retrying helps)."""
+    return JSONResponse(render(info), status_code=info.status,
+                        headers={"Retry-After": "1", **(headers or {})} if info.retry_after else headers)
+
+
+def protocol_status(info: ErrorInfo, invalid_status: int = 400, statuses: dict[int, int] | None = None) -> ErrorInfo:
+    """``info`` with the status a protocol answers it with: ``invalid_status`` for a request that parses
+    as JSON but is invalid (TGI's 422), and the protocol's own for a few (``statuses``: Anthropic's 529)."""
+    status = invalid_status if info.status == 400 and info.kind != "invalid_json" else info.status
+    return info.with_status((statuses or {}).get(status, status))
 
 
 async def _client_disconnected(request: Request) -> None:
@@ -337,7 +287,7 @@ async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Re
     return task.result()
 
 
-def endpoint(render: Callable[[BridgeError], dict[str, Any]], invalid_status: int = 400,
+def endpoint(render: Callable[[ErrorInfo], dict[str, Any]], invalid_status: int = 400,
              statuses: dict[int, int] | None = None):
     """Wrap a handler so any failure becomes that protocol's error body with the right status, and a
     client that hangs up cancels the work. ``invalid_status``: the status of a request that parses as
@@ -349,10 +299,7 @@ def endpoint(render: Callable[[BridgeError], dict[str, Any]], invalid_status: in
             try:
                 return await unless_disconnected(request, handler(request, *args))
             except Exception as exc:
-                err = bridge_error_from(exc)
-                if err.status == 400 and err.code != INVALID_JSON:
-                    err.status = invalid_status
-                err.status = (statuses or {}).get(err.status, err.status)
+                err = protocol_status(error_info(exc), invalid_status, statuses)
                 if err.status >= 500:
                     logger.error("request id=%s path=%s failed with %d: %s", getattr(request.state, "request_id", "-"),
                                  request.url.path, err.status, err.message, exc_info=exc)

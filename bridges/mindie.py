@@ -8,15 +8,16 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from bridges import textgen
-from bridges.common import BridgeError, Completion, request_id, sse
+from bridges.common import Completion, request_id, sse
 from bridges.context import ServingContext
+from bridges.errors import ErrorInfo
 from bridges.registry import Operation, Protocol
 from bridges.serving import Handler, Plan, route
 from engine.request import RequestOutput
 
 
-def render_error(err: BridgeError) -> dict[str, Any]:
-    return {"error": err.message, "error_type": err.kind}
+def render_error(err: ErrorInfo) -> dict[str, Any]:
+    return {"error": err.message, "error_type": err.openai_type}
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -28,7 +29,7 @@ class Infer(Handler[textgen.TextGenRequest]):
     logprob_fields = textgen.LOGPROB_FIELDS
     legacy = False
 
-    def render_error(self, err: BridgeError) -> dict[str, Any]:
+    def render_error(self, err: ErrorInfo) -> dict[str, Any]:
         return render_error(err)
 
     async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[textgen.TextGenRequest]:

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from bridges.common import BridgeError, Completion, int_list, request_id, requested_adapter
 from bridges.constraints import ollama_format
 from bridges.context import ServingContext, Tokenizer, with_context
+from bridges.errors import ErrorInfo
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
 from bridges.serving import Handler, Plan, route
@@ -32,7 +33,7 @@ RUNTIME_OPTIONS = ("num_ctx", "num_keep", "num_batch", "num_gpu", "main_gpu", "n
 VERSION = "0.6.0"  # the Ollama API level these routes follow
 
 
-def render_error(err: BridgeError) -> dict[str, Any]:
+def render_error(err: ErrorInfo) -> dict[str, Any]:
     return {"error": err.message}
 
 
@@ -160,10 +161,10 @@ class _Call(Handler[OllamaContext]):
         self.chat = chat
         self.schema = "ollama-chat" if chat else "ollama-generate"
 
-    def render_error(self, err: BridgeError) -> dict[str, Any]:
+    def render_error(self, err: ErrorInfo) -> dict[str, Any]:
         return render_error(err)
 
-    def error_event(self, err: BridgeError, plan: Plan[OllamaContext]) -> bytes:
+    def error_event(self, err: ErrorInfo, plan: Plan[OllamaContext]) -> bytes:
         return _line(render_error(err))  # Ollama's own form mid-stream: an {"error": ...} line
 
     async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[OllamaContext]:

@@ -15,6 +15,7 @@ from bridges import tool_formats, tools, unserved_fields
 from bridges.common import BridgeError, Completion, int_list, now, request_id, requested_adapter, sse
 from bridges.constraints import openai_constraint
 from bridges.context import ServingContext, Tokenizer, with_context
+from bridges.errors import ErrorInfo
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
 from bridges.serving import Handler, JSONAnswer, Plan, route
@@ -32,8 +33,9 @@ from engine.request import (
 from engine.sampling_params import SamplingParams
 
 
-def render_error(err: BridgeError) -> dict[str, Any]:
-    return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code or err.status}}
+def render_error(err: ErrorInfo) -> dict[str, Any]:
+    return {"error": {"message": err.message, "type": err.openai_type, "param": err.param,
+                      "code": err.code or err.status}}
 
 
 def engine_priority(priority: int | None) -> int:
@@ -42,7 +44,7 @@ def engine_priority(priority: int | None) -> int:
     return max(1, min(5, 5 + (priority or 0)))
 
 
-def _error_event(err: BridgeError) -> bytes:
+def _error_event(err: ErrorInfo) -> bytes:
     """A failure mid-stream, as vLLM's OpenAI server sends it: an error event, then [DONE]."""
     return sse(render_error(err)) + sse("[DONE]")
 
@@ -251,10 +253,10 @@ class OpenAIContext:
 class _OpenAIHandler(Handler[OpenAIContext]):
     legacy = False
 
-    def render_error(self, err: BridgeError) -> dict[str, Any]:
+    def render_error(self, err: ErrorInfo) -> dict[str, Any]:
         return render_error(err)
 
-    def error_event(self, err: BridgeError, plan: Plan[OpenAIContext]) -> bytes:
+    def error_event(self, err: ErrorInfo, plan: Plan[OpenAIContext]) -> bytes:
         return _error_event(err)
 
 

@@ -27,6 +27,7 @@ from bridges.context import bind, with_context
 
 if TYPE_CHECKING:
     from bridges.context import ServingContext
+    from bridges.errors import ErrorInfo
 
 Handler = Callable[..., Awaitable[Any]]
 
@@ -52,8 +53,8 @@ class Protocol:
     counts_itself: bool = False  # sessions that count and log themselves (Spark)
     # the error body for a shared path's body that no protocol claims
     render_unclaimed: Callable[[str], dict] | None = None
-    # a refusal made before its handler runs (a missing API key): (status, message) -> the error body
-    render_refusal: Callable[[int, str], dict] | None = None
+    # a refusal made before its handler runs (a missing API key): the error body (None: OpenAI's)
+    render_refusal: Callable[[ErrorInfo], dict] | None = None
 
 
 def discover() -> list[Protocol]:

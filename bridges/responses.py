@@ -17,7 +17,7 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -29,7 +29,6 @@ from bridges.answer_volume import check_answer_volume
 from bridges.common import (
     BridgeError,
     Completion,
-    bridge_error_from,
     client_identity,
     collect_all,
     endpoint,
@@ -38,6 +37,7 @@ from bridges.common import (
     parse_json_field,
     read_json,
 )
+from bridges.errors import ErrorInfo, error_info
 from bridges.openai import TokenNames, chat_logprobs, check_model, lower_chat
 from bridges.openai import render_error as openai_error
 from bridges.registry import Operation, Protocol
@@ -59,10 +59,13 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def render_error(err: BridgeError) -> dict[str, Any]:
-    if err.param in _PARAM_NAMES:
-        err.param = _PARAM_NAMES[err.param]
-    return openai_error(err)
+def _named(err: ErrorInfo) -> ErrorInfo:
+    """``err`` with the parameter it names in this protocol's fields."""
+    return replace(err, param=_PARAM_NAMES[err.param]) if err.param in _PARAM_NAMES else err
+
+
+def render_error(err: ErrorInfo) -> dict[str, Any]:
+    return openai_error(_named(err))
 
 
 def response_store(request: Request) -> ResponseStore:
@@ -228,13 +231,13 @@ class Responses(Handler):
     schema = "openai-responses"
     logprob_fields = ("input", "top_logprobs", "include")
 
-    def render_error(self, err: BridgeError) -> dict[str, Any]:
+    def render_error(self, err: ErrorInfo) -> dict[str, Any]:
         return render_error(err)
 
-    def error_event(self, err: BridgeError, plan: Plan) -> bytes:
+    def error_event(self, err: ErrorInfo, plan: Plan) -> bytes:
         """A failure mid-stream: an ``error`` event, then ``response.failed`` (also kept when stored)."""
         ctx: _Context = plan.context
-        render_error(err)  # this protocol's field names
+        err = _named(err)
         failed = _response(ctx, "failed", [], error={"code": err.code or "server_error", "message": err.message})
         _keep(ctx, failed)
         return (_event(ctx, "error", code=err.code or str(err.status), message=err.message, param=err.param)
@@ -573,8 +576,7 @@ async def _run_background(request: Request, plan: Plan, entry: StoredResponse) -
     except asyncio.CancelledError:
         final = _response(ctx, "cancelled", [])
     except Exception as exc:  # the failure is the response's, read by whoever polls it
-        err = bridge_error_from(exc)
-        render_error(err)
+        err = _named(error_info(exc))
         final = _response(ctx, "failed", [], error={"code": err.code or "server_error", "message": err.message})
     entry.task = None
     if ctx.store.get(ctx.rid) is entry:  # not deleted or evicted meanwhile

@@ -19,7 +19,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 import schemas
 from bridges.answer_volume import RENDER_IN_THREAD_ENTRIES, check_answer_volume, collected_entries
 from bridges.common import (
-    BridgeError,
     Completion,
     check_fan_out,
     checked_body,
@@ -28,11 +27,13 @@ from bridges.common import (
     ending_with_error_event,
     endpoint,
     merged,
+    protocol_status,
     read_json,
     sse,
     start_streams,
 )
 from bridges.context import ServingContext, with_context
+from bridges.errors import ErrorInfo
 from engine.request import GenerationRequest, RequestOutput
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -139,10 +140,11 @@ class Handler(Generic[C]):
     logprob_fields: tuple[str, str, str] = ("prompt_logprobs", "logprobs", "logprobs")
     legacy = True  # lowers and renders with the Starlette request (protocols not moved to the context yet)
 
-    def render_error(self, err: BridgeError) -> dict[str, Any]:
+    def render_error(self, err: ErrorInfo) -> dict[str, Any]:
+        """The protocol's error body for ``err`` (its status is the protocol's already)."""
         raise NotImplementedError
 
-    def error_event(self, err: BridgeError, plan: Plan[C]) -> bytes:
+    def error_event(self, err: ErrorInfo, plan: Plan[C]) -> bytes:
         """A failure after the first byte, in the stream's own framing."""
         return sse(self.render_error(err))
 
@@ -185,7 +187,8 @@ async def serve(request: Request, ctx: ServingContext, handler: Handler, body: A
         # every request admitted and its first output in before the 200: a refusal is still a 4xx
         streams = merged(await start_streams(ctx, plan.requests))
         rendered = handler.render_stream(request, plan, streams) if legacy else handler.render_stream(plan, streams)  # type: ignore
-        events = ending_with_error_event(rendered, lambda err: handler.error_event(err, plan))
+        events = ending_with_error_event(rendered, lambda err: handler.error_event(
+            protocol_status(err, handler.invalid_status, handler.statuses), plan))
         headers = {**SSE_HEADERS, **plan.headers} if handler.media_type == "text/event-stream" else plan.headers
         return StreamingResponse(events, media_type=handler.media_type, headers=headers)
     results = await collect_all(ctx, plan.requests)

@@ -14,6 +14,7 @@ from bridges import unserved_fields
 from bridges.common import BridgeError, Completion, int_list, request_id, sse
 from bridges.constraints import sglang_constraint
 from bridges.context import ServingContext, Tokenizer, with_context
+from bridges.errors import ErrorInfo
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
 from bridges.serving import Handler, JSONAnswer, Plan, route
@@ -21,8 +22,8 @@ from engine.request import GenerationRequest, LoraRef, RequestOutput, TextPrompt
 from engine.sampling_params import SamplingParams
 
 
-def render_error(err: BridgeError) -> dict[str, Any]:
-    return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.status}}
+def render_error(err: ErrorInfo) -> dict[str, Any]:
+    return {"error": {"message": err.message, "type": err.openai_type, "param": err.param, "code": err.status}}
 
 
 def _finish(reason: str | None, stop_reason: str | int | None, length: int) -> dict[str, Any] | None:
@@ -118,10 +119,10 @@ class Generate(Handler[SglangContext]):
     logprob_fields = ("logprob_start_len", "top_logprobs_num", "return_logprob")
     legacy = False
 
-    def render_error(self, err: BridgeError) -> dict[str, Any]:
+    def render_error(self, err: ErrorInfo) -> dict[str, Any]:
         return render_error(err)
 
-    def error_event(self, err: BridgeError, plan: Plan) -> bytes:
+    def error_event(self, err: ErrorInfo, plan: Plan) -> bytes:
         return sse(render_error(err)) + sse("[DONE]")  # the stream still ends as SGLang's do
 
     async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[SglangContext]:

@@ -14,12 +14,13 @@ from starlette.responses import Response
 from bridges import textgen
 from bridges.common import BridgeError, Completion, request_id, sse
 from bridges.context import ServingContext, Tokenizer
+from bridges.errors import ErrorInfo
 from bridges.registry import Operation, Protocol
 from bridges.serving import Handler, JSONAnswer, Plan, route
 from engine.request import RequestOutput
 
 
-def render_error(err: BridgeError) -> dict[str, Any]:
+def render_error(err: ErrorInfo) -> dict[str, Any]:
     kinds = {422: "validation", 400: "validation", 404: "validation", 429: "overloaded", 503: "overloaded",
              504: "generation"}
     return {"error": err.message, "error_type": kinds.get(err.status, "generation")}
@@ -59,7 +60,7 @@ class Generate(Handler[TgiContext]):
         self.always_stream = always_stream
         self.hf_root = hf_root
 
-    def render_error(self, err: BridgeError) -> dict[str, Any]:
+    def render_error(self, err: ErrorInfo) -> dict[str, Any]:
         return render_error(err)
 
     async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[TgiContext]:

@@ -10,12 +10,13 @@ from starlette.responses import JSONResponse, Response
 
 from bridges.common import BridgeError, endpoint, int_list, read_json, requested_adapter
 from bridges.context import ServingContext, with_context
+from bridges.errors import ErrorInfo
 from bridges.registry import Operation, Protocol
 from engine.request import ChatMessage, ChatPrompt
 
 
-def render_error(err: BridgeError) -> dict[str, Any]:
-    return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.status}}
+def render_error(err: ErrorInfo) -> dict[str, Any]:
+    return {"error": {"message": err.message, "type": err.openai_type, "param": err.param, "code": err.status}}
 
 
 def _check_model(ctx: ServingContext, body: dict[str, Any]) -> None:

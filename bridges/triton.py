@@ -14,12 +14,13 @@ from starlette.responses import JSONResponse, Response
 from bridges import textgen
 from bridges.common import BridgeError, Completion, request_id, sse
 from bridges.context import ServingContext, with_context
+from bridges.errors import ErrorInfo
 from bridges.registry import Operation, Protocol
 from bridges.serving import C, Handler, Plan, route
 from engine.request import RequestOutput
 
 
-def render_error(err: BridgeError) -> dict[str, Any]:
+def render_error(err: ErrorInfo) -> dict[str, Any]:
     return {"error": err.message}
 
 
@@ -48,7 +49,7 @@ class _TritonHandler(Handler[C]):
     logprob_fields = textgen.LOGPROB_FIELDS
     legacy = False
 
-    def render_error(self, err: BridgeError) -> dict[str, Any]:
+    def render_error(self, err: ErrorInfo) -> dict[str, Any]:
         return render_error(err)
 
     async def read(self, request: Request, ctx: ServingContext) -> dict[str, Any]:
@@ -149,7 +150,7 @@ async def model_metadata(request: Request, ctx: ServingContext) -> Response:
     try:
         name = _model(request, ctx)
     except BridgeError as err:
-        return JSONResponse(render_error(err), status_code=404)
+        return JSONResponse(render_error(err.info), status_code=err.status)
     info = ctx.model
     return JSONResponse({"name": name, "versions": ["1"], "platform": "spark-server",
                          "max_model_len": info.max_model_len,

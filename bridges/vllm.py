@@ -12,8 +12,9 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response
 
-from bridges.common import BridgeError, Completion, request_id, requested_adapter
+from bridges.common import Completion, request_id, requested_adapter
 from bridges.context import ServingContext
+from bridges.errors import ErrorInfo
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
 from bridges.serving import Handler, Plan, route
@@ -21,8 +22,8 @@ from engine.request import GenerationRequest, RequestOutput, TextPrompt
 from engine.sampling_params import SamplingParams
 
 
-def render_error(err: BridgeError) -> dict[str, Any]:
-    return {"error": err.message, "object": "error", "type": err.kind, "param": err.param, "code": err.status}
+def render_error(err: ErrorInfo) -> dict[str, Any]:
+    return {"error": err.message, "object": "error", "type": err.openai_type, "param": err.param, "code": err.status}
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,10 @@ class Generate(Handler[VllmContext]):
     media_type = "application/json"
     legacy = False
 
-    def render_error(self, err: BridgeError) -> dict[str, Any]:
+    def render_error(self, err: ErrorInfo) -> dict[str, Any]:
         return render_error(err)
 
-    def error_event(self, err: BridgeError, plan: Plan[VllmContext]) -> bytes:
+    def error_event(self, err: ErrorInfo, plan: Plan[VllmContext]) -> bytes:
         end = b"\n" if plan.context.cumulative else b"\0"
         return json.dumps(render_error(err), ensure_ascii=False).encode() + end
 

@@ -26,7 +26,9 @@ from urllib.parse import urlencode, urlsplit
 
 from starlette.responses import JSONResponse
 
-from spark_server.errors import SparkCode
+from bridges.common import error_response
+from bridges.errors import BridgeError, ErrorInfo
+from bridges.openai import render_error as openai_error
 from spark_server.settings import parse_pairs
 
 DATE_WINDOW_S = 300
@@ -34,11 +36,11 @@ OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/v2/health/", "/version",
               "/lora/packs/")
 
 
-class AuthError(Exception):
+class AuthError(BridgeError):
+    """A credential refused (401), or one that may not do this (403)."""
+
     def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+        super().__init__(status, message, kind="unauthorized" if status == 401 else "forbidden")
 
 
 def parse_key_pairs(value: str | None) -> dict[str, str]:
@@ -172,15 +174,16 @@ class ApiKeyMiddleware:
             message = "invalid API key" if given or key is not None else "missing Authorization header"
             message += " (send Authorization: Bearer <key> or x-api-key: <key>)"
             render = self.refusal_of(scope["path"]) if self.refusal_of is not None else None
-            body = render(401, message) if render is not None else {
-                "error": {"message": message, "type": "authentication_error", "param": None, "code": 401}}
-            await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            refusal = error_response(ErrorInfo.of("unauthorized", message), render or openai_error,
+                                     {"WWW-Authenticate": "Bearer"})
+            await refusal(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
 
 def denial(err: AuthError) -> JSONResponse:
-    return JSONResponse({"header": {"code": int(SparkCode.AUTH_FAILED), "message": err.message, "status": 2}},
+    """A refused Spark WebSocket handshake: the Spark form's header, with the status."""
+    return JSONResponse({"header": {"code": err.info.spark_code, "message": err.message, "status": 2}},
                         status_code=err.status)
 
 
@@ -195,10 +198,8 @@ ADMIN_ENDPOINTS = {"/v1/load_lora_adapter": JSON_BODY, "/v1/unload_lora_adapter"
                    "/v1/lora/packs": PACK_BODY}
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status, headers=headers)
+def _error(kind: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return error_response(ErrorInfo.of(kind, message), openai_error, headers)
 
 
 class AdminGate:
@@ -220,20 +221,20 @@ class AdminGate:
         headers = dict(scope["headers"])
         refusal = None
         if self.expected is None and not self.open:
-            refusal = _error(403, f"{scope['path']} needs the server to run with --api-key (or "
-                                  "--allow-unauthenticated-admin, for a lab)", kind="permission_error")
+            refusal = _error("forbidden", f"{scope['path']} needs the server to run with --api-key (or "
+                                          "--allow-unauthenticated-admin, for a lab)")
         elif self.expected is not None:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 message = "missing Authorization header" if not given else "invalid API key"
-                refusal = _error(401, f"{message} (send Authorization: Bearer <key>)", kind="authentication_error",
+                refusal = _error("unauthorized", f"{message} (send Authorization: Bearer <key>)",
                                  headers={"WWW-Authenticate": "Bearer"})
         if refusal is None:
             media = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
             if media not in accepted:
-                refusal = _error(415, f"{scope['path']} takes a body of Content-Type {' or '.join(accepted[:2])}"
-                                      f"{' (or another archive type)' if len(accepted) > 2 else ''}, not "
-                                      f"{media or 'none'}")
+                refusal = _error("unsupported_media_type",
+                                 f"{scope['path']} takes a body of Content-Type {' or '.join(accepted[:2])}"
+                                 f"{' (or another archive type)' if len(accepted) > 2 else ''}, not {media or 'none'}")
         if refusal is not None:
             # Connection: close, as the body is never read: the connection cannot carry another request
             refusal.headers["Connection"] = "close"
@@ -274,7 +275,7 @@ class AllowedHosts:
         if host_allowed(host, self.hosts):
             await self.app(scope, receive, send)
             return
-        refusal = _error(400, f"Host {host[:100]!r} is not served here (--allowed-hosts)")
+        refusal = _error("invalid_request", f"Host {host[:100]!r} is not served here (--allowed-hosts)")
         if scope["type"] == "http":
             await refusal(scope, receive, send)
         elif "websocket.http.response" in scope.get("extensions", {}):

@@ -18,12 +18,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 
+from bridges.common import error_response
+from bridges.errors import KIND_OF_STATUS, ErrorInfo, error_info
+from bridges.openai import render_error as openai_error
 from engine.errors import LoraUnavailableError
 from fleet.names import content_named
 from lora_store.pack import find_adapter_dir
@@ -65,8 +69,11 @@ async def model_info(request: Request) -> JSONResponse:
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
-                                   "server_error", "param": param, "code": status}}, status_code=status)
+    return _refusal(ErrorInfo.of(KIND_OF_STATUS[status], message, param))
+
+
+def _refusal(info: ErrorInfo, headers: dict[str, str] | None = None) -> JSONResponse:
+    return error_response(info, openai_error, headers)
 
 
 async def _body(request: Request) -> dict[str, Any] | JSONResponse:
@@ -209,8 +216,7 @@ RATE_GRACE_S = 2.0  # as BodySizeLimit: the first seconds of a body are not held
 
 
 def _too_slow(why: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": f"the pack {why}", "type": "invalid_request_error", "param": None,
-                                   "code": 408}}, status_code=408, headers={"Connection": "close"})
+    return _refusal(ErrorInfo.of("body_timeout", f"the pack {why}"), {"Connection": "close"})
 
 
 async def _receive_pack(request: Request, dest: Path) -> tuple[str, int] | Response:
@@ -243,10 +249,8 @@ async def _receive_pack(request: Request, dest: Path) -> tuple[str, int] | Respo
                 return _error(400, "the client left before the pack arrived in full")
             received += len(chunk)
             if received > limit:
-                return JSONResponse({"error": {"message": f"the pack is over the {settings.lora_max_pack_mb} MiB "
-                                               "limit (--lora-max-pack-mb)", "type": "invalid_request_error",
-                                               "param": "pack", "code": 413}},
-                                    status_code=413, headers={"Connection": "close"})
+                return _refusal(ErrorInfo.of("body_too_large", f"the pack is over the {settings.lora_max_pack_mb} "
+                                             "MiB limit (--lora-max-pack-mb)", "pack"), {"Connection": "close"})
             digest.update(chunk)
             out.write(chunk)
             elapsed = loop.time() - started
@@ -272,8 +276,7 @@ async def publish_pack(request: Request) -> Response:
         engine = request.app.state.engine
         md5, name = await asyncio.to_thread(shelf.publish_file, staged, engine.check_adapter, md5)
     except LoraUnavailableError as exc:
-        return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error", "param": "pack",
-                                       "code": f"lora_{exc.code}"}}, status_code=400)
+        return _refusal(replace(error_info(exc), param="pack"))
     finally:
         staged.unlink(missing_ok=True)
     url = str(request.base_url).rstrip("/") + f"/lora/packs/{name}"

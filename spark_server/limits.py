@@ -10,6 +10,10 @@ from typing import Any
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from bridges.common import error_response
+from bridges.errors import ErrorInfo
+from bridges.openai import render_error as openai_error
+
 
 async def _disconnected() -> dict:
     return {"type": "http.disconnect"}
@@ -33,14 +37,13 @@ class BodySizeLimit:
 
     def _too_slow(self, why: str | None = None) -> JSONResponse:
         message = why or f"the request body did not arrive within {self.timeout_s:g} s (--body-timeout)"
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": 408}},
-                            status_code=408, headers={"Connection": "close"})
+        return error_response(ErrorInfo.of("body_timeout", message), openai_error, {"Connection": "close"})
 
     def _too_large(self, limit: int, path: str | None = None) -> JSONResponse:
         where = f"of {path}" if path in self.large_bodies else "(--max-body-mb)"
         message = f"request body is over the {limit} byte limit {where}"
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": 413}},
-                            status_code=413, headers={"Connection": "close"} if path in self.large_bodies else None)
+        return error_response(ErrorInfo.of("body_too_large", message), openai_error,
+                              {"Connection": "close"} if path in self.large_bodies else None)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":

@@ -15,6 +15,7 @@ from typing import Any
 import uvicorn
 from starlette.responses import JSONResponse
 
+from bridges.errors import ErrorInfo
 from engine.errors import EngineShutdownError
 
 logger = logging.getLogger(__name__)
@@ -75,9 +76,10 @@ class DrainGuard:
         if not getattr(self.state, "draining", False) or scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        message = "the server is shutting down"
-        body = {"error": message, "header": {"code": 12101, "message": message, "status": 2}}
-        response = JSONResponse(body, status_code=503, headers={"Retry-After": "5", "Connection": "close"})
+        info = ErrorInfo.of("shutting_down", "the server is shutting down")
+        # one body every protocol's client reads an error from: a message, and the Spark form's header
+        body = {"error": info.message, "header": {"code": info.spark_code, "message": info.message, "status": 2}}
+        response = JSONResponse(body, status_code=info.status, headers={"Retry-After": "5", "Connection": "close"})
         if scope["type"] == "http":
             await response(scope, receive, send)
             return

@@ -160,7 +160,7 @@ def test_vllm_priority_maps_onto_the_engine_scale():
     ("download_timeout", 504),
 ])
 def test_lora_failures_map_to_their_own_status(code, status):
-    from bridges.common import bridge_error_from
+    from bridges.errors import error_info
     from engine.errors import LoraUnavailableError
 
-    assert bridge_error_from(LoraUnavailableError("x", code=code)).status == status
+    assert error_info(LoraUnavailableError("x", code=code)).status == status
