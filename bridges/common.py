@@ -8,7 +8,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,29 +19,11 @@ from starlette.responses import JSONResponse, Response
 import schemas
 from bridges.context import ServingContext
 from bridges.errors import BridgeError, ErrorInfo, error_info
-from engine.protocol import EngineClient
 from engine.request import GenerationRequest, LoraRef, RequestOutput, TokenLogprob
 from schemas.json_body import JsonBodyError, JsonSyntaxError, parse_json
 
 logger = logging.getLogger("spark_server.requests")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer; nobody reads it
-
-
-def served_model_or_adapter(request: Request, name: Any) -> LoraRef | None:
-    """The adapter a request's model name selects, None for the served model (also when the name is
-    omitted, empty, "default" or "null", as vLLM and FastDeploy accept), or 404 naming what exists."""
-    served = engine_of(request).model_info.name
-    if name in (None, "", "default", "null", "None", served):
-        return None
-    if name in getattr(request.app.state, "model_aliases", ()):  # --served-model-name's further names
-        return None
-    resolver = getattr(request.app.state, "lora_resolver", None)
-    adapters = sorted(resolver.registered) if resolver is not None else []
-    if name in adapters:
-        return LoraRef(name=name)
-    known = ", ".join([served, *adapters])
-    raise BridgeError(404, f"The model `{name}` does not exist (served: {known}).", param="model",
-                      kind="model_not_found")
 
 
 def requested_adapter(ctx: ServingContext, name: Any) -> LoraRef | None:
@@ -58,12 +40,10 @@ def requested_adapter(ctx: ServingContext, name: Any) -> LoraRef | None:
                       kind="model_not_found")
 
 
-async def read_json(request: Request, schema: str, max_items: int | None = None) -> dict[str, Any]:
+async def read_json(request: Request, schema: str, max_items: int) -> dict[str, Any]:
     """The request's body: JSON (at most ``max_items`` values in an array or object), an object, valid
     against ``schema``; a large body is parsed and checked off the event loop."""
     raw = await request.body()
-    if max_items is None:
-        max_items = request.app.state.settings.max_request_items
     if len(raw) > schemas.OFF_LOOP_BYTES:
         return await schemas.off_loop(_checked_body, raw, max_items, schema)
     return _checked_body(raw, max_items, schema)
@@ -134,10 +114,6 @@ def now() -> int:
     return int(time.time())
 
 
-def engine_of(request: Request) -> EngineClient:
-    return request.app.state.engine
-
-
 def sse(data: Any) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return f"data: {payload}\n\n".encode()
@@ -166,14 +142,15 @@ def client_identity(connection: HTTPConnection, key: str | None = None) -> str |
     return f"addr:{peer.host}" if peer is not None and peer.host else None
 
 
-async def _generate(ctx: ServingContext, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
+async def _generate(ctx: ServingContext, req: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
     await ctx.adapters.resolve(req)
     async with aclosing(ctx.engine.generate(req)) as stream:
         async for out in stream:
             yield out
 
 
-async def primed(ctx: ServingContext, req: GenerationRequest) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+async def primed(ctx: ServingContext, req: GenerationRequest
+                 ) -> tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]:
     """Start generating and wait for the first output, so errors before it still get a 4xx/5xx status
     instead of a 200 stream. The caller must close the returned iterator (or exhaust it)."""
     stream = _generate(ctx, req)
@@ -185,7 +162,8 @@ async def primed(ctx: ServingContext, req: GenerationRequest) -> tuple[RequestOu
     return first, stream
 
 
-async def replay(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+async def replay(first: RequestOutput, rest: AsyncGenerator[RequestOutput, None]
+                 ) -> AsyncGenerator[RequestOutput, None]:
     async with aclosing(rest):
         yield first
         async for out in rest:
@@ -325,7 +303,7 @@ def stop_list(value: str | list[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else [s for s in value if s]
 
 
-async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Interleave several engine streams as outputs arrive; (stream position, output)."""
     if len(streams) == 1:
         async with aclosing(streams[0]) as only:  # leaving early aborts the engine request at once
@@ -369,10 +347,11 @@ def check_fan_out(limit: int, num_prompts: int, n: int) -> None:
                                f"{limit} per request (--max-seqs-per-request)", param="n")
 
 
-async def start_streams(ctx: ServingContext, reqs: list[GenerationRequest]) -> list[AsyncIterator[RequestOutput]]:
+async def start_streams(ctx: ServingContext, reqs: list[GenerationRequest]
+                        ) -> list[AsyncGenerator[RequestOutput, None]]:
     """Prime every request (errors before the first token get a proper status), then stream them.
     All or nothing: when one is refused, the ones already started are aborted."""
-    started: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]] = []
+    started: list[tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]] = []
     try:
         for r in reqs:
             started.append(await primed(ctx, r))

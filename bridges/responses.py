@@ -32,11 +32,10 @@ from bridges.common import (
     client_identity,
     collect_all,
     endpoint,
-    engine_of,
     now,
     parse_json_field,
-    read_json,
 )
+from bridges.context import ServingContext, with_context
 from bridges.errors import ErrorInfo, error_info
 from bridges.openai import TokenNames, chat_logprobs, check_model, lower_chat
 from bridges.openai import render_error as openai_error
@@ -66,17 +65,6 @@ def _named(err: ErrorInfo) -> ErrorInfo:
 
 def render_error(err: ErrorInfo) -> dict[str, Any]:
     return openai_error(_named(err))
-
-
-def response_store(request: Request) -> ResponseStore:
-    """The app's one store, made on first use with the settings' bounds."""
-    state = request.app.state
-    store = getattr(state, "responses_store", None)
-    if store is None:
-        settings = state.settings
-        store = state.responses_store = ResponseStore(settings.responses_store_max_items,
-                                                      int(settings.responses_store_max_mb * (1 << 20)))
-    return store
 
 
 def _not_found(rid: str, param: str = "response_id") -> BridgeError:
@@ -166,9 +154,10 @@ def format_constraint(fmt: dict[str, Any] | None) -> Constraint | None:
 # ---- lowering ------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Context:
-    """What rendering a response needs besides its engine request."""
+    """What rendering a response needs besides its engine request (the kept response's store and the
+    stream's event counter are the only things that change)."""
 
     rid: str
     model: str
@@ -227,36 +216,34 @@ def _chat_body(body: dict[str, Any], messages: list[dict[str, Any]], logprobs: b
     return chat
 
 
-class Responses(Handler):
+class Responses(Handler[_Context]):
     schema = "openai-responses"
     logprob_fields = ("input", "top_logprobs", "include")
+    legacy = False
 
     def render_error(self, err: ErrorInfo) -> dict[str, Any]:
         return render_error(err)
 
-    def error_event(self, err: ErrorInfo, plan: Plan) -> bytes:
+    def error_event(self, err: ErrorInfo, plan: Plan[_Context]) -> bytes:
         """A failure mid-stream: an ``error`` event, then ``response.failed`` (also kept when stored)."""
-        ctx: _Context = plan.context
+        ctx = plan.context
         err = _named(err)
         failed = _response(ctx, "failed", [], error={"code": err.code or "server_error", "message": err.message})
         _keep(ctx, failed)
         return (_event(ctx, "error", code=err.code or str(err.status), message=err.message, param=err.param)
                 + _event(ctx, "response.failed", response=failed))
 
-    async def read(self, request: Request) -> dict[str, Any]:
-        body = getattr(request.state, "responses_body", None)  # read once by ``create``
-        if body is not None:
-            return body
+    async def read(self, request: Request, serving: ServingContext) -> dict[str, Any]:
         try:
-            return await read_json(request, self.schema)
+            return await super().read(request, serving)
         except BridgeError as err:
             missing = re.match(r"\$: '(\w+)' is a required property", err.message)
             if err.param is None and missing:  # the body's own required field: name it
                 err.param = missing.group(1)
             raise
 
-    async def lower(self, request: Request, body: dict[str, Any]) -> Plan:
-        model, lora = check_model(request.app.state.serving, body)
+    async def lower(self, body: dict[str, Any], serving: ServingContext) -> Plan[_Context]:
+        model, lora = check_model(serving, body)
         keep = body.get("store") is not False
         if body.get("background") and not keep:
             raise BridgeError(400, "background: a background response must be stored (store: true)",
@@ -267,7 +254,7 @@ class Responses(Handler):
         if body.get("truncation") == "auto":
             raise BridgeError(400, "truncation: only 'disabled' (an input over the context is refused)",
                               param="truncation")
-        store = response_store(request)
+        store = serving.responses
         history: list[dict[str, Any]] = []
         if body.get("previous_response_id"):
             previous = store.get(body["previous_response_id"])
@@ -290,7 +277,7 @@ class Responses(Handler):
         logprobs = LOGPROBS_INCLUDE in include or body.get("top_logprobs") is not None
         rid = _new_id("resp")
         try:
-            req, tool_plan = lower_chat(request.app.state.serving, _chat_body(body, messages, logprobs), rid)
+            req, tool_plan = lower_chat(serving, _chat_body(body, messages, logprobs), rid)
         except BridgeError as err:
             raise _renamed(err, origins) from None
         constraint = format_constraint((body.get("text") or {}).get("format"))
@@ -303,21 +290,22 @@ class Responses(Handler):
         ignored = _ignored(body)
         if ignored:
             logger.info("response %s: %s accepted with no effect", rid, ", ".join(ignored))
-        ctx = _Context(rid, model, body, TokenNames(request.app.state.serving.tokenizer, False), items, history,
-                       store if keep else None, tool_plan if tool_plan.parse else None, logprobs)
-        ctx.reasoning = thinking.get_parser(request.app.state.settings.reasoning_parser)
-        if ctx.reasoning is not None:  # after the constraint is set: it then starts after the thinking
-            ctx.reasoning_state = await thinking.prepare(engine_of(request), ctx.reasoning, req)
+        parser = thinking.get_parser(serving.options.reasoning_parser)
+        state: thinking.State = "undecided"
+        if parser is not None:  # after the constraint is set: it then starts after the thinking
+            state = await thinking.prepare(serving.engine, parser, req)
+        ctx = _Context(rid, model, body, TokenNames(serving.tokenizer, False), items, history,
+                       store if keep else None, tool_plan if tool_plan.parse else None, logprobs, parser, state)
         headers = {"X-Ignored-Parameters": ",".join(ignored)} if ignored else {}
         return Plan([req], bool(body.get("stream")), body, headers=headers, context=ctx)
 
-    async def render_final(self, request: Request, plan: Plan, results: list[list[Completion]]) -> Response:
-        ctx: _Context = plan.context
+    async def render_final(self, plan: Plan[_Context], results: list[list[Completion]]) -> Response:
+        ctx = plan.context
         response = _final(ctx, results[0][0])
         _keep(ctx, response)
         return JSONAnswer(response)
 
-    def render_stream(self, request: Request, plan: Plan,
+    def render_stream(self, plan: Plan[_Context],
                       outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
         return _stream(plan.context, outputs)
 
@@ -567,11 +555,11 @@ async def _stream(ctx: _Context, outputs: AsyncIterator[tuple[int, RequestOutput
 HANDLER = Responses()
 
 
-async def _run_background(request: Request, plan: Plan, entry: StoredResponse) -> None:
-    ctx: _Context = plan.context
+async def _run_background(serving: ServingContext, plan: Plan[_Context], entry: StoredResponse) -> None:
+    ctx = plan.context
     entry.response = {**entry.response, "status": "in_progress"}
     try:
-        results = await collect_all(request.app.state.serving, plan.requests)
+        results = await collect_all(serving, plan.requests)
         final = _final(ctx, results[0][0])
     except asyncio.CancelledError:
         final = _response(ctx, "cancelled", [])
@@ -579,23 +567,23 @@ async def _run_background(request: Request, plan: Plan, entry: StoredResponse) -
         err = _named(error_info(exc))
         final = _response(ctx, "failed", [], error={"code": err.code or "server_error", "message": err.message})
     entry.task = None
-    if ctx.store.get(ctx.rid) is entry:  # not deleted or evicted meanwhile
+    if ctx.store is not None and ctx.store.get(ctx.rid) is entry:  # not deleted or evicted meanwhile
         ctx.store.put(ctx.rid, StoredResponse(final, ctx.input_items, ctx.history + ctx.input_items + final["output"],
                                               background=True))
 
 
-async def _start_background(request: Request, body: dict[str, Any]) -> Response:
-    plan = await HANDLER.lower(request, body)
-    await check_answer_volume(request.app.state.serving, plan.requests, HANDLER.logprob_fields)
+async def _start_background(request: Request, serving: ServingContext, body: dict[str, Any]) -> Response:
+    plan = await HANDLER.lower(body, serving)
+    await check_answer_volume(serving, plan.requests, HANDLER.logprob_fields)
     for r in plan.requests:
         r.client = r.client or client_identity(request)
-    ctx: _Context = plan.context
+    ctx = plan.context
     queued = _response(ctx, "queued", [])
     entry = StoredResponse(queued, ctx.input_items, ctx.history + ctx.input_items, background=True)
-    if not ctx.store.put(ctx.rid, entry):
+    if ctx.store is None or not ctx.store.put(ctx.rid, entry):
         raise BridgeError(400, "background: the input is larger than the response store holds "
                                "(--responses-store-max-mb)", param="background")
-    entry.task = asyncio.create_task(_run_background(request, plan, entry))
+    entry.task = asyncio.create_task(_run_background(serving, plan, entry))
     return JSONResponse(queued, headers=plan.headers)
 
 
@@ -603,42 +591,45 @@ async def _start_background(request: Request, body: dict[str, Any]) -> Response:
 
 
 @endpoint(render_error)
-async def create(request: Request) -> Response:
-    body = await HANDLER.read(request)
+@with_context
+async def create(request: Request, serving: ServingContext) -> Response:
+    body = await HANDLER.read(request, serving)
     if body.get("background"):
-        return await _start_background(request, body)
-    request.state.responses_body = body
-    return await serve(request, request.app.state.serving, HANDLER)
+        return await _start_background(request, serving, body)
+    return await serve(request, serving, HANDLER, body, validated=True)
 
 
-def _stored(request: Request) -> tuple[str, StoredResponse]:
+def _stored(request: Request, store: ResponseStore) -> tuple[str, StoredResponse]:
     rid = request.path_params["response_id"]
-    entry = response_store(request).get(rid)
+    entry = store.get(rid)
     if entry is None:
         raise _not_found(rid)
     return rid, entry
 
 
 @endpoint(render_error)
-async def retrieve(request: Request) -> Response:
+@with_context
+async def retrieve(request: Request, serving: ServingContext) -> Response:
     if request.query_params.get("stream", "false").lower() not in ("false", "0"):
         raise BridgeError(400, "stream: a kept response is returned whole, not replayed as events", param="stream")
-    _, entry = _stored(request)
+    _, entry = _stored(request, serving.responses)
     return JSONResponse(entry.response)
 
 
 @endpoint(render_error)
-async def delete(request: Request) -> Response:
+@with_context
+async def delete(request: Request, serving: ServingContext) -> Response:
     rid = request.path_params["response_id"]
-    if response_store(request).delete(rid) is None:
+    if serving.responses.delete(rid) is None:
         raise _not_found(rid)
     return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
 
 @endpoint(render_error)
-async def cancel(request: Request) -> Response:
+@with_context
+async def cancel(request: Request, serving: ServingContext) -> Response:
     """Only a background response can be cancelled (OpenAI's rule); cancelling a cancelled one is a no-op."""
-    rid, entry = _stored(request)
+    rid, entry = _stored(request, serving.responses)
     if not entry.background:
         raise BridgeError(400, "Cannot cancel a synchronous response.", param="response_id")
     status = entry.response["status"]
@@ -648,7 +639,7 @@ async def cancel(request: Request) -> Response:
         await asyncio.wait([task])
     elif status != "cancelled":
         raise BridgeError(400, f"Cannot cancel a {status} response.", param="response_id")
-    current = response_store(request).get(rid)
+    current = serving.responses.get(rid)
     return JSONResponse((current or entry).response)
 
 
@@ -662,9 +653,10 @@ def _int_query(request: Request, name: str, default: int, low: int, high: int) -
 
 
 @endpoint(render_error)
-async def input_items(request: Request) -> Response:
+@with_context
+async def input_items(request: Request, serving: ServingContext) -> Response:
     """The items a response was given (its own input, not the earlier turns'), a page at a time."""
-    _, entry = _stored(request)
+    _, entry = _stored(request, serving.responses)
     limit = _int_query(request, "limit", 20, 1, 100)
     order = request.query_params.get("order", "desc")
     if order not in ("asc", "desc"):

@@ -138,7 +138,6 @@ class Handler(Generic[C]):
     # the body fields an answer-volume refusal names: (prompt logprobs, the output's top candidates, the
     # output's logprobs)
     logprob_fields: tuple[str, str, str] = ("prompt_logprobs", "logprobs", "logprobs")
-    legacy = True  # lowers and renders with the Starlette request (protocols not moved to the context yet)
 
     def render_error(self, err: ErrorInfo) -> dict[str, Any]:
         """The protocol's error body for ``err`` (its status is the protocol's already)."""
@@ -164,20 +163,24 @@ class Handler(Generic[C]):
         raise NotImplementedError
 
 
-async def _body(request: Request, ctx: ServingContext, handler: Handler, parsed: Any) -> dict[str, Any]:
+async def _body(request: Request, ctx: ServingContext, handler: Handler, parsed: Any, validated: bool
+                ) -> dict[str, Any]:
     """The request's body checked against the handler's schema; ``parsed``: the body parsed already (a
-    shared path's dispatcher parses it once to choose the protocol), else None."""
+    shared path's dispatcher parses it once to choose the protocol), else None; ``validated``: ``parsed``
+    was read by the handler's own ``read`` already."""
+    if validated:
+        return parsed
     if parsed is None:
-        if handler.legacy and type(handler).read is not Handler.read:
-            return await handler.read(request)  # type: ignore[call-arg]
         return await handler.read(request, ctx)
     return await checked_body(parsed, handler.schema, large=len(await request.body()) > schemas.OFF_LOOP_BYTES)
 
 
-async def serve(request: Request, ctx: ServingContext, handler: Handler, body: Any = None) -> Response:
-    body = await _body(request, ctx, handler, body)
-    legacy = handler.legacy
-    plan = await (handler.lower(request, body) if legacy else handler.lower(body, ctx))  # type: ignore
+async def serve(request: Request, ctx: ServingContext, handler: Handler, body: Any = None,
+                validated: bool = False) -> Response:
+    """The whole exchange: the body read and checked (unless given), lowered, the fan-out and answer
+    volume checked, the engine requests started, and the answer streamed or collected and rendered."""
+    body = await _body(request, ctx, handler, body, validated)
+    plan = await handler.lower(body, ctx)
     check_fan_out(ctx.options.max_seqs_per_request, len(plan.requests), max(r.params.n for r in plan.requests))
     await check_answer_volume(ctx, plan.requests, handler.logprob_fields)
     client = client_identity(request)
@@ -186,20 +189,18 @@ async def serve(request: Request, ctx: ServingContext, handler: Handler, body: A
     if plan.stream:
         # every request admitted and its first output in before the 200: a refusal is still a 4xx
         streams = merged(await start_streams(ctx, plan.requests))
-        rendered = handler.render_stream(request, plan, streams) if legacy else handler.render_stream(plan, streams)  # type: ignore
+        rendered = handler.render_stream(plan, streams)
         events = ending_with_error_event(rendered, lambda err: handler.error_event(
             protocol_status(err, handler.invalid_status, handler.statuses), plan))
         headers = {**SSE_HEADERS, **plan.headers} if handler.media_type == "text/event-stream" else plan.headers
         return StreamingResponse(events, media_type=handler.media_type, headers=headers)
     results = await collect_all(ctx, plan.requests)
-    render = (lambda: handler.render_final(request, plan, results)) if legacy else (  # type: ignore
-        lambda: handler.render_final(plan, results))
     if collected_entries(plan.requests, results) > RENDER_IN_THREAD_ENTRIES:
         # building and serializing a large answer takes seconds of CPU: not on the event loop, where it
         # would stall every other client (their WebSockets time out)
-        response = await asyncio.to_thread(asyncio.run, render())
+        response = await asyncio.to_thread(asyncio.run, handler.render_final(plan, results))
     else:
-        response = await render()
+        response = await handler.render_final(plan, results)
     response.headers.update(plan.headers)
     return response
 
