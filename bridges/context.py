@@ -4,7 +4,7 @@ no ``app.state`` and no settings object: the served model, a tokenizer facade, t
 named as its flag), the adapters a request may name and the engine client are all here.
 
     app factory (spark_server/app.py)
-        -> ServingContext(engine, options, adapters, responses, registry)
+        -> build_context(engine, options, LoRA resolver, registry)
         -> Registry.routes(ctx): each operation called as handler(request, ctx)
 """
 
@@ -110,6 +110,18 @@ class ServingContext:
     @property
     def model(self) -> ModelInfo:
         return self.engine.model_info
+
+
+def build_context(engine: EngineClient, options: ProtocolOptions, resolver: LoraResolver | None,
+                  registry: Registry) -> ServingContext:
+    """The app's one context; refuses (ValueError) a --reasoning-parser the served tokenizer cannot serve."""
+    from bridges.reasoning import check_reasoning_parser  # imports bridges.common, which imports this module
+    from bridges.responses_store import ResponseStore
+
+    check_reasoning_parser(options.reasoning_parser, engine.tokenizer)
+    store = ResponseStore(options.responses_store_max_items, int(options.responses_store_max_mb * (1 << 20)))
+    return ServingContext(engine=engine, options=options, adapters=Adapters(resolver), tokenizer=Tokenizer(engine),
+                          responses=store, registry=registry)
 
 
 T = TypeVar("T", bound=Callable[..., Awaitable[Any]])
