@@ -105,7 +105,7 @@ class LoraResolver:
             return ref
         if ref.url:
             if self.store is None:
-                raise LoraUnavailableError("LoRA packs are not enabled on this server", code="disabled")
+                raise LoraUnavailableError("LoRA packs are not enabled on this server", code="packs_disabled")
             md5 = (ref.md5 or "").lower()
             key, path = await self.store.fetch(ref.url, md5)
             return LoraRef(url=ref.url, md5=md5, name=f"pack-{key}", path=str(path), identity=pack_identity(md5))
@@ -127,7 +127,9 @@ async def resolve_lora(resolver: LoraResolver | None, req: GenerationRequest) ->
     before it goes to the engine, which only takes local adapters."""
     if req.lora is not None and req.lora.path is None:
         if resolver is None:
+            # a pack by URL asks for a feature that is off (the request's field is refused); a name is an
+            # adapter this server does not have
             which = req.lora.name or req.lora.url
             raise LoraUnavailableError(f"adapter {which!r}: LoRA adapters are not enabled on this server",
-                                       code="disabled")
+                                       code="packs_disabled" if req.lora.url else "disabled")
         req.lora = await resolver(req.lora)

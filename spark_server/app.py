@@ -13,10 +13,8 @@ from typing import TYPE_CHECKING, Any
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 
-from bridges.context import Adapters, ProtocolOptions, ServingContext, Tokenizer
-from bridges.reasoning import check_reasoning_parser
+from bridges.context import ProtocolOptions, build_context
 from bridges.registry import Operation, Protocol, Registry, discover
-from bridges.responses_store import ResponseStore
 from engine.model_loader import default_cache_dir
 from engine.protocol import EngineClient
 from lora_store.pack import UnpackLimits
@@ -38,29 +36,17 @@ from spark_server.metrics import Metrics, RequestCounter, metrics_endpoint, note
 from spark_server.playground import check, playground, sign
 from spark_server.settings import Settings
 from spark_server.shutdown import DrainGuard
-from spark_server.spark_http import spark_http
-from spark_server.spark_public import PATH_DOMAINS, PublicSettings
-from spark_server.spark_service import SparkService
-from spark_server.spark_ws import public_spark_websocket, spark_websocket
+from spark_server.spark_endpoints import SPARK_HTTP_PATH, SPARK_WS_PATH, HandshakeRules, SparkEndpoints
+from spark_server.spark_protocol import SparkOptions
+from spark_server.spark_public import PublicForm, PublicSettings
 
 if TYPE_CHECKING:
     import uvicorn
 
 logger = logging.getLogger(__name__)
 
-SPARK_WS_PATH = "/turing/v3/gpt"
-SPARK_HTTP_PATH = "/turing/v3/func/gpt"
+__all__ = ["SPARK_HTTP_PATH", "SPARK_WS_PATH", "build_app", "uvicorn_config"]
 
-
-SPARK_PROTOCOL = Protocol("spark", (
-    Operation("WEBSOCKET", SPARK_WS_PATH, spark_websocket, "Spark conversation over a WebSocket",
-              ("spark-request",), streams=True),
-    Operation("POST", SPARK_HTTP_PATH, spark_http, "Spark conversation, one JSON answer (the WebSocket "
-              f"{SPARK_WS_PATH} takes the same body)", ("spark-request",)),
-    *(Operation("WEBSOCKET", path, public_spark_websocket, f"iFlytek's public Spark form (domain {domain} and "
-                "the others): header.app_id, parameter.chat.domain, payload.functions", ("spark-public-request",),
-                streams=True) for path, domain in PATH_DOMAINS.items()),
-), counts_itself=True)
 SERVER_PROTOCOL = Protocol("server", (
     Operation("GET", "/health", health, "ready when the model is loaded"),
     Operation("GET", "/metrics", metrics_endpoint, "Prometheus metrics"),
@@ -98,7 +84,7 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
     if taken:
         raise ValueError(f"--lora {taken[0]}: names starting with {' or '.join(RESERVED_PREFIXES)} are the "
                          "server's own; choose another")
-    check_reasoning_parser(settings.reasoning_parser, engine.tokenizer)
+    options = protocol_options(settings, protocol_overrides)
     resolver = attach_lora(settings, engine)
 
     @contextlib.asynccontextmanager
@@ -114,11 +100,14 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
             if owns_engine:
                 engine.shutdown()
 
-    registry = Registry([SPARK_PROTOCOL, SERVER_PROTOCOL, *discover()], settings)
-    serving = ServingContext(
-        engine=engine, options=protocol_options(settings, protocol_overrides), adapters=Adapters(resolver),
-        tokenizer=Tokenizer(engine), registry=registry,
-        responses=ResponseStore(settings.responses_store_max_items, int(settings.responses_store_max_mb * (1 << 20))))
+    spark_keys = parse_key_pairs(settings.spark_auth)
+    spark = SparkEndpoints(
+        SparkOptions(settings.max_history_tokens, settings.spark_http_markers),
+        PublicForm(PublicSettings.from_flags(settings.spark_app_ids, settings.spark_domains, signing=bool(spark_keys))),
+        HandshakeRules(settings.api_key, spark_keys, ReplayGuard(), settings.origins, settings.ws_request_timeout),
+        on_result=lambda protocol, code: metrics.count(protocol, code))  # sessions counted; metrics: made below
+    registry = Registry([spark.protocol(), SERVER_PROTOCOL, *discover()], settings)
+    serving = build_context(engine, options, resolver, registry)
     app = Starlette(routes=registry.routes(serving), lifespan=lifespan)
     app.state.serving = serving
     app.state.registry = registry
@@ -129,10 +118,7 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
         engine.finished_listeners.append(note_in_request_context)
     app.add_middleware(RequestCounter, metrics=metrics, registry=registry,
                        echo_request_id=settings.enable_request_id_headers)
-    app.state.spark_keys = parse_key_pairs(settings.spark_auth)
-    app.state.spark_replay = ReplayGuard()
-    app.state.spark_public = PublicSettings.from_flags(settings.spark_app_ids, settings.spark_domains,
-                                                       signing=bool(app.state.spark_keys))
+    app.state.spark_keys = spark_keys  # the playground signs with them
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, refusal_of=lambda path: getattr(
             registry.protocol_of(path), "render_refusal", None))
@@ -153,8 +139,6 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
     engine.limits.stuck_after_s = settings.stuck_step_timeout
     app.state.settings = settings
     app.state.engine = engine
-    app.state.spark = SparkService(engine, history_limit=settings.max_history_tokens, on_result=metrics.count,
-                                   max_items=settings.max_request_items, lora_resolver=resolver)
     app.state.lora_resolver = resolver
     app.state.responses_store = serving.responses
     return app

@@ -157,7 +157,7 @@ class ApiKeyMiddleware:
     in the protocol's own shape for a path (None: OpenAI's)."""
 
     def __init__(self, app, api_key: str,
-                 refusal_of: Callable[[str], Callable[[int, str], dict] | None] | None = None) -> None:
+                 refusal_of: Callable[[str], Callable[[ErrorInfo], dict] | None] | None = None) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
         self.key = api_key.encode()

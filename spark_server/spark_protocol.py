@@ -1,29 +1,43 @@
-"""Spark request parsing, lowering onto a GenerationRequest, and frame rendering.
+"""The Spark protocol: its request forms lowered onto a GenerationRequest, its session pipeline, and its
+answers rendered, for both transports: the WebSocket's frames and the HTTP form's one JSON answer, each
+from the engine's outputs. Errors are the table's (bridges/errors.py), rendered as Spark headers.
 
-Sans-I/O: the WebSocket and HTTP endpoints do the transport; everything Spark-specific about
-the body and the frames is here.
-"""
+    request bytes -> Spark.open: parse, check, lower (Form: the seed document's, or iFlytek's public form
+    in spark_public.py), fit the history, resolve the LoRA pack (the serving context's adapters)
+    -> Spark.outputs: the engine's outputs, the session counted and logged once it ends
+    -> FrameBuilder (WebSocket frames) | http_answer (one JSON answer)
+
+Sans-I/O apart from the engine: spark_server/spark_endpoints.py does the transports."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import logging
 import os
 import time
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
 import schemas
 from bridges.constraints import response_format
+from bridges.context import ServingContext
+from bridges.errors import BridgeError, ErrorInfo, SparkCode, SparkError, error_info
+from bridges.log_safety import protect
 from bridges.sampling_table import sampling_kwargs
 from engine.errors import PromptTooLongError
 from engine.protocol import EngineClient
 from engine.request import ChatMessage, ChatPrompt, GenerationRequest, LoraRef, RequestOutput
 from engine.sampling_params import SamplingParams
 from schemas.json_body import MAX_ITEMS, JsonContentError, JsonSyntaxError, parse_json
-from spark_server.errors import SparkCode, SparkError
 
 SCHEMA = "spark-request"
 END_MARKER = "<end>"  # clients append it to assistant turns when resending history
+RET_MARKER = "<ret>"  # the HTTP form's newline (--spark-http-markers)
+ABORTED = "aborted"  # the result label of a session whose client left mid-answer
+logger = protect(logging.getLogger("spark_server.sessions"))
 
 # Spark's defaults (spec §1.3: temperature 0.5, max_tokens 2048, top_k 4) are in bridges/sampling_table.py.
 
@@ -75,6 +89,16 @@ class SparkSession:
     question_tokens: int
     num_dropped_messages: int = 0
     function_names: set[str] | None = None  # the public form's functions: the answer is parsed for calls
+    form: Form | None = None  # the request's form (None: the seed document's)
+
+
+class SessionError(BridgeError):
+    """A session refused before it generates: the table's error, and the request's trace id once read."""
+
+    def __init__(self, info: ErrorInfo, trace_id: str | None) -> None:
+        super().__init__(info.status, info.message, info.param, info.kind)
+        self.info = info
+        self.trace_id = trace_id
 
 
 def _chat_params(body: dict[str, Any]) -> dict[str, Any]:
@@ -235,10 +259,6 @@ def content_frame(sid: str, status: int, seq: int, text: str, usage: dict[str, A
     return {"header": {"code": 0, "message": "Success", "sid": sid, "status": status}, "payload": payload}
 
 
-def error_frame(sid: str, error: SparkError) -> dict[str, Any]:
-    return {"header": {"code": int(error.code), "message": error.message, "sid": sid, "status": 2}}
-
-
 class FrameBuilder:
     """Turns the engine's outputs into Spark frames: status 0 first, 1 middle, 2 last; seq from 0."""
 
@@ -257,3 +277,151 @@ class FrameBuilder:
         frame = content_frame(self.sid, 0 if self.seq == 0 else 1, self.seq, out.text_delta)
         self.seq += 1
         return [frame]
+
+
+# ---- the forms ----------------------------------------------------------------------------------
+
+
+def message_of(info: ErrorInfo) -> str:
+    """An error's message as Spark says it: its header has no field for the parameter, so an invalid
+    one is named in the message."""
+    if info.kind == "invalid_request" and info.param and info.param not in info.message:
+        return f"{info.param}: {info.message}"
+    return info.message
+
+
+class Form:
+    """The seed document's request form (``/turing/v3/gpt`` and the HTTP form); iFlytek's public form is
+    spark_public.PublicForm. A form reads its body and names its errors; the pipeline is the same."""
+
+    schema = SCHEMA
+
+    def trace_of(self, body: Any) -> str | None:
+        """The request's id for logs and answers, when the body has one (also when the rest is invalid)."""
+        return trace_id_of(body)
+
+    def check(self, body: Any) -> None:
+        """The form's own check before the schema's."""
+
+    def lower(self, body: dict[str, Any], sid: str, ctx: ServingContext,
+              key: str | None) -> tuple[GenerationRequest, bool, set[str] | None]:
+        """The body as a GenerationRequest (before the token-limit check), adjustTokens, and the function
+        names whose calls the answer is parsed for (None: none). ``key``: the signing key, if any."""
+        request, adjust = lower(body, sid)
+        return request, adjust, None
+
+    def code(self, info: ErrorInfo) -> int:
+        return info.spark_code
+
+    def frames(self, session: SparkSession) -> FrameBuilder:
+        return FrameBuilder(session.sid, session.question_tokens)
+
+    def error_frame(self, sid: str, info: ErrorInfo) -> dict[str, Any]:
+        return {"header": {"code": self.code(info), "message": message_of(info), "sid": sid, "status": 2}}
+
+
+SEED = Form()
+
+
+# ---- the HTTP form's answer ------------------------------------------------------------------------
+
+
+def http_answer(session: SparkSession, text: str, last: RequestOutput | None, markers: bool) -> dict[str, Any]:
+    """The HTTP form's one answer: the whole text (with ``markers``, as the document's example writes it:
+    newlines as <ret>, then <end>) and the last output's usage."""
+    if markers:
+        text = text.replace("\n", RET_MARKER) + END_MARKER
+    usage = usage_block(session.question_tokens, last) if last is not None and last.finished else None
+    return {
+        "header": {"code": int(SparkCode.SUCCESS), "message": "success", "traceId": session.trace_id,
+                   "sid": session.sid},
+        "payload": {"choices": {"seq": 0, "status": 2, "text": [{"content": text, "role": "assistant", "index": 0}]},
+                    "usage": usage},
+    }
+
+
+def http_error(info: ErrorInfo, trace_id: str | None = None, sid: str | None = None) -> dict[str, Any]:
+    """The HTTP form's error body (its status is the table's)."""
+    return {"header": {"code": info.spark_code, "message": message_of(info), "traceId": trace_id, "sid": sid}}
+
+
+# ---- the pipeline --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SparkOptions:
+    """The server's options the Spark protocol reads, each named as its setting."""
+
+    max_history_tokens: int = 8192  # the dialogue's contents, in tokens (10003 over it)
+    spark_http_markers: bool = True  # the HTTP form's <ret> and <end>
+
+
+class Spark:
+    """One Spark session from request bytes to the engine's outputs, for either transport and either form.
+    ``on_result``: told (protocol, code or "aborted") of every session once it ends, for metrics."""
+
+    def __init__(self, ctx: ServingContext, options: SparkOptions,
+                 on_result: Callable[[str, int | str], None] | None = None) -> None:
+        self.ctx = ctx
+        self.options = options
+        self.on_result = on_result
+
+    def _count(self, code: int | str) -> None:
+        if self.on_result is not None:
+            self.on_result("spark", code)
+
+    async def open(self, raw: str | bytes, sid: str, form: Form = SEED, client: str | None = None,
+                   key: str | None = None) -> SparkSession:
+        """Parse, check and lower one request, fit its history and resolve its LoRA pack; a refusal raises
+        SessionError. ``client``: who sent it (``bridges.common.client_identity``), for the engine's fair
+        share between clients; ``key``: the key that signed it, if any."""
+        trace_id = None
+        try:
+            max_items = self.ctx.options.max_request_items
+            off_loop = len(raw) > schemas.OFF_LOOP_BYTES  # see schemas.OFF_LOOP_BYTES
+            body = await schemas.off_loop(decode_body, raw, max_items) if off_loop else decode_body(raw, max_items)
+            trace_id = form.trace_of(body)
+            form.check(body)
+            if off_loop:
+                await schemas.off_loop(validate_body, body, form.schema)
+            else:
+                validate_body(body, form.schema)
+            request, adjust, names = form.lower(body, sid, self.ctx, key)
+            request.client = client
+            question_tokens, dropped = await asyncio.to_thread(
+                fit_history, request, adjust, self.ctx.engine, self.options.max_history_tokens)
+            await self.ctx.adapters.resolve(request)  # before admission, as for every protocol
+        except Exception as exc:
+            info = error_info(exc)
+            if info.kind == "internal":
+                logger.error("session sid=%s: unexpected failure before generating", sid, exc_info=exc)
+            self._count(info.spark_code)
+            raise SessionError(info, trace_id) from None
+        return SparkSession(sid=sid, trace_id=trace_id or "", request=request, question_tokens=question_tokens,
+                            num_dropped_messages=dropped, function_names=names, form=form)
+
+    async def outputs(self, session: SparkSession) -> AsyncGenerator[RequestOutput, None]:
+        """The session's outputs from the engine (closing early aborts it); the session is counted and
+        logged once it ends."""
+        started = time.monotonic()
+        last = None
+        code: int | str = int(SparkCode.SUCCESS)
+        try:
+            async with aclosing(self.ctx.engine.generate(session.request)) as outputs:
+                async for out in outputs:
+                    last = out
+                    yield out
+        except Exception as exc:
+            code = error_info(exc).spark_code
+            raise
+        except (GeneratorExit, asyncio.CancelledError):
+            if last is None or not last.finished:
+                code = ABORTED  # the client left before the answer was complete: not a success
+            raise
+        finally:
+            self._count(code)
+            ttft = last.timings.first_token_s if last is not None else None
+            logger.info("session sid=%s traceId=%s protocol=spark prompt_tokens=%s completion_tokens=%s "
+                        "ttft=%s duration=%.3f code=%s", session.sid, session.trace_id,
+                        last.num_prompt_tokens if last else 0, last.num_output_tokens if last else 0,
+                        f"{ttft:.3f}" if ttft is not None else "-", time.monotonic() - started, code)

@@ -10,25 +10,25 @@ read, mapped onto the same session machinery:
   ``--spark-domains`` entry; anything else is refused naming the field;
 - ``payload.functions.text`` -> tool calling, answered as ``function_call`` in ``payload.choices.text[]``;
 - iFlytek's error codes where they differ from the seed document's (its 10002 and 10003 mean other
-  things there).
+  things there): the table's public column (bridges/errors.py).
 
-Sans-I/O like spark_protocol: the WebSocket endpoint does the transport."""
+A form of the Spark protocol (``PublicForm``): the pipeline and the WebSocket transport are the seed
+form's (spark_protocol.py, spark_endpoints.py)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from enum import IntEnum
 from typing import Any
 
 from bridges import tools
-from bridges.common import BridgeError
 from bridges.constraints import response_format
+from bridges.context import ServingContext
+from bridges.errors import BridgeError, ErrorInfo, SparkCode, SparkError
 from bridges.sampling_table import sampling_kwargs
 from engine.request import ChatPrompt, GenerationRequest, LoraRef, RequestOutput
 from engine.sampling_params import SamplingParams
 from spark_server import spark_protocol as sp
-from spark_server.errors import SparkCode, SparkError
 from spark_server.settings import parse_pairs
 
 SCHEMA = "spark-public-request"
@@ -47,44 +47,6 @@ PUBLIC_PATHS = tuple(PATH_DOMAINS)
 # iFlytek's domain names (and the older "general" of v1.1): each is the served model unless
 # --spark-domains says otherwise.
 IFLYTEK_DOMAINS = ("general", *PATH_DOMAINS.values())
-
-
-class PublicCode(IntEnum):
-    """iFlytek's codes for the conditions whose seed-document code means something else there."""
-
-    MESSAGE_FORMAT = 10003  # 用户的消息格式有错误 (the frame is not JSON)
-    ENGINE_INTERNAL = 10012  # 引擎内部错误
-    PARAMETER_CHECK = 10163  # 请求引擎的参数异常，引擎的schema检查不通过
-    TOKEN_LIMIT = 10907  # token数量超过上限
-    AUTH = 11200  # 授权错误：该appId没有相关功能的授权
-
-
-# seed code -> public code; codes not listed (10110, 11200, this server's 12xxx) are the same in both
-_PUBLIC_CODES: dict[int, int] = {
-    SparkCode.UNKNOWN: PublicCode.ENGINE_INTERNAL,
-    SparkCode.JSON_PARSE_ERROR: PublicCode.MESSAGE_FORMAT,
-    SparkCode.SCHEMA_ERROR: PublicCode.PARAMETER_CHECK,
-    SparkCode.NO_DIALOGUE_CONTENT: PublicCode.PARAMETER_CHECK,
-    SparkCode.TOKEN_LIMIT_EXCEEDED: PublicCode.TOKEN_LIMIT,
-    SparkCode.INFERENCE_ERROR: PublicCode.ENGINE_INTERNAL,
-}
-
-PUBLIC_DESCRIPTIONS: dict[int, str] = {
-    PublicCode.MESSAGE_FORMAT: "the request frame is not valid JSON",
-    PublicCode.ENGINE_INTERNAL: "the inference session failed",
-    PublicCode.PARAMETER_CHECK: "the request violates the schema or has no question; the message names the field",
-    PublicCode.TOKEN_LIMIT: "the dialogue is over the token limit",
-    PublicCode.AUTH: "header.app_id is not allowed (--spark-app-ids) for the signing key",
-}
-
-
-def public_code(code: int) -> int:
-    """The public form's code for a session error of the seed form's ``code``."""
-    return int(_PUBLIC_CODES.get(code, code))
-
-
-def error_frame(sid: str, error: SparkError) -> dict[str, Any]:
-    return {"header": {"code": public_code(error.code), "message": error.message, "sid": sid, "status": 2}}
 
 
 @dataclass(frozen=True)
@@ -240,3 +202,31 @@ class FunctionFrameBuilder(sp.FrameBuilder):
 
 def _with_text(out: RequestOutput, text: str) -> RequestOutput:
     return replace(out, text_delta=text)
+
+
+class PublicForm(sp.Form):
+    """iFlytek's public form of a Spark request, for the operator's ``PublicSettings``."""
+
+    schema = SCHEMA
+
+    def __init__(self, settings: PublicSettings) -> None:
+        self.settings = settings
+
+    def trace_of(self, body: Any) -> str | None:
+        return trace_of(body)
+
+    def check(self, body: Any) -> None:
+        check_form(body)
+
+    def lower(self, body: dict[str, Any], sid: str, ctx: ServingContext,
+              key: str | None) -> tuple[GenerationRequest, bool, set[str] | None]:
+        return lower(body, sid, self.settings, key, ctx.model.name, set(ctx.adapters.registered),
+                     ctx.model.chat_template_tools)
+
+    def code(self, info: ErrorInfo) -> int:
+        return info.public_code
+
+    def frames(self, session: sp.SparkSession) -> sp.FrameBuilder:
+        if session.function_names is None:
+            return super().frames(session)
+        return FunctionFrameBuilder(session.sid, session.question_tokens, session.function_names)

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from bridges.errors import SparkCode, SparkError
 from spark_server import spark_protocol as sp
-from spark_server.errors import SparkCode, SparkError
 from spark_server.settings import Settings
 from tests.conftest import free_port
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spark_server.errors import SparkCode
+from bridges.errors import SparkCode
 from tests.fuzz import corpus
 from tests.fuzz.targets import TARGETS
 from tests.spark.client import converse, spark_request

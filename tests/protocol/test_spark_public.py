@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import websocket
 
+from bridges.errors import SparkError
 from spark_server.app import build_app
 from spark_server.auth import sign_url
-from spark_server.errors import SparkError
 from spark_server.settings import Settings
 from spark_server.spark_public import PUBLIC_PATHS, PublicSettings
 from tests.conftest import ServerThread, free_port

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from bridges.errors import SparkCode, SparkError
 from engine.errors import PromptTooLongError
 from engine.request import ChatMessage, ChatPrompt, GenerationRequest
 from engine.sampling_params import SamplingParams
-from spark_server.errors import SparkCode, SparkError
 from spark_server.spark_protocol import fit_history
 
 BYTES_PER_TOKEN = 16  # no scripted token is longer

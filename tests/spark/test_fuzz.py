@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.sync.client import connect
 
-from spark_server.errors import SparkCode
+from bridges.errors import SparkCode
 
 DOCUMENTED = {int(c) for c in SparkCode}
 
