@@ -5,7 +5,9 @@ and errors read back as a protocol-neutral ``Outcome``. Adding a protocol is one
 Finish reasons are mapped to four words: ``end`` (the model ended), ``stop_string`` (a stop string
 matched), ``length`` (the token limit) and ``tool_call``; a protocol that says one word for the first
 two reads as ``stop``. Errors are mapped to two classes: ``invalid`` (the request was refused before any
-work) and ``engine`` (the engine failed once the answer had begun)."""
+work) and ``engine`` (the engine failed once the answer had begun); a refusal also keeps its HTTP status
+and the protocol's own words for it (``Outcome.words``: OpenAI's type and code, Anthropic's type, a Spark
+header's code, TGI's error_type), which the error table's test reads."""
 
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ class Outcome:
     calls: list[tuple[str, dict]] = field(default_factory=list)
     error: str | None = None  # invalid | engine
     message: str = ""  # the error's message
+    status: int | None = None  # a refusal's HTTP status (None: none, as on a WebSocket)
+    words: dict[str, Any] = field(default_factory=dict)  # the protocol's own words for the error
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,7 @@ def _spark_outcome(frames: list[dict[str, Any]]) -> Outcome:
         if header["code"] != 0:
             out.error = "invalid" if 10000 <= header["code"] < 11000 else "engine"
             out.message = header["message"]
+            out.words = {"code": header["code"]}
             return out
         out.text += "".join(t["content"] for t in frame["payload"]["choices"]["text"])
         usage = (frame["payload"].get("usage") or {}).get("text")
@@ -134,6 +139,8 @@ def spark_ws(url: str, ask: Ask, prompt: str) -> Outcome:
 def spark_http(url: str, ask: Ask, prompt: str) -> Outcome:
     r = _http("POST", url + SPARK_HTTP_PATH, json=_spark_body(ask))
     out = _spark_outcome([r.json()])
+    if out.error is not None:
+        out.status = r.status_code
     # the document's markers: <ret> for a newline, <end> after the answer
     out.text = out.text.replace("<ret>", "\n").removesuffix("<end>")
     return out
@@ -158,7 +165,8 @@ def _openai_finish(reason: str | None, stop_reason: Any) -> str | None:
 
 def _openai_error(r: httpx.Response) -> Outcome:
     error = r.json()["error"]
-    return Outcome(error="invalid" if r.status_code < 500 else "engine", message=error["message"])
+    return Outcome(error="invalid" if r.status_code < 500 else "engine", message=error["message"],
+                   status=r.status_code, words={"type": error["type"], "code": error["code"]})
 
 
 def _openai_stream_error(events: list[str]) -> Outcome | None:
@@ -291,7 +299,9 @@ def anthropic_messages(url: str, ask: Ask, prompt: str) -> Outcome:
                           "input_schema": t["function"]["parameters"]} for t in ask.tools]
     r = _http("POST", url + "/v1/messages", json={**body, "stream": ask.stream})
     if r.status_code != 200:
-        return Outcome(error="invalid" if r.status_code < 500 else "engine", message=r.json()["error"]["message"])
+        error = r.json()["error"]
+        return Outcome(error="invalid" if r.status_code < 500 else "engine", message=error["message"],
+                       status=r.status_code, words={"type": error["type"]})
     if ask.stream:
         out = Outcome()
         for chunk in r.text.strip().split("\n\n"):
@@ -335,7 +345,8 @@ def ollama_chat(url: str, ask: Ask, prompt: str) -> Outcome:
         body["tools"] = ask.tools
     r = _http("POST", url + "/api/chat", json=body)
     if r.status_code != 200:
-        return Outcome(error="invalid" if r.status_code < 500 else "engine", message=r.json()["error"])
+        return Outcome(error="invalid" if r.status_code < 500 else "engine", message=r.json()["error"],
+                       status=r.status_code)
     lines = [json.loads(line) for line in r.text.splitlines() if line.strip()]
     out = Outcome()
     for line in lines:
@@ -372,7 +383,8 @@ def _textgen_finish(details: dict[str, Any] | None) -> str | None:
 def _textgen_error(r: httpx.Response, kinds: tuple[str, ...] = ("validation",)) -> Outcome:
     body = r.json()
     invalid = r.status_code < 500 if "error_type" not in body else body["error_type"] in kinds
-    return Outcome(error="invalid" if invalid else "engine", message=body["error"])
+    return Outcome(error="invalid" if invalid else "engine", message=body["error"], status=r.status_code,
+                   words={"error_type": body["error_type"]} if "error_type" in body else {})
 
 
 def _textgen_stream(r: httpx.Response, text_of: Callable[[dict], str]) -> Outcome:
@@ -439,7 +451,9 @@ def vllm(url: str, ask: Ask, prompt: str) -> Outcome:
         body["tools"] = ask.tools
     r = _http("POST", url + "/generate", json=body)
     if r.status_code != 200:
-        return Outcome(error="invalid" if r.status_code < 500 else "engine", message=r.json()["error"])
+        error = r.json()
+        return Outcome(error="invalid" if r.status_code < 500 else "engine", message=error["error"],
+                       status=r.status_code, words={"type": error["type"], "code": error["code"]})
     if ask.stream:
         out = Outcome()
         for chunk in (c for c in r.content.split(b"\0") if c):
@@ -461,7 +475,9 @@ def sglang(url: str, ask: Ask, prompt: str) -> Outcome:
         body["tools"] = ask.tools
     r = _http("POST", url + "/generate", json=body)
     if r.status_code != 200:
-        return Outcome(error="invalid" if r.status_code < 500 else "engine", message=r.json()["error"]["message"])
+        error = r.json()["error"]
+        return Outcome(error="invalid" if r.status_code < 500 else "engine", message=error["message"],
+                       status=r.status_code, words={"type": error["type"], "code": error["code"]})
     if ask.stream:
         out = Outcome()
         for e in _sse(r.text):

@@ -1,8 +1,9 @@
 """Cross-protocol parity: one scripted conversation (tests/parity/conversation.py) through every protocol
 (tests/parity/protocols.py), checking that text, token counts, finish reasons, tool calls and error
 classes agree, each read in its protocol's own words, and that every protocol sent the engine the same
-request (prompt tokens and sampling). On the scripted engine for every case; on the real model for the
-greedy and the seeded sampled answers (a few short requests, sent at once)."""
+request (prompt tokens and sampling); and that every kind of error the engine raises reaches each client as
+the one error table (bridges/errors.py) says, in that protocol's words. On the scripted engine for every case;
+on the real model for the greedy and the seeded sampled answers (a few short requests, sent at once)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,22 @@ from typing import Any
 import pytest
 
 from bridges import tools
+from bridges.errors import KINDS, ErrorInfo, error_info
+from engine.errors import (
+    EngineOverloadedError,
+    EngineShutdownError,
+    EngineUnavailableError,
+    InferenceError,
+    InvalidRequestError,
+    LoraUnavailableError,
+    PromptTooLongError,
+    RequestTimeoutError,
+)
+from spark_server.spark_public import PublicForm, PublicSettings
+from tests.fake_engine import Script
 from tests.parity.conversation import ASK, CASES, SAMPLING, TOOLS_REFUSED, Case
 from tests.parity.protocols import ADAPTERS, Adapter, Ask, Outcome
-from tests.parity.table import DOC, markdown
+from tests.parity.table import DOC, ERRORS_DOC, errors_markdown, markdown
 
 
 def _prompt_text(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
@@ -105,6 +119,97 @@ def test_a_protocol_without_tools_refuses_them_with_its_own_error(fake, adapter)
     # named in the protocol's own word (Spark's is "functions")
     assert got.error == "invalid" and re.search(TOOLS_REFUSED.error_names, got.message), got
     assert not fake.engine.requests
+
+
+# ---- one error table ------------------------------------------------------------------------------
+
+# Each kind of error the engine raises, as every protocol must say it: (the engine's exception, HTTP status,
+# Spark code, OpenAI type, OpenAI code, Anthropic type). Written out here, not read from bridges/errors.py:
+# this is the wire contract the table must keep.
+ERROR_KINDS: dict[str, tuple[Exception, int, int, str, str | int, str]] = {
+    "prompt_too_long": (PromptTooLongError("the prompt has 9 tokens", 9, 8), 400, 10003, "invalid_request_error",
+                        "context_length_exceeded", "invalid_request_error"),
+    "invalid_request": (InvalidRequestError("temperature must be >= 0", "temperature"), 400, 10000,
+                        "invalid_request_error", 400, "invalid_request_error"),
+    "model_not_found": (LoraUnavailableError("adapter 'x' is not registered", "unknown_adapter"), 404, 12000,
+                        "NotFoundError", "model_not_found", "not_found_error"),
+    "lora_disabled": (LoraUnavailableError("LoRA packs are not enabled", "packs_disabled"), 400, 12000,
+                      "invalid_request_error", "lora_disabled", "invalid_request_error"),
+    "lora_host_not_allowed": (LoraUnavailableError("lora.url: not allowed", "host_not_allowed"), 400, 12001,
+                              "invalid_request_error", "lora_host_not_allowed", "invalid_request_error"),
+    "lora_download_failed": (LoraUnavailableError("lora.url: HTTP 404", "download_failed"), 502, 12002,
+                             "bad_gateway", "lora_download_failed", "api_error"),
+    "lora_download_timeout": (LoraUnavailableError("lora.url: timed out", "download_timeout"), 504, 12003,
+                              "timeout_error", "lora_download_timeout", "timeout_error"),
+    "lora_too_large": (LoraUnavailableError("over the limit", "too_large"), 400, 12004, "invalid_request_error",
+                       "lora_too_large", "invalid_request_error"),
+    "lora_md5_mismatch": (LoraUnavailableError("lora.md5 differs", "md5_mismatch"), 400, 12005,
+                          "invalid_request_error", "lora_md5_mismatch", "invalid_request_error"),
+    "lora_invalid_pack": (LoraUnavailableError("not a tar", "invalid_pack"), 400, 12006, "invalid_request_error",
+                          "lora_invalid_pack", "invalid_request_error"),
+    "lora_incompatible": (LoraUnavailableError("rank 32", "incompatible"), 400, 12007, "invalid_request_error",
+                          "lora_incompatible", "invalid_request_error"),
+    "overloaded": (EngineOverloadedError("the wait queue is full"), 429, 10110, "rate_limit_error", "server_busy",
+                   "overloaded_error"),
+    "timeout": (RequestTimeoutError("the deadline passed"), 504, 12100, "timeout_error", "timeout", "timeout_error"),
+    "shutting_down": (EngineShutdownError("the server is shutting down"), 503, 12101, "service_unavailable",
+                      "shutting_down", "overloaded_error"),
+    "engine_unavailable": (EngineUnavailableError("no backend"), 503, 12102, "service_unavailable",
+                           "engine_unavailable", "overloaded_error"),
+    "inference_error": (InferenceError("the step failed"), 500, 11000, "internal_server_error", "inference_error",
+                        "api_error"),
+    "internal": (KeyError("boom"), 500, -1, "internal_server_error", 500, "api_error"),
+}
+_TGI_TYPES = {400: "validation", 404: "validation", 422: "validation", 429: "overloaded", 503: "overloaded"}
+
+
+def _expected(adapter: str, status: int, spark: int, openai_type: str, openai_code: str | int,
+              anthropic_type: str) -> tuple[int | None, dict[str, Any]]:
+    """(HTTP status, the protocol's own words) the adapter must read back for an error of this row."""
+    if adapter.startswith("Spark"):
+        return (None if adapter == "Spark WebSocket" else status), {"code": spark}
+    if adapter.startswith("OpenAI"):
+        return status, {"type": openai_type, "code": openai_code}
+    if adapter == "Anthropic Messages":  # a busy or unavailable server is 529 "overloaded" to its clients
+        return {429: 529, 503: 529}.get(status, status), {"type": anthropic_type}
+    if adapter == "TGI":  # an invalid request is 422 there
+        status = 422 if status == 400 else status
+        return status, {"error_type": _TGI_TYPES.get(status, "generation")}
+    if adapter in ("vLLM", "SGLang"):
+        return status, {"type": openai_type, "code": status}
+    if adapter == "MindIE":
+        return status, {"error_type": openai_type}
+    return status, {}  # Ollama, Triton: a message only
+
+
+@pytest.mark.parametrize("kind", sorted(ERROR_KINDS))
+def test_every_protocol_renders_each_error_kind_from_the_one_table(fake, kind):
+    exc, *row = ERROR_KINDS[kind]
+    assert error_info(exc).kind == kind
+    prompt = _prompt_text(fake.engine.tokenizer, ASK)
+    wrong = {}
+    for adapter in ADAPTERS:
+        fake.engine.script = Script(fail_before=exc)
+        got = adapter.send(fake.url, Ask(ASK, 8), prompt)
+        expected = _expected(adapter.name, *row)
+        if (got.status, got.words) != expected:
+            wrong[adapter.name] = {"got": (got.status, got.words), "expected": expected}
+    fake.engine.script = Script()
+    assert not wrong, wrong
+
+
+def test_the_public_spark_form_says_iflyteks_codes_where_they_differ():
+    # the seed form's code -> iFlytek's public form's, where its seed-document code means something else there
+    public = {-1: 10012, 4: 10003, 10000: 10163, 10002: 10163, 10003: 10907, 11000: 10012}
+    form = PublicForm(PublicSettings())
+    for kind in KINDS:
+        info = ErrorInfo.of(kind, "x")
+        assert form.code(info) == public.get(info.spark_code, info.spark_code), kind
+
+
+def test_the_error_table_in_the_docs_is_the_table():
+    assert errors_markdown() in ERRORS_DOC.read_text(encoding="utf-8"), \
+        f"regenerate it: python -m tests.parity.table errors > {ERRORS_DOC}"
 
 
 def test_the_table_in_the_docs_is_the_harness_own():
