@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute, compile_path
 
 from bridges.context import bind, with_context
@@ -51,8 +51,8 @@ class Protocol:
     label: str  # the `protocol` label of metrics and request logs
     operations: tuple[Operation, ...]
     counts_itself: bool = False  # sessions that count and log themselves (Spark)
-    # the error body for a shared path's body that no protocol claims
-    render_unclaimed: Callable[[str], dict] | None = None
+    # the error body for a shared path's body that is not JSON, or that no protocol claims
+    render_unclaimed: Callable[[ErrorInfo], dict] | None = None
     # a refusal made before its handler runs (a missing API key): the error body (None: OpenAI's)
     render_refusal: Callable[[ErrorInfo], dict] | None = None
 
@@ -114,21 +114,23 @@ def _labelled(label: str, handler: Handler) -> Handler:
 def _dispatcher(ops: list[tuple[Protocol, Operation]]) -> Handler:
     """One handler for a path several protocols share, choosing by the body's shape: the body is parsed
     here, once, and handed to the protocol that claims it."""
-    from bridges.common import BridgeError, read_any_json
+    from bridges.common import BridgeError, error_response, read_any_json
+    from bridges.errors import ErrorInfo
 
-    render = next((p.render_unclaimed for p, _ in ops if p.render_unclaimed), lambda m: {"error": m})
+    render = next((p.render_unclaimed for p, _ in ops if p.render_unclaimed), lambda err: {"error": err.message})
 
     @with_context
     async def dispatch(request: Request, ctx: ServingContext) -> Response:
         try:
             body = await read_any_json(request, ctx.options.max_request_items)
         except BridgeError as err:
-            return JSONResponse(render(err.message), status_code=400)
+            return error_response(err.info, render)
         for protocol, op in ops:
             if isinstance(body, dict) and op.claims is not None and op.claims(body):
                 request.state.protocol = protocol.label
                 return await op.handler(request, ctx, body)
         hints = ", ".join(op.claim_hint or p.label for p, op in ops)
-        return JSONResponse(render(f"cannot tell the protocol: send {hints}"), status_code=422)
+        return error_response(ErrorInfo.of("invalid_request", f"cannot tell the protocol: send {hints}", status=422),
+                              render)
 
     return dispatch

@@ -129,4 +129,4 @@ PROTOCOL = Protocol("tgi", (
               streams=True),
     Operation("POST", "/", root, "the HF `text_generation` client's generate and generate_stream",
               ("tgi-generate",), streams=True),
-), render_unclaimed=lambda message: {"error": message, "error_type": "validation"})
+), render_unclaimed=render_error)
