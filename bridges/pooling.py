@@ -67,6 +67,7 @@ def _truncation(ctx: ServingContext, body: dict[str, Any]) -> int | None:
     limit = ctx.model.max_model_len
     if value is None:
         return None
+    value = int(value)  # JSON Schema's "integer" admits 7.0; the engine slices with it
     if value == -1:
         return limit - 1
     if value > limit:

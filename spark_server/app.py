@@ -7,6 +7,7 @@ import copy
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import fields
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from lora_store.resolver import RESERVED_PREFIXES, LoraResolver, reserved, store
 from lora_store.store import LoraStore, StoreLimits
 from spark_server.auth import AdminGate, AllowedHosts, ApiKeyMiddleware, ReplayGuard, parse_key_pairs
 from spark_server.fleet import (
+    Replica,
     get_pack,
     load_lora_adapter,
     model_info,
@@ -33,7 +35,7 @@ from spark_server.fleet import (
 from spark_server.health import health
 from spark_server.limits import BodySizeLimit
 from spark_server.metrics import Metrics, RequestCounter, metrics_endpoint, note_in_request_context
-from spark_server.playground import check, playground, sign
+from spark_server.playground import PlaygroundConfig, check, playground, sign
 from spark_server.settings import Settings
 from spark_server.shutdown import DrainGuard
 from spark_server.spark_endpoints import SPARK_HTTP_PATH, SPARK_WS_PATH, HandshakeRules, SparkEndpoints
@@ -47,23 +49,33 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["SPARK_HTTP_PATH", "SPARK_WS_PATH", "build_app", "uvicorn_config"]
 
-SERVER_PROTOCOL = Protocol("server", (
-    Operation("GET", "/health", health, "ready when the model is loaded"),
-    Operation("GET", "/metrics", metrics_endpoint, "Prometheus metrics"),
-    Operation("GET", "/", playground, "the browser playground (a Spark WebSocket conversation)"),
-    Operation("POST", "/playground/sign", sign, "a signed Spark WebSocket URL for the playground (--spark-auth)"),
-    Operation("GET", "/playground/check", check, "how the Spark WebSocket's handshake would answer this query (the "
-              "playground's: a browser never sees why a socket was refused)"),
-    Operation("GET", "/version", version_endpoint, "the server's version (vLLM's; routers identify the engine by it)"),
-    Operation("GET", "/server_info", server_info, "the replica's settings in SGLang's shape (routers read it)"),
-    Operation("GET", "/model_info", model_info, "the served model in SGLang's shape (routers read it)"),
-    Operation("POST", "/v1/load_lora_adapter", load_lora_adapter, "vLLM's: register an adapter under a name "
-              "(a directory under --lora-shared-dir, or a pack url + md5)"),
-    Operation("POST", "/v1/unload_lora_adapter", unload_lora_adapter, "vLLM's: forget a registered adapter"),
-    Operation("POST", "/v1/lora/packs", publish_pack, "publish a LoRA pack (the file as the body; --api-key): "
-              "checked against the served model, kept by md5, answered with {url, md5}"),
-    Operation("GET", "/lora/packs/{name}", get_pack, "a published LoRA pack, <md5>.<ext>"),
-))
+def server_protocol(replica: Replica, page: PlaygroundConfig) -> Protocol:
+    """The server's own operations, each bound to what it reads (no handler reads app.state)."""
+    return Protocol("server", (
+        Operation("GET", "/health", health, "ready when the model is loaded"),
+        Operation("GET", "/metrics", metrics_endpoint, "Prometheus metrics"),
+        Operation("GET", "/", partial(playground, config=page), "the browser playground (a Spark WebSocket "
+                  "conversation)"),
+        Operation("POST", "/playground/sign", partial(sign, config=page), "a signed Spark WebSocket URL for the "
+                  "playground (--spark-auth)"),
+        Operation("GET", "/playground/check", partial(check, config=page), "how the Spark WebSocket's handshake "
+                  "would answer this query (the playground's: a browser never sees why a socket was refused)"),
+        Operation("GET", "/version", version_endpoint, "the server's version (vLLM's; routers identify the engine "
+                  "by it)"),
+        Operation("GET", "/server_info", partial(server_info, replica=replica), "the replica's settings in SGLang's "
+                  "shape (routers read it)"),
+        Operation("GET", "/model_info", partial(model_info, replica=replica), "the served model in SGLang's shape "
+                  "(routers read it)"),
+        Operation("POST", "/v1/load_lora_adapter", partial(load_lora_adapter, replica=replica), "vLLM's: register "
+                  "an adapter under a name (a directory under --lora-shared-dir, or a pack url + md5)"),
+        Operation("POST", "/v1/unload_lora_adapter", partial(unload_lora_adapter, replica=replica), "vLLM's: forget "
+                  "a registered adapter"),
+        Operation("POST", "/v1/lora/packs", partial(publish_pack, replica=replica), "publish a LoRA pack (the file "
+                  "as the body; --api-key): checked against the served model, kept by md5, answered with "
+                  "{url, md5}"),
+        Operation("GET", "/lora/packs/{name}", partial(get_pack, replica=replica), "a published LoRA pack, "
+                  "<md5>.<ext>"),
+    ))
 
 
 def protocol_options(settings: Settings, overrides: Mapping[str, Any] | None = None) -> ProtocolOptions:
@@ -106,7 +118,9 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
         PublicForm(PublicSettings.from_flags(settings.spark_app_ids, settings.spark_domains, signing=bool(spark_keys))),
         HandshakeRules(settings.api_key, spark_keys, ReplayGuard(), settings.origins, settings.ws_request_timeout),
         on_result=lambda protocol, code: metrics.count(protocol, code))  # sessions counted; metrics: made below
-    registry = Registry([spark.protocol(), SERVER_PROTOCOL, *discover()], settings)
+    server = server_protocol(Replica(settings, engine, resolver),
+                             PlaygroundConfig(engine.model_info.name, settings.api_key, spark_keys, settings.origins))
+    registry = Registry([spark.protocol(), server, *discover()], settings)
     serving = build_context(engine, options, resolver, registry)
     app = Starlette(routes=registry.routes(serving), lifespan=lifespan)
     app.state.serving = serving
@@ -118,7 +132,6 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
         engine.finished_listeners.append(note_in_request_context)
     app.add_middleware(RequestCounter, metrics=metrics, registry=registry,
                        echo_request_id=settings.enable_request_id_headers)
-    app.state.spark_keys = spark_keys  # the playground signs with them
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, refusal_of=lambda path: getattr(
             registry.protocol_of(path), "render_refusal", None))

@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
@@ -29,11 +29,48 @@ from bridges.common import error_response
 from bridges.errors import KIND_OF_STATUS, ErrorInfo, error_info
 from bridges.openai import render_error as openai_error
 from engine.errors import LoraUnavailableError
+from engine.protocol import EngineClient
 from fleet.names import content_named
 from lora_store.pack import find_adapter_dir
-from lora_store.resolver import RESERVED_PREFIXES, AlreadyRegistered, directory_identity, pack_identity, reserved
+from lora_store.resolver import (
+    RESERVED_PREFIXES,
+    AlreadyRegistered,
+    LoraResolver,
+    directory_identity,
+    pack_identity,
+    reserved,
+)
 from lora_store.store import pack_key
 from schemas.json_body import JsonBodyError, parse_json
+
+if TYPE_CHECKING:
+    from lora_store.shelf import PackShelf
+    from spark_server.settings import Settings
+
+
+@dataclass
+class Replica:
+    """What these endpoints read, made once by the app factory and bound to each of them: the settings,
+    the engine and the LoRA resolver (None without LoRA); the pack shelf is made on its first use."""
+
+    settings: Settings
+    engine: EngineClient
+    resolver: LoraResolver | None
+    _shelf: PackShelf | None = field(default=None, repr=False)
+
+    def shelf(self) -> PackShelf:
+        if self._shelf is None:
+            from engine.model_loader import default_cache_dir
+            from lora_store.pack import UnpackLimits
+            from lora_store.shelf import PackShelf
+
+            settings = self.settings
+            root = Path(settings.lora_pack_dir) if settings.lora_pack_dir else default_cache_dir() / "lora-packs"
+            max_bytes = settings.lora_max_pack_mb << 20
+            self._shelf = PackShelf(root, max_bytes, UnpackLimits.for_pack_limit(
+                max_bytes, int(settings.lora_disk_budget_gb * (1 << 30))))
+        return self._shelf
+
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 
@@ -48,9 +85,8 @@ async def version_endpoint(request: Request) -> JSONResponse:
     return JSONResponse({"version": _version(), "server": "spark-server"})
 
 
-async def server_info(request: Request) -> JSONResponse:
-    engine = request.app.state.engine
-    settings = request.app.state.settings
+async def server_info(request: Request, replica: Replica) -> JSONResponse:
+    engine, settings = replica.engine, replica.settings
     info = engine.model_info
     return JSONResponse({
         "model_path": info.path, "served_model_name": info.name, "tokenizer_path": info.path,
@@ -61,8 +97,8 @@ async def server_info(request: Request) -> JSONResponse:
     })
 
 
-async def model_info(request: Request) -> JSONResponse:
-    info = request.app.state.engine.model_info
+async def model_info(request: Request, replica: Replica) -> JSONResponse:
+    info = replica.engine.model_info
     return JSONResponse({"model_path": info.path, "tokenizer_path": info.path, "is_generation": True,
                          "has_image_understanding": False, "has_audio_understanding": False,
                          "model_type": info.model_type, "architectures": None, "served_model_name": info.name})
@@ -124,13 +160,12 @@ def _named_md5(name: str) -> str | None:
     return name.removeprefix("lora-") if content_named(name) else None
 
 
-async def load_lora_adapter(request: Request) -> Response:
+async def load_lora_adapter(request: Request, replica: Replica) -> Response:
     # the permission, the key and the JSON Content-Type were checked (AdminGate) before the body was read
     body = await _body(request)
     if isinstance(body, Response):
         return body
-    resolver = request.app.state.lora_resolver
-    settings = request.app.state.settings
+    resolver, settings = replica.resolver, replica.settings
     if resolver is None:
         return _error(400, "LoRA adapters are not enabled on this server (--lora-shared-dir or "
                            "--lora-allowed-urls)")
@@ -183,33 +218,17 @@ async def load_lora_adapter(request: Request) -> Response:
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
-async def unload_lora_adapter(request: Request) -> Response:
+async def unload_lora_adapter(request: Request, replica: Replica) -> Response:
     body = await _body(request)
     if isinstance(body, Response):
         return body
-    resolver = request.app.state.lora_resolver
+    resolver = replica.resolver
     name = body["lora_name"]
     # forgotten at once; the engine drops the weights (requests already admitted keep the adapter they
     # were admitted with), and a later load under this name reads the new ones
     if resolver is None or not resolver.remove(name):
         return _error(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
-
-
-def _shelf(request: Request):
-    from lora_store.pack import UnpackLimits
-    from lora_store.shelf import PackShelf
-
-    state = request.app.state
-    if getattr(state, "pack_shelf", None) is None:
-        settings = state.settings
-        from engine.model_loader import default_cache_dir
-
-        root = Path(settings.lora_pack_dir) if settings.lora_pack_dir else default_cache_dir() / "lora-packs"
-        max_bytes = settings.lora_max_pack_mb << 20
-        state.pack_shelf = PackShelf(root, max_bytes, UnpackLimits.for_pack_limit(
-            max_bytes, int(settings.lora_disk_budget_gb * (1 << 30))))
-    return state.pack_shelf
 
 
 RATE_GRACE_S = 2.0  # as BodySizeLimit: the first seconds of a body are not held to --body-min-rate-kb
@@ -219,12 +238,11 @@ def _too_slow(why: str) -> JSONResponse:
     return _refusal(ErrorInfo.of("body_timeout", f"the pack {why}"), {"Connection": "close"})
 
 
-async def _receive_pack(request: Request, dest: Path) -> tuple[str, int] | Response:
+async def _receive_pack(request: Request, settings: Settings, dest: Path) -> tuple[str, int] | Response:
     """Stream the body into ``dest`` while hashing it: (md5, bytes), or the refusal. The pack is never
     held in memory. Past --lora-max-pack-mb it is refused at once (413); 408 when no byte arrives for
     --body-timeout, when it averages under --body-min-rate-kb, or when it is not in within
     --lora-download-timeout (a pack's transfer either way has that long)."""
-    settings = request.app.state.settings
     limit = settings.lora_max_pack_mb << 20
     stall = settings.body_timeout
     total = max(settings.body_timeout, settings.lora_download_timeout)
@@ -260,21 +278,20 @@ async def _receive_pack(request: Request, dest: Path) -> tuple[str, int] | Respo
     return digest.hexdigest(), received
 
 
-async def publish_pack(request: Request) -> Response:
+async def publish_pack(request: Request, replica: Replica) -> Response:
     """POST /v1/lora/packs: the body is the pack file itself (tar.gz, tar or zip)."""
     # The permission, the key and the Content-Type were checked (AdminGate) before any of the body was
     # read; the body is not buffered ahead of this handler (BodySizeLimit's large_bodies).
-    shelf = _shelf(request)
+    shelf = replica.shelf()
     staged = shelf.incoming()
     try:
-        received = await _receive_pack(request, staged)
+        received = await _receive_pack(request, replica.settings, staged)
         if isinstance(received, Response):
             return received
         md5, size = received
         if not size:
             return _error(400, "the body must be the pack file (tar.gz, tar or zip)")
-        engine = request.app.state.engine
-        md5, name = await asyncio.to_thread(shelf.publish_file, staged, engine.check_adapter, md5)
+        md5, name = await asyncio.to_thread(shelf.publish_file, staged, replica.engine.check_adapter, md5)
     except LoraUnavailableError as exc:
         return _refusal(replace(error_info(exc), param="pack"))
     finally:
@@ -283,8 +300,8 @@ async def publish_pack(request: Request) -> Response:
     return JSONResponse({"url": url, "md5": md5, "bytes": size}, status_code=201)
 
 
-async def get_pack(request: Request) -> Response:
-    path = _shelf(request).path_of(request.path_params["name"])
+async def get_pack(request: Request, replica: Replica) -> Response:
+    path = replica.shelf().path_of(request.path_params["name"])
     if path is None:
         return _error(404, "no such pack")
     return FileResponse(path, media_type="application/octet-stream")
