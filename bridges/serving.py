@@ -11,7 +11,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -133,7 +133,7 @@ class Handler(Generic[C]):
 
     schema: str = ""
     invalid_status: int = 400  # a body that parses but is invalid (TGI: 422)
-    statuses: dict[int, int] = {}  # the protocol's own status for a common one (Anthropic: 429 -> 529)
+    statuses: ClassVar[dict[int, int]] = {}  # the protocol's own status for a common one (Anthropic: 429 -> 529)
     media_type: str = "text/event-stream"
     # the body fields an answer-volume refusal names: (prompt logprobs, the output's top candidates, the
     # output's logprobs)
