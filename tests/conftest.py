@@ -135,7 +135,12 @@ def async_engine() -> AsyncEngine:
     # The weights `spark-server serve` runs by default (the GGUF file's own blocks, bf16 activations): the
     # protocol tests then meet what users meet, and answer 3-4x faster than on fp32 weights (the fp32
     # path keeps its own tests: tests/engine's `llm_engine`, held to transformers' fp32 forward).
-    engine = AsyncEngine.from_config(EngineConfig(max_num_seqs=32, kv_cache_space_gib=0.75))
+    # The per-step grammar-mask budget is tested on engines of its own (tests/engine/test_structured.py);
+    # here a loaded 2-core test machine must not make an ordinary grammar's masks count as too costly.
+    from engine.constraint_budget import ConstraintBudget
+
+    engine = AsyncEngine.from_config(EngineConfig(max_num_seqs=32, kv_cache_space_gib=0.75,
+                                                  constraint_budget=ConstraintBudget(max_step_ms=1000.0)))
     engine.start()
     yield engine
     engine.shutdown()
