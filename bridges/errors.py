@@ -172,12 +172,6 @@ class BridgeError(Exception):
         super().__init__(message)
         self.info = ErrorInfo.of(kind or KIND_OF_STATUS[status], message, param, status, code)
 
-    @classmethod
-    def of(cls, info: ErrorInfo) -> BridgeError:
-        err = cls(info.status, info.message, info.param, info.kind)
-        err.info = info
-        return err
-
     @property
     def status(self) -> int:
         return self.info.status

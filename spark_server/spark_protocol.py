@@ -169,72 +169,79 @@ def fit_history(request: GenerationRequest, adjust: bool, engine: EngineClient,
     prompt = request.prompt
     assert isinstance(prompt, ChatPrompt)
     messages = prompt.messages
-    hint = "" if adjust else " (set parameter.chat.adjustTokens=true to drop the oldest turns)"
-
-    def too_long(reason: str) -> SparkError:
-        return SparkError(SparkCode.TOKEN_LIMIT_EXCEEDED, f"payload.message.text: {reason}{hint}")
-
-    def drop_to_history_limit(sizes: list[int], what: str) -> int:
-        """Drop the fewest oldest turns that bring ``sizes`` (one per message) within the limit."""
-        total = sum(sizes)
-        k = 0
-        for i in _droppable(messages) if adjust else []:
-            if total <= history_limit:
-                break
-            total -= sizes[i]
-            k += 1
-        if total > history_limit:
-            raise too_long(f"the dialogue's contents have {what}{sum(sizes)} tokens; the limit is {history_limit}")
-        messages[:] = _without_oldest(messages, k)
-        return k
-
-    dropped = drop_to_history_limit([engine.min_num_tokens([m.content]) for m in messages], "at least ")
+    floors = [engine.min_num_tokens([m.content]) for m in messages]
+    dropped = _drop_to_history_limit(messages, floors, adjust, history_limit, "at least ")
     counts = [len(ids) for ids in engine.tokenizer([m.content for m in messages],
                                                    add_special_tokens=False)["input_ids"]]
-    dropped += drop_to_history_limit(counts, "")
-    question_tokens = counts[-1]
+    dropped += _drop_to_history_limit(messages, counts, adjust, history_limit, "")
+    return counts[-1], dropped + _fit_context(request, prompt, adjust, engine)
 
+
+def _too_long(reason: str, adjust: bool) -> SparkError:
+    hint = "" if adjust else " (set parameter.chat.adjustTokens=true to drop the oldest turns)"
+    return SparkError(SparkCode.TOKEN_LIMIT_EXCEEDED, f"payload.message.text: {reason}{hint}")
+
+
+def _drop_to_history_limit(messages: list[ChatMessage], sizes: list[int], adjust: bool, limit: int,
+                           what: str) -> int:
+    """Drop the fewest oldest turns (with ``adjust``) that bring ``sizes`` (one per message) within
+    ``limit``; how many were dropped."""
+    total = sum(sizes)
+    k = 0
+    for i in _droppable(messages) if adjust else []:
+        if total <= limit:
+            break
+        total -= sizes[i]
+        k += 1
+    if total > limit:
+        raise _too_long(f"the dialogue's contents have {what}{sum(sizes)} tokens; the limit is {limit}", adjust)
+    messages[:] = _without_oldest(messages, k)
+    return k
+
+
+def _fit_context(request: GenerationRequest, prompt: ChatPrompt, adjust: bool, engine: EngineClient) -> int:
+    """Drop the fewest oldest turns (with ``adjust``, found by bisection) that make the templated prompt
+    fit the model's context; how many were dropped. The prompt keeps its ids: templated here once, not
+    again in the engine."""
+    messages = prompt.messages
     # With adjustTokens, trimming also leaves room for the answer: max_tokens free in the context.
     context = engine.model_info.max_model_len
     room = min(request.params.max_tokens, context // 2) if adjust else 1
-
-    encoded: list[list[int]] = []  # the templated prompt of the latest try: the engine gets it as is
+    encoded: list[list[int]] = []  # the templated prompt of the latest try that fit
 
     def fits() -> str | None:
+        """Why the dialogue as it is now does not fit (None: it does)."""
         try:
             ids = engine.encode_prompt_sync(prompt)
         except PromptTooLongError as exc:
             return str(exc)
-        encoded[:] = [ids]
-        num_tokens = len(ids)
-        if num_tokens + room > context:
-            return (f"the prompt has {num_tokens} tokens; with max_tokens={request.params.max_tokens} free for the "
+        if len(ids) + room > context:
+            return (f"the prompt has {len(ids)} tokens; with max_tokens={request.params.max_tokens} free for the "
                     f"answer it must fit the model's {context}-token context")
+        encoded[:] = [ids]
         return None
 
-    def templated_once(result: tuple[int, int]) -> tuple[int, int]:
-        prompt.token_ids = encoded[0]  # templated and tokenized here once, not again in the engine
-        return result
-
     reason = fits()
-    if reason is None:
-        return templated_once((question_tokens, dropped))
-    kept = list(messages)
-    if not adjust or not _droppable(kept):
-        raise too_long(reason)
-    lo, hi = 1, len(_droppable(kept))  # the fewest drops that fit lies in [lo, hi] if any does
-    while lo < hi:
-        mid = (lo + hi) // 2
-        messages[:] = _without_oldest(kept, mid)
-        if fits() is None:
-            hi = mid
-        else:
-            lo = mid + 1
-    messages[:] = _without_oldest(kept, lo)
-    reason = fits()
+    dropped = 0
     if reason is not None:
-        raise too_long(reason)
-    return templated_once((question_tokens, dropped + lo))
+        kept = list(messages)
+        if not adjust or not _droppable(kept):
+            raise _too_long(reason, adjust)
+        lo, hi = 1, len(_droppable(kept))  # the fewest drops that fit lies in [lo, hi] if any does
+        while lo < hi:
+            mid = (lo + hi) // 2
+            messages[:] = _without_oldest(kept, mid)
+            if fits() is None:
+                hi = mid
+            else:
+                lo = mid + 1
+        messages[:] = _without_oldest(kept, lo)
+        reason = fits()
+        if reason is not None:
+            raise _too_long(reason, adjust)
+        dropped = lo
+    prompt.token_ids = encoded[0]
+    return dropped
 
 
 # ---- frames --------------------------------------------------------------------------------------
