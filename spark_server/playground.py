@@ -12,6 +12,8 @@ from importlib import resources
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
+from bridges.common import error_response
+from bridges.errors import ErrorInfo
 from spark_server.auth import AuthError, check_origin, sign_url, verify_websocket
 
 SPARK_WS_PATH = "/turing/v3/gpt"
@@ -65,10 +67,15 @@ async def sign(request: Request, config: PlaygroundConfig) -> Response:
     without it anyone could turn --spark-auth off by asking here."""
     keys = config.spark_keys
     if not keys:
-        return JSONResponse({"error": "the server runs without --spark-auth: no signing needed"}, status_code=404)
+        return _refusal(ErrorInfo.of("not_found", "the server runs without --spark-auth: no signing needed"))
     if not config.api_key:
-        return JSONResponse({"error": "signing URLs for the page needs --api-key"}, status_code=403)
+        return _refusal(ErrorInfo.of("forbidden", "signing URLs for the page needs --api-key"))
     key, secret = next(iter(keys.items()))
     scheme = "wss" if request.url.scheme == "https" else "ws"
     return JSONResponse({"url": sign_url(f"{scheme}://{request.headers.get('host', request.url.netloc)}"
                                          f"{SPARK_WS_PATH}", key, secret)})
+
+
+def _refusal(err: ErrorInfo) -> Response:
+    """A refusal in the page's own form: the message under ``error``."""
+    return error_response(err, lambda e: {"error": e.message})
