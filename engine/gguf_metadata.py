@@ -12,14 +12,18 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 from engine.file_identity import content_digest
-from engine.model_loader import EMBEDDED_MODEL_NAME, _is_embedded, default_cache_dir, gguf_source, resolve_model_dir
+from engine.model_loader import (
+    EMBEDDED_MODEL_NAME,
+    _is_embedded,
+    default_cache_dir,
+    gguf_source,
+    publish_directory,
+    resolve_model_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,16 +87,12 @@ def write_metadata(gguf: Path, target: Path) -> None:
     if not getattr(config, "architectures", None) and config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".metadata-", dir=target.parent))
-    try:
+
+    def write(staging: Path) -> None:
         config.save_pretrained(staging)
         GenerationConfig.from_model_config(config).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         follow_gguf_metadata(staging, tokenizer_metadata)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+
+    publish_directory(target, write, prefix=".metadata-")
     logger.info("read %s's config and tokenizer in %.1fs", gguf.name, time.monotonic() - started)

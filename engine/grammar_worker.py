@@ -15,13 +15,13 @@ import ctypes
 import functools
 import json
 import os
-import select
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
+
+from engine.worker_pipe import TIMED_OUT, read_line
 
 # Compile threads, here and in the server, get this much stack: only what a compile touches becomes
 # resident, and the depth budget keeps every accepted constraint far inside it.
@@ -172,7 +172,6 @@ def run_with_stack(work: Any) -> None:
 
 
 _STACK_LOCK = threading.Lock()
-_CLOSED, _TIMED_OUT = object(), object()  # why no line came from a worker
 
 
 class GrammarWorker:
@@ -211,10 +210,10 @@ class GrammarWorker:
         except OSError:
             self.close()
             raise WorkerFailed("could not be compiled: the compiler's worker was gone", lasting=False) from None
-        reply = self._read_line(proc, timeout_s)
+        reply = read_line(proc, timeout_s)
         if not isinstance(reply, bytes):
             self.close()
-            if reply is _TIMED_OUT:
+            if reply is TIMED_OUT:
                 raise WorkerFailed(f"took longer than {timeout_s:g} s to compile (--constraint-compile-timeout)",
                                    lasting=False)
             raise WorkerFailed("could not be compiled: the compiler failed on it (too complex)")
@@ -231,29 +230,11 @@ class GrammarWorker:
                 assert self._proc.stdin is not None
                 self._proc.stdin.write(self._setup.encode() + b"\n")
                 self._proc.stdin.flush()
-                ready = self._read_line(self._proc, 120.0)
+                ready = read_line(self._proc, 120.0)
                 if not isinstance(ready, bytes):
                     self._proc.kill()
                     raise WorkerFailed("could not be compiled: the compiler's worker did not start", lasting=False)
             return self._proc
-
-    @staticmethod
-    def _read_line(proc: subprocess.Popen[bytes], timeout_s: float) -> bytes | object:
-        """One line from the worker, or _CLOSED (it ended) or _TIMED_OUT (``timeout_s`` passed)."""
-        assert proc.stdout is not None
-        fd = proc.stdout.fileno()
-        chunks: list[bytes] = []
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return _TIMED_OUT
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                return _CLOSED
-            chunks.append(chunk)
-            if chunk.endswith(b"\n"):
-                return b"".join(chunks)
 
     def stop(self, job: object) -> None:
         """End the worker if it is still running ``job`` (a request gone away); safe from any thread. The

@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from engine.file_identity import content_digest
@@ -131,18 +131,14 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
-        logger.info("converting (3/3): writing %s", target)
+    logger.info("converting (3/3): writing %s", target)
+
+    def write(staging: Path) -> None:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         follow_gguf_metadata(staging, tokenizer_metadata)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+
+    publish_directory(target, write, prefix=".convert-")
     logger.info("converted %s in %.0fs; later starts load the converted copy", gguf.name, time.monotonic() - started)
 
 
@@ -194,3 +190,17 @@ def reported_dequantization() -> Iterator[None]:
         yield
     finally:
         gguf_utils.tqdm = original
+
+
+def publish_directory(target: Path, write: Callable[[Path], None], prefix: str) -> None:
+    """``write`` fills a staging directory beside ``target``, which then replaces ``target`` in one rename:
+    a reader never sees a half-written directory, and a failed write leaves nothing behind."""
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    try:
+        write(staging)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)

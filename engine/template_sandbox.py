@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import subprocess
 import sys
 import threading
-import time
 from copy import deepcopy
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
 from engine.errors import EngineOverloadedError, InvalidRequestError
+from engine.worker_pipe import CLOSED, read_line
 
 RENDER_TIMEOUT_S = 2.0
 WORKER_MEMORY_BYTES = 256 << 20
@@ -141,7 +140,7 @@ class _Worker:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
             self.proc = subprocess.Popen([sys.executable, "-m", "engine.template_sandbox"], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, cwd=root, env=env)
-            if _read_line(self.proc, 60.0) is None:
+            if not isinstance(read_line(self.proc, 60.0), bytes):
                 self.close()
                 raise EngineOverloadedError("request chat templates: the template sandbox did not start")
         return self.proc
@@ -159,24 +158,6 @@ class _Worker:
                     pipe.close()
                 except OSError:
                     pass
-
-
-def _read_line(proc: subprocess.Popen[bytes], timeout_s: float) -> bytes | None:
-    """One line from the worker; None when it ended or ``timeout_s`` passed first."""
-    assert proc.stdout is not None
-    fd = proc.stdout.fileno()
-    chunks: list[bytes] = []
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return None
-        chunk = os.read(fd, 1 << 20)
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        if chunk.endswith(b"\n"):
-            return b"".join(chunks)
 
 
 class TemplateSandbox:
@@ -207,10 +188,10 @@ class TemplateSandbox:
             assert proc.stdin is not None
             proc.stdin.write(job.encode() + b"\n")
             proc.stdin.flush()
-            reply = _read_line(proc, self.timeout_s)
+            reply = read_line(proc, self.timeout_s)
         except OSError:
-            reply = None
-        if reply is None:
+            reply = CLOSED
+        if not isinstance(reply, bytes):
             timed_out = proc.poll() is None
             worker.close()
             reason = (f"took longer than {self.timeout_s:g} s to render" if timed_out else
