@@ -67,11 +67,18 @@ def test_embeddings_equal_transformers_through_the_openai_client(live_server, re
         assert _cos(vector, reference(prompt)) > 1 - 1e-3
 
 
+# A text embedded in another batch rounds its bf16 activations in another order: each vector stays within
+# 1 - cos ~2e-4 of the fp32 one (above), i.e. moves by up to ~0.02, and a cosine between two by about as much.
+BATCH_ROUNDING = 2e-2
+
+
 def test_rerank_and_score_rank_as_the_embedding_cosine(live_server):
     url = live_server.http_url
     vectors = httpx.post(url + "/v1/embeddings", json={"input": [QUERY, *DOCUMENTS]}, timeout=60).json()["data"]
     cosines = [_cos(vectors[0]["embedding"], d["embedding"]) for d in vectors[1:]]
     ranked = sorted(range(len(DOCUMENTS)), key=lambda i: -cosines[i])
+    # the ranks below are compared exactly: no two documents are within the rounding of each other
+    assert all(cosines[a] - cosines[b] > 2 * BATCH_ROUNDING for a, b in zip(ranked, ranked[1:])), cosines
     assert ranked[0] == 1  # the model does know where Paris is
 
     jina = httpx.post(url + "/v1/rerank", json={"model": live_server.engine.model_info.name, "query": QUERY,
@@ -79,7 +86,7 @@ def test_rerank_and_score_rank_as_the_embedding_cosine(live_server):
     assert [r["index"] for r in jina["results"]] == ranked
     assert [r["document"]["text"] for r in jina["results"]] == [DOCUMENTS[i] for i in ranked]
     for r in jina["results"]:
-        assert r["relevance_score"] == pytest.approx(cosines[r["index"]], abs=2e-3)
+        assert r["relevance_score"] == pytest.approx(cosines[r["index"]], abs=BATCH_ROUNDING)
     assert jina["usage"]["total_tokens"] > 0
 
     cohere = httpx.post(url + "/v2/rerank", json={"model": "default", "query": QUERY, "documents": DOCUMENTS,
@@ -87,7 +94,7 @@ def test_rerank_and_score_rank_as_the_embedding_cosine(live_server):
     assert [r["index"] for r in cohere["results"]] == ranked[:2] and "document" not in cohere["results"][0]
 
     score = httpx.post(url + "/score", json={"text_1": QUERY, "text_2": DOCUMENTS}, timeout=60).json()
-    assert [d["score"] for d in score["data"]] == pytest.approx(cosines, abs=2e-3)
+    assert [d["score"] for d in score["data"]] == pytest.approx(cosines, abs=BATCH_ROUNDING)
 
 
 @pytest.fixture(scope="module")
