@@ -1,5 +1,7 @@
 """The benchmarks as pass/fail checks (`make test-slow`): each exits non-zero when it misses its bar. The
-profiling aids without a bar get a quick run in the default suite, so they do not rot."""
+profiling aids without a bar get a quick run so they do not rot: in `make test-slow` the two that start a
+benchmark process and measure the machine's peaks first (seconds each before any load runs), in the default
+suite the one that runs in-process."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ def test_benchmark_meets_its_bar(name):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_the_decode_step_split_runs_and_adds_up():
     """bench_decode_step is a profiling aid without a bar: it must run, and its parts must be times of
     this run (each non-negative, together the step)."""
@@ -35,6 +38,7 @@ def test_the_decode_step_split_runs_and_adds_up():
     assert abs(sum(values) - float(total)) < 0.05, line
 
 
+@pytest.mark.slow
 def test_the_load_split_counts_the_load_and_its_ceiling_is_not_above_the_run():
     """bench_load_split is a profiling aid without a bar. Its accounting is checked: the prompt tokens and decode
     rows it recorded are exactly the load's (each request's first token comes from its prefill), and the
