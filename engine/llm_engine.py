@@ -221,7 +221,8 @@ class LLMEngine:
         building = time.monotonic()
         self.model = model_cls(hf_model, self.dtype, self.device, config.native_kernels, self.quantization,
                                stored, linear_activations=config.linear_activations, hessians=hessians,
-                               dense_source=dense_source, show_progress=self._weight_bytes(model_dir, in_place) > _LONG_LOAD_BYTES,
+                               dense_source=dense_source,
+                               show_progress=self._weight_bytes(model_dir, in_place) > _LONG_LOAD_BYTES,
                                tuning=self._tuning(gguf, model_dir))
         if hessians is not None:
             logger.info("int8: %d weights rounded in %.1fs", len(self.model.builder.made), time.monotonic() - building)
@@ -337,7 +338,8 @@ class LLMEngine:
         config = self.config
         layers, kv_heads, head_dim = model_cls.kv_geometry(hf_config)
         per_token = PagedKVCache.bytes_per_token(layers, kv_heads, head_dim, self.dtype)
-        num_blocks = config.num_kv_blocks or int(config.kv_cache_space_gib * (1 << 30) // (per_token * config.block_size))
+        num_blocks = config.num_kv_blocks or int(config.kv_cache_space_gib * (1 << 30)
+                                                 // (per_token * config.block_size))
         if num_blocks < 2:
             raise ValueError("the KV cache budget holds fewer than 2 blocks; raise --kv-cache-space")
         _check_kv_fits(num_blocks * config.block_size * per_token, self.device, weight_bytes)
@@ -359,7 +361,8 @@ class LLMEngine:
             if stored is None:
                 from engine.quant.gguf_blocks import read_gguf_linears
 
-                stored = {k: v for k, v in read_gguf_linears(gguf, hf_config).items() if k != "model.embed_tokens.weight"}
+                stored = {k: v for k, v in read_gguf_linears(gguf, hf_config).items()
+                          if k != "model.embed_tokens.weight"}
                 quant_cache.save(path, stored)
             return stored, None
         sources = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))

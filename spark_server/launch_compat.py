@@ -24,9 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 INFO, WARNING = logging.INFO, logging.WARNING
 POSITIONAL = "model_tag"  # `serve MODEL`: vLLM's positional model, beside --model
@@ -94,7 +95,7 @@ class Rule:
     def describe(self) -> str:
         raise NotImplementedError
 
-    def take(self, name: str, value: Any, launch: "Launch") -> None:
+    def take(self, name: str, value: Any, launch: Launch) -> None:
         raise NotImplementedError
 
 
@@ -105,7 +106,7 @@ class Alias(Rule):
     def describe(self) -> str:
         return f"another name for `{_flag(self.target)}`"
 
-    def take(self, name: str, value: Any, launch: "Launch") -> None:
+    def take(self, name: str, value: Any, launch: Launch) -> None:
         launch.set(self.target, self.convert(name, value), name)
 
 
@@ -116,7 +117,7 @@ class Honoured(Rule):
     def describe(self) -> str:
         return f"accepted: {self.how}"
 
-    def take(self, name: str, value: Any, launch: "Launch") -> None:
+    def take(self, name: str, value: Any, launch: Launch) -> None:
         self.convert(name, value)
         launch.note(INFO, name, value, self.how)
 
@@ -128,7 +129,7 @@ class Ignored(Rule):
     def describe(self) -> str:
         return f"ignored (logged at start): {self.why}"
 
-    def take(self, name: str, value: Any, launch: "Launch") -> None:
+    def take(self, name: str, value: Any, launch: Launch) -> None:
         if self.convert(name, value) is False:  # a switch turned off asks for what this server does anyway
             launch.note(INFO, name, value, "off, as here")
             return
@@ -143,7 +144,7 @@ class Effect(Rule):
     def describe(self) -> str:
         return f"applied at start: {self.how}"
 
-    def take(self, name: str, value: Any, launch: "Launch") -> None:
+    def take(self, name: str, value: Any, launch: Launch) -> None:
         launch.effects[self.key or name] = self.convert(name, value)
         launch.note(INFO, name, value, self.how)
 
@@ -158,7 +159,7 @@ class Only(Rule):
         shown = ", ".join("empty" if _empty(a) else json.dumps(a) for a in self.accepted)
         return f"accepted at {shown} ({self.how}); any other value refused at start: {self.refused}"
 
-    def take(self, name: str, value: Any, launch: "Launch") -> None:
+    def take(self, name: str, value: Any, launch: Launch) -> None:
         converted = self.convert(name, value)
         if not any(converted == a or (_empty(converted) and _empty(a)) for a in self.accepted):
             raise ValueError(f"{_flag(name)} {_shown(value)}: {self.refused}")
@@ -172,7 +173,7 @@ class Refused(Rule):
     def describe(self) -> str:
         return f"refused at start: {self.why}"
 
-    def take(self, name: str, value: Any, launch: "Launch") -> None:
+    def take(self, name: str, value: Any, launch: Launch) -> None:
         raise ValueError(f"{_flag(name)} {_shown(value)}: {self.why}")
 
 
@@ -187,7 +188,7 @@ class ByValue(Rule):
             parts.append(f"other values: {self.otherwise.describe()}")
         return "; ".join(parts)
 
-    def take(self, name: str, value: Any, launch: "Launch") -> None:
+    def take(self, name: str, value: Any, launch: Launch) -> None:
         key = str(self.convert(name, value))
         rule = self.cases.get(key, self.otherwise)
         if rule is None:
@@ -205,7 +206,7 @@ class MatchModel(Rule):
         what = f"the model's `{self.key}`" if self.key else "the model's config.json"
         return f"accepted where it repeats {what} (checked once the model is loaded); a different value is refused"
 
-    def take(self, name: str, value: Any, launch: "Launch") -> None:
+    def take(self, name: str, value: Any, launch: Launch) -> None:
         converted = self.convert(name, value)
         if _empty(converted):
             return
@@ -255,7 +256,7 @@ class SpeculativeConfig(Rule):
                 "set ours; other methods (a draft model, EAGLE, Medusa) are ignored (logged at start): "
                 + NO_SPEC_MODEL)
 
-    def take(self, name: str, value: Any, launch: "Launch") -> None:
+    def take(self, name: str, value: Any, launch: Launch) -> None:
         config = as_json(name, value)
         if _empty(config):
             return
@@ -424,7 +425,8 @@ TABLE: dict[str, Rule] = {
     "speculative_disable_mqa_scorer": _sw_ign(NO_SPEC_MODEL),
     "speculative_draft_tensor_parallel_size": _ign(NO_SPEC_MODEL, sample="1"),
     "speculative_max_model_len": _ign(NO_SPEC_MODEL, sample="2048"),
-    "speculative_disable_by_batch_size": _ign("drafting turns itself off where a crowded step makes draft rows cost more than they save", sample="4"),
+    "speculative_disable_by_batch_size": _ign("drafting turns itself off where a crowded step makes draft rows cost "
+                                              "more than they save", sample="4"),
     "ngram_prompt_lookup_max": Alias(target="prompt_lookup_max", convert=as_int, sample="8"),
     "ngram_prompt_lookup_min": Alias(target="prompt_lookup_min", convert=as_int, sample="4"),
     "spec_decoding_acceptance_method": ByValue(sample="rejection_sampler", cases={

@@ -5,6 +5,7 @@ random Qwen3 classifier served with --task classify answers /classify with trans
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import httpx
@@ -78,7 +79,7 @@ def test_rerank_and_score_rank_as_the_embedding_cosine(live_server):
     cosines = [_cos(vectors[0]["embedding"], d["embedding"]) for d in vectors[1:]]
     ranked = sorted(range(len(DOCUMENTS)), key=lambda i: -cosines[i])
     # the ranks below are compared exactly: no two documents are within the rounding of each other
-    assert all(cosines[a] - cosines[b] > 2 * BATCH_ROUNDING for a, b in zip(ranked, ranked[1:])), cosines
+    assert all(cosines[a] - cosines[b] > 2 * BATCH_ROUNDING for a, b in itertools.pairwise(ranked)), cosines
     assert ranked[0] == 1  # the model does know where Paris is
 
     jina = httpx.post(url + "/v1/rerank", json={"model": live_server.engine.model_info.name, "query": QUERY,

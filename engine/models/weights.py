@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -35,6 +36,8 @@ from engine.quant.calibration import PROGRESS_EVERY_S
 from engine.quant.formats import QuantizedWeight, concat, quantize_int4, quantize_int8
 from engine.quant.gptq import quantize_int8_gptq
 from engine.quant.packing import pack_bf16, pack_quantized, packable, unpack_quantized
+
+_CPU = torch.device("cpu")
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class MeasuredRates:
 
 
 def resolve_quantization(mode: str, is_gguf: bool, kernels: CpuKernels | None, dtype: torch.dtype,
-                         device: torch.device = torch.device("cpu")) -> str:
+                         device: torch.device = _CPU) -> str:
     if mode not in QUANTIZATION_CHOICES:
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, not {mode!r}")
     fast = kernels is not None and kernels.linear_isa >= 1 and dtype == torch.bfloat16  # AVX-512 or AVX2
@@ -395,7 +398,7 @@ def choose_linear_path(packed: list[PackedLinear], margin: float = _PATH_MARGIN)
         for path in ("dot", "fma"):
             with kern.on_linear_path(path):
                 for i, x in enumerate(inputs):
-                    best[path][i] = min(best[path][i], _best_time(lambda: kern.linear(x, probe.packed), reps=3))
+                    best[path][i] = min(best[path][i], _best_time(partial(kern.linear, x, probe.packed), reps=3))
     kern.set_linear_path("fma" if sum(best["fma"]) * margin < sum(best["dot"]) else "dot")
     times = ", ".join(f"{rows} rows {d * 1e3:.2f} / {f * 1e3:.2f} ms"
                       for rows, d, f in zip(_PATH_PROBE_ROWS, best["dot"], best["fma"]))
@@ -460,9 +463,9 @@ def _kernel_row_limit(lin: PackedLinear, fallback: Callable[[torch.Tensor], torc
         x = torch.randn(rows, lin.in_features, generator=gen).to(torch.bfloat16)
         mine = theirs = float("inf")
         for _ in range(rounds):
-            mine = min(mine, _best_time(lambda: lin.kernels.linear(x, lin.packed, lin._bias32,
-                                                                   int8_activations=lin.int8_activations), reps=3))
-            theirs = min(theirs, _best_time(lambda: other(x), reps=3))
+            mine = min(mine, _best_time(partial(lin.kernels.linear, x, lin.packed, lin._bias32,
+                                                int8_activations=lin.int8_activations), reps=3))
+            theirs = min(theirs, _best_time(partial(other, x), reps=3))
         if mine > margin * theirs:
             break
         limit = rows
@@ -472,7 +475,7 @@ def _kernel_row_limit(lin: PackedLinear, fallback: Callable[[torch.Tensor], torc
 def _activation_times(lin: PackedLinear) -> tuple[float, float]:
     """Seconds for a prefill-sized batch through one 4-bit linear, with bf16 and with int8 activations."""
     x = torch.randn(_INT8_PROBE_ROWS, lin.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    times = [_best_time(lambda: lin.kernels.linear(x, lin.packed, int8_activations=int8)) for int8 in (False, True)]
+    times = [_best_time(partial(lin.kernels.linear, x, lin.packed, int8_activations=int8)) for int8 in (False, True)]
     return times[0], times[1]
 
 
