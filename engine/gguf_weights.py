@@ -202,6 +202,8 @@ class BlockWeights(Mapping[str, QuantizedWeight]):
         if not all(n in self._names for n in names) or len(kinds) != 1:
             return None
         kind = kinds.pop()
+        if kind is None:  # names outside the file (excluded by the check above)
+            return None
         parts = [self._weights.raw_blocks(n) for n in names]
         if len({p.shape[1] for p in parts}) != 1:
             return None

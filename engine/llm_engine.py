@@ -85,16 +85,18 @@ def _tokenizer_dir(source: str) -> Path:
 def record_prompt_logprobs(chunk: PromptLogits) -> None:
     """The logprob of each prompt token after ``chunk.start`` (and the top candidates, if asked)."""
     seq = chunk.seq
+    recorded = seq.prompt_logprobs
+    assert recorded is not None  # the model returns prompt logits only for a sequence that asked for them
     logprobs = chunk.logits.log_softmax(-1)
     targets = torch.tensor(seq.prompt_token_ids[chunk.start + 1:chunk.start + 1 + logprobs.shape[0]])
     chosen = logprobs.gather(-1, targets[:, None]).squeeze(-1).tolist()
     k = seq.params.prompt_logprobs or 0
     tops = logprobs.topk(k, dim=-1) if k else None
     for i, (tid, lp) in enumerate(zip(targets.tolist(), chosen)):
-        if chunk.start + i < len(seq.prompt_logprobs):  # recomputed after a preemption: already known
+        if chunk.start + i < len(recorded):  # recomputed after a preemption: already known
             continue
         top = list(zip(tops.indices[i].tolist(), tops.values[i].tolist())) if tops is not None else []
-        seq.prompt_logprobs.append(TokenLogprob(tid, lp, top))
+        recorded.append(TokenLogprob(tid, lp, top))
 
 
 def _available_memory_bytes() -> int | None:
@@ -524,7 +526,7 @@ class LLMEngine:
             salt += f"|prompt-logprobs:{request.request_id}"
         p = request.params
         stops = StopAutomaton(p.stop) if p.stop else None  # one automaton for the n samples
-        seqs = []
+        seqs: list[Sequence] = []
         for index in range(p.n):
             # The n samples share the prompt's KV: siblings wait until the first one's prompt blocks
             # are in the prefix cache, then reuse them. Seeded requests stay reproducible per sample.
@@ -583,6 +585,7 @@ class LLMEngine:
             for seq, n in batch.prefills:
                 self._advance(seq, n)
             for seq, first, rows in out.hidden:
+                assert seq.pooling is not None  # the model keeps hidden states only for pooling sequences
                 seq.pooling.take(first, rows)
         except Exception as exc:  # a failed step fails only the sequences in it
             logger.exception("model step failed for %d sequences", len(seqs))
@@ -594,6 +597,7 @@ class LLMEngine:
             seq = samplers[row]
             rows = 1 + len(seq.draft_token_ids)  # only a scheduled decode keeps a draft (Scheduler.schedule)
             if id(seq) in costly:  # its grammar's masks hold every stream in the step: this answer ends here
+                assert seq.params.constraint is not None  # only constrained sequences have masks
                 outputs.append(self._finish(seq, "error", error_kind="invalid", error=(
                     f"'{seq.params.constraint.field}' costs too much to match: this client's grammar masks took "
                     f"{costly[id(seq)] * 1000:.0f} ms of one step (--max-constraint-step-ms "
@@ -606,6 +610,7 @@ class LLMEngine:
 
     def _finish_pooling(self, seq: Sequence) -> RequestOutput:
         """A pooling sequence whose prompt is computed: its answer, and its blocks freed."""
+        assert seq.pooling is not None  # called only for pooling sequences
         try:
             pooled = self.pooler.finish(seq.pooling)
         except Exception as exc:
@@ -673,6 +678,7 @@ class LLMEngine:
             seq.rng_before_draft = None
             return self._process_token(seq, picks[0])
         kept = accepted_prefix(draft, picks)
+        assert self.speculator is not None  # drafts are proposed only by the speculator
         self.speculator.record(seq, len(draft), kept)
         if seq.rng_before_draft is not None:
             # the step drew a uniform per row; plain decoding draws one per token: only the kept ones count
@@ -716,6 +722,7 @@ class LLMEngine:
             # A limit of the grammar library hit while filling this token's mask (the mask then allows only
             # the end, which must not pass for a complete answer): this answer cannot go on, and the cached
             # grammar is dropped so no later request gets a copy in a failed state.
+            assert p.constraint is not None  # a matcher is made only from the request's constraint
             self.grammars().evict(p.constraint)
             return self._finish(seq, "error", error_kind="invalid", error=f"'{p.constraint.field}' cannot be "
                                 f"used: {first_line(matcher.get_error())}")
@@ -723,6 +730,7 @@ class LLMEngine:
             # The token was masked, so the grammar had no real way on: it needs bytes this vocabulary
             # cannot spell (a regex naming a character with no byte token), and llguidance's mask fell
             # back to token 0. The request is what cannot be served, not the engine.
+            assert p.constraint is not None  # a matcher is made only from the request's constraint
             return self._finish(seq, "error", error_kind="invalid", error=f"{p.constraint.field}: the constraint "
                                 "needs text this model's vocabulary cannot produce (no token fits the grammar "
                                 f"after {seq.num_output_tokens - 1} output tokens)")

@@ -388,6 +388,7 @@ def choose_linear_path(packed: list[PackedLinear], margin: float = _PATH_MARGIN)
     if not paths:
         return "linear kernels: portable C"
     if len(paths) == 1:
+        assert kern.linear_path is not None  # a build with fast paths starts on the first of them
         return f"linear kernels: {LINEAR_PATH_NAMES[kern.linear_path]}{' (AVX2)' if kern.target == 'avx2' else ''}"
     layers, _ = _split_repeated(packed)
     probe = max(layers or packed, key=lambda lin: lin.out_features * lin.in_features)
@@ -399,10 +400,11 @@ def choose_linear_path(packed: list[PackedLinear], margin: float = _PATH_MARGIN)
             with kern.on_linear_path(path):
                 for i, x in enumerate(inputs):
                     best[path][i] = min(best[path][i], _best_time(partial(kern.linear, x, probe.packed), reps=3))
-    kern.set_linear_path("fma" if sum(best["fma"]) * margin < sum(best["dot"]) else "dot")
+    chosen = "fma" if sum(best["fma"]) * margin < sum(best["dot"]) else "dot"
+    kern.set_linear_path(chosen)
     times = ", ".join(f"{rows} rows {d * 1e3:.2f} / {f * 1e3:.2f} ms"
                       for rows, d, f in zip(_PATH_PROBE_ROWS, best["dot"], best["fma"]))
-    return (f"linear kernels: {LINEAR_PATH_NAMES[kern.linear_path]} (largest projection, AVX512-BF16 dot / fp32 FMA: "
+    return (f"linear kernels: {LINEAR_PATH_NAMES[chosen]} (largest projection, AVX512-BF16 dot / fp32 FMA: "
             f"{times})")
 
 

@@ -27,7 +27,7 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)  # type: ignore[return-value]
+        return tuple(self.codes.shape)
 
     def nbytes(self) -> int:
         extra = self.mins.numel() * 2 if self.mins is not None else 0
@@ -58,7 +58,7 @@ def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
     first = parts[0]
     if any(p.kind != first.kind or p.group != first.group for p in parts):
         raise ValueError("cannot fuse weights of different formats")
-    mins = torch.cat([p.mins for p in parts]) if first.mins is not None else None  # type: ignore[misc]
+    mins = torch.cat([p.mins for p in parts]) if first.mins is not None else None
     return QuantizedWeight(first.kind, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                            mins, first.group, first.source)
 

@@ -41,14 +41,14 @@ def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> Quantized
     blocks = rows * cols // BLOCK
     if kind == "Q8_0":  # {fp16 d; int8 q[32]}
         b = raw.reshape(blocks, 34)
-        d = b[:, :2].copy().view(np.float16).astype(np.float32)
-        q = b[:, 2:].copy().view(np.int8)
+        d: np.ndarray = b[:, :2].copy().view(np.float16).astype(np.float32)
+        q: np.ndarray = b[:, 2:].copy().view(np.int8)
         return QuantizedWeight("i8", torch.from_numpy(q.reshape(rows, cols)),
                                torch.from_numpy(d.reshape(rows, cols // BLOCK)), None, BLOCK, "gguf Q8_0")
     if kind == "Q4_1":  # {fp16 d; fp16 m; uint8 qs[16]}: q[j] = qs[j] & 15, q[j + 16] = qs[j] >> 4
         b = raw.reshape(blocks, 20)
         d = b[:, 0:2].copy().view(np.float16)
-        m = b[:, 2:4].copy().view(np.float16)
+        m: np.ndarray = b[:, 2:4].copy().view(np.float16)
         qs = b[:, 4:]
     elif kind == "Q4_0":  # {fp16 d; uint8 qs[16]}: w = d * (q - 8), i.e. a min of -8 d (exact in fp16)
         b = raw.reshape(blocks, 18)
