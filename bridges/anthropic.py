@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,7 +250,8 @@ class Messages(Handler[AnthropicContext]):
     async def render_final(self, plan: Plan[AnthropicContext], results: list[list[Completion]]) -> Response:
         answer = plan.context
         (c,) = results[0]
-        text, calls, thought = c.text, [], ""
+        text, thought = c.text, ""
+        calls: list[tools.ToolCall] = []
         if answer.reasoning is not None:
             splitter = answer.reasoning.splitter(answer.reasoning_state)
             thought, text = thinking.feed_output(splitter, c.token_texts, final=True)
@@ -268,11 +269,12 @@ class Messages(Handler[AnthropicContext]):
                            "usage": _usage(c.num_prompt_tokens, c.num_cached_tokens, len(c.token_ids))})
 
     def render_stream(self, plan: Plan[AnthropicContext],
-                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
         return _stream(plan.context, outputs)
 
 
-async def _stream(answer: AnthropicContext, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+async def _stream(answer: AnthropicContext,
+                  outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
     """message_start, ping, then content blocks (text deltas; each tool call a tool_use block whose input
     comes as one input_json_delta), message_delta with the stop reason and usage, message_stop."""
     parser = answer.tools.stream_parser() if answer.tools is not None else None

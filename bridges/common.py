@@ -119,8 +119,8 @@ def sse(data: Any) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-async def ending_with_error_event(events: AsyncIterator[bytes],
-                                  error_event: Callable[[ErrorInfo], bytes]) -> AsyncIterator[bytes]:
+async def ending_with_error_event(events: AsyncGenerator[bytes, None],
+                                  error_event: Callable[[ErrorInfo], bytes]) -> AsyncGenerator[bytes, None]:
     """A stream whose failure after the first byte (the status is sent by then) ends it with the
     protocol's own error event, never a cut connection."""
     try:

@@ -93,7 +93,9 @@ def openai_constraint(body: dict[str, Any]) -> Constraint | None:
         if not isinstance(tag, dict):
             raise BridgeError(400, "structural_tag: expected an object with structures and triggers",
                               param="structural_tag")
-        found.append(("structural_tag", response_format({"type": "structural_tag", **tag}, "structural_tag")))
+        constraint = response_format({"type": "structural_tag", **tag}, "structural_tag")
+        assert constraint is not None  # a structural_tag format always makes one (or is refused)
+        found.append(("structural_tag", constraint))
     return _only_one(found)
 
 
@@ -117,6 +119,8 @@ def tgi_grammar(grammar: dict[str, Any] | None, field: str = "parameters.grammar
     if kind == "json":
         return Constraint("json", _json_text(value, f"{field}.value"), field=f"{field}.value")
     if kind == "regex":
+        if not isinstance(value, str):  # the schema allows an object (for json); a regex is text
+            raise BridgeError(400, f"{field}.value: a regex must be a string", param=f"{field}.value")
         return Constraint("regex", value, field=f"{field}.value")
     raise BridgeError(400, f"{field}.type: {kind!r} is not json or regex", param=f"{field}.type")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from starlette.responses import JSONResponse, Response
@@ -46,7 +46,7 @@ class Infer(Handler[textgen.TextGenRequest]):
         return JSONResponse(result)
 
     async def render_stream(self, plan: Plan[textgen.TextGenRequest],
-                            outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+                            outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
         tg = plan.context
         text = ""
         async for _, out in outputs:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -187,7 +187,7 @@ class _Call(Handler[OllamaContext]):
         return JSONResponse(_ordered(result, self.chat))
 
     async def render_stream(self, plan: Plan[OllamaContext],
-                            outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+                            outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
         model = plan.body["model"]
         output_ids: list[int] = []
         last: RequestOutput | None = None

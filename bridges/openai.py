@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +56,9 @@ def check_model(ctx: ServingContext, body: dict[str, Any]) -> tuple[str, LoraRef
         lora = requested_adapter(ctx, body["lora_path"])
         return body.get("model") or ctx.model.name, lora
     lora = requested_adapter(ctx, body.get("model"))
-    return (lora.name if lora else ctx.model.name), lora
+    if lora is not None and lora.name is not None:  # a registered adapter is selected by its name
+        return lora.name, lora
+    return ctx.model.name, lora
 
 
 def banned_ids(tokenizer: Tokenizer, words: list[str] | None) -> list[int]:
@@ -234,6 +236,7 @@ def lower_completion(ctx: ServingContext, body: dict[str, Any], rid: str) -> lis
 def _echo_text(tokenizer: Tokenizer, prompt: Prompt) -> str:
     if isinstance(prompt, TextPrompt):
         return prompt.text
+    assert isinstance(prompt, TokensPrompt)  # completions take text or token ids, never messages
     return tokenizer.decode(prompt.token_ids)
 
 
@@ -297,7 +300,7 @@ class Completions(_OpenAIHandler):
                            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached)})
 
     def render_stream(self, plan: Plan[OpenAIContext],
-                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
         return _stream_completions(plan.body, plan.requests, outputs, plan.context)
 
 
@@ -310,7 +313,7 @@ def _stream_usage(body: dict[str, Any]) -> tuple[bool, bool]:
 
 async def _stream_completions(body: dict[str, Any], reqs: list[GenerationRequest],
                               outputs: AsyncIterator[tuple[int, RequestOutput]],
-                              answer: OpenAIContext) -> AsyncIterator[bytes]:
+                              answer: OpenAIContext) -> AsyncGenerator[bytes, None]:
     n, rid, model, name = reqs[0].params.n, answer.rid, answer.model, answer.names
     include_usage, continuous = _stream_usage(body)
     created = now()
@@ -489,12 +492,12 @@ class ChatCompletions(_OpenAIHandler):
         return JSONAnswer(result)
 
     def render_stream(self, plan: Plan[OpenAIContext],
-                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
         return _stream_chat(plan.body, plan.requests[0], outputs, plan.context)
 
 
 async def _stream_chat(body: dict[str, Any], req: GenerationRequest, outputs: AsyncIterator[tuple[int, RequestOutput]],
-                       answer: OpenAIContext) -> AsyncIterator[bytes]:
+                       answer: OpenAIContext) -> AsyncGenerator[bytes, None]:
     rid, model, name = answer.rid, answer.model, answer.names
     include_usage, continuous = _stream_usage(body)
     token_ids = bool(body.get("return_token_ids"))

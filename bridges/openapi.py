@@ -38,16 +38,16 @@ def build_document(registry: Registry, title: str = "spark-server") -> dict[str,
     components = {n: _rewrite(schemas.load_schema(n), n) for n in schemas.available()}
     paths: dict[str, Any] = {}
     shared: dict[tuple[str, str], list[Operation]] = {}
-    for _, op in registry.operations:
-        if op.method in ("POST", "GET", "DELETE"):
-            shared.setdefault((op.path, op.method.lower()), []).append(op)
+    for _, operation in registry.operations:
+        if operation.method in ("POST", "GET", "DELETE"):
+            shared.setdefault((operation.path, operation.method.lower()), []).append(operation)
     for (path, method), ops in shared.items():
         op: dict[str, Any] = {"summary": " | ".join(o.summary for o in ops)}
         names = [n for o in ops for n in o.schemas]
         if names:
             refs = [{"$ref": f"#/components/schemas/{n}"} for n in names]
             body_schema = refs[0] if len(refs) == 1 else {"oneOf": refs}
-            content = {"application/json": {"schema": {}}}
+            content: dict[str, dict[str, Any]] = {"application/json": {"schema": {}}}
             if any(o.streams for o in ops):
                 content["text/event-stream"] = {"schema": {"type": "string"}}
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body_schema}}}

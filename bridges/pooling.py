@@ -12,7 +12,7 @@ import asyncio
 import base64
 import math
 import struct
-from typing import Any
+from typing import Any, cast
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -220,14 +220,22 @@ async def classify(request: Request, ctx: ServingContext) -> Response:
     outs = await _pool_all(ctx, client_identity(request), body, _prompts(ctx, body), params, "input")
     data = []
     for i, o in enumerate(outs):
-        probs = list(o.data)
-        best = max(range(len(probs)), key=probs.__getitem__)
+        probs = list(_vector(o))
+        best = max(range(len(probs)), key=lambda j: probs[j])
         data.append({"index": i, "label": labels[best] if best < len(labels) else f"LABEL_{best}", "probs": probs,
                      "num_classes": len(probs)})
     return _listing("classify", body, model, data, outs)
 
 
 # ---- /score and /rerank --------------------------------------------------------------------------
+
+
+def _vector(out: PoolingOutput) -> list[float]:
+    """The one vector of a prompt pooled whole (classify, score, embed): only token-level pooling answers
+    with a vector per token."""
+    if out.data and isinstance(out.data[0], list):
+        raise TypeError("expected one vector for the prompt, got one per token")
+    return cast("list[float]", out.data)
 
 
 def _cosine(a: list[float], b: list[float]) -> float:
@@ -259,14 +267,14 @@ async def _scores(ctx: ServingContext, client: str | None, body: dict[str, Any],
         ids = await asyncio.to_thread(lambda: [tokenizer.pair(a, b) for a, b in pairs])
         params = PoolingParams("score", activation=activation, truncate_prompt_tokens=truncate)
         outs = await _pool_all(ctx, client, body, [TokensPrompt(i) for i in ids], params, fields[1])
-        return [float(o.data[0]) for o in outs], outs
+        return [float(_vector(o)[0]) for o in outs], outs
     if activation is not None:
         raise BridgeError(400, "use_activation applies to a classification head; this model scores by the cosine "
                                "of embeddings", param="use_activation")
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text embedded once
     params = PoolingParams("embed", truncate_prompt_tokens=truncate)
     outs = await _pool_all(ctx, client, body, [TextPrompt(t) for t in texts], params, fields[1])
-    vectors = {t: o.data for t, o in zip(texts, outs)}
+    vectors = {t: _vector(o) for t, o in zip(texts, outs)}
     return [_cosine(vectors[a], vectors[b]) for a, b in pairs], outs
 
 

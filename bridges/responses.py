@@ -16,7 +16,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -143,7 +143,9 @@ def _renamed(err: BridgeError, origins: list[str]) -> BridgeError:
 
 def format_constraint(fmt: dict[str, Any] | None) -> Constraint | None:
     """``text.format``: text (free), json_object (any JSON object), json_schema (its schema)."""
-    kind = (fmt or {}).get("type", "text")
+    if not fmt:
+        return None
+    kind = fmt.get("type", "text")
     if kind == "json_object":
         return Constraint("json_object", field="text.format")
     if kind == "json_schema":
@@ -306,7 +308,7 @@ class Responses(Handler[_Context]):
         return JSONAnswer(response)
 
     def render_stream(self, plan: Plan[_Context],
-                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
         return _stream(plan.context, outputs)
 
 
@@ -370,17 +372,18 @@ def _function_call(call: tools.ToolCall, item_id: str | None = None) -> dict[str
 
 def _final(ctx: _Context, c: Completion) -> dict[str, Any]:
     status, incomplete = _status(c.finish_reason)
-    content: str | None = c.text
+    text = c.text
     thought: str | None = None
     reasoning_tokens = 0
     if ctx.reasoning is not None:  # the thinking apart; the content alone is read for calls
         splitter = ctx.reasoning.splitter(ctx.reasoning_state)
-        thought, content = thinking.feed_output(splitter, c.token_texts, final=True)
+        thought, text = thinking.feed_output(splitter, c.token_texts, final=True)
         thought = thought if splitter.thought else None
         reasoning_tokens = splitter.reasoning_tokens
+    content: str | None = text  # None: an answer that is only calls
     calls: list[tools.ToolCall] = []
     if ctx.tools is not None:
-        content, calls = ctx.tools.parse_answer(content)
+        content, calls = ctx.tools.parse_answer(text)
     logprobs = chat_logprobs(ctx.names, c.logprobs)["content"] if ctx.logprobs else None
     output = [] if thought is None else [_reasoning(thought, status)]
     if content or (content is not None and not output):  # an empty answer is a message, after no thinking
@@ -444,6 +447,7 @@ class _StreamRenderer:
 
     def close_thinking(self, status: str) -> list[bytes]:
         t, self.thinking = self.thinking, None
+        assert t is not None  # called only while a reasoning item is open
         item = _reasoning(t.text, status, t.item_id)
         self.output.append(item)
         return [self.event("response.reasoning_text.done", item_id=t.item_id, output_index=t.index, content_index=0,
@@ -467,6 +471,7 @@ class _StreamRenderer:
         text, self.held = self.held + text, ""
         events = self.open_message() if self.message is None else []
         m = self.message
+        assert m is not None  # open, or just opened
         lps = chat_logprobs(self.ctx.names, self.pending)["content"] if self.ctx.logprobs else []
         self.pending = []
         m.text += text
@@ -477,6 +482,7 @@ class _StreamRenderer:
 
     def close_message(self, status: str) -> list[bytes]:
         m, self.message = self.message, None
+        assert m is not None  # called only while a message is open
         item = _message(m.text, status, m.logprobs, m.item_id)
         self.output.append(item)
         return [self.event("response.output_text.done", item_id=m.item_id, output_index=m.index, content_index=0,
@@ -514,7 +520,7 @@ class _StreamRenderer:
         return events
 
 
-async def _stream(ctx: _Context, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+async def _stream(ctx: _Context, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
     yield _event(ctx, "response.created", response=_response(ctx, "in_progress", []))
     yield _event(ctx, "response.in_progress", response=_response(ctx, "in_progress", []))
     r = _StreamRenderer(ctx)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -154,7 +154,8 @@ class Handler(Generic[C]):
     async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[C]:
         raise NotImplementedError
 
-    def render_stream(self, plan: Plan[C], outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+    def render_stream(self, plan: Plan[C],
+                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
         """The stream's events from (request position, output) pairs as they come."""
         raise NotImplementedError
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +59,7 @@ def lower(body: dict[str, Any], rid: str) -> tuple[list[GenerationRequest], bool
     no effect (bridges/unserved_fields.py)."""
     if "text" in body:
         batch = isinstance(body["text"], list)
-        prompts = [TextPrompt(t) for t in (body["text"] if batch else [body["text"]])]
+        prompts: list[TextPrompt | TokensPrompt] = [TextPrompt(t) for t in (body["text"] if batch else [body["text"]])]
     else:
         ids = body["input_ids"]
         batch = isinstance(ids[0], list)
@@ -152,7 +152,7 @@ class Generate(Handler[SglangContext]):
         return JSONAnswer(answers if batch or len(answers) > 1 else answers[0])
 
     async def render_stream(self, plan: Plan[SglangContext],
-                            outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+                            outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
         reqs, started = plan.requests, plan.context.started
         texts: dict[tuple[int, int], str] = {}
         ids: dict[tuple[int, int], list[int]] = {}

@@ -5,7 +5,7 @@ shape it reads (an int id, a bool special, a non-streaming answer as a one-eleme
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +93,7 @@ class Generate(Handler[TgiContext]):
         return JSONAnswer([result] if shape.root else result)
 
     async def render_stream(self, plan: Plan[TgiContext],
-                            outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+                            outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
         shape, tg = plan.context, plan.context.tg
         text = ""
         async for _, out in outputs:

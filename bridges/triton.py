@@ -4,7 +4,7 @@ stream an error is sent as a data event."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +88,7 @@ class Generate(_TritonHandler[TritonContext]):
         return JSONResponse(result)
 
     async def render_stream(self, plan: Plan[TritonContext],
-                            outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+                            outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
         model, rid, tg = plan.context.model, plan.context.rid, plan.context.tg
         batch_size = (plan.body.get("parameters") or {}).get("batch_size") or 1
         perf: list[list[Any]] = []

@@ -43,7 +43,7 @@ def openai(body: dict[str, Any]) -> list[str]:
     """The OpenAI bodies' (vLLM and FastDeploy extras): refuses what cannot be honoured; returns the fields
     accepted with no effect."""
     processors = body.get("logits_processors")
-    if _given(processors):
+    if processors is not None and _given(processors):
         raise BridgeError(400, f"logits_processors: {_processor_name(processors[0])!r} is not available; this "
                                "server runs no custom logits processors (send null or [])", param="logits_processors")
     for name in ("mm_processor_kwargs", "mm_hashes"):

@@ -6,7 +6,7 @@ cumulative (output only)."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +58,7 @@ class Generate(Handler[VllmContext]):
         return JSONResponse({"text": [plan.body["prompt"] + c.text]})
 
     async def render_stream(self, plan: Plan[VllmContext],
-                            outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+                            outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
         shape, prompt = plan.context, plan.body["prompt"]
         text = ""
         async for _, out in outputs:

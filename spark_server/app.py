@@ -181,7 +181,8 @@ def uvicorn_config(app: Starlette, settings: Settings) -> uvicorn.Config:
 
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                           ws_max_size=int(settings.max_frame_mb * (1 << 20)), ssl_certfile=settings.ssl_certfile,
-                          ssl_keyfile=settings.ssl_keyfile, timeout_keep_alive=settings.timeout_keep_alive,
+                          ssl_keyfile=settings.ssl_keyfile,
+                          timeout_keep_alive=settings.timeout_keep_alive,  # type: ignore[arg-type]  # uvicorn hints int; call_later takes float
                           http=header_timeout_protocol(settings.header_timeout), log_config=timestamped_log_config())
 
 

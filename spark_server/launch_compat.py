@@ -734,8 +734,8 @@ def markdown() -> str:
     for name, rule in sorted({**PENDING, **TABLE}.items()):
         if name in own:
             continue
-        shown = f"`{_flag(name)}`" + (f", `{shorts[name]}`" if name in shorts else "")
-        lines.append(f"| {shown} | {rule.describe()} |")
+        flags = f"`{_flag(name)}`" + (f", `{shorts[name]}`" if name in shorts else "")
+        lines.append(f"| {flags} | {rule.describe()} |")
     pending = [n for n in PENDING if n not in own]
     if pending:
         lines += ["", "Until they become settings of their own: " + ", ".join(f"`{_flag(n)}`" for n in pending)
