@@ -4,7 +4,10 @@ that queued many requests before another cannot starve it."""
 
 from __future__ import annotations
 
+from typing import cast
+
 from engine.block_manager import BlockManager
+from engine.detokenizer import IncrementalDetokenizer
 from engine.request import GenerationRequest, TokensPrompt
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -17,9 +20,10 @@ def _seq(client: str | None, priority: int = 5) -> Sequence:
     class _Detok:
         pass
     n = next(_ids)
-    request = GenerationRequest(f"r{n}", TokensPrompt([n % 1000, 7, 8, 9]), SamplingParams(max_tokens=4),
+    tokens = [n % 1000, 7, 8, 9]
+    request = GenerationRequest(f"r{n}", TokensPrompt(tokens), SamplingParams(max_tokens=4),
                                 priority=priority, client=client)
-    return Sequence(request, list(request.prompt.token_ids), _Detok(), 1000)
+    return Sequence(request, list(tokens), cast(IncrementalDetokenizer, _Detok()), 1000)  # never decodes
 
 
 def _scheduler(slots: int) -> Scheduler:

@@ -51,7 +51,7 @@ def _assert_no_copy(cache_files: dict[str, int], model: Path, share: float) -> N
     tokenizer)."""
     size = model.stat().st_size
     assert cache_files, "nothing cached at all"
-    largest = max(cache_files, key=cache_files.get)
+    largest = max(cache_files, key=lambda name: cache_files[name])
     assert cache_files[largest] <= size, f"{largest}: {cache_files[largest]} bytes, the GGUF file {size}"
     assert sum(cache_files.values()) <= share * size, cache_files
     assert not [f for f in cache_files if f.endswith((".safetensors", ".bin"))]

@@ -30,6 +30,7 @@ def test_bound_holds_and_picks_equal_the_fp32_argmax(n: int, group: int, rows: i
     gen = torch.Generator().manual_seed(n + rows)
     k = 576
     quantized = _random_head(n, k, group, gen)
+    assert kernels is not None  # the module is skipped without them
     head = GreedyHead(quantized, kernels)
     h = torch.randn(rows, k, generator=gen)
     h[0, 7] = 60.0  # a massive activation: its block's other inputs round coarsely
@@ -64,6 +65,7 @@ def test_exact_picks_follow_torch_argmax_rules() -> None:
     quantized.codes[40] = quantized.codes[3]  # tokens 3 and 40: the same weights, the same logit
     quantized.scales[40] = quantized.scales[3]
     quantized.scales[60, 5] = float("nan")  # token 60's logit is NaN in every row
+    assert kernels is not None  # the module is skipped without them
     head = GreedyHead(quantized, kernels)
     h = torch.randn(3, k, generator=gen).to(torch.bfloat16)
     exact = h.float() @ quantized.dequantize().T

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from functools import partial
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from engine.models.linear import Linear, PackedLinear, TwoTermBf16Linear, _mkldn
 from engine.models.weights import attach_two_term_fallbacks
 from engine.quant.activations import linear_int8_activations, quantize_blocks
 from engine.quant.formats import QuantizedWeight, concat, quantize_int4, quantize_int8
-from engine.quant.packing import pack_bf16, pack_quantized
+from engine.quant.packing import PackedWeight, pack_bf16, pack_quantized
 from tests.engine.threads import kernel_threads
 
 kernels = load_cpu_kernels()
@@ -48,7 +49,7 @@ def _tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.float().abs() @ w.abs().T) * 2e-6 + 1e-6
 
 
-def _weights(kind: str, n: int, k: int, gen: torch.Generator) -> tuple[object, torch.Tensor]:
+def _weights(kind: str, n: int, k: int, gen: torch.Generator) -> tuple[PackedWeight, torch.Tensor]:
     w = torch.randn(n, k, generator=gen) * 0.05
     if kind == "bf16":
         wb = w.to(torch.bfloat16)
@@ -270,17 +271,22 @@ def test_two_term_fallback_keeps_the_quantized_weights_exact(kind: str) -> None:
         assert float((one_term == want).float().mean()) < 0.8  # what the second term is for
 
 
-def test_packed_linear_sends_batches_over_its_limit_to_the_fallback() -> None:
+def test_packed_linear_sends_batches_over_its_limit_to_the_fallback(monkeypatch) -> None:
     if not _mkldnn_packing_available(torch.bfloat16, torch.device("cpu")):
         pytest.skip("torch without oneDNN bf16 weight packing")
+    assert kernels is not None  # the module is skipped without them
     gen = torch.Generator().manual_seed(5)
     layers = [PackedLinear(pack_quantized(q), None, kernels, quantized=q)
               for q in (quantize_int4(torch.randn(64, 128, generator=gen) * 0.05) for _ in range(2))]
     attach_two_term_fallbacks(layers, rows=8)
     calls = []
+
+    def counted(inner, x):
+        calls.append(x.shape[0])
+        return inner(x)
+
     for lin in layers:
-        inner = lin.fallback
-        lin.fallback = lambda x, inner=inner: calls.append(x.shape[0]) or inner(x)
+        monkeypatch.setattr(lin, "fallback", partial(counted, lin.fallback))
     for rows in (1, 8, 9, 40):
         x = (torch.randn(rows, 128, generator=gen)).to(torch.bfloat16)
         for lin in layers:
@@ -357,6 +363,7 @@ def test_start_up_keeps_the_faster_linear_path(monkeypatch, faster: str) -> None
     time), and the fp32 FMA path must win by the margin to replace the default."""
     if len(kernels.linear_paths) < 2:
         pytest.skip("one fast path in this build")
+    assert kernels is not None and kernels.linear_path is not None  # built with both fast paths
     gen = torch.Generator().manual_seed(5)
     layers = [PackedLinear(_weights("u4", 96, 64, gen)[0], None, kernels) for _ in range(2)]
     monkeypatch.setattr(weights_module, "_best_time",

@@ -8,6 +8,7 @@ batch give the same bits).
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ def _avx2_capable() -> bool:
 
 
 @pytest.fixture(scope="module")
-def avx2_kernels() -> CpuKernels:
+def avx2_kernels() -> Iterator[CpuKernels]:
     have_library = "avx2" in installed_state()[1] or find_compiler() is not None
     if not have_library or not _avx2_capable():
         pytest.skip("needs the avx2 kernel library (or a C compiler) and an x86 CPU with AVX2, FMA and F16C")

@@ -5,10 +5,12 @@ probabilities renormalised over the top-p set); neither changes the token drawn.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import pytest
 import torch
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.logprobs import LOWEST_LOGPROB
 from engine.request import GenerationRequest, TokensPrompt
 from engine.sampler import sample
@@ -25,7 +27,7 @@ class _NoDetok:
 
 def entry_for(seed: int = 0, logits: tuple[float, ...] = LOGITS, **params):
     req = GenerationRequest("r", TokensPrompt([1, 2]), SamplingParams(logprobs=True, top_logprobs=4, **params))
-    seq = Sequence(req, [1, 2], _NoDetok(), 1000, seed=seed)
+    seq = Sequence(req, [1, 2], cast(IncrementalDetokenizer, _NoDetok()), 1000, seed=seed)
     token = sample(torch.tensor([logits]), [seq], [EOS])[0]
     return token, seq.pending_logprobs[0]
 
@@ -37,7 +39,8 @@ def direct(temperature: float | None = None, top_p: float | None = None) -> torc
     probs = [math.exp(v) / z for v in x]
     if top_p is not None:
         order = sorted(range(len(probs)), key=lambda i: -probs[i])
-        kept, mass = set(), 0.0
+        kept: set[int] = set()
+        mass = 0.0
         for i in order:
             if mass < top_p or not kept:
                 kept.add(i)
@@ -97,7 +100,7 @@ def test_options_change_the_reported_logprobs_not_the_tokens_and_stay_per_row():
     for asks in (True, False):
         req = GenerationRequest("r", TokensPrompt([1]), SamplingParams(logprobs=True, temperature=0.5,
                                                                        temp_scaled_logprobs=asks))
-        rows.append(Sequence(req, [1], _NoDetok(), 1000, seed=1))
+        rows.append(Sequence(req, [1], cast(IncrementalDetokenizer, _NoDetok()), 1000, seed=1))
     tokens = sample(torch.tensor([LOGITS, LOGITS]), rows, [EOS])
     assert rows[0].pending_logprobs[0].logprob == pytest.approx(direct(temperature=0.5)[tokens[0]].item(), abs=1e-5)
     assert rows[1].pending_logprobs[0].logprob == pytest.approx(direct()[tokens[1]].item(), abs=1e-5)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import cast
 
 import torch
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.request import GenerationRequest, TokensPrompt
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
@@ -22,7 +24,7 @@ class _NoDetok:
 
 def make_seq(prompt=(1, 2), outputs=(), seed=0, **params) -> Sequence:
     req = GenerationRequest("r", TokensPrompt(list(prompt)), SamplingParams(**params))
-    seq = Sequence(req, list(prompt), _NoDetok(), 1000, seed=seed)
+    seq = Sequence(req, list(prompt), cast(IncrementalDetokenizer, _NoDetok()), 1000, seed=seed)
     seq.token_ids.extend(outputs)
     return seq
 

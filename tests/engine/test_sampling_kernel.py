@@ -9,6 +9,7 @@ rounding of a boundary may land on the neighbour.
 from __future__ import annotations
 
 import types
+from typing import cast
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch
 from engine.kernels import load_cpu_kernels
 from engine.sampler import _truncate, sample
 from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the fused kernels are not built")
@@ -23,8 +25,9 @@ pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the fuse
 SLACK = 2e-5  # of the total mass: summation order
 
 
-def _rows(params: list[SamplingParams]) -> list[types.SimpleNamespace]:
-    return [types.SimpleNamespace(params=p) for p in params]
+def _rows(params: list[SamplingParams]) -> list[Sequence]:
+    # stand-ins for sequences: _truncate reads only their params
+    return cast("list[Sequence]", [types.SimpleNamespace(params=p) for p in params])
 
 
 def _reference_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -100,12 +103,12 @@ def test_u_at_the_ends_of_the_range() -> None:
 
 def test_sample_uses_the_kernel_with_the_same_seeded_reproducibility() -> None:
     """Through engine.sampler.sample: a seeded row repeats itself and ignores its batch neighbours."""
+    from engine.detokenizer import IncrementalDetokenizer
     from engine.request import GenerationRequest, TokensPrompt
-    from engine.sequence import Sequence
 
     def seq(seed: int, **params) -> Sequence:
         req = GenerationRequest("r", TokensPrompt([1, 2]), SamplingParams(**params))
-        return Sequence(req, [1, 2], object(), 1000, seed=seed)
+        return Sequence(req, [1, 2], cast(IncrementalDetokenizer, object()), 1000, seed=seed)  # never decodes
 
     def run(with_neighbour: bool) -> list[int]:
         row = seq(9, temperature=0.9, top_p=0.8)

@@ -8,11 +8,13 @@ from contextlib import contextmanager
 
 import torch
 
+from engine.kernels import CpuKernels
+
 SPLIT_THREADS = 3
 
 
 @contextmanager
-def kernel_threads(*libraries: object, n: int = SPLIT_THREADS) -> Iterator[None]:
+def kernel_threads(*libraries: CpuKernels, n: int = SPLIT_THREADS) -> Iterator[None]:
     saved_torch = torch.get_num_threads()
     saved = [lib.num_threads for lib in libraries]
     torch.set_num_threads(n)
