@@ -100,7 +100,7 @@ def main() -> int:
     replica = start(rp)
     front = start(fp, "--engine-url", f"http://127.0.0.1:{rp}")
     direct_url, front_url = f"http://127.0.0.1:{rp}", f"http://127.0.0.1:{fp}"
-    ttft = {"direct": [], "front": []}
+    ttft: dict[str, list[float]] = {"direct": [], "front": []}
     tokens = {"direct": 0, "front": 0}
     cpu = {"front end": 0.0, "replica (direct)": 0.0}
     try:

@@ -21,6 +21,7 @@ import subprocess
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -238,7 +239,7 @@ def perplexity_table() -> tuple[list[dict], bool]:
     for mode, activations in PERPLEXITY_MODES:
         engine = LLMEngine(EngineConfig(dtype="bfloat16", quantization=mode, linear_activations=activations,
                                         num_kv_blocks=80))
-        row = {"weights": mode, "activations": activations, "linears": engine.model.linears_summary}
+        row: dict[str, Any] = {"weights": mode, "activations": activations, "linears": engine.model.linears_summary}
         every = []
         for lang, text in texts.items():
             logprobs, targets = next_token_logprobs(engine, text)
@@ -288,7 +289,7 @@ def main() -> int:
     for r in prefill:
         print(f"  {r['chunks']:>16}: {r['fused_ms']:7.2f} ms / {r['torch_ms']:7.2f} ms = "
               f"{r['torch_ms'] / r['fused_ms']:4.1f}x ({r['gflops']:.0f} GFLOP/s of causal products)")
-    ppl = []
+    ppl: list[dict] = []
     if not args.skip_perplexity:
         ppl, ppl_ok = perplexity_table()
         print(f"\n{'weights':8} {'acts':>4} {'ppl en':>8} {'ppl zh':>8} {'KLD':>7} {'top-1':>6}  "

@@ -31,6 +31,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from benchmarks.bench_kernels import cpu_model
 from benchmarks.bench_load_split import add_load_arguments, run_load, warmed_engine
@@ -109,8 +110,7 @@ def variant_builds(engine_kernels: CpuKernels, variants: list[tuple[str, str]],
     if split:
         bench = on_engine_path(())
         for name, skip in split:
-            builds.append(Build(name, lambda layers, step, bench=bench, skip=skip: bench.forward_layers(layers, step,
-                                                                                                        skip)))
+            builds.append(Build(name, partial(bench.forward_layers, skip=skip)))
     return builds
 
 

@@ -31,7 +31,8 @@ async def session(url: str, i: int) -> tuple[float, float | None, int]:
             "parameter": {"chat": {"max_tokens": 128, "temperature": 0.8, "top_k": 6}},
             "payload": {"message": {"text": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + f" ({i})"}]}}}
     start = time.perf_counter()
-    first = last = None
+    first: float | None = None
+    last: float | None = None
     frames = 0
     async with websockets.connect(url) as ws:
         await ws.send(json.dumps(body, ensure_ascii=False))
@@ -44,6 +45,8 @@ async def session(url: str, i: int) -> tuple[float, float | None, int]:
             frames += 1
             if frame["header"]["status"] == 2:
                 tokens = frame["payload"]["usage"]["text"]["completion_tokens"]
+    if first is None or last is None:
+        raise RuntimeError(f"session {i}: the stream ended before its first frame")
     tpot = (last - first) / (tokens - 1) if tokens > 1 else None
     return first - start, tpot, tokens
 

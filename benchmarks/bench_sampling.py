@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 import types
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 
 VOCAB = 49152
-PARAM_SETS = {
+PARAM_SETS: dict[str, dict[str, Any]] = {
     "temperature 1.0": dict(temperature=1.0),
     "temperature 0.5, top-k 4 (Spark)": dict(temperature=0.5, top_k=4),
     "temperature 0.7, top-p 0.9": dict(temperature=0.7, top_p=0.9),
@@ -41,7 +42,7 @@ def model_like_logits(rows: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def time_sample(logits: torch.Tensor, seqs: list, draw, seconds: float = 1.5) -> float:
-    times = []
+    times: list[float] = []
     end = time.perf_counter() + seconds
     while time.perf_counter() < end or len(times) < 5:
         x = logits.clone()

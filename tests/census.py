@@ -102,14 +102,14 @@ class Census:
             from transformers import AutoModelForCausalLM
         except ImportError:
             return
-        from_pretrained = AutoModelForCausalLM.from_pretrained.__func__  # type: ignore[attr-defined]
+        from_pretrained = AutoModelForCausalLM.from_pretrained.__func__
 
         @functools.wraps(from_pretrained)
         def counted_from_pretrained(cls: Any, path: Any, *args: Any, **kwargs: Any) -> Any:
             census.record(_model_kind(path))
             return from_pretrained(cls, path, *args, **kwargs)
 
-        AutoModelForCausalLM.from_pretrained = classmethod(counted_from_pretrained)  # type: ignore[assignment]
+        AutoModelForCausalLM.from_pretrained = classmethod(counted_from_pretrained)
 
     def report(self) -> dict[str, Any]:
         tests = {}

@@ -131,7 +131,7 @@ class LiveServer:
 
 
 @pytest.fixture(scope="session")
-def async_engine() -> AsyncEngine:
+def async_engine() -> Iterator[AsyncEngine]:
     # The weights `spark-server serve` runs by default (the GGUF file's own blocks, bf16 activations): the
     # protocol tests then meet what users meet, and answer 3-4x faster than on fp32 weights (the fp32
     # path keeps its own tests: tests/engine's `llm_engine`, held to transformers' fp32 forward).
@@ -147,7 +147,7 @@ def async_engine() -> AsyncEngine:
 
 
 @pytest.fixture(scope="session")
-def live_server(async_engine: AsyncEngine) -> LiveServer:
+def live_server(async_engine: AsyncEngine) -> Iterator[LiveServer]:
     settings = Settings(port=free_port(), ws_request_timeout=3.0)
     app = build_app(settings, async_engine, owns_engine=False)
     with ServerThread(app, settings.port):

@@ -19,6 +19,7 @@ from engine.model_loader import resolve_model_dir
 from engine.pooling import PoolingOutput, PoolingRequest, activate, check_dimensions, finish_embedding, served_tasks
 from engine.protocol import EngineLimits, EngineStats, ModelInfo
 from engine.request import (
+    FinishReason,
     GenerationRequest,
     Prompt,
     RequestOutput,
@@ -53,7 +54,7 @@ class Script:
     raised after that many tokens were streamed (an error mid-stream)."""
 
     answer: str = DEFAULT_ANSWER
-    finish_reason: str = "stop"  # "stop" (end of answer), or "length" when max_tokens cuts it
+    finish_reason: FinishReason = "stop"  # "stop" (end of answer), or "length" when max_tokens cuts it
     fail_before: BaseException | None = None
     fail_after: tuple[int, BaseException] | None = None
     token_delay_s: float = 0.0

@@ -44,7 +44,8 @@ class Block:
 
 def code_blocks(markdown: str) -> list[Block]:
     """Fenced code blocks with the level-2 heading they sit under."""
-    blocks, section, fence, lang, lines = [], "", None, "", []
+    blocks, section, fence, lang = [], "", None, ""
+    lines: list[str] = []
     for line in markdown.splitlines():
         if fence is None:
             if line.startswith("## "):

@@ -94,7 +94,7 @@ def test_the_grammar_warm_up_is_done_before_the_engine_serves():
 
         def close_grammars(self) -> None: ...
 
-    engine = AsyncEngine(Core())  # type: ignore[arg-type]
+    engine = AsyncEngine(Core())
     try:
         engine.start()
         order.append("started")
