@@ -8,6 +8,6 @@ import os
 import ollama
 
 client = ollama.Client(host=os.environ.get("SPARK_SERVER", "http://127.0.0.1:9990"))
-model = client.list().models[0].model
+model = client.list().models[0].model or ""  # a listed model always has its name
 print(client.chat(model=model, messages=[{"role": "user", "content": "Say hello."}], options={"num_predict": 16})
       .message.content)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from typing import Any
 
 import httpx
 import jsonschema
@@ -26,7 +27,7 @@ COLOURS = ["red", "green", "blue"]
 # arithmetic expressions of at most four terms (bounded, so every answer ends within max_tokens)
 ARITHMETIC = 'root ::= term | term op term | term op term op term | term op term op term op term\n' \
              'op ::= "+" | "-"\nterm ::= [1-9] [0-9]?'
-ASK = [{"role": "user", "content": "Describe a person."}]
+ASK: list[Any] = [{"role": "user", "content": "Describe a person."}]  # a message list every client takes
 CHAT = "/v1/chat/completions"
 
 
@@ -71,7 +72,7 @@ async def _openai_client_json_schema(server, count: int) -> list[str]:
         r = await client.chat.completions.create(
             model=server.engine.model_info.name, messages=ASK, n=count // 2, temperature=1.0, max_tokens=40,
             response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
-        return [c.message.content for c in r.choices]
+        return [c.message.content or "" for c in r.choices]  # "" is no JSON: fails the check below
 
     return await _many(one, 2)
 
@@ -109,9 +110,9 @@ async def _ollama_client(server, chat: bool, count: int) -> list[str]:
         if chat:
             r = await client.chat(model=model, messages=ASK, format=PERSON,
                                   options={"num_predict": 40, "temperature": 1})
-            return [r.message.content]
+            return [r.message.content or ""]
         return [(await client.generate(model=model, prompt="A person as JSON:", format=PERSON,
-                                       options={"num_predict": 40})).response]
+                                       options={"num_predict": 40})).response or ""]
 
     return await _many(one, count)
 

@@ -12,7 +12,7 @@ from tests.fake_engine import DEFAULT_ANSWER, Script
 from tests.parity.protocols import Ask
 
 SYSTEM = "You are terse."
-ASK = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 1 + 2?"}]
+ASK: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 1 + 2?"}]
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
 ARGS = {"a": 1, "b": 2}

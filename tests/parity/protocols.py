@@ -491,7 +491,7 @@ def sglang(url: str, ask: Ask, prompt: str) -> Outcome:
     data = r.json()
     meta = data["meta_info"]
     finish = meta.get("finish_reason") or {}
-    word = {"length": "length"}.get(finish.get("type"), "stop_string" if isinstance(finish.get("matched"), str)
+    word = {"length": "length"}.get(str(finish.get("type")), "stop_string" if isinstance(finish.get("matched"), str)
                                     else "end")
     return Outcome(data["text"], meta["prompt_tokens"], meta["completion_tokens"], word)
 
