@@ -50,3 +50,6 @@ class EngineConfig:
     # sequence-classification head, else generate
     task: str = "auto"
     override_pooler_config: str | None = None  # vLLM's JSON: pooling_type (LAST/MEAN/CLS/ALL), normalize, softmax
+    # the scheduler's cost model pinned, "step=S,decode_key=D,attention_key=A" (engine/cost_model.py), so
+    # replicas on one hardware class schedule alike; None: measured at start
+    cost_model: str | None = None

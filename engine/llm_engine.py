@@ -1,50 +1,33 @@
-"""The synchronous engine core: add_request / step / abort, driven by one loop."""
+"""The synchronous engine core: add_request / step / abort, driven by one loop (loading: engine/loader.py)."""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import os
 import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.attention import PagedKVCache
+from engine import loader
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, StopAutomaton, StopStringMatcher
-from engine.device import resolve_device, resolve_dtype
 from engine.errors import EngineOverloadedError, InvalidRequestError, LoraUnavailableError, PromptTooLongError
-from engine.file_identity import content_digest
-from engine.gguf_file import GgufFile
-from engine.gguf_metadata import resolve_served_model
-from engine.gguf_parse import shared_gguf_readers
-from engine.gguf_weights import GgufWeights
 from engine.grammar_worker import first_line
-from engine.kernels import CpuKernels, load_cpu_kernels
+
+# start-up's helpers at their former place too, for callers that reach them here
+from engine.loader import Loaded, _available_memory_bytes, load, load_cpu_kernels, resolve_served_model  # noqa: F401
 from engine.lora import LoraAdapter, LoraManager, read_adapter
-from engine.model_loader import EMBEDDED_MODEL_NAME, default_cache_dir, resolve_model_dir
 from engine.model_runner import ModelRunner, PromptLogits
-from engine.models import LlamaForCausalLM, model_class
-from engine.models.skeleton import WeightSource, parameter_shapes, read_skeleton
-from engine.models.tuning import TuningCache, tuning_cache
-from engine.models.weights import resolve_activations, resolve_quantization
-from engine.pooling import Pooler, PoolerConfig, PoolingParams, PoolingRequest, matryoshka_of, read_head, resolve_task
-from engine.prompts import PromptEncoder, read_chat_template
-from engine.protocol import EngineStats, ModelInfo
-from engine.quant import cache as quant_cache
-from engine.quant.calibration import calibrate, sample_on_engine
+from engine.pooling import PoolingParams, PoolingRequest
+from engine.prompts import PromptEncoder
+from engine.protocol import EngineStats
 from engine.request import ChatPrompt, GenerationRequest, Prompt, RequestOutput, TokenLogprob
-from engine.safetensors_weights import SafetensorsWeights
 from engine.sampler import reads_only_logits, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import LONG_PREFILL_SHARE, Scheduler
@@ -56,7 +39,6 @@ logger = logging.getLogger(__name__)
 
 
 _GRAMMAR_LIMITS = ("LexerTooComplex", "ParserTooComplex")  # llguidance's stop reasons for its own limits
-_LONG_LOAD_BYTES = 256 << 20  # weights from this size up are loaded with progress lines
 
 
 def _path_identity(path: str) -> str:
@@ -72,14 +54,10 @@ def _path_identity(path: str) -> str:
     return "path:" + "|".join(parts)
 
 
-def _tokenizer_dir(source: str) -> Path:
-    """--tokenizer: a directory of tokenizer files as it is, or a .gguf's (read from its metadata directory)."""
-    path = Path(source).expanduser()
-    if path.suffix == ".gguf":
-        return resolve_served_model(str(path))[0]
-    if not path.is_dir():
-        raise FileNotFoundError(f"--tokenizer {source}: not a directory or a .gguf file")
-    return path
+def _check_kv_fits(nbytes: int, device: torch.device, weight_bytes: int = 0) -> None:
+    """engine.loader's refusal of a KV budget over the machine's memory, at its former place: the memory is read
+    through this module's ``_available_memory_bytes``, so a caller replacing that name here is still heard."""
+    loader._check_kv_fits(nbytes, device, weight_bytes, available_memory=lambda: _available_memory_bytes())
 
 
 def record_prompt_logprobs(chunk: PromptLogits) -> None:
@@ -99,169 +77,21 @@ def record_prompt_logprobs(chunk: PromptLogits) -> None:
         recorded.append(TokenLogprob(tid, lp, top))
 
 
-def _available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux); None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+class EngineCore:
+    """The serving core over a loaded model (engine/loader.py): add_request / step / abort, driven by one
+    loop. Building it loads nothing: scheduler, runner, speculator, adapters and the prompt encoder only."""
 
-
-def _check_kv_fits(nbytes: int, device: torch.device, weight_bytes: int = 0) -> None:
-    """The CPU KV pool is mapped, not written, at start (attention.lazily_zeroed), and faulted in afterwards
-    (engine/resident.py), so a budget larger than the machine's memory would not fail here but seconds or
-    hours later, killed by the OS. Refuse it now instead, with the weights the model will hold beside it
-    (``weight_bytes``, an estimate made before they load)."""
-    available = _available_memory_bytes() if device.type == "cpu" else None
-    if available is not None and nbytes + weight_bytes > available:
-        weights = f" and the weights (~{weight_bytes / (1 << 30):.1f} GiB)" if weight_bytes else ""
-        raise ValueError(f"the KV cache budget ({nbytes / (1 << 30):.1f} GiB){weights} are more than this machine's "
-                         f"available memory ({available / (1 << 30):.1f} GiB); lower --kv-cache-space")
-
-
-@contextmanager
-def _log_level(level: int, *names: str) -> Iterator[None]:
-    """These loggers at ``level`` for the block."""
-    loggers = [logging.getLogger(name) for name in names]
-    saved = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(level)
-    try:
-        yield
-    finally:
-        for lg, old in zip(loggers, saved):
-            lg.setLevel(old)
-
-
-def _in_background(work: Callable[[], Any]) -> Future:
-    """``work()`` on a thread of its own; its result (or exception) from the future."""
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-start")
-    try:
-        return pool.submit(work)
-    finally:
-        pool.shutdown(wait=False)
-
-
-def _packed_kernels_run(kernels: CpuKernels | None, quantization: str, is_gguf: bool) -> bool:
-    """Whether the linears will run on the packed kernels, which take bf16 activations (``--dtype auto``
-    then means bf16). With AVX512-BF16 they run every mode. With fp32 FMAs alone (AVX2, or AVX-512 without
-    BF16: ``linear_isa`` 1) they run the quantized weights
-    (the GGUF file's own blocks by default): against torch's fp32 linears held to AVX2, 4-bit weights ran
-    1.5-2.8x at 1-8 rows, 0.9-1.2x at 32-128 and 0.85-0.9x at 512 (the head 1.1-2.8x throughout);
-    bf16 weights stay with torch's fp32 there (torch's bf16 matmul has no fast AVX2 path)."""
-    if kernels is None or kernels.linear_isa == 0:
-        return False
-    return kernels.linear_isa == 2 or quantization in ("int4", "int8", "gguf") or (quantization == "auto" and is_gguf)
-
-
-class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
+    def __init__(self, config: EngineConfig, loaded: Loaded) -> None:
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        started = time.monotonic()
-        self.device = resolve_device(config.device)
-        # On a cold cache the compiler (~20 s of one core) runs while the model converts (a Python loop).
-        kernel_build = _in_background(load_cpu_kernels) if config.native_kernels and self.device.type == "cpu" else None
-        with shared_gguf_readers():  # a cold start reads a GGUF file's tokenizer and config: one parse for both
-            model_dir, gguf = resolve_served_model(config.model)
-            hf_config = AutoConfig.from_pretrained(model_dir)
-            model_cls = model_class(hf_config.model_type)  # refuses an unsupported family before any loading
-            in_place: WeightSource | None = (self._in_place(gguf, hf_config) if gguf is not None
-                                             else self._safetensors_in_place(model_dir, hf_config))
-            if gguf is not None and in_place is None:
-                model_dir = resolve_model_dir(config.model)  # transformers' conversion, written once
-            # --task, and the checkpoint's sequence-classification head: refused before any loading too
-            head = read_head(model_dir)
-            task = resolve_task(config.task, getattr(hf_config, "architectures", None) or (), head is not None,
-                                config.model or EMBEDDED_MODEL_NAME)
-            pooler_config = PoolerConfig.parse(config.override_pooler_config)
-            kernels = kernel_build.result() if kernel_build is not None else None
-            if config.dtype == "auto" and _packed_kernels_run(kernels, config.quantization, gguf is not None):
-                self.dtype = torch.bfloat16  # the packed kernels take bf16 activations
-            else:
-                self.dtype = resolve_dtype(config.dtype, self.device)
-            # The pool first, so its pages are faulted in while the model loads (one core is idle meanwhile)
-            kv_cache = self._make_kv_cache(model_cls, hf_config, self._weight_bytes(model_dir, in_place))
-            # the pass pauses while requests run or wait (engine/resident.py); the scheduler comes later
-            self.kv_prefault = (kv_cache.prefault_in_background(busy=self._has_work) if config.kv_cache_prefault
-                                else None)
-            self.quantization = resolve_quantization(config.quantization, gguf is not None, kernels, self.dtype,
-                                                     self.device)
-            resolve_activations(config.linear_activations, self.quantization)  # refuses a bad pair before loading
-            stored, cache_file = self._stored_weights(model_dir, gguf, hf_config,
-                                                      in_place if isinstance(in_place, GgufWeights) else None)
-        self.tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir(config.tokenizer) if config.tokenizer
-                                                       else model_dir)
-        if len(self.tokenizer) > hf_config.vocab_size:  # ids past the embedding would fail a shared step
-            raise ValueError(f"--tokenizer {config.tokenizer or model_dir} has {len(self.tokenizer)} tokens; the "
-                             f"model's vocabulary has {hf_config.vocab_size}")
-        if config.chat_template:
-            self.tokenizer.chat_template = read_chat_template(config.chat_template)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.device, self.dtype = loaded.device, loaded.dtype
+        self.quantization, self.max_model_len, self.pooler = loaded.quantization, loaded.max_model_len, loaded.pooler
+        self.model_info, self.eos_token_ids = loaded.model_info, list(loaded.eos_token_ids)
+        self.kv_prefault = loaded.kv_prefault
+        if self.kv_prefault is not None:  # the pass pauses while requests run or wait (engine/resident.py)
+            self.kv_prefault.busy = self._has_work
         self._unseeded = random.Random(config.seed)  # seeds samples that bring none (--seed: reproducible)
-        # Quantizing starts from the checkpoint's own precision, not from a bf16 rounding of it.
-        load_dtype = self.dtype if self.quantization in ("none", "gguf") else "auto"
-        if in_place is None:
-            hf_model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=load_dtype)
-            dense_source = None
-        else:
-            # the calibration runs the whole model: int8's first start reads every weight
-            hf_model, dense_source = read_skeleton(
-                in_place, hf_config, load_dtype if isinstance(load_dtype, torch.dtype) else in_place.auto_dtype,
-                whole=self.quantization == "int8" and stored is None)
-        # int8 rounds against the layers' calibrated inputs (GPTQ): measured once, then the cache serves
-        hessians = (calibrate(hf_model, self.tokenizer, self._sample_for_calibration)
-                    if self.quantization == "int8" and stored is None else None)
-        if hessians is not None:
-            logger.info("int8: rounding each linear against its calibrated inputs (GPTQ), once")
-        building = time.monotonic()
-        self.model = model_cls(hf_model, self.dtype, self.device, config.native_kernels, self.quantization,
-                               stored, linear_activations=config.linear_activations, hessians=hessians,
-                               dense_source=dense_source,
-                               show_progress=self._weight_bytes(model_dir, in_place) > _LONG_LOAD_BYTES,
-                               tuning=self._tuning(gguf, model_dir))
-        if hessians is not None:
-            logger.info("int8: %d weights rounded in %.1fs", len(self.model.builder.made), time.monotonic() - building)
-        if cache_file is not None and self.model.builder.made:
-            quant_cache.save(cache_file, self.model.builder.made)
-        del hf_model, dense_source, stored
-        if in_place is not None:
-            in_place.release_all()
-        logger.info("weights: --quantization %s; %s", self.quantization, self.model.linears_summary)
-        if config.max_model_len and config.max_model_len > self.model.max_position:
-            # Positions past the model's training length give no sensible answers: refused, never shortened quietly.
-            raise ValueError(f"--max-model-len {config.max_model_len} is more than this model's context "
-                             f"({self.model.max_position} tokens); leave it out or give at most that")
-        self.max_model_len = config.max_model_len or self.model.max_position
-        window = getattr(hf_config, "sliding_window", None)
-        if window and getattr(hf_config, "use_sliding_window", True) and window < self.max_model_len:
-            # Our attention is full attention; past the window it would differ from the model's.
-            logger.warning("model uses a %d-token sliding window: context capped at %d tokens", window, window)
-            self.max_model_len = window
-
-        num_blocks = kv_cache.num_blocks
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.lora_manager = (LoraManager(hf_config, config.max_loras, config.max_lora_rank, self.dtype, self.device,
-                                         self.model.projections(), self.model.kernels)
-                             if config.max_loras > 0 else None)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.long_prefill_token_threshold, self.lora_manager,
-                                   attention_cost_per_key=self.model.attention_cost_per_key(),
-                                   decode_cost_per_key=self.model.decode_cost_per_key(),
-                                   decode_step_cost=self.model.decode_step_cost())
-        self.runner = ModelRunner(self.model, kv_cache, self.lora_manager)
-        self.eos_token_ids = self._eos_ids(model_dir)
-        self._argmax = self.model.kernels.argmax if self.model.kernels is not None else None  # greedy picks
-        self._draw = self.model.kernels.sample if self.model.kernels is not None else None  # random draws
-        self.runner.greedy_eos_token_ids = self.eos_token_ids  # plain-argmax steps may pick in the model
-        self.speculator = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                         config.prompt_lookup_max) if config.num_speculative_tokens else None)
+        self._build_step(loaded)
         self._grammars: GrammarCompiler | None = None  # structured output, made at its first use
         self._masks: MaskApplier | None = None
         self._grammars_lock = threading.Lock()
@@ -273,26 +103,38 @@ class LLMEngine:
         self._adapters: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._pinned: dict[str, tuple[LoraAdapter, int]] = {}  # identity -> (adapter, registrations)
         self._adapters_lock = threading.Lock()
-        name = config.served_model_name or (EMBEDDED_MODEL_NAME if config.model in (None, "", "embedded")
-                                            else model_dir.name)
-        self.pooler = self._make_pooler(task, name, hf_config, head, pooler_config)
-        self.model_info = ModelInfo(name=name, path=str(model_dir), model_type=hf_config.model_type,
-                                    max_model_len=self.max_model_len, vocab_size=self.model.embed.shape[0],
-                                    dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
-                                    chat_template_tools="tools" in (self.tokenizer.chat_template or ""),
-                                    task=task, pooling_tasks=self.pooler.tasks, labels=self._labels(hf_config))
         self.prompts = PromptEncoder(self.tokenizer, self.max_model_len, self.model_info.vocab_size)
         self.num_aborted = 0
         self.fault_hook: Any = None  # test hook: called before every model step
+        self._log_ready(loaded.started)
+
+    def _build_step(self, loaded: Loaded) -> None:
+        """Block manager, LoRA slots, scheduler, runner and speculator: what a step runs on."""
+        config = self.config
+        self.block_manager = BlockManager(loaded.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.lora_manager = (LoraManager(loaded.hf_config, config.max_loras, config.max_lora_rank, self.dtype,
+                                         self.device, self.model.projections(), self.model.kernels)
+                             if config.max_loras > 0 else None)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.long_prefill_token_threshold, self.lora_manager, loaded.cost_model)
+        self.runner = ModelRunner(self.model, loaded.kv_cache, self.lora_manager)
+        self._argmax = self.model.kernels.argmax if self.model.kernels is not None else None  # greedy picks
+        self._draw = self.model.kernels.sample if self.model.kernels is not None else None  # random draws
+        self.runner.greedy_eos_token_ids = self.eos_token_ids  # plain-argmax steps may pick in the model
+        self.speculator = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                         config.prompt_lookup_max) if config.num_speculative_tokens else None)
+
+    def _log_ready(self, started: float) -> None:
+        config, costs = self.config, self.scheduler.cost_model
         logger.info("engine ready in %.1fs: %s on %s/%s, %d KV blocks of %d tokens, fused CPU kernels %s",
-                    time.monotonic() - started, name, self.device, self.model_info.dtype, num_blocks,
-                    config.block_size, "on" if self.model.kernels is not None else "off")
+                    time.monotonic() - started, self.model_info.name, self.device, self.model_info.dtype,
+                    self.block_manager.num_blocks, config.block_size,
+                    "on" if self.model.kernels is not None else "off")
         if config.long_prefill_token_threshold and self.scheduler.decode_cost_per_key:
             logger.info("long prompts beside decoding streams: up to %.1fx what those streams cost a step, in "
                         "tokens' linears: the weights' pass %.1f, a row each and 1/%.0f of one per key of its "
-                        "context (%s)", LONG_PREFILL_SHARE, self.scheduler.decode_step_cost,
-                        1 / self.scheduler.decode_cost_per_key,
-                        "measured" if self.model.decode_costs_measured else "the default figures")
+                        "context (%s: %s)", LONG_PREFILL_SHARE, self.scheduler.decode_step_cost,
+                        1 / self.scheduler.decode_cost_per_key, costs.source, costs.describe())
         if self.speculator is not None:
             logger.info("requests speculate: up to %d tokens a step from earlier %d-%d-token matches in "
                         "prompt or answer (--num-speculative-tokens 0: off)", config.num_speculative_tokens,
@@ -300,132 +142,6 @@ class LLMEngine:
         if self.model.greedy_head is not None:
             logger.info("greedy steps pick through the int8 head's bounded logits (AVX512-VNNI), the few "
                         "candidates recomputed in fp32")
-
-    @staticmethod
-    def _make_pooler(task: str, name: str, hf_config: Any, head: tuple[torch.Tensor, torch.Tensor | None] | None,
-                     config: PoolerConfig) -> Pooler:
-        hidden = hf_config.hidden_size
-        if head is not None and (head[0].dim() != 2 or head[0].shape[1] != hidden):
-            raise ValueError(f"the checkpoint's score.weight has shape {tuple(head[0].shape)}; this model's hidden "
-                             f"size is {hidden}")
-        if task == "generate" and head is not None:
-            logger.warning("the checkpoint has a classification head (score.weight) but --task generate: it is not "
-                           "used (--task classify or score uses it)")
-        used = head if task in ("classify", "score", "reward") else None
-        pooler = Pooler(task, name, hidden, used, config, matryoshka_of(hf_config))
-        logger.info("task %s: pooling %s%s", task, ", ".join(pooler.tasks),
-                    f" (a {pooler.num_labels}-label head)" if pooler.num_labels else "")
-        return pooler
-
-    def _labels(self, hf_config: Any) -> tuple[str, ...]:
-        """The head's labels by index (config.json's id2label; LABEL_<i> where it names none)."""
-        id2label = {int(k): str(v) for k, v in (getattr(hf_config, "id2label", None) or {}).items()}
-        return tuple(id2label.get(i, f"LABEL_{i}") for i in range(self.pooler.num_labels))
-
-    def _sample_for_calibration(self, starts: list[list[int]], length: int, seed: int) -> list[list[int]]:
-        """int8's calibration text, sampled by a helper engine core over the same checkpoint in bf16 with
-        the fused kernels: 32 x 128 tokens in ~13 s on a 2-core Xeon, where transformers' fp32 forward
-        took ~41 s. Its own start-up lines are held back: operators see the calibration's."""
-        block = self.config.block_size
-        blocks = len(starts) * (-(-(max(map(len, starts)) + length + 1) // block))
-        config = dataclasses.replace(self.config, quantization="none", max_num_seqs=len(starts), num_kv_blocks=blocks,
-                                     max_model_len=None, enable_prefix_caching=False, max_loras=0,
-                                     linear_activations="bf16", kv_cache_prefault=False)  # what the calibration needs
-        with _log_level(logging.WARNING, "engine.llm_engine", "engine.models.weights"):
-            helper = LLMEngine(config)
-        return sample_on_engine(helper, starts, length, seed)  # the helper and its KV mapping go with this frame
-
-    def _make_kv_cache(self, model_cls: type[LlamaForCausalLM], hf_config: Any, weight_bytes: int = 0) -> PagedKVCache:
-        """The KV pool the budget holds, refused before any weight loads where it and the weights cannot fit."""
-        config = self.config
-        layers, kv_heads, head_dim = model_cls.kv_geometry(hf_config)
-        per_token = PagedKVCache.bytes_per_token(layers, kv_heads, head_dim, self.dtype)
-        num_blocks = config.num_kv_blocks or int(config.kv_cache_space_gib * (1 << 30)
-                                                 // (per_token * config.block_size))
-        if num_blocks < 2:
-            raise ValueError("the KV cache budget holds fewer than 2 blocks; raise --kv-cache-space")
-        _check_kv_fits(num_blocks * config.block_size * per_token, self.device, weight_bytes)
-        return PagedKVCache(layers, num_blocks, config.block_size, kv_heads, head_dim, self.dtype, self.device)
-
-    def _stored_weights(self, model_dir, gguf, hf_config, in_place: GgufWeights | None):
-        """(quantized weights already made, the cache file to save new ones to) for this run's mode."""
-        if self.quantization in ("none", "auto"):
-            return None, None
-        if self.quantization == "gguf" and in_place is not None:
-            return in_place.blocks(), None  # read from the file as each projection is built; nothing cached
-        if in_place is not None:  # int8 / int4 made from a GGUF file's weights
-            path = quant_cache.cache_path([gguf], self.quantization)
-            stored = quant_cache.load(path)
-            return stored, (path if stored is None else None)
-        if self.quantization == "gguf":
-            path = quant_cache.cache_path([gguf], "gguf")
-            stored = quant_cache.load(path)
-            if stored is None:
-                from engine.quant.gguf_blocks import read_gguf_linears
-
-                stored = {k: v for k, v in read_gguf_linears(gguf, hf_config).items()
-                          if k != "model.embed_tokens.weight"}
-                quant_cache.save(path, stored)
-            return stored, None
-        sources = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
-        path = quant_cache.cache_path(sources or [model_dir / "config.json"], self.quantization)
-        stored = quant_cache.load(path)
-        return stored, (path if stored is None else None)
-
-    @staticmethod
-    def _in_place(gguf: Path | None, hf_config: Any) -> GgufWeights | None:
-        """The GGUF file's weights, read in place where the engine maps its architecture and types; None
-        (and a line saying why) where transformers' conversion has to serve it instead."""
-        if gguf is None:
-            return None
-        weights = GgufWeights(GgufFile(gguf), hf_config)
-        if weights.unservable is None:
-            return weights
-        logger.warning("%s is not read in place (%s): serving a copy converted by transformers, written once to "
-                       "the cache directory", gguf.name, weights.unservable)
-        return None
-
-    @staticmethod
-    def _safetensors_in_place(model_dir: Path, hf_config: Any) -> SafetensorsWeights | None:
-        """The HF directory's safetensors weights, read one tensor at a time where the engine maps them;
-        None (and a line saying why) where transformers' ``from_pretrained`` has to load them instead."""
-        weights = SafetensorsWeights(model_dir, hf_config, parameter_shapes(hf_config))
-        if weights.unservable is None:
-            return weights
-        logger.warning("%s is not read in place (%s): loading it through transformers, which holds a whole copy "
-                       "of the weights beside the engine's while it loads", model_dir.name, weights.unservable)
-        return None
-
-    def _weight_bytes(self, model_dir: Path, in_place: WeightSource | None) -> int:
-        """What the weights will hold in memory, estimated before they load (for the refusal at start)."""
-        if in_place is not None:
-            return in_place.resident_bytes(self.dtype.itemsize)
-        return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-
-    def _tuning(self, gguf: Path | None, model_dir: Path) -> TuningCache | None:
-        """Where the kernel probes' results for this model are kept (engine/models/tuning.py)."""
-        kernels = load_cpu_kernels() if self.config.native_kernels and self.device.type == "cpu" else None
-        if kernels is None:
-            return None
-        sources = [gguf] if gguf is not None else (sorted(Path(model_dir).glob("*.safetensors"))
-                                                    or [Path(model_dir) / "config.json"])
-        cache_dir = default_cache_dir()
-        identity = ",".join(content_digest(p, cache_dir) for p in sources)
-        settings = f"{self.quantization}/{self.config.linear_activations}/{self.dtype}"
-        return tuning_cache(cache_dir, identity, torch.get_num_threads(), settings, self.config.remeasure_kernels)
-
-    def _eos_ids(self, model_dir) -> list[int]:
-        ids: set[int] = set()
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        try:
-            from transformers import GenerationConfig
-            gen = GenerationConfig.from_pretrained(model_dir)
-            eos = gen.eos_token_id
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        except OSError:
-            pass
-        return sorted(ids)
 
     # ---- preprocessing -------------------------------------------------------------------------
 
@@ -657,7 +373,7 @@ class LLMEngine:
         if self.speculator is None:
             return
         decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
-        measured = self.model.decode_costs_measured
+        measured = self.scheduler.cost_model.measured
         step_cost = self.scheduler.decode_cost() if measured else 0.0
         per_key = self.scheduler.decode_cost_per_key
         for seq in self.scheduler.running:
@@ -899,3 +615,10 @@ class LLMEngine:
             lora_loads=lm.num_loads if lm else 0,
             running_lora_adapters=tuple(sorted({s.lora_name for s in running if s.lora_name})),
             waiting_lora_adapters=tuple(sorted({s.lora_name for s in waiting if s.lora_name})))
+
+
+class LLMEngine(EngineCore):
+    """An engine core over ``loaded``, or over what ``load(config)`` loads when none is given."""
+
+    def __init__(self, config: EngineConfig, loaded: Loaded | None = None) -> None:
+        super().__init__(config, loaded if loaded is not None else load(config))

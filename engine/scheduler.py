@@ -16,6 +16,7 @@ from bisect import insort
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.cost_model import CostModel
 from engine.lora import LoraAdapter, LoraManager
 from engine.sequence import Sequence, SequenceStatus
 
@@ -46,6 +47,9 @@ class ScheduledBatch:
 # throughput. The measurements behind both: docs/performance.md, "Why the constants are what they are".
 LONG_PREFILL_SHARE = 1.0
 
+# tokens counted alone: no attention or step costs (a scheduler built without a cost model)
+NO_COSTS = CostModel()
+
 
 def _order(seq: Sequence) -> tuple[int, float]:
     return (seq.priority, seq.arrival_time)
@@ -58,8 +62,7 @@ def _wait_order(seq: Sequence) -> tuple[int, int, float]:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  long_prefill_token_threshold: int = 0, lora_manager: LoraManager | None = None,
-                 attention_cost_per_key: float = 0.0, decode_cost_per_key: float = 0.0,
-                 decode_step_cost: float = 0.0) -> None:
+                 cost_model: CostModel = NO_COSTS) -> None:
         self.block_manager = block_manager
         self.lora_manager = lora_manager
         self.max_num_seqs = max_num_seqs
@@ -76,13 +79,14 @@ class Scheduler:
         # over the keys before it (this fraction of the linears per key, from the model's sizes; 0: tokens
         # only). Late chunks of a long prompt attend over more keys, so they get fewer tokens and a step
         # costs about the same at the prompt's end as at its start.
-        self.attention_cost_per_key = attention_cost_per_key
+        self.cost_model = cost_model  # engine/cost_model.py: measured at start, or pinned by a flag
+        self.attention_cost_per_key = cost_model.attention_cost_per_key
         # A decoding row's attention over one key of its context, in the same units (a fraction of a token's
         # linears): it reads the key's K and V from memory, so this follows the machine's bytes against its
-        # arithmetic (LLMEngine measures it at start; 0: decode rows counted as rows alone).
-        self.decode_cost_per_key = decode_cost_per_key
+        # arithmetic (the loader measures it at start; 0: decode rows counted as rows alone).
+        self.decode_cost_per_key = cost_model.decode_cost_per_key
         # and what a decode step costs before any row (it streams every weight once; 0: nothing)
-        self.decode_step_cost = decode_step_cost
+        self.decode_step_cost = cost_model.decode_step_cost
         self.short_prompt_tokens = max_num_batched_tokens // 2
         self.waiting: list[Sequence] = []  # in _wait_order
         self.running: list[Sequence] = []

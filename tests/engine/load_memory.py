@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from engine import loader
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 
@@ -100,7 +101,7 @@ def main() -> None:
     parser.add_argument("--from-pretrained", action="store_true")
     args = parser.parse_args()
     if args.from_pretrained:
-        LLMEngine._safetensors_in_place = staticmethod(lambda model_dir, hf_config: None)  # type: ignore[method-assign]
+        loader._safetensors_in_place = lambda model_dir, hf_config: None
 
     def start(model: str) -> LLMEngine:
         return LLMEngine(EngineConfig(model=model, dtype=args.dtype, native_kernels=args.native_kernels,

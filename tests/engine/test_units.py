@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.block_manager import BlockManager
+from engine.cost_model import CostModel
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.errors import InvalidRequestError
 from engine.request import GenerationRequest, TokensPrompt
@@ -138,7 +139,7 @@ def test_the_long_prompt_cap_counts_each_decoding_streams_context():
                                            (1 / 100, 400, 3, 0.0), (1 / 100, 400, 0, 7.0)):
         scheduler = Scheduler(BlockManager(num_blocks=512, block_size=16), max_num_seqs=64,
                               max_num_batched_tokens=256, long_prefill_token_threshold=4,
-                              decode_cost_per_key=per_key, decode_step_cost=step)
+                              cost_model=CostModel(decode_cost_per_key=per_key, decode_step_cost=step))
         _decoding(scheduler, 8)
         for seq in scheduler.running:
             seq.num_computed_tokens = context  # only the count is read; the token list stays short
@@ -159,7 +160,7 @@ def test_the_long_prompt_cap_counts_each_chunks_attention():
     for per_key in (0.0, 1 / 500):
         scheduler = Scheduler(BlockManager(num_blocks=512, block_size=16), max_num_seqs=64,
                               max_num_batched_tokens=256, long_prefill_token_threshold=4,
-                              attention_cost_per_key=per_key)
+                              cost_model=CostModel(attention_cost_per_key=per_key))
         _decoding(scheduler, 10)
         long = _seq(list(range(1000, 1600)))  # 600 tokens: long (over 256 / 2)
         scheduler.add(long)
@@ -192,7 +193,7 @@ def test_a_prompt_deep_into_a_long_context_still_moves_under_the_cap():
     """Where one token's attention alone costs more than the cap (40,000 keys at 1/500 a key), the chunk
     is the threshold's tokens, not none: the prompt is not starved while streams decode."""
     scheduler = Scheduler(BlockManager(num_blocks=512, block_size=16), max_num_seqs=64, max_num_batched_tokens=256,
-                          long_prefill_token_threshold=4, attention_cost_per_key=1 / 500)
+                          long_prefill_token_threshold=4, cost_model=CostModel(attention_cost_per_key=1 / 500))
     seq = _seq(list(range(300)))
     seq.num_computed_tokens = 40_000  # as if deep into a long cached context (only the count is read)
     assert scheduler._prefill_limit(seq, 256, 16.0, capped=True) == 4
