@@ -18,6 +18,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.constraint_budget import ConstraintBudget
+from engine.cost_model import CostModel
 from spark_server import launch_compat
 
 ENV_PREFIX = "SPARK_"
@@ -68,6 +69,11 @@ class Settings:
                                                  "--max-num-batched-tokens) prefill at most max(this, what the "
                                                  "decoding streams cost a step x long prompts pending^2) "
                                                  "tokens per step, keeping token gaps even (0: no cap)")
+    scheduler_cost_model: str | None = _opt(None, "the scheduler's cost model pinned, step=S,decode_key=D,"
+                                                  "attention_key=A (numbers >= 0, in one prompt token's linears), so "
+                                                  "replicas on one hardware class schedule alike; default: measured "
+                                                  "at start (the start-up line gives the measured figures in this "
+                                                  "form)")
     num_speculative_tokens: int = _opt(5, "prompt-lookup speculation (vLLM's ngram method), greedy and sampled: "
                                           "up to this many tokens that followed an earlier occurrence of the "
                                           "answer's last tokens in prompt or answer are checked in one step; the "
@@ -240,6 +246,8 @@ class Settings:
                              f"{self.max_num_seqs}: one request could never start that many sequences")
         elif self.max_seqs_per_request < 1:
             raise ValueError("--max-seqs-per-request must be at least 1")
+        if self.scheduler_cost_model is not None:
+            CostModel.parse(self.scheduler_cost_model)  # refused at start, naming the flag
 
     @property
     def lora_enabled(self) -> bool:
@@ -300,6 +308,7 @@ class Settings:
             prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
             constraint_budget=self.constraint_budget(),
             task=self.task, override_pooler_config=self.override_pooler_config,
+            cost_model=self.scheduler_cost_model,
         )
 
     def constraint_budget(self) -> ConstraintBudget:
