@@ -13,15 +13,12 @@ from typing import Any
 
 import torch
 
-from engine import loader
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, StopAutomaton, StopStringMatcher
 from engine.errors import EngineOverloadedError, InvalidRequestError, LoraUnavailableError, PromptTooLongError
 from engine.grammar_worker import first_line
-
-# start-up's helpers at their former place too, for callers that reach them here
-from engine.loader import Loaded, _available_memory_bytes, load, load_cpu_kernels, resolve_served_model  # noqa: F401
+from engine.loader import Loaded, load
 from engine.lora import LoraAdapter, LoraManager, read_adapter
 from engine.model_runner import ModelRunner, PromptLogits
 from engine.pooling import PoolingParams, PoolingRequest
@@ -52,12 +49,6 @@ def _path_identity(path: str) -> str:
         except OSError:
             parts.append("-")
     return "path:" + "|".join(parts)
-
-
-def _check_kv_fits(nbytes: int, device: torch.device, weight_bytes: int = 0) -> None:
-    """engine.loader's refusal of a KV budget over the machine's memory, at its former place: the memory is read
-    through this module's ``_available_memory_bytes``, so a caller replacing that name here is still heard."""
-    loader._check_kv_fits(nbytes, device, weight_bytes, available_memory=lambda: _available_memory_bytes())
 
 
 def record_prompt_logprobs(chunk: PromptLogits) -> None:

@@ -287,14 +287,12 @@ def _available_memory_bytes() -> int | None:
     return None
 
 
-def _check_kv_fits(nbytes: int, device: torch.device, weight_bytes: int = 0,
-                   available_memory: Callable[[], int | None] | None = None) -> None:
+def _check_kv_fits(nbytes: int, device: torch.device, weight_bytes: int = 0) -> None:
     """The CPU KV pool is mapped, not written, at start (attention.lazily_zeroed), and faulted in afterwards
     (engine/resident.py), so a budget larger than the machine's memory would not fail here but seconds or
     hours later, killed by the OS. Refuse it now instead, with the weights the model will hold beside it
-    (``weight_bytes``, an estimate made before they load). ``available_memory``: what reads the machine's
-    free memory (default: /proc/meminfo)."""
-    available = (available_memory or _available_memory_bytes)() if device.type == "cpu" else None
+    (``weight_bytes``, an estimate made before they load)."""
+    available = _available_memory_bytes() if device.type == "cpu" else None
     if available is not None and nbytes + weight_bytes > available:
         weights = f" and the weights (~{weight_bytes / (1 << 30):.1f} GiB)" if weight_bytes else ""
         raise ValueError(f"the KV cache budget ({nbytes / (1 << 30):.1f} GiB){weights} are more than this machine's "

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import gguf
 import numpy as np
 import pytest
 
-from engine import llm_engine
-from engine.config import EngineConfig
 from engine.gguf_parse import shared_gguf_readers
 from engine.kernels import UNITS, build_library
 
@@ -78,26 +75,6 @@ def test_one_tensor_name_map_per_architecture_within_the_block(monkeypatch):
         assert first.get_name("model.layers.3.self_attn.q_proj") == "blk.3.attn_q"
     assert built == [(llama, 30), (llama, 2)]
     assert gguf.get_tensor_name_map is counting  # restored
-
-
-def test_the_kernels_build_while_the_model_resolves(monkeypatch):
-    """The model's directory is resolved (on a cold cache: converted) only once the kernels' build has
-    begun: a start that did the two one after the other never gets past resolving."""
-    building = threading.Event()
-    real_load, real_resolve = llm_engine.load_cpu_kernels, llm_engine.resolve_served_model
-
-    def load():
-        building.set()
-        return real_load()
-
-    def resolve(model):
-        assert building.wait(timeout=30), "the kernels were not being built while the model converted"
-        return real_resolve(model)
-
-    monkeypatch.setattr(llm_engine, "load_cpu_kernels", load)
-    monkeypatch.setattr(llm_engine, "resolve_served_model", resolve)
-    engine = llm_engine.LLMEngine(EngineConfig(device="cpu", num_kv_blocks=16))
-    assert engine.model.kernels is not None or real_load() is None
 
 
 def test_starts_on_a_cold_cache_compile_the_kernels_once(tmp_path):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import llm_engine
+from engine import llm_engine, loader
 from engine.config import EngineConfig
 from engine.gguf_file import GgufFile
 from engine.kernels import load_cpu_kernels
@@ -114,7 +114,7 @@ def test_serving_a_generated_gguf_writes_no_copy_of_it(tmp_path, monkeypatch):
 
 
 def test_a_kv_cache_over_the_available_memory_is_refused_at_start():
-    available = llm_engine._available_memory_bytes()
+    available = loader._available_memory_bytes()
     if available is None:
         pytest.skip("no /proc/meminfo here")
     too_much = 1.5 * available / (1 << 30)
@@ -125,10 +125,10 @@ def test_a_kv_cache_over_the_available_memory_is_refused_at_start():
 
 def test_the_weights_count_beside_the_kv_cache(monkeypatch):
     """A KV budget that fits alone but not beside the weights is refused, naming both."""
-    monkeypatch.setattr(llm_engine, "_available_memory_bytes", lambda: 3 << 30)
-    llm_engine._check_kv_fits(2 << 30, torch.device("cpu"), weight_bytes=512 << 20)
+    monkeypatch.setattr(loader, "_available_memory_bytes", lambda: 3 << 30)
+    loader._check_kv_fits(2 << 30, torch.device("cpu"), weight_bytes=512 << 20)
     with pytest.raises(ValueError, match=r"the weights .*--kv-cache-space"):
-        llm_engine._check_kv_fits(2 << 30, torch.device("cpu"), weight_bytes=2 << 30)
+        loader._check_kv_fits(2 << 30, torch.device("cpu"), weight_bytes=2 << 30)
 
 
 def test_the_file_reader_matches_gguf_s_own(tmp_path):

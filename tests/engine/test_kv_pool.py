@@ -52,16 +52,16 @@ def test_lazily_zeroed_gives_torch_zeros_meaning():
 
 
 def test_a_budget_over_the_available_memory_is_refused_at_start(monkeypatch):
-    from engine import llm_engine
+    from engine import loader
 
-    monkeypatch.setattr(llm_engine, "_available_memory_bytes", lambda: 4 << 30)
-    llm_engine._check_kv_fits(3 << 30, torch.device("cpu"))  # fits
+    monkeypatch.setattr(loader, "_available_memory_bytes", lambda: 4 << 30)
+    loader._check_kv_fits(3 << 30, torch.device("cpu"))  # fits
     with pytest.raises(ValueError) as refused:  # a 5 GiB pool on a 4 GiB machine
-        llm_engine._check_kv_fits(5 << 30, torch.device("cpu"))
+        loader._check_kv_fits(5 << 30, torch.device("cpu"))
     message = str(refused.value)
     assert "5.0 GiB" in message and "4.0 GiB" in message and "--kv-cache-space" in message
-    monkeypatch.setattr(llm_engine, "_available_memory_bytes", lambda: None)  # no /proc/meminfo: no check
-    llm_engine._check_kv_fits(5 << 30, torch.device("cpu"))
+    monkeypatch.setattr(loader, "_available_memory_bytes", lambda: None)  # no /proc/meminfo: no check
+    loader._check_kv_fits(5 << 30, torch.device("cpu"))
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc/self/maps")
