@@ -69,20 +69,20 @@ class Census:
         return {k for k in after if after[k] > before[k]}
 
     def install(self) -> None:
-        """Wrap the places a model is loaded: LLMEngine construction, transformers' from_pretrained, and a
-        server process started with subprocess."""
-        from engine import llm_engine
+        """Wrap the places a model is loaded: the engine's loader (engine.loader.load, also under the name
+        llm_engine imported it by), transformers' from_pretrained, and a server process started with subprocess."""
+        from engine import llm_engine, loader
 
         census = self
-        engine_init = llm_engine.LLMEngine.__init__
+        real_load = loader.load
 
-        @functools.wraps(engine_init)
-        def counted_engine_init(engine: Any, *args: Any, **kwargs: Any) -> None:
-            config = args[-1] if args else kwargs.get("config")
+        @functools.wraps(real_load)
+        def counted_load(config: Any) -> Any:
             census.record(_model_kind(getattr(config, "model", None)))
-            engine_init(engine, *args, **kwargs)
+            return real_load(config)
 
-        setattr(llm_engine.LLMEngine, "__init__", counted_engine_init)  # noqa: B010 (a method swapped in)
+        loader.load = counted_load  # a counting wrapper of the same signature
+        llm_engine.load = counted_load
 
         popen_init = subprocess.Popen.__init__
 
