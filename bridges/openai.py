@@ -496,82 +496,116 @@ class ChatCompletions(_OpenAIHandler):
         return _stream_chat(plan.body, plan.requests[0], outputs, plan.context)
 
 
-async def _stream_chat(body: dict[str, Any], req: GenerationRequest, outputs: AsyncIterator[tuple[int, RequestOutput]],
-                       answer: OpenAIContext) -> AsyncGenerator[bytes, None]:
-    rid, model, name = answer.rid, answer.model, answer.names
-    include_usage, continuous = _stream_usage(body)
-    token_ids = bool(body.get("return_token_ids"))
-    created = now()
-    started: set[int] = set()
-    prompt_tokens = completion_tokens = 0
-    prefix = _echo_prefix(body, req)
-    parsers: dict[int, Any] = {}  # per sample, with tools: content vs completed calls
-    splitters: dict[int, thinking.ReasoningSplitter] = {}  # per sample, with a reasoning parser
-    num_calls: dict[int, int] = {}
+class _ChatStream:
+    """One streamed chat answer: the fields every chunk shares, the running token counts, and each
+    sample's parsers (the thinking apart, tool calls apart from the content)."""
 
-    def reasoning_tokens() -> int:
-        return sum(s.reasoning_tokens for s in splitters.values())
+    def __init__(self, body: dict[str, Any], req: GenerationRequest, answer: OpenAIContext) -> None:
+        self.req, self.answer = req, answer
+        self.include_usage, self.continuous = _stream_usage(body)
+        self.token_ids = bool(body.get("return_token_ids"))
+        self.created = now()
+        self.prefix = _echo_prefix(body, req)
+        self.started: set[int] = set()
+        self.prompt_tokens = self.completion_tokens = 0
+        self.parsers: dict[int, Any] = {}  # per sample, with tools: content vs completed calls
+        self.splitters: dict[int, thinking.ReasoningSplitter] = {}  # per sample, with a reasoning parser
+        self.num_calls: dict[int, int] = {}
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        data = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices,
-                **extra}
-        if include_usage:
-            data["usage"] = usage(prompt_tokens, completion_tokens, 0, reasoning_tokens()) if continuous else None
+    def count(self, out: RequestOutput) -> None:
+        self.prompt_tokens = out.num_prompt_tokens
+        self.completion_tokens += len(out.new_token_ids)
+
+    def reasoning_tokens(self) -> int:
+        return sum(s.reasoning_tokens for s in self.splitters.values())
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, 0, self.reasoning_tokens())
+
+    def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        data = {"id": self.answer.rid, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.answer.model, "choices": choices, **extra}
+        if self.include_usage:
+            data["usage"] = self.usage() if self.continuous else None
         return sse(data)
 
-    async for _, out in outputs:
-        prompt_tokens = out.num_prompt_tokens
-        completion_tokens += len(out.new_token_ids)
-        if out.index not in started:
-            started.add(out.index)
-            delta: dict[str, Any] = {"role": "assistant", "content": prefix}
-            extra: dict[str, Any] = {}
-            if token_ids:  # vLLM: prompt ids in the first chunk; FastDeploy: in the delta
-                ids = await answer.tokenizer.prompt_ids(req.prompt)
-                extra["prompt_token_ids"] = delta["prompt_token_ids"] = ids
-            first = [{"index": out.index, "delta": delta, "logprobs": None, "finish_reason": None}]
-            if out.prompt_logprobs is not None:  # a whole prompt's worth at once: rendered off the event loop
-                extra["prompt_logprobs"] = await asyncio.to_thread(prompt_logprobs_field, name, out.prompt_logprobs)
-                yield await asyncio.to_thread(chunk, first, **extra)
-            else:
-                yield chunk(first, **extra)
-        if not out.text_delta and not out.finished and not (token_ids and out.new_token_ids):
-            continue
+    async def opening(self, out: RequestOutput) -> bytes:
+        """A sample's first chunk: the role, an echoed prompt, and (when asked) the prompt's ids and logprobs."""
+        self.started.add(out.index)
+        delta: dict[str, Any] = {"role": "assistant", "content": self.prefix}
+        extra: dict[str, Any] = {}
+        if self.token_ids:  # vLLM: prompt ids in the first chunk; FastDeploy: in the delta
+            ids = await self.answer.tokenizer.prompt_ids(self.req.prompt)
+            extra["prompt_token_ids"] = delta["prompt_token_ids"] = ids
+        first = [{"index": out.index, "delta": delta, "logprobs": None, "finish_reason": None}]
+        if out.prompt_logprobs is None:
+            return self.chunk(first, **extra)
+        # a whole prompt's worth at once: rendered off the event loop
+        extra["prompt_logprobs"] = await asyncio.to_thread(prompt_logprobs_field, self.answer.names,
+                                                           out.prompt_logprobs)
+        return await asyncio.to_thread(self.chunk, first, **extra)
+
+    def split(self, out: RequestOutput) -> tuple[str, list[Any], str]:
+        """This output's (content, completed tool calls, thinking)."""
         text, calls, thought = out.text_delta, [], ""
+        answer = self.answer
         if answer.reasoning is not None:  # the thinking apart; the content alone is read for calls
-            splitter = splitters.setdefault(out.index, answer.reasoning.splitter(answer.reasoning_state))
+            splitter = self.splitters.setdefault(out.index, answer.reasoning.splitter(answer.reasoning_state))
             thought, text = thinking.feed_output(splitter, out.texts_per_token() if out.new_token_ids else [],
                                                  "" if out.new_token_ids else out.text_delta, final=out.finished)
         if answer.tools is not None:
-            parser = parsers.setdefault(out.index, answer.tools.stream_parser())
+            parser = self.parsers.setdefault(out.index, answer.tools.stream_parser())
             text, calls = parser.feed(text, final=out.finished)
-        for call in calls:  # a completed call: its id and name, then its arguments (as OpenAI streams them)
-            k = num_calls.get(out.index, 0)
-            num_calls[out.index] = k + 1
+        return text, calls, thought
+
+    def call_chunks(self, index: int, calls: list[Any]) -> list[bytes]:
+        """Each completed call: its id and name, then its arguments (as OpenAI streams them)."""
+        chunks = []
+        for call in calls:
+            k = self.num_calls.get(index, 0)
+            self.num_calls[index] = k + 1
             head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-            yield chunk([{"index": out.index, "delta": {"tool_calls": [head]}, "logprobs": None,
-                          "finish_reason": None}])
-            yield chunk([{"index": out.index, "delta": {"tool_calls": [{"index": k, "function": {
-                "arguments": call.arguments}}]}, "logprobs": None, "finish_reason": None}])
-        if not text and not thought and not out.finished and not (token_ids and out.new_token_ids):
-            continue
-        delta = {"reasoning_content": thought} if thought else {}
+            chunks.append(self.chunk([{"index": index, "delta": {"tool_calls": [head]}, "logprobs": None,
+                                       "finish_reason": None}]))
+            chunks.append(self.chunk([{"index": index, "delta": {"tool_calls": [{"index": k, "function": {
+                "arguments": call.arguments}}]}, "logprobs": None, "finish_reason": None}]))
+        return chunks
+
+    def content_chunk(self, out: RequestOutput, text: str, thought: str) -> bytes:
+        delta: dict[str, Any] = {"reasoning_content": thought} if thought else {}
         if text:
             delta["content"] = text
-        if token_ids:
+        if self.token_ids:
             delta["completion_token_ids"] = out.new_token_ids
-        choice = {"index": out.index, "delta": delta,
-                  "logprobs": chat_logprobs(name, out.logprobs) if req.params.logprobs and out.logprobs else None,
-                  "finish_reason": None, "arrival_time": arrival_time(out)}  # FastDeploy's
-        if token_ids:
+        logprobs = chat_logprobs(self.answer.names, out.logprobs) if self.req.params.logprobs and out.logprobs else None
+        choice = {"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": None,
+                  "arrival_time": arrival_time(out)}  # FastDeploy's
+        if self.token_ids:
             choice["token_ids"] = out.new_token_ids
         if out.finished:
-            reason = "tool_calls" if num_calls.get(out.index) and out.finish_reason == "stop" else out.finish_reason
-            choice.update(finish_fields(reason, out.stop_reason))
-        yield chunk([choice])
-    if include_usage:
-        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-                   "usage": usage(prompt_tokens, completion_tokens, 0, reasoning_tokens())})
+            called = self.num_calls.get(out.index) and out.finish_reason == "stop"
+            choice.update(finish_fields("tool_calls" if called else out.finish_reason, out.stop_reason))
+        return self.chunk([choice])
+
+
+async def _stream_chat(body: dict[str, Any], req: GenerationRequest, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                       answer: OpenAIContext) -> AsyncGenerator[bytes, None]:
+    stream = _ChatStream(body, req, answer)
+    async for _, out in outputs:
+        stream.count(out)
+        if out.index not in stream.started:
+            yield await stream.opening(out)
+        ids_due = stream.token_ids and bool(out.new_token_ids)  # each token's id goes out even without text
+        if not out.text_delta and not out.finished and not ids_due:
+            continue
+        text, calls, thought = stream.split(out)
+        for chunk in stream.call_chunks(out.index, calls):
+            yield chunk
+        if text or thought or out.finished or ids_due:
+            yield stream.content_chunk(out, text, thought)
+    if stream.include_usage:
+        yield sse({"id": answer.rid, "object": "chat.completion.chunk", "created": stream.created,
+                   "model": answer.model, "choices": [], "usage": stream.usage()})
     yield sse("[DONE]")
 
 
