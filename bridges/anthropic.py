@@ -273,74 +273,92 @@ class Messages(Handler[AnthropicContext]):
         return _stream(plan.context, outputs)
 
 
+class _Blocks:
+    """The content blocks of one streamed message, numbered in order, at most one open at a time: starting
+    one closes the one before (a thinking block before the text, the text before a tool call)."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None  # the open block's type
+
+    def close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def start(self, block: dict[str, Any]) -> list[bytes]:
+        events = self.close()
+        self.index, self.open = self.index + 1, block["type"]
+        events.append(event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                    "content_block": block}))
+        return events
+
+    def add(self, block: dict[str, Any], delta: dict[str, Any]) -> list[bytes]:
+        """``delta`` into the open block of ``block``'s type, started first where another (or none) is open."""
+        events = self.start(block) if self.open != block["type"] else []
+        events.append(event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                    "delta": delta}))
+        return events
+
+    def tool_use(self, call: tools.ToolCall) -> list[bytes]:
+        """A completed call as its own block: its input comes as one input_json_delta."""
+        return [*self.start({**_tool_use(call), "input": {}}),
+                *self.add({"type": "tool_use"}, {"type": "input_json_delta", "partial_json": call.arguments}),
+                *self.close()]
+
+    def finish(self) -> list[bytes]:
+        """The open block closed; an empty answer is one empty text block, as the non-streamed answer has."""
+        events = self.close()
+        if self.index < 0:
+            events += [*self.start({"type": "text", "text": ""}), *self.close()]
+        return events
+
+
 async def _stream(answer: AnthropicContext,
                   outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
-    """message_start, ping, then content blocks (text deltas; each tool call a tool_use block whose input
-    comes as one input_json_delta), message_delta with the stop reason and usage, message_stop."""
+    """message_start, ping, then content blocks (thinking, text, tool_use), message_delta with the stop
+    reason and usage, message_stop."""
     parser = answer.tools.stream_parser() if answer.tools is not None else None
     splitter = answer.reasoning.splitter(answer.reasoning_state) if answer.reasoning is not None else None
-    index, open_text, open_thinking, calls = -1, False, False, 0
-    prompt_tokens = cached = output_tokens = 0
-    finish: str | None = None
-    stop: str | int | None = None
-    started = False
+    blocks, calls, output_tokens = _Blocks(), 0, 0
+    first: RequestOutput | None = None
+    last: RequestOutput | None = None
     async for _, out in outputs:
-        prompt_tokens, cached = out.num_prompt_tokens, out.num_cached_tokens
         output_tokens += len(out.new_token_ids)
-        if not started:
-            started = True
+        if first is None:
+            first = out
             yield event("message_start", {"type": "message_start", "message": {
                 "id": answer.rid, "type": "message", "role": "assistant", "content": [], "model": answer.model,
-                "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, cached, 0)}})
+                "stop_reason": None, "stop_sequence": None,
+                "usage": _usage(out.num_prompt_tokens, out.num_cached_tokens, 0)}})
             yield event("ping", {"type": "ping"})
+        last = out
         delta, thought = out.text_delta, ""
         if splitter is not None:
             thought, delta = thinking.feed_output(splitter, out.texts_per_token() if out.new_token_ids else [],
                                                   "" if out.new_token_ids else out.text_delta, final=out.finished)
         if thought:
-            if not open_thinking:
-                index, open_thinking = index + 1, True
-                yield event("content_block_start", {"type": "content_block_start", "index": index,
-                                                    "content_block": {"type": "thinking", "thinking": "",
-                                                                      "signature": ""}})
-            yield event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                "delta": {"type": "thinking_delta", "thinking": thought}})
+            for e in blocks.add({"type": "thinking", "thinking": "", "signature": ""},
+                                {"type": "thinking_delta", "thinking": thought}):
+                yield e
         delta += _closing(answer, out.stop_reason) if out.finished else ""
         text, found = parser.feed(delta, final=out.finished) if parser is not None else (delta, [])
         if answer.one_call:
             found = found[:max(0, 1 - calls)]
-        if (text or found) and open_thinking:
-            open_thinking = False
-            yield event("content_block_stop", {"type": "content_block_stop", "index": index})
         if text:
-            if not open_text:
-                index, open_text = index + 1, True
-                yield event("content_block_start", {"type": "content_block_start", "index": index,
-                                                    "content_block": {"type": "text", "text": ""}})
-            yield event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                "delta": {"type": "text_delta", "text": text}})
+            for e in blocks.add({"type": "text", "text": ""}, {"type": "text_delta", "text": text}):
+                yield e
         for call in found:
-            if open_text:
-                open_text = False
-                yield event("content_block_stop", {"type": "content_block_stop", "index": index})
-            index, calls = index + 1, calls + 1
-            block = _tool_use(call)
-            yield event("content_block_start", {"type": "content_block_start", "index": index,
-                                                "content_block": {**block, "input": {}}})
-            yield event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                "type": "input_json_delta", "partial_json": call.arguments}})
-            yield event("content_block_stop", {"type": "content_block_stop", "index": index})
-        if out.finished:
-            finish, stop = out.finish_reason, out.stop_reason
-    if open_thinking:
-        yield event("content_block_stop", {"type": "content_block_stop", "index": index})
-    if index < 0:  # an empty answer is one empty text block, as the non-streamed answer has
-        index, open_text = 0, True
-        yield event("content_block_start", {"type": "content_block_start", "index": 0,
-                                            "content_block": {"type": "text", "text": ""}})
-    if open_text:
-        yield event("content_block_stop", {"type": "content_block_stop", "index": index})
-    reason, sequence = _stop_reason(answer, finish, stop, calls)
+            calls += 1
+            for e in blocks.tool_use(call):
+                yield e
+    for e in blocks.finish():
+        yield e
+    finished = last if last is not None and last.finished else None
+    reason, sequence = _stop_reason(answer, finished.finish_reason if finished else None,
+                                    finished.stop_reason if finished else None, calls)
+    prompt_tokens, cached = (last.num_prompt_tokens, last.num_cached_tokens) if last is not None else (0, 0)
     yield event("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                   "usage": _usage(prompt_tokens, cached, output_tokens)})
     yield event("message_stop", {"type": "message_stop"})
