@@ -46,14 +46,11 @@ def score(logits: torch.Tensor, reference: torch.Tensor) -> tuple[int, float]:
     return int((logits.argmax(-1) == reference.argmax(-1)).sum()), float(kl.sum())
 
 
-def test_bf16_forward_is_as_accurate_as_transformers_bf16(bf16_engine, llm_engine):
-    from transformers import AutoModelForCausalLM
+def test_bf16_forward_is_as_accurate_as_transformers_bf16(bf16_engine, llm_engine, hf_model):
+    import copy
 
-    from engine.model_loader import resolve_model_dir
-
-    path = resolve_model_dir(bf16_engine.config.model)  # transformers' own conversion of the GGUF file
-    hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf32 = hf_model  # transformers' own conversion of the GGUF file, fp32 (shared with the greedy tests)
+    hf16 = copy.deepcopy(hf_model).to(torch.bfloat16).eval()  # the same weights rounded, as from_pretrained does
     ours = [0, 0.0]
     theirs = [0, 0.0]
     positions = 0
