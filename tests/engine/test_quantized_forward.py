@@ -181,11 +181,14 @@ def test_quantized_modes_answer_and_cache_their_weights(mode, tmp_path, monkeypa
     from engine.quant import cache, calibration
 
     monkeypatch.setattr(cache, "default_cache_dir", lambda: tmp_path)  # a fresh quantization cache
-    monkeypatch.setattr(calibration, "DEFAULT_SEQUENCES", 16)  # int8's calibration, small: the path, not the
-    monkeypatch.setattr(calibration, "DEFAULT_LENGTH", 32)  # accuracy (bench_kernels measures that)
-    # a context limit shorter than a calibration sequence binds serving, not int8's calibration
+    # int8's calibration, tiny: the path (two plain starts, two chat answers), not the accuracy (bench_kernels
+    # measures that); GPTQ's damping keeps a Hessian of fewer tokens than inputs invertible
+    monkeypatch.setattr(calibration, "DEFAULT_SEQUENCES", 4)
+    monkeypatch.setattr(calibration, "DEFAULT_LENGTH", 16)
+    # a context limit shorter than a calibration sequence (1 + 16 and ~40 + 16 tokens) binds serving, not
+    # int8's calibration
     first = LLMEngine(EngineConfig(device="cpu", dtype="bfloat16", quantization=mode, num_kv_blocks=64,
-                                   max_model_len=40))
+                                   max_model_len=16))
     kind, source = ("i8", "int8 gptq") if mode == "int8" else ("u4", "int4")
     assert {(lw.gate_up.quantized.kind, lw.gate_up.quantized.source) for lw in first.model.layers} == {(kind, source)}
     cached = list((tmp_path / "quantized").glob(f"{mode}-*.safetensors"))
