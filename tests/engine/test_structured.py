@@ -65,13 +65,17 @@ def _constrained(rid: str, question: str, seed: int) -> GenerationRequest:
                                             constraint=Constraint("json", json.dumps(SCHEMA))))
 
 
+PAIRS = 8  # constrained and free rows interleaved: every question twice, plain and with a trailing space
+
+
 def test_constrained_and_free_rows_share_a_batch(llm_engine):
-    free = [chat(f"f{i}", QUESTIONS[i % 4] + " " * (i // 4), max_tokens=16, temperature=0) for i in range(16)]
+    free = [chat(f"f{i}", QUESTIONS[i % 4] + " " * (i // 4), max_tokens=16, temperature=0) for i in range(PAIRS)]
     alone = run_all(llm_engine, free)
-    constrained = [_constrained(f"c{i}", QUESTIONS[i % 4], seed=i) for i in range(16)]
-    free_again = [chat(f"g{i}", QUESTIONS[i % 4] + " " * (i // 4), max_tokens=16, temperature=0) for i in range(16)]
+    constrained = [_constrained(f"c{i}", QUESTIONS[i % 4], seed=i) for i in range(PAIRS)]
+    free_again = [chat(f"g{i}", QUESTIONS[i % 4] + " " * (i // 4), max_tokens=16, temperature=0)
+                  for i in range(PAIRS)]
     mixed = run_all(llm_engine, [x for pair in zip(constrained, free_again) for x in pair])
-    for i in range(16):
+    for i in range(PAIRS):
         assert tokens_of(mixed[f"g{i}"]) == tokens_of(alone[f"f{i}"]), i
         text = text_of(mixed[f"c{i}"])
         jsonschema.validate(json.loads(text), SCHEMA)
