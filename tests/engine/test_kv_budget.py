@@ -3,6 +3,8 @@ recomputed), with the same greedy output as without pressure, and no block stays
 
 from __future__ import annotations
 
+import pytest
+
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest, TokensPrompt
@@ -37,18 +39,21 @@ def test_requests_over_the_kv_budget_all_finish(llm_engine):
         assert tokens_of(outs) == tokens_of(roomy[rid]), rid
 
 
-def test_prompt_larger_than_the_whole_cache_is_refused():
-    import pytest
+@pytest.fixture(scope="module")
+def tiny() -> LLMEngine:
+    """A cache of 4 blocks: 64 tokens in all."""
+    return LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=4))
 
+
+def test_prompt_larger_than_the_whole_cache_is_refused(tiny):
     from engine.errors import PromptTooLongError
 
-    tiny = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=4))
     with pytest.raises(PromptTooLongError):
         tiny.add_request(GenerationRequest("big", TokensPrompt([1] * 100), SamplingParams(max_tokens=4)))
+    assert not tiny.has_unfinished() and tiny.block_manager.num_used_blocks == 0  # refused before taking room
 
 
-def test_a_sequence_that_outgrows_the_whole_cache_ends_with_length():
-    tiny = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=4))  # 64 tokens in all
+def test_a_sequence_that_outgrows_the_whole_cache_ends_with_length(tiny):
     outs = run_all(tiny, [GenerationRequest("grow", TokensPrompt([1] + [500] * 39),
                                             SamplingParams(max_tokens=100, ignore_eos=True))])["grow"]
     assert outs[-1].finish_reason == "length"
