@@ -266,7 +266,7 @@ class LoraManager:
         else:
             slot = self._take_slot()
             self._write(slot, adapter)
-            self._pack()
+            self._refresh()
             self.slot_of[key] = slot
             self.num_loads += 1
             logger.info("LoRA %s (%s) loaded into slot %d (rank %d)", adapter.name, key, slot, adapter.rank)
@@ -287,6 +287,9 @@ class LoraManager:
         raise LoraUnavailableError("every LoRA slot is in use; raise --max-loras", code="busy")
 
     def _pack(self) -> None:
+        """The fused projections, built once. A dense base is copied once into [W_base; A] and the group's
+        A stack becomes a view of that weight's last rows, so writing a slot updates the fused weight in
+        place: loading an adapter never copies the base model's weights again."""
         self.fused = []
         for layer, groups in enumerate(self.stacks):
             packed = {}
@@ -296,11 +299,22 @@ class LoraManager:
                     bias = base.bias
                     if bias is not None:  # the A rows get no bias
                         bias = torch.cat([bias, bias.new_zeros(a.shape[0])])
-                    first: Any = Linear(torch.cat([base.weight, a]), bias)
+                    weight = torch.cat([base.weight, a])
+                    groups[g] = (weight[base.out_features:], b)
+                    first: Any = Linear(weight, bias)
                 else:  # packed or quantized base: its own kernel, then A
                     first = _BaseThenA(base, Linear(a))
                 packed[g] = (first, Linear(b) if b is not None else None, base.out_features)
             self.fused.append(packed)
+
+    def _refresh(self) -> None:
+        """After a slot's rows were written in place: the Linears that keep a prepacked copy of their
+        weight (oneDNN, bf16) pack it again; plain ones read the written tensors as they are."""
+        for packed in self.fused:
+            for first, b, _ in packed.values():
+                (first.a if isinstance(first, _BaseThenA) else first).weight_changed()
+                if b is not None:
+                    b.weight_changed()
 
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
         r, rows = self.max_rank, self.max_loras * self.max_rank

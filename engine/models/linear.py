@@ -67,6 +67,11 @@ class Linear:
         """Selected output rows of the weight, in fp32."""
         return self.weight[index].float()
 
+    def weight_changed(self) -> None:
+        """``weight`` was written in place (LoRA slots): the prepacked copy, where there is one, is remade."""
+        if self._packed is not None:
+            self._packed = _mkldnn_pack(self.weight, self.bias)
+
     @property
     def dense(self) -> bool:
         return True
