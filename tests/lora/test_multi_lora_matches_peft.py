@@ -12,7 +12,7 @@ from engine.sampling_params import SamplingParams
 from tests.engine.helpers import run_all, text_of, tokens_of
 from tests.lora.adapters import SECRET_ANSWER, SECRET_QUESTION, peft_greedy
 
-MAX_TOKENS = 12
+MAX_TOKENS = 8  # the taught answer is 6 tokens and its end: greedy agreement over 8 steps of each
 QUESTIONS = [SECRET_QUESTION, "Name a fruit.", "写一句关于大海的话。"]
 
 
