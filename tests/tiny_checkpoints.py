@@ -32,3 +32,21 @@ def save_tiny_classifier(out: Path, num_labels: int = len(LABELS), seed: int = 0
         if (source / name).exists():
             shutil.copy(source / name, out / name)
     return out
+
+
+def save_tiny_llama(out: Path, seed: int = 0) -> Path:
+    """A 2-layer LlamaForCausalLM of the embedded model's family (head_dim 64, 3 query heads per KV head, its
+    vocabulary and RoPE) with random weights at 5x the usual scale, so logits and KV spread over several units:
+    for checks of one code path against another, where the real model's 30 layers only add time."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    source = resolve_model_dir(None)
+    config = LlamaConfig.from_pretrained(source)
+    config.update({"num_hidden_layers": 2, "hidden_size": 192, "intermediate_size": 512, "num_attention_heads": 3,
+                   "num_key_value_heads": 1, "head_dim": 64, "initializer_range": 0.1})
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, out / name)
+    return out

@@ -264,11 +264,15 @@ def _check_prefill_attention(dtype, kern, H, Hkv, D, spans, block):
         torch.testing.assert_close(out[start:start + q_len].float(), expected, rtol=tol, atol=tol)
 
 
-def test_fused_forward_equals_torch_forward_on_mixed_batches():
+def test_fused_forward_equals_torch_forward_on_mixed_batches(tmp_path):
     """Decodes, a prompt continuing from cached blocks and a chunked fresh prompt share fp32 steps;
-    every step runs both paths from the same cache and their logits must agree."""
+    every step runs both paths from the same cache and their logits must agree. On a 2-layer model of the
+    embedded one's family (its head size, grouping, vocabulary): the paths, not the weights, are compared."""
+    from tests.tiny_checkpoints import save_tiny_llama
+
+    model = save_tiny_llama(tmp_path / "tiny")
     with kernel_threads(kernels):  # the model sets the shared library's count from torch's when built
-        engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", max_num_batched_tokens=64,
+        engine = LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32", max_num_batched_tokens=64,
                                         long_prefill_token_threshold=0, num_kv_blocks=64))
         _fused_equals_torch_on_mixed_batches(engine)
 
