@@ -16,10 +16,18 @@ from tests.engine.helpers import run_all, text_of, tokens_of
 TEXT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
 
 
-def test_prompt_logprobs_equal_transformers_across_prefill_chunks(hf_model):
+def test_prompt_logprobs_equal_transformers_across_prefill_chunks(tmp_path):
     # chunks of 8 tokens: the prompt's logprobs come from several steps, each position exactly once (the
-    # fused forward, whose row gathering once skipped a permuted full set of rows)
-    engine = LLMEngine(EngineConfig(dtype="float32", max_num_batched_tokens=8, kv_cache_space_gib=0.5))
+    # fused forward, whose row gathering once skipped a permuted full set of rows). A 2-layer model of the
+    # embedded one's family, read by the engine and by transformers: the gathering is checked, not the weights.
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_checkpoints import save_tiny_llama
+
+    model = save_tiny_llama(tmp_path / "tiny")
+    hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", max_num_batched_tokens=8,
+                                    kv_cache_space_gib=0.5))
     req = GenerationRequest("p", TextPrompt(TEXT), SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3))
     outs = run_all(engine, [req])["p"]
     got = outs[0].prompt_logprobs
@@ -70,9 +78,16 @@ def test_a_request_chat_template_replaces_the_models(llm_engine):
     assert err.value.parameter == "chat_template"
 
 
-def test_seed_flag_makes_unseeded_requests_reproducible():
+def test_seed_flag_makes_unseeded_requests_reproducible(tmp_path):
+    # two engine starts on a 2-layer model of the embedded one's family: the seeding is the engine's, and
+    # its near-flat random logits make an unseeded repeat differ all the more surely
+    from tests.tiny_checkpoints import save_tiny_llama
+
+    model = str(save_tiny_llama(tmp_path / "tiny"))
+
     def sampled(seed):
-        engine = LLMEngine(EngineConfig(dtype="float32", seed=seed, native_kernels=False, kv_cache_space_gib=0.5))
+        engine = LLMEngine(EngineConfig(model=model, dtype="float32", seed=seed, native_kernels=False,
+                                        kv_cache_space_gib=0.5))
         reqs = [GenerationRequest(f"s{i}", TextPrompt(TEXT), SamplingParams(max_tokens=8, temperature=1.0))
                 for i in range(2)]
         outs = run_all(engine, reqs)
