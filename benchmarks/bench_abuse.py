@@ -189,8 +189,7 @@ def main() -> int:
             alone = time.perf_counter()
             await asyncio.sleep(3.0)
             baseline = victim.largest_gap(alone, time.perf_counter())
-            outcomes = [await attack_corpus.run_attack(a, base, ws_url, proc.pid, victim)
-                        for a in attack_corpus.corpus()]
+            outcomes = await attack_corpus.run_corpus(attack_corpus.corpus(), base, ws_url, proc.pid, victim)
             await victim.stop()
             return idle, results, baseline, outcomes
 

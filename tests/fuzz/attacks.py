@@ -8,6 +8,7 @@ field (or the flag), or a bounded answer."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import time
@@ -17,6 +18,8 @@ from typing import Any
 
 import httpx
 import websockets
+
+from tests.plain_http import TLS
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -44,13 +47,17 @@ class Attack:
 # ---- ways to send ---------------------------------------------------------------------------------
 
 
+def client_for(timeout: float) -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=timeout, verify=TLS)  # one shared context (tests/plain_http.py)
+
+
 def post(path: str, body: Any, *, content_type: str = "application/json", host: str | None = None,
          timeout: float = 60.0) -> Callable[[str, str], Awaitable[Reply]]:
     raw = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
 
     async def send(base: str, _: str) -> Reply:
         headers = {"Content-Type": content_type, **({"Host": host} if host else {})}
-        async with httpx.AsyncClient(timeout=timeout) as client:
+        async with client_for(timeout=timeout) as client:
             resp = await client.post(base + path, content=raw, headers=headers)
         return Reply(resp.status_code, resp.text[:400])
     return send
@@ -58,7 +65,7 @@ def post(path: str, body: Any, *, content_type: str = "application/json", host: 
 
 def get(path: str, *, host: str | None = None) -> Callable[[str, str], Awaitable[Reply]]:
     async def send(base: str, _: str) -> Reply:
-        async with httpx.AsyncClient(timeout=30) as client:
+        async with client_for(timeout=30) as client:
             resp = await client.get(base + path, headers={"Host": host} if host else {})
         return Reply(resp.status_code, resp.text[:400])
     return send
@@ -88,7 +95,7 @@ def burst(bodies: list[dict[str, Any]], path: str) -> Callable[[str, str], Await
     """Send ``bodies`` at once; the reply is the first answer whose status differs from the first's,
     else the first (so a single odd answer is never hidden)."""
     async def send(base: str, _: str) -> Reply:
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with client_for(timeout=120) as client:
             answers = await asyncio.gather(*(client.post(base + path, json=b) for b in bodies))
         odd = next((a for a in answers if a.status_code != answers[0].status_code), answers[0])
         return Reply(odd.status_code, odd.text[:400])
@@ -112,7 +119,7 @@ def abandoned(bodies: list[dict[str, Any]], path: str, then: dict[str, Any],
     """Send ``bodies`` at once, leave them all after ``leave_after_s``, then send ``then``: its answer
     (and how long it took) is the reply."""
     async def send(base: str, ws_url: str) -> Reply:
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with client_for(timeout=120) as client:
             tasks = [asyncio.create_task(client.post(base + path, json=b)) for b in bodies]
             await asyncio.sleep(leave_after_s)
             for t in tasks:
@@ -292,7 +299,7 @@ class Victim:
     async def _run(self) -> None:
         body = {"model": MODEL, "prompt": "Count from one to a thousand:", "max_tokens": 1000, "ignore_eos": True,
                 "stream": True, "temperature": 0}
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with client_for(timeout=120) as client:
             while not self._stop.is_set():
                 async with client.stream("POST", self.base + "/v1/completions", json=body) as resp:
                     if resp.status_code != 200:
@@ -373,16 +380,18 @@ class Outcome:
     attack: Attack
     reply: Reply
     answer_s: float
-    victim_gap_s: float
+    victim_gap_s: float  # over the attack's span (run_corpus): from its sending to the next attack's
     rss_before: int
     rss_peak: int
     rss_after: int
+    sent_at: float = 0.0  # time.perf_counter() when it was sent
 
 
 async def run_attack(attack: Attack, base: str, ws_url: str, pid: int, victim: Victim) -> Outcome:
     """Send one attack beside the running victim; the RSS after is the first reading within 10% of the
-    one before (or the last of 15 s of readings)."""
-    before = await settled_rss(pid, limit_s=10, every_s=0.25)
+    one before (or the last of 15 s of readings). Its victim gap here covers only [sent, answered]:
+    run_corpus gives each attack its whole span once the stream after it has arrived."""
+    before = await settled_rss(pid, limit_s=10, every_s=0.1)
     async with PeakRss(pid) as peak:
         sent = time.perf_counter()
         try:
@@ -390,11 +399,33 @@ async def run_attack(attack: Attack, base: str, ws_url: str, pid: int, victim: V
         except (TimeoutError, OSError, httpx.HTTPError, websockets.WebSocketException) as exc:
             reply = Reply(-1, f"no answer: {exc!r}")  # fails this attack's check, not the corpus
         answered = time.perf_counter()
-        await asyncio.sleep(0.3)  # the stream just after the answer counts too
-    gap = victim.largest_gap(sent, answered + 0.3)
     after = tree_rss(pid)
     deadline = time.monotonic() + 15
     while after > 1.1 * before and time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.1)
         after = tree_rss(pid)
-    return Outcome(attack, reply, answered - sent, gap, before, peak.peak, after)
+    return Outcome(attack, reply, answered - sent, victim.largest_gap(sent, answered), before, peak.peak, after,
+                   sent)
+
+
+# The stream just after the last answer that still counts as that attack's.
+AFTER_LAST_S = 0.3
+
+
+async def run_corpus(corpus: list[Attack], base: str, ws_url: str, pid: int, victim: Victim) -> list[Outcome]:
+    """Every attack in turn. Each one's victim gap covers its whole span, from its sending to the next
+    one's sending (the last: to AFTER_LAST_S after its answer), with no moment of the stream left out; it
+    is read once a chunk after the span has arrived, so a stall still running when the next attack goes
+    out counts whole (up to 30 s) rather than only as far as it had got."""
+    outcomes = [await run_attack(attack, base, ws_url, pid, victim) for attack in corpus]
+    if not outcomes:
+        return []
+    ends = [o.sent_at for o in outcomes[1:]] + [outcomes[-1].sent_at + outcomes[-1].answer_s + AFTER_LAST_S]
+    deadline = time.monotonic() + 30
+    while (not victim.times or victim.times[-1] < ends[-1]) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    now = time.perf_counter()
+    stalled = now - victim.times[-1] if victim.times and victim.times[-1] < ends[-1] else 0.0
+    gaps = [victim.largest_gap(o.sent_at, end) for o, end in zip(outcomes, ends)]
+    gaps[-1] = max(gaps[-1], stalled)
+    return [dataclasses.replace(o, victim_gap_s=gap) for o, gap in zip(outcomes, gaps)]

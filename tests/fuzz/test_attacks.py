@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import free_port, wait_healthy
 from tests.fuzz import attacks
+from tests.plain_http import TLS
 
 CORPUS = attacks.corpus()
 
@@ -39,13 +40,13 @@ def run() -> Run:
                              "warning", *attacks.SERVER_ARGS], env=env)
     result = Run()
     try:
-        wait_healthy(base, timeout=180)
+        wait_healthy(base, timeout=180, verify=TLS)
 
         async def go() -> None:
             stop = asyncio.Event()
 
             async def watch_health() -> None:
-                async with httpx.AsyncClient(timeout=5) as client:
+                async with httpx.AsyncClient(timeout=5, verify=TLS) as client:
                     while not stop.is_set():
                         try:
                             status = (await client.get(base + "/health")).status_code
@@ -58,12 +59,12 @@ def run() -> Run:
             health = asyncio.create_task(watch_health())
             victim = attacks.Victim(base)
             await victim.start()
+            alone = time.perf_counter()  # the victim alone: while the RSS settles, 3 s at least
             await attacks.settled_rss(proc.pid)
-            alone = time.perf_counter()
-            await asyncio.sleep(3.0)
+            await asyncio.sleep(max(0.0, alone + 3.0 - time.perf_counter()))
             result.baseline_gap_s = victim.largest_gap(alone, time.perf_counter())
-            for attack in CORPUS:
-                result.outcomes[attack.name] = await attacks.run_attack(attack, base, ws_url, proc.pid, victim)
+            for out in await attacks.run_corpus(CORPUS, base, ws_url, proc.pid, victim):
+                result.outcomes[out.attack.name] = out
             await victim.stop()
             result.victim_failures = victim.failures
             stop.set()
