@@ -21,7 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import plain_http as http
 from tests.conftest import free_port, wait_healthy
+from tests.plain_http import TLS
 from tests.spark.client import answer_text, converse, spark_request
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -61,6 +63,9 @@ def _serve(port: int, log: Path, *extra: str) -> Proc:
 def _router(port: int, workers: list[str], log: Path) -> Proc:
     return Proc([SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
                  "--worker-urls", *workers, "--health-check-interval-secs", "1", "--log-level", "warn",
+                 # a stopped router waits out the front end's idle keep-alive connections (5 s) up to its
+                 # grace period; none of its requests is in flight when a test stops it
+                 "--shutdown-grace-period-secs", "1",
                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())], log)
 
 
@@ -68,7 +73,7 @@ def _wait_router(url: str, workers: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            listed = httpx.get(url + "/workers", timeout=2).json().get("workers", [])
+            listed = http.get(url + "/workers", timeout=2).json().get("workers", [])
             if len(listed) == workers and all(w.get("is_healthy", w.get("healthy", True)) for w in listed):
                 return
         except (httpx.TransportError, ValueError):
@@ -98,14 +103,14 @@ def fleet(request, tmp_path_factory):
     url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
     procs = started["procs"]
     try:
-        wait_healthy(url["a"])
-        wait_healthy(url["b"])
+        wait_healthy(url["a"], verify=TLS)
+        wait_healthy(url["b"], verify=TLS)
         procs["router"] = _router(ports["router"], [url["a"], url["b"]], logs / "router.log")
         _wait_router(url["router"], 2)
         procs["front"] = _serve(ports["front"], logs / "front.log", "--engine-url", url["router"], "--api-key", KEY,
                                 "--lora-shared-dir", str(shared), "--lora-allowed-urls", url["front"] + "/lora/packs/",
                                 "--lora-pack-dir", str(tmp_path_factory.mktemp("shelf")))
-        wait_healthy(url["front"])
+        wait_healthy(url["front"], verify=TLS)
         yield {"url": url, "procs": procs, "ports": ports, "logs": logs, "shared": shared}
     finally:
         if "router" in procs:
@@ -131,12 +136,12 @@ def spark_answer(base: str, question, lora: dict | None = None, **chat) -> tuple
 
 
 def counter(base: str, name: str) -> float:
-    text = httpx.get(base + "/metrics", timeout=5).text
+    text = http.get(base + "/metrics", timeout=5).text
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name + "{"))
 
 
 def prefix_hits(base: str) -> float:
-    text = httpx.get(base + "/metrics", timeout=5).text
+    text = http.get(base + "/metrics", timeout=5).text
     line = next(ln for ln in text.splitlines() if ln.startswith("spark:prefix_cache_hits_total"))
     return float(line.rsplit(" ", 1)[1])
 
@@ -151,18 +156,18 @@ def test_every_protocol_through_the_front_end_equals_a_single_server(fleet):
     assert got == want and "Paris" in got
     assert frames[-1]["payload"]["usage"]["text"] == want_frames[-1]["payload"]["usage"]["text"]
 
-    r = httpx.post(front + "/turing/v3/func/gpt", json=spark_request(question, top_k=1, max_tokens=24), timeout=60,
+    r = http.post(front + "/turing/v3/func/gpt", json=spark_request(question, top_k=1, max_tokens=24), timeout=60,
                    headers=AUTH)
     assert r.status_code == 200 and r.json()["header"]["code"] == 0
 
     def chat(base: str) -> str:
-        client = OpenAI(base_url=base + "/v1", api_key=KEY)
+        client = OpenAI(base_url=base + "/v1", api_key=KEY, http_client=httpx.Client(verify=TLS))
         out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a color."}],
                                              max_tokens=16, temperature=0)
         return out.choices[0].message.content
 
     def stream(base: str) -> str:
-        client = OpenAI(base_url=base + "/v1", api_key=KEY)
+        client = OpenAI(base_url=base + "/v1", api_key=KEY, http_client=httpx.Client(verify=TLS))
         parts = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=12, temperature=0,
                                           stream=True)
         return "".join(p.choices[0].text for p in parts if p.choices)
@@ -170,11 +175,11 @@ def test_every_protocol_through_the_front_end_equals_a_single_server(fleet):
     assert chat(front) == chat(single)
     assert stream(front) == stream(single)
     tgi = {"inputs": "The sea is", "parameters": {"max_new_tokens": 12, "details": True}}
-    ours, theirs = (httpx.post(b + "/generate", json=tgi, timeout=60, headers=AUTH).json() for b in (front, single))
+    ours, theirs = (http.post(b + "/generate", json=tgi, timeout=60, headers=AUTH).json() for b in (front, single))
     assert ours["generated_text"] == theirs["generated_text"]
     assert ours["details"]["generated_tokens"] == theirs["details"]["generated_tokens"]
     sgl = {"text": "One, two,", "sampling_params": {"max_new_tokens": 10, "temperature": 0}}
-    ours, theirs = (httpx.post(b + "/generate", json=sgl, timeout=60, headers=AUTH).json() for b in (front, single))
+    ours, theirs = (http.post(b + "/generate", json=sgl, timeout=60, headers=AUTH).json() for b in (front, single))
     assert ours["text"] == theirs["text"] and ours["meta_info"]["completion_tokens"] == 10
 
 
@@ -195,11 +200,11 @@ def test_a_conversation_keeps_landing_on_the_replica_with_its_history(fleet):
 
 def test_the_replicas_speak_what_the_router_reads(fleet):
     a = fleet["url"]["a"]
-    assert httpx.get(a + "/version").json()["version"]
-    info = httpx.get(a + "/server_info").json()
+    assert http.get(a + "/version").json()["version"]
+    info = http.get(a + "/server_info").json()
     assert info["served_model_name"] == MODEL and info["context_length"] == 8192
-    assert httpx.get(a + "/model_info").json()["is_generation"] is True
-    metrics = httpx.get(a + "/metrics").text
+    assert http.get(a + "/model_info").json()["is_generation"] is True
+    metrics = http.get(a + "/metrics").text
     for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
         assert f"\n{name}{{" in metrics, name
     router_log = (fleet["logs"] / "router.log").read_text()
@@ -214,30 +219,58 @@ def test_a_stopped_router_means_a_coded_refusal_then_recovery(fleet):
         text, frames = spark_answer(url["front"], "Hello?", max_tokens=4)
         assert frames[-1]["header"]["code"] == 12102, frames[-1]
         assert time.monotonic() - started < 15  # refused, not hung
-        r = httpx.post(url["front"] + "/v1/chat/completions", json={
+        r = http.post(url["front"] + "/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=30,
             headers=AUTH)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
         deadline = time.monotonic() + 10
-        while httpx.get(url["front"] + "/health").status_code == 200 and time.monotonic() < deadline:
+        while http.get(url["front"] + "/health").status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert httpx.get(url["front"] + "/health").status_code == 503
+        assert http.get(url["front"] + "/health").status_code == 503
     finally:
         procs["router"] = _router(fleet["ports"]["router"], [url["a"], url["b"]], fleet["logs"] / "router2.log")
         _wait_router(url["router"], 2)
-    wait_healthy(url["front"], timeout=15)
+    wait_healthy(url["front"], timeout=15, verify=TLS)
     text, frames = spark_answer(url["front"], "What is the capital of France?", max_tokens=12)
     assert frames[-1]["header"]["code"] == 0 and "Paris" in text
 
 
-def test_a_pushed_pack_serves_sessions_across_the_fleet(fleet, tmp_path):
+def random_adapter(out: Path, rank: int = 16, seed: int = 3) -> Path:
+    """A rank-``rank`` LoRA adapter in PEFT's layout (adapter_config.json, adapter_model.safetensors) on
+    q/v/o/down of every layer of the embedded model, random A and small random B: written directly from
+    the model's config.json, which spares this test PEFT's import and a model load (~2-3 s); PEFT's own
+    adapters are the LoRA tests' subject."""
+    import torch
+    from safetensors.torch import save_file
+
     from engine.model_loader import resolve_model_dir
+
+    cfg = json.loads((resolve_model_dir(None) / "config.json").read_text())
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    shapes = {"self_attn.q_proj": (q, hidden), "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, q),
+              "mlp.down_proj": (hidden, inter)}  # (out, in)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module, (out_f, in_f) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_f, generator=gen) / in_f ** 0.5
+            tensors[f"{key}.lora_B.weight"] = 0.05 * torch.randn(out_f, rank, generator=gen) / rank ** 0.5
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": [m.split(".")[1] for m in shapes], "task_type": "CAUSAL_LM"}))
+    return out
+
+
+def test_a_pushed_pack_serves_sessions_across_the_fleet(fleet, tmp_path):
     from lora_store.pack import build_pack
-    from tests.lora.adapters import make_random_adapter
 
     url = fleet["url"]
-    adapter = make_random_adapter(str(resolve_model_dir(None)), tmp_path / "adapter",
-                                  ["q_proj", "v_proj", "o_proj", "down_proj"], rank=16, seed=3)
+    adapter = random_adapter(tmp_path / "adapter")
     pack = tmp_path / "adapter.tar.gz"
     build_pack(adapter, pack)
     pushed = subprocess.run([sys.executable, "-m", "spark_server", "lora", "push", str(pack), "--server", url["front"],
@@ -245,12 +278,12 @@ def test_a_pushed_pack_serves_sessions_across_the_fleet(fleet, tmp_path):
     assert pushed.returncode == 0, pushed.stderr
     ref = json.loads(pushed.stdout)
     assert ref["url"] == f"{url['front']}/lora/packs/{ref['md5']}.tar.gz" and "KiB" in pushed.stderr  # progress bar
-    assert httpx.get(ref["url"]).content == pack.read_bytes()
+    assert http.get(ref["url"]).content == pack.read_bytes()
     # nobody takes the pack's fleet name on a replica first: lora-<md5> is taken only for that pack, as
     # the replica's store verified it (a directory of the shared folder is not one)
     squat = fleet["shared"] / "squat"
     shutil.copytree(adapter, squat, dirs_exist_ok=True)
-    r = httpx.post(url["a"] + "/v1/load_lora_adapter",
+    r = http.post(url["a"] + "/v1/load_lora_adapter",
                    json={"lora_name": f"lora-{ref['md5']}", "lora_path": str(squat)})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
 
@@ -275,7 +308,7 @@ def test_a_pushed_pack_serves_sessions_across_the_fleet(fleet, tmp_path):
     name = f"lora-{ref['md5']}"
     # loaded on each replica under lora-<md5>: the same answer as asking a replica for that model directly
     def ask(model: str) -> dict:
-        return httpx.post(url["a"] + "/v1/chat/completions", json={
+        return http.post(url["a"] + "/v1/chat/completions", json={
             "model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 16, "temperature": 0,
             "logprobs": True}, timeout=60).json()["choices"][0]
 
@@ -284,7 +317,7 @@ def test_a_pushed_pack_serves_sessions_across_the_fleet(fleet, tmp_path):
     # the adapter is applied (a small random one need not flip a greedy token, but it moves every logprob)
     assert abs(direct["logprobs"]["content"][0]["logprob"] - base["logprobs"]["content"][0]["logprob"]) > 1e-4
     for k in ("a", "b"):
-        again = httpx.post(url[k] + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": "/x"})
+        again = http.post(url[k] + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": "/x"})
         assert again.status_code == 400 and "already been loaded" in again.text  # loaded once, by the front end
     assert max(counter(url[k], "spark:lora_loads_total") for k in ("a", "b")) <= 1
 
@@ -329,7 +362,7 @@ def test_a_replica_killed_mid_stream(fleet):
                   "island")]
 
     async def session(i: int) -> list[dict]:
-        body = spark_request(questions[i % len(questions)] + f" ({i})", max_tokens=120, temperature=0.8, top_k=6)
+        body = spark_request(questions[i % len(questions)] + f" ({i})", max_tokens=64, temperature=0.8, top_k=6)
         return await converse(ws_url(url["front"]), body)
 
     async def scenario() -> list[list[dict]]:
@@ -355,7 +388,7 @@ def test_a_replica_killed_mid_stream(fleet):
         assert frames[-1]["header"]["code"] == 0, frames[-1]
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        health = httpx.get(url["front"] + "/health").json()
+        health = http.get(url["front"] + "/health").json()
         if health["status"] == "degraded":
             break
         time.sleep(0.3)
