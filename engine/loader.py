@@ -89,6 +89,7 @@ def load(config: EngineConfig) -> Loaded:
     kernel_build = _in_background(load_cpu_kernels) if config.native_kernels and device.type == "cpu" else None
     with shared_gguf_readers():  # a cold start reads a GGUF file's tokenizer and config: one parse for both
         ckpt = _resolve_checkpoint(config)
+        _check_context(config, getattr(ckpt.hf_config, "max_position_embeddings", None))  # before the weights
         # --task, and the checkpoint's sequence-classification head: refused before any loading too
         head = read_head(ckpt.model_dir)
         task = resolve_task(config.task, getattr(ckpt.hf_config, "architectures", None) or (), head is not None,
@@ -217,12 +218,18 @@ def _calibration_sampler(config: EngineConfig) -> Sampler:
     return sample
 
 
+def _check_context(config: EngineConfig, max_position: int | None) -> None:
+    """--max-model-len within the model's training length: positions past it give no sensible answers, so
+    a longer one is refused, never shortened quietly. Checked from the checkpoint's config before its
+    weights load (a mistyped flag costs no model load) and again against the built model."""
+    if config.max_model_len and max_position and config.max_model_len > max_position:
+        raise ValueError(f"--max-model-len {config.max_model_len} is more than this model's context "
+                         f"({max_position} tokens); leave it out or give at most that")
+
+
 def _max_model_len(config: EngineConfig, model: LlamaForCausalLM, hf_config: Any) -> int:
     """--max-model-len, within the model's training length and its sliding window."""
-    if config.max_model_len and config.max_model_len > model.max_position:
-        # Positions past the model's training length give no sensible answers: refused, never shortened quietly.
-        raise ValueError(f"--max-model-len {config.max_model_len} is more than this model's context "
-                         f"({model.max_position} tokens); leave it out or give at most that")
+    _check_context(config, model.max_position)
     max_model_len = config.max_model_len or model.max_position
     window = getattr(hf_config, "sliding_window", None)
     if window and getattr(hf_config, "use_sliding_window", True) and window < max_model_len:
