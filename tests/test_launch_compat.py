@@ -23,6 +23,7 @@ from spark_server import launch_compat
 from spark_server import settings as settings_mod
 from spark_server.cli import build_parser, main
 from tests.conftest import free_port, wait_healthy
+from tests.plain_http import TLS
 
 SPECS = Path(__file__).resolve().parents[1].parent / "shared" / "specs"
 VLLM_DOC = SPECS / "vllm-openai-server.zh.md"
@@ -327,10 +328,11 @@ def test_a_vllm_launch_line_starts_the_server_and_it_answers(tmp_path):
             assert lines[-1] or proc.poll() is None, "server exited early:\n" + "".join(lines)
             assert time.monotonic() - started < 120
         base = f"http://127.0.0.1:{port}"
-        wait_healthy(base)
+        wait_healthy(base, verify=TLS)
+        import httpx
         from openai import OpenAI
 
-        client = OpenAI(base_url=base + "/v1", api_key="token-abc123")
+        client = OpenAI(base_url=base + "/v1", api_key="token-abc123", http_client=httpx.Client(verify=TLS))
         assert [m.id for m in client.models.list().data][:2] == ["smol", "smol-alias"]
         answer = client.chat.completions.create(model="smol-alias", max_tokens=4, temperature=0, logprobs=True,
                                                 messages=[{"role": "user", "content": "Hello!"}])
