@@ -13,6 +13,7 @@ import pytest
 
 from spark_server import settings as settings_mod
 from tests.conftest import free_port, wait_healthy
+from tests.plain_http import TLS
 from tests.spark.client import answer_text, converse, spark_request
 
 
@@ -98,7 +99,7 @@ def test_serve_answers_a_real_question_and_logs_for_operators():
             assert lines[-1] or proc.poll() is None, "server exited early:\n" + "".join(lines)
             assert time.monotonic() - started < 120
         assert f"ws://127.0.0.1:{port}/turing/v3/gpt" in lines[-1]
-        wait_healthy(f"http://127.0.0.1:{port}")
+        wait_healthy(f"http://127.0.0.1:{port}", verify=TLS)
         frames = asyncio.run(converse(f"ws://127.0.0.1:{port}/turing/v3/gpt?api_key=sekret",
                                       spark_request("What is the capital of France?", max_tokens=12, top_k=1)))
         assert frames[-1]["header"]["status"] == 2
@@ -108,10 +109,10 @@ def test_serve_answers_a_real_question_and_logs_for_operators():
         # model) used to cause: ~300 context switches a token and twice the decode time on 2 cores.
         before = _voluntary_switches(proc.pid)
         frames = asyncio.run(converse(f"ws://127.0.0.1:{port}/turing/v3/gpt?api_key=sekret",
-                                      spark_request("Write a long story about the sea.", max_tokens=64, top_k=1)))
+                                      spark_request("Write a long story about the sea.", max_tokens=32, top_k=1)))
         tokens = frames[-1]["payload"]["usage"]["text"]["completion_tokens"]
         per_token = (_voluntary_switches(proc.pid) - before) / tokens
-        assert tokens >= 32 and per_token < 40, per_token
+        assert tokens >= 16 and per_token < 40, per_token  # ~3-5 here; ~300 with the two teams
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
