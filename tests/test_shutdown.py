@@ -13,6 +13,7 @@ import httpx
 import websockets
 
 from tests.conftest import free_port, wait_healthy
+from tests.plain_http import TLS
 from tests.spark.client import spark_request
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -50,7 +51,7 @@ def test_sigterm_drains_then_exits_zero():
                              "--shutdown-grace", "2", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}")
+        wait_healthy(f"http://127.0.0.1:{port}", verify=TLS)
         url = f"ws://127.0.0.1:{port}/turing/v3/gpt"
 
         async def session(long: bool, first: asyncio.Event):
@@ -76,7 +77,7 @@ def test_sigterm_drains_then_exits_zero():
         async def scenario():
             started = [asyncio.Event() for _ in range(10 + len(LONG_STREAMS))]  # at a first frame or chunk
             tasks = [asyncio.create_task(session(i % 2 == 0, started[i])) for i in range(10)]
-            async with httpx.AsyncClient() as client:
+            async with httpx.AsyncClient(verify=TLS) as client:
                 streams = {name: asyncio.create_task(stream(client, path, body, started[10 + j]))
                            for j, (name, (path, body)) in enumerate(LONG_STREAMS.items())}
                 # everyone is running (on a loaded machine that takes longer than any fixed wait), and a
