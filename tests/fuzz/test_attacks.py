@@ -59,9 +59,9 @@ def run() -> Run:
             health = asyncio.create_task(watch_health())
             victim = attacks.Victim(base)
             await victim.start()
-            alone = time.perf_counter()  # the victim alone: while the RSS settles, 3 s at least
+            alone = time.perf_counter()  # the victim alone: while the RSS settles, 2 s (~200 chunks) at least
             await attacks.settled_rss(proc.pid)
-            await asyncio.sleep(max(0.0, alone + 3.0 - time.perf_counter()))
+            await asyncio.sleep(max(0.0, alone + 2.0 - time.perf_counter()))
             result.baseline_gap_s = victim.largest_gap(alone, time.perf_counter())
             for out in await attacks.run_corpus(CORPUS, base, ws_url, proc.pid, victim):
                 result.outcomes[out.attack.name] = out
