@@ -47,12 +47,12 @@ def vllm_flags() -> list[DocFlag]:
     """The usage block's flags, with each one's short form and default from the descriptions below it."""
     text = _vllm_text()
     block = re.search(r"usage: vllm serve(.*?)```", text, re.S).group(1)
-    details = {}
+    details: dict[str, tuple[str | None, str | None]] = {}
     for m in re.finditer(r"^\*\*(--[a-z0-9-]+)(?:, (--no-[a-z0-9-]+|-[a-zA-Z-]+))?\*\*\s*$(.*?)(?=^\*\*--|^####|\Z)",
                          text, re.S | re.M):
-        default = re.search(r"默认值：(.*)", m.group(3))
+        stated = re.search(r"默认值：(.*)", m.group(3))
         short = m.group(2) if m.group(2) and not m.group(2).startswith("--") else None
-        details[m.group(1)] = (default.group(1).strip() if default else None, short)
+        details[m.group(1)] = (stated.group(1).strip() if stated else None, short)
     flags = []
     for item in re.findall(r"\[(--[^\[\]]*(?:\[[^\[\]]*\][^\[\]]*)?)\]", block):
         name = item.split()[0]
@@ -68,9 +68,9 @@ def vllm_flags() -> list[DocFlag]:
             form = "switch"
         else:
             form = "value"
-        choices = re.search(r"\{([^}]*)\}", item)
+        listed = re.search(r"\{([^}]*)\}", item)
         default, short = details.get(name, (None, None))
-        flags.append(DocFlag(name, form, tuple(choices.group(1).split(",")) if choices else (), default, short))
+        flags.append(DocFlag(name, form, tuple(listed.group(1).split(",")) if listed else (), default, short))
     return flags
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,7 @@ PACK_B = {"url": "http://127.0.0.1:1/b.tar.gz", "md5": "1" * 32}
 
 
 def spark_body(**where) -> dict:
-    body = {"header": {"traceId": "t"}, "parameter": {"chat": {"max_tokens": 4}},
+    body: dict[str, Any] = {"header": {"traceId": "t"}, "parameter": {"chat": {"max_tokens": 4}},
             "payload": {"message": {"text": [{"role": "user", "content": "Hi"}]}}}
     if "parameter" in where:
         body["parameter"]["lora"] = where["parameter"]

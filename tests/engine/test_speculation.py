@@ -101,6 +101,7 @@ def _top_logprobs_after(engine: LLMEngine, prompt: str, answer: list[int]) -> di
     request = GenerationRequest("gap", TokensPrompt(ids), SamplingParams(max_tokens=1, temperature=0, logprobs=True,
                                                                          top_logprobs=5))
     out = run_all(engine, [request])["gap"]
+    assert out[0].logprobs is not None  # asked for
     return dict(out[0].logprobs[0].top)
 
 

@@ -60,7 +60,7 @@ def send(base_url: str, ws_url: str, case: dict[str, Any], client: httpx.Client)
         return Reply(None, frames[-1]["header"]["code"] if frames else None, json.dumps(frames[-1:]))
     content: bytes | Iterator[bytes] = data if isinstance(data, bytes) else data.encode()
     if case.get("chunked"):
-        whole = content
+        whole = data if isinstance(data, bytes) else data.encode()
 
         def chunks() -> Iterator[bytes]:
             for i in range(0, len(whole), 1 << 20):

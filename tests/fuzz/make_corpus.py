@@ -110,7 +110,7 @@ def _cases_for(name: str, t: Target) -> list[dict[str, Any]]:
 
 def _spark_only() -> list[dict[str, Any]]:
     """Spark's own fields, on both Spark forms."""
-    out = []
+    out: list[dict[str, Any]] = []
     recipes: list[tuple[str, str, Callable[[dict], Any], str]] = [
         ("traceId number", "types", lambda b: _set(b, ("header", "traceId"), 5), "content"),
         ("traceId null", "types", lambda b: _set(b, ("header", "traceId"), None), "content"),

@@ -122,9 +122,10 @@ def _hostile_packs(root, source) -> dict[str, str]:
     (root / "ratio.tar.gz").write_bytes(gzip.compress(raw.getvalue(), compresslevel=9))
     md5["ratio.tar.gz"] = md5_of(root / "ratio.tar.gz")
     # layouts the filesystem refuses: a directory and a file of one name, a path through a file, a long name
-    for name, entries in [("dir-and-file.tar", [("a", None), ("a", b"x")]),
-                          ("through-file.tar", [("a", b"x"), ("a/b", b"y")]),
-                          ("long-name.tar", [("n" * 300, b"x")])]:
+    layouts: list[tuple[str, list[tuple[str, bytes | None]]]] = [
+        ("dir-and-file.tar", [("a", None), ("a", b"x")]), ("through-file.tar", [("a", b"x"), ("a/b", b"y")]),
+        ("long-name.tar", [("n" * 300, b"x")])]
+    for name, entries in layouts:
         write_tar(root / name, entries)
         md5[name] = md5_of(root / name)
     return md5
