@@ -391,7 +391,8 @@ async def run_attack(attack: Attack, base: str, ws_url: str, pid: int, victim: V
     """Send one attack beside the running victim; the RSS after is the first reading within 10% of the
     one before (or the last of 15 s of readings). Its victim gap here covers only [sent, answered]:
     run_corpus gives each attack its whole span once the stream after it has arrived."""
-    before = await settled_rss(pid, limit_s=10, every_s=0.1)
+    # settled: moving under 16 MiB/s (1.6 MiB over 0.1 s readings), as 4 MiB over 0.25 s was
+    before = await settled_rss(pid, limit_s=10, step_bytes=(8 << 20) // 5, every_s=0.1)
     async with PeakRss(pid) as peak:
         sent = time.perf_counter()
         try:
