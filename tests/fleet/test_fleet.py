@@ -61,7 +61,7 @@ def _serve(port: int, log: Path, *extra: str) -> Proc:
 
 
 def _router(port: int, workers: list[str], log: Path) -> Proc:
-    return Proc([SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+    return Proc([str(SMG), "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
                  "--worker-urls", *workers, "--health-check-interval-secs", "1", "--log-level", "warn",
                  # a stopped router waits out the front end's idle keep-alive connections (5 s) up to its
                  # grace period; none of its requests is in flight when a test stops it
@@ -161,13 +161,13 @@ def test_every_protocol_through_the_front_end_equals_a_single_server(fleet):
     assert r.status_code == 200 and r.json()["header"]["code"] == 0
 
     def chat(base: str) -> str:
-        client = OpenAI(base_url=base + "/v1", api_key=KEY, http_client=httpx.Client(verify=TLS))
+        client = OpenAI(base_url=base + "/v1", api_key=KEY, http_client=httpx.Client(verify=TLS))  # type: ignore[arg-type]  # httpx2's type
         out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a color."}],
                                              max_tokens=16, temperature=0)
-        return out.choices[0].message.content
+        return out.choices[0].message.content or ""
 
     def stream(base: str) -> str:
-        client = OpenAI(base_url=base + "/v1", api_key=KEY, http_client=httpx.Client(verify=TLS))
+        client = OpenAI(base_url=base + "/v1", api_key=KEY, http_client=httpx.Client(verify=TLS))  # type: ignore[arg-type]  # httpx2's type
         parts = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=12, temperature=0,
                                           stream=True)
         return "".join(p.choices[0].text for p in parts if p.choices)
@@ -373,7 +373,7 @@ def test_a_replica_killed_mid_stream(fleet):
             running = await asyncio.to_thread(running_on, url)
             if sum(running.values()) >= 20:
                 break
-        victim["name"] = max(running, key=running.get)
+        victim["name"] = max(running, key=lambda name: running[name])
         assert running[victim["name"]] > 0, running
         procs[victim["name"]].send(signal.SIGKILL)
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
