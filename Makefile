@@ -39,8 +39,15 @@ serve: $(STAMP) $(KERNEL_LIBS)
 # need a server's real thread count (the serve test) or an uneven kernel split set their own. Files are
 # handed out in collection order, the longest first (LONG_FILES in tests/conftest.py), rather than in
 # xdist's order by test count, which could leave a long file of few tests for the end.
+#
+# The static checks (those of `make lint`) run beside the tests, not before them: the tests spend much of their time
+# waiting on sockets and subprocesses, so the checks' CPU fits in that; they print after the tests and either
+# failing fails the target.
 test: $(STAMP) $(KERNEL_LIBS)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	@($(VENV)/bin/ruff check . && $(VENV)/bin/mypy) > $(VENV)/lint.log 2>&1 & lint=$$!; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder; rc=$$?; \
+	if wait $$lint; then echo "lint: ruff and mypy clean"; else cat $(VENV)/lint.log; echo "lint: failed"; rc=1; fi; \
+	exit $$rc
 
 # Static checks over the whole tree (settings in pyproject.toml): ruff's rules, then mypy. mypy keeps its
 # cache in .mypy_cache, so a second run checks only what changed.
