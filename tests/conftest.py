@@ -64,9 +64,13 @@ def free_port() -> int:
 
 
 def wait_healthy(base_url: str, timeout: float = 120.0, **client_options) -> None:
-    """Until GET /health answers 200 (a server process that is still starting refuses connections)."""
+    """Until GET /health answers 200 (a server process that is still starting refuses connections). The polls
+    share one TLS context (tests/plain_http.py) unless the caller brings its own ``verify``."""
     import httpx
 
+    from tests.plain_http import TLS
+
+    client_options.setdefault("verify", TLS)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
