@@ -198,7 +198,7 @@ def _read_checkpoint(ckpt: _Checkpoint, dtype: torch.dtype, quantization: str, w
 
 def _calibration_sampler(config: EngineConfig) -> Sampler:
     """int8's calibration text, sampled by a helper engine core over the same checkpoint in bf16 with the
-    fused kernels: 32 x 128 tokens in ~13 s on a 2-core Xeon, where transformers' fp32 forward took ~41 s.
+    fused kernels (about 3x faster than transformers' fp32 forward; docs/performance.md has the figures).
     A flat sequence: load in bf16, serve the samples on a bare core, drop both. Its start-up lines are held
     back: operators see the calibration's."""
 
