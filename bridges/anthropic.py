@@ -322,12 +322,10 @@ async def _stream(answer: AnthropicContext,
     parser = answer.tools.stream_parser() if answer.tools is not None else None
     splitter = answer.reasoning.splitter(answer.reasoning_state) if answer.reasoning is not None else None
     blocks, calls, output_tokens = _Blocks(), 0, 0
-    first: RequestOutput | None = None
-    last: RequestOutput | None = None
+    last: RequestOutput | None = None  # the latest output; None until the first
     async for _, out in outputs:
         output_tokens += len(out.new_token_ids)
-        if first is None:
-            first = out
+        if last is None:
             yield event("message_start", {"type": "message_start", "message": {
                 "id": answer.rid, "type": "message", "role": "assistant", "content": [], "model": answer.model,
                 "stop_reason": None, "stop_sequence": None,
