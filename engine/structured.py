@@ -305,10 +305,6 @@ class MaskApplier:
     (both release the GIL); ``apply`` waits for it and masks the sampled rows."""
 
     def __init__(self, compiler: GrammarCompiler, num_threads: int | None = None, kernels: Any = None) -> None:
-        import llguidance
-        import llguidance.torch
-
-        self._lt = llguidance.torch
         self.compiler = compiler
         self.step_budget_s = compiler.budget.max_step_ms / 1000
         self._rows = ThreadPoolExecutor(num_threads or os.cpu_count() or 1, thread_name_prefix="grammar-rows")
@@ -318,7 +314,10 @@ class MaskApplier:
 
     def prepare(self, seqs: list[Any]) -> PreparedMasks:
         """Start filling the masks of ``seqs`` (each with a matcher) for the tokens they sample next."""
-        mask = self._lt.allocate_token_bitmask(len(seqs), self.compiler.tokenizer.vocab_size)
+        # llguidance's bitmask layout: a row of ceil(V / 32) int32 words per sequence, bit t of the row = token
+        # t allowed. Built here rather than through llguidance.torch, whose import compiles a function with
+        # torch.compile (dynamo and inductor: seconds of every start) that the engine never calls.
+        mask = torch.full((len(seqs), (self.compiler.tokenizer.vocab_size + 31) // 32), -1, dtype=torch.int32)
         future = self._helper.submit(self._fill, seqs, mask)
         return PreparedMasks(self, {id(s): i for i, s in enumerate(seqs)}, mask, future)
 
@@ -329,7 +328,8 @@ class MaskApplier:
         id(sequence) -> those rows' seconds."""
         def fill(row: int) -> float:
             start = time.perf_counter()
-            self._lt.fill_next_token_bitmask(seqs[row].matcher, mask, row)
+            words = mask[row]  # a contiguous row of the contiguous mask
+            seqs[row].matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
             return time.perf_counter() - start
 
         seconds = list(self._rows.map(fill, range(len(seqs)))) if len(seqs) > 1 else [fill(0)]
