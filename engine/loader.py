@@ -38,6 +38,7 @@ from engine.quant import cache as quant_cache
 from engine.quant.calibration import Sampler, calibrate, sample_on_engine
 from engine.resident import Prefault
 from engine.safetensors_weights import SafetensorsWeights
+from engine.tokenizer_files import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -144,10 +145,7 @@ def _dtype(config: EngineConfig, kernels: CpuKernels | None, is_gguf: bool, devi
 
 def _tokenizer(config: EngineConfig, ckpt: _Checkpoint) -> Any:
     """The model's tokenizer, or --tokenizer's, with --chat-template in place of its own template."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir(config.tokenizer) if config.tokenizer
-                                              else ckpt.model_dir)
+    tokenizer = load_tokenizer(_tokenizer_dir(config.tokenizer) if config.tokenizer else ckpt.model_dir)
     vocab_size = ckpt.hf_config.vocab_size
     if len(tokenizer) > vocab_size:  # ids past the embedding would fail a shared step
         raise ValueError(f"--tokenizer {config.tokenizer or ckpt.model_dir} has {len(tokenizer)} tokens; the "
@@ -185,11 +183,11 @@ def _build_model(config: EngineConfig, ckpt: _Checkpoint, tokenizer: Any, dtype:
 def _read_checkpoint(ckpt: _Checkpoint, dtype: torch.dtype, quantization: str, whole: bool) -> tuple[Any, Any]:
     """(transformers' model or the in-place skeleton, the dense weights' reader or None). ``whole``: every
     weight read now (the calibration runs the whole model)."""
-    from transformers import AutoModelForCausalLM
-
     # Quantizing starts from the checkpoint's own precision, not from a bf16 rounding of it.
     load_dtype: torch.dtype | str = dtype if quantization in ("none", "gguf") else "auto"
     if ckpt.in_place is None:
+        from transformers import AutoModelForCausalLM  # its import brings transformers' model code: only here
+
         return AutoModelForCausalLM.from_pretrained(ckpt.model_dir, dtype=load_dtype), None
     in_place = ckpt.in_place
     return read_skeleton(in_place, ckpt.hf_config,

@@ -142,9 +142,8 @@ class RemoteEngine:
     def __init__(self, urls: list[str], sampling_fields: SamplingFields, tokenizer_source: str | None = None,
                  served_model_name: str | None = None, api_key: str | None = None, max_model_len: int | None = None,
                  chat_template: str | None = None, connect_timeout_s: float = 5.0) -> None:
-        from transformers import AutoTokenizer
-
         from engine.model_loader import EMBEDDED_MODEL_NAME, resolve_model_dir
+        from engine.tokenizer_files import load_tokenizer
 
         if not urls:
             raise ValueError("--engine-url names no backend")
@@ -152,7 +151,7 @@ class RemoteEngine:
         self.sampling_fields = sampling_fields
         self._next = itertools.count()
         self.tokenizer_dir = resolve_model_dir(tokenizer_source)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+        self.tokenizer = load_tokenizer(self.tokenizer_dir)
         if chat_template:
             self.tokenizer.chat_template = read_chat_template(chat_template)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -1,9 +1,9 @@
-"""A transformers model with no weights in it: its modules, config and buffers (RoPE's frequencies), its
-parameters on the meta device until ``fill`` puts one in. The engine's model reads the parameters it
-needs from it (norms, the embedding) and has the projections read one at a time from their source
-(engine/models/weights.py, ``dense_source``), so a load never holds a whole dense copy of the model.
-Sources: a GGUF file (engine/gguf_weights.py) and an HF directory's safetensors
-(engine/safetensors_weights.py)."""
+"""A causal LM with no weights in it (engine/models/layout.py's tree, or transformers' own model for what that
+does not lay out): its modules, config and buffers (RoPE's frequencies), its parameters on the meta device
+until ``fill`` puts one in. The engine's model reads the parameters it needs from it (norms, the embedding)
+and has the projections read one at a time from their source (engine/models/weights.py, ``dense_source``),
+so a load never holds a whole dense copy of the model. Sources: a GGUF file (engine/gguf_weights.py) and an
+HF directory's safetensors (engine/safetensors_weights.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.gguf_weights import is_linear
+from engine.models import layout
 
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -45,10 +46,13 @@ class WeightSource(Protocol):
 
 def parameter_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     """Every parameter the config's causal-LM model has, by state-dict name (a tied head included)."""
-    from transformers import AutoModelForCausalLM
+    if layout.lays_out(config):
+        model = layout.empty_causal_lm(config, torch.float32)
+    else:
+        from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
     return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
 
 
@@ -58,7 +62,7 @@ def read_skeleton(source: WeightSource, config: Any, dtype: torch.dtype,
     projections left to be read one at a time by the builder through the returned reader (all of them
     read now where ``whole``: a calibration runs the whole model). A tied head is the embedding's tensor,
     not a second read of it."""
-    model = empty_model(config, dtype)
+    model = empty_model(config, dtype, runs=whole)
     for name in unfilled(model):
         if name == HEAD and source.tied_head:
             continue
@@ -75,7 +79,11 @@ def read_skeleton(source: WeightSource, config: Any, dtype: torch.dtype,
     return model, read
 
 
-def empty_model(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+def empty_model(config: Any, dtype: torch.dtype, runs: bool = False) -> torch.nn.Module:
+    """``runs``: transformers' own model, whose forward a calibration calls; else the engine's families are
+    laid out without importing transformers' model code."""
+    if not runs and layout.lays_out(config):
+        return layout.empty_causal_lm(config, dtype)
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
