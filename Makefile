@@ -43,9 +43,16 @@ serve: $(STAMP) $(KERNEL_LIBS)
 # The static checks (those of `make lint`) run beside the tests, not before them: the tests spend much of their time
 # waiting on sockets and subprocesses, so the checks' CPU fits in that; they print after the tests and either
 # failing fails the target.
+# The plugins the suite uses, named rather than auto-loaded: pytest rewrites the asserts of every installed
+# plugin's package at each worker's start (langsmith's, installed with langchain, alone is 227 modules),
+# seconds of each worker's collection for plugins the suite never calls.
+PYTEST_PLUGINS := -p xdist.plugin -p pytest_asyncio.plugin -p pytest_timeout -p anyio.pytest_plugin \
+	-p _hypothesis_pytestplugin -p schemathesis.pytest.plugin
+
 test: $(STAMP) $(KERNEL_LIBS)
 	@($(VENV)/bin/ruff check . && $(VENV)/bin/mypy) > $(VENV)/lint.log 2>&1 & lint=$$!; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder; rc=$$?; \
+	OMP_NUM_THREADS=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
+		$(PYTEST_PLUGINS); rc=$$?; \
 	if wait $$lint; then echo "lint: ruff and mypy clean"; else cat $(VENV)/lint.log; echo "lint: failed"; rc=1; fi; \
 	exit $$rc
 

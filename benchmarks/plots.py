@@ -17,10 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import matplotlib
 
-matplotlib.use("Agg")  # files only: no display on servers or in CI
-import matplotlib.pyplot as plt
+def _pyplot() -> Any:
+    """matplotlib's pyplot drawing to files only (no display on servers or in CI), imported when a picture is
+    drawn: reading the figures needs none of it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 @dataclass
@@ -82,6 +88,7 @@ def load_series(path: Path) -> list[ServerSeries]:
 
 
 def plot_throughput(series: list[ServerSeries], path: Path, title: str) -> Path:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
     for s in series:
         ax.plot(s.concurrency, s.tok_s, marker="o", label=s.name)
@@ -101,6 +108,7 @@ def plot_throughput(series: list[ServerSeries], path: Path, title: str) -> Path:
 
 
 def plot_latency(series: list[ServerSeries], path: Path, title: str) -> Path:
+    plt = _pyplot()
     """TTFT and TPOT side by side; grouped bars per concurrency, one bar per (server, percentile)."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), dpi=100)
     levels = sorted({c for s in series for c in s.concurrency})

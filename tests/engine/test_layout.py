@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from engine.models import layout
 from engine.models.skeleton import empty_model
@@ -20,27 +19,43 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 64}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
-CONFIGS = {
-    "llama": lambda: LlamaConfig(**SMALL),
-    "llama-tied": lambda: LlamaConfig(**SMALL, tie_word_embeddings=True),
-    "llama-biases": lambda: LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True),
-    "llama3-rope": lambda: LlamaConfig(**SMALL, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE),
-    "llama-linear-rope": lambda: LlamaConfig(**SMALL, rope_scaling={"type": "linear", "factor": 2.0}),
-    "qwen2-yarn": lambda: Qwen2Config(**SMALL, rope_scaling=YARN, tie_word_embeddings=True),
-    "qwen3": lambda: Qwen3Config(**SMALL, head_dim=32),
-    "qwen3-biases": lambda: Qwen3Config(**SMALL, head_dim=32, attention_bias=True),
-    "mistral": lambda: MistralConfig(**SMALL, sliding_window=None, head_dim=24),
-}
+
+def _families():
+    # imported by the tests that run: transformers' model classes bring torch's compiler stack with them
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    return LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+
+def _config(name):
+    LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config = _families()
+    return {
+        "llama": lambda: LlamaConfig(**SMALL),
+        "llama-tied": lambda: LlamaConfig(**SMALL, tie_word_embeddings=True),
+        "llama-biases": lambda: LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True),
+        "llama3-rope": lambda: LlamaConfig(**SMALL, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE),
+        "llama-linear-rope": lambda: LlamaConfig(**SMALL, rope_scaling={"type": "linear", "factor": 2.0}),
+        "qwen2-yarn": lambda: Qwen2Config(**SMALL, rope_scaling=YARN, tie_word_embeddings=True),
+        "qwen3": lambda: Qwen3Config(**SMALL, head_dim=32),
+        "qwen3-biases": lambda: Qwen3Config(**SMALL, head_dim=32, attention_bias=True),
+        "mistral": lambda: MistralConfig(**SMALL, sliding_window=None, head_dim=24),
+    }[name]()
+
+
+CONFIGS = ("llama", "llama-tied", "llama-biases", "llama3-rope", "llama-linear-rope", "qwen2-yarn", "qwen3",
+           "qwen3-biases", "mistral")
 
 
 def _transformers_model(config):
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_the_tree_has_transformers_parameters_and_rope_tables(name):
-    config = CONFIGS[name]()
+    config = _config(name)
     assert layout.lays_out(config)
     ours, theirs = layout.empty_causal_lm(config, torch.bfloat16), _transformers_model(config)
 
@@ -60,7 +75,7 @@ def test_the_tree_has_transformers_parameters_and_rope_tables(name):
 
 
 def test_sequence_dependent_rope_keeps_transformers_model():
-    config = LlamaConfig(**SMALL, rope_scaling={"type": "dynamic", "factor": 2.0})
+    config = _families()[0](**SMALL, rope_scaling={"type": "dynamic", "factor": 2.0})
     assert not layout.lays_out(config)
     with pytest.raises(ValueError, match="dynamic"):
         layout.empty_causal_lm(config, torch.float32)

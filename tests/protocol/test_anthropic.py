@@ -5,8 +5,8 @@ sequence, and every refusal in Anthropic's error shape and status."""
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
-import anthropic
 import httpx
 import pytest
 
@@ -16,6 +16,12 @@ from spark_server.app import build_app
 from spark_server.settings import Settings
 from tests.conftest import ServerThread, free_port
 from tests.fake_engine import Script
+from tests.lazy import LazyModule
+
+if TYPE_CHECKING:
+    import anthropic
+else:
+    anthropic = LazyModule("anthropic")  # imported by the tests that run, not at collection
 
 ASK = [{"role": "user", "content": "What is 1 + 2?"}]
 ADD = {"name": "add", "description": "Add two integers", "input_schema": {
