@@ -5,6 +5,7 @@ seeded constrained sample reproduces alone or in a busy batch."""
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import pytest
@@ -124,3 +125,27 @@ def test_a_grammar_whose_masks_grow_too_costly_ends_alone(llm_engine):
     assert "'guided_grammar' costs too much to match" in ends[0].error and "--max-constraint-step-ms" in ends[0].error
     assert all(o.num_output_tokens < 300 for o in ends)
     assert outs["free"][-1].finish_reason == "length" and outs["free"][-1].num_output_tokens == 40
+
+
+def test_a_mask_waiting_for_a_core_is_not_charged_to_its_grammar(llm_engine, monkeypatch):
+    """The step budget bounds a grammar's own cost: a mask fill whose thread is kept off the CPU (a busy
+    machine; here a wall clock that jumps a second at every reading) does not end a cheap constrained answer."""
+    import engine.structured as structured
+
+    class BusyMachineClock:
+        """``time`` as the mask fill sees it, with a wall clock that loses a second at every reading."""
+
+        def __init__(self) -> None:
+            self.wall = 0.0
+
+        def perf_counter(self) -> float:
+            self.wall += 1.0
+            return self.wall
+
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+    monkeypatch.setattr(structured, "time", BusyMachineClock())
+    out = run_all(llm_engine, [_constrained("c", "Name a city and a rank.", seed=3)])["c"]
+    assert out[-1].finish_reason in ("stop", "length") and not out[-1].error, out[-1]
+    json.loads(text_of(out))
