@@ -154,14 +154,26 @@ class GgufWeights:
             values = values[order]
         return values.to(dtype).contiguous()
 
+    def embedding_table(self, hf: str, dtype: torch.dtype) -> BlockEmbedding | None:
+        """The token embedding kept as the file's own blocks (a copy: the map is let go after the load),
+        dequantized a looked-up row at a time; None where its type is not one dequantized in torch."""
+        gguf_name = self.names.get(hf)
+        if gguf_name is None or self.file.tensors[gguf_name].type_name not in _TORCH_DEQUANTIZED:
+            return None
+        table = BlockEmbedding(self.file.tensors[gguf_name].type_name, self.raw_blocks(hf).clone(), dtype)
+        self.file.release(gguf_name)
+        return table
+
     def resident_bytes(self, dtype_size: int) -> int:
         """What the engine will hold for these weights: block-typed projections packed at about their size
-        in the file (Q8_0's fp16 scales become fp32: 36 bytes a block of 32 against 34), everything else
-        (the embedding, norms, projections of other types) dense in a ``dtype_size``-byte type."""
+        in the file (Q8_0's fp16 scales become fp32: 36 bytes a block of 32 against 34; an embedding of a
+        type dequantized in torch is kept as its blocks), everything else (norms, projections of other
+        types) dense in a ``dtype_size``-byte type."""
         total = 0
         for hf, gguf_name in self.names.items():  # a tied head is counted as the embedding and as the head
             info = self.file.tensors[gguf_name]
-            if is_linear(hf) and info.type_name in BLOCK_TYPES:
+            if ((is_linear(hf) and info.type_name in BLOCK_TYPES)
+                    or (hf == "model.embed_tokens.weight" and info.type_name in _TORCH_DEQUANTIZED)):
                 total += info.nbytes * 36 // 34 if info.type_name == "Q8_0" else info.nbytes
             else:
                 total += int(np.prod(info.shape, dtype=np.int64)) * dtype_size
@@ -274,3 +286,32 @@ def _dequantize_blocks(kind: str, blocks: torch.Tensor) -> torch.Tensor:
         return d * (q.to(torch.int8) - 8).float()
     m = blocks[..., 2:4].contiguous().view(torch.float16).float()
     return d * q.float() + m
+
+
+class BlockEmbedding:
+    """A token embedding held as a GGUF file's blocks: ``table[ids]`` is the looked-up rows in ``dtype``,
+    dequantized then. Each value depends on its own block alone, so a row comes out as it would from the
+    whole table dequantized first, in a fraction of the memory (Q8_0: 34 bytes a block of 32 values
+    against 64 in bf16)."""
+
+    def __init__(self, kind: str, blocks: torch.Tensor, dtype: torch.dtype) -> None:
+        self.kind = kind
+        self.blocks = blocks  # [rows, blocks a row, block bytes], uint8
+        self.dtype = dtype
+        self.shape = (blocks.shape[0], blocks.shape[1] * BLOCK)
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks[ids.reshape(-1)]
+        return _dequantize_blocks(self.kind, rows).reshape(*ids.shape, self.shape[1]).to(self.dtype)
+
+    def to(self, dtype: torch.dtype) -> BlockEmbedding:
+        """The same blocks, looked up into ``dtype``."""
+        return self if dtype == self.dtype else BlockEmbedding(self.kind, self.blocks, dtype)
+
+    def dense(self) -> torch.Tensor:
+        """The whole table in ``dtype`` (where a device other than the CPU looks rows up)."""
+        return _dequantize_blocks(self.kind, self.blocks).reshape(self.shape).to(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()

@@ -11,7 +11,6 @@ The wire: one JSON line each way. The first line to the worker is its tokenizer;
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import os
@@ -21,6 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from engine.heap import release_freed_memory
 from engine.worker_pipe import TIMED_OUT, read_line
 
 # Compile threads, here and in the server, get this much stack: only what a compile touches becomes
@@ -109,15 +109,6 @@ def build_matcher(ll: Any, tokenizer: Any, grammar: str, executor: Any) -> Any:
     if matcher.is_error():
         raise ValueError(f"cannot be used: {first_line(matcher.get_error())}")
     return matcher
-
-
-def release_freed_memory() -> None:
-    """Hand the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere), so freed
-    compiled grammars leave the resident size."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _resident_bytes() -> int:

@@ -25,6 +25,7 @@ from engine.gguf_file import GgufFile
 from engine.gguf_metadata import resolve_served_model
 from engine.gguf_parse import shared_gguf_readers
 from engine.gguf_weights import GgufWeights
+from engine.heap import release_freed_memory
 from engine.kernels import CpuKernels, load_cpu_kernels
 from engine.model_loader import EMBEDDED_MODEL_NAME, default_cache_dir, resolve_model_dir
 from engine.models import LlamaForCausalLM, model_class
@@ -116,6 +117,7 @@ def load(config: EngineConfig) -> Loaded:
                            dtype=str(dtype).removeprefix("torch."), device=str(device),
                            chat_template_tools="tools" in (tokenizer.chat_template or ""),
                            task=task, pooling_tasks=pooler.tasks, labels=_labels(ckpt.hf_config, pooler))
+    release_freed_memory()  # the load's transient copies (fp32 dequantized tensors, the file's pages) leave RSS
     return Loaded(model=model, tokenizer=tokenizer, kv_cache=kv_cache, kv_prefault=kv_prefault,
                   eos_token_ids=_eos_ids(tokenizer, ckpt.model_dir), hf_config=ckpt.hf_config,
                   model_dir=ckpt.model_dir, max_model_len=max_model_len, task=task, pooler=pooler, dtype=dtype,

@@ -24,6 +24,7 @@ from engine.quant.formats import QuantizedWeight
 TILE = 16
 BLOCK = 32
 CANDIDATES_CAP = 256  # per row; more (a nearly flat row) and the step takes the full head
+_ROWS_AT_ONCE = 4096  # tokens whose codes are widened together while the head is built
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,13 +44,16 @@ class GreedyHead:
         tiles = -(-n // TILE)
         # codes stored as q + 128: vpdpbusd's unsigned operand (x, quantized per row, is the signed one)
         padded = torch.full((tiles * TILE, k), 128, dtype=torch.uint8)
-        padded[:n] = (codes.to(torch.int16) + 128).to(torch.uint8)
         # per token and block of 32: d (the group's scale) and A = d * sum of |codes|
         d = scales.repeat_interleave(quantized.group // BLOCK, dim=1)  # build(): group is a multiple of 32
-        blocked = codes.view(n, blocks, BLOCK).to(torch.int32)
         meta = torch.zeros(tiles * TILE, blocks, 2, dtype=torch.float32)
         meta[:n, :, 0] = d
-        meta[:n, :, 1] = d * blocked.abs().sum(-1).float()
+        # a slice of tokens at a time: the widened codes of a whole head would be several times its size
+        for start in range(0, n, _ROWS_AT_ONCE):
+            part = codes[start:start + _ROWS_AT_ONCE].to(torch.int16)
+            padded[start:start + part.shape[0]] = (part + 128).to(torch.uint8)
+            sums = part.view(-1, blocks, BLOCK).abs().sum(-1, dtype=torch.int32).float()
+            meta[start:start + part.shape[0], :, 1] = d[start:start + part.shape[0]] * sums
         # codes: [tile, block, quad j, token i, 4 inputs]; meta: [tile, block, (d | A), 16]
         self.codes = (padded.view(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous())
         self.meta = meta.view(tiles, TILE, blocks, 2).permute(0, 2, 3, 1).contiguous()

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from engine.kernels import CpuKernels
 from engine.quant.activations import linear_int8_activations
 from engine.quant.formats import QuantizedWeight
-from engine.quant.packing import PackedWeight, unpack_quantized
+from engine.quant.packing import PackedWeight, unpack_quantized, unpack_rows
 
 
 def _mkldnn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -178,9 +178,10 @@ class PackedLinear:
         return self.fallback.weight
 
     def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
-        quantized = self.quantized
-        if quantized is not None:
-            return quantized.rows(index)
+        if self._quantized is not None:
+            return self._quantized.rows(index)
+        if self.packed.fmt != "bf16":
+            return unpack_rows(self.packed, self.source, index).dequantize()
         assert isinstance(self.fallback, Linear)
         return self.fallback.weight_rows(index)
 

@@ -111,12 +111,18 @@ class LlamaForCausalLM:
             return self.builder.build([f"{prefix}.{p}.weight" for p in parts], [m.weight for m in modules], bias)
 
         inner: Any = hf_model.model  # the decoder stack (transformers' attribute, not typed by torch)
-        self.embed = w(inner.embed_tokens.weight)
+        # the token embedding: a table of the file's blocks (engine/gguf_weights.py, rows dequantized as they
+        # are looked up) where the source kept one, else the dense weight
+        table = getattr(inner.embed_tokens, "table", None)
+        self.embed: Any = (table.to(dtype) if table is not None and device.type == "cpu"
+                           else w(table.dense()) if table is not None else w(inner.embed_tokens.weight))
         head: Any = hf_model.lm_head
         self.lm_head = self.builder.build(["lm_head.weight"], [head.weight], None)
         # greedy rows' picks through int8 logits and a bound (int8 heads on VNNI CPUs; None elsewhere)
         self.greedy_head = (GreedyHead.build(self.lm_head.quantized, self.kernels)
                             if isinstance(self.lm_head, PackedLinear) and self.lm_head.takes(1) else None)
+        if isinstance(self.lm_head, PackedLinear):
+            self.lm_head.release_quantized()  # a second copy of the head: its rare users unpack the rows they need
         self.final_norm = w(inner.norm.weight)
         self.layers: list[_LayerWeights] = []
         layers = (track(inner.layers, "loading weights", logger, unit="layers") if show_progress

@@ -63,8 +63,16 @@ def read_skeleton(source: WeightSource, config: Any, dtype: torch.dtype,
     read now where ``whole``: a calibration runs the whole model). A tied head is the embedding's tensor,
     not a second read of it."""
     model = empty_model(config, dtype, runs=whole)
+    # An embedding the source can keep in its own blocks stays there (rows dequantized as looked up), beside
+    # the meta parameter; a model that runs whole (calibration) gets it dense.
+    table_of = getattr(source, "embedding_table", None)
+    table = table_of(EMBEDDING, dtype) if table_of is not None and not whole else None
+    if table is not None:
+        model.get_submodule(EMBEDDING.rpartition(".")[0]).table = table
     for name in unfilled(model):
         if name == HEAD and source.tied_head:
+            continue
+        if name == EMBEDDING and table is not None:
             continue
         if whole or not is_linear(name):
             fill(model, name, source.dense(name, dtype))
@@ -73,7 +81,8 @@ def read_skeleton(source: WeightSource, config: Any, dtype: torch.dtype,
 
     def read(name: str) -> torch.Tensor:
         if name == HEAD and source.tied_head:
-            return model.get_parameter(EMBEDDING).data
+            embedding = model.get_parameter(EMBEDDING)
+            return source.dense(EMBEDDING, dtype) if embedding.is_meta else embedding.data
         return source.dense(name, dtype)
 
     return model, read

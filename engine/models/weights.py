@@ -141,7 +141,7 @@ class LinearBuilder:
             else:
                 assert self.kernels is not None
                 linear = PackedLinear(pack_quantized(quantized), bias, self.kernels, quantized=quantized)
-                if names != ["lm_head.weight"]:  # the head's plain codes serve the greedy head and tie-breaks
+                if names != ["lm_head.weight"]:  # the head's plain codes build the greedy head, then go
                     linear.release_quantized()
         else:
             weights = self._read(names, weights)
@@ -165,7 +165,7 @@ class LinearBuilder:
         if made is None:
             return None
         packed, source = made
-        # the head's plain codes serve the greedy head and tie-breaks; no other projection keeps them
+        # the head's plain codes build the greedy head (the model lets them go then); no other projection keeps them
         kept = unpack_quantized(packed, source) if names == ["lm_head.weight"] else None
         return PackedLinear(packed, bias, self.kernels, quantized=kept, source=source)
 

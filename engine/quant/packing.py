@@ -102,3 +102,14 @@ def unpack_quantized(packed: PackedWeight, source: str) -> QuantizedWeight:
         codes = codes.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, k)[:n].contiguous()
         return QuantizedWeight("i8", codes, per_tile(data[:, :, code_bytes:], torch.float32), None, g, source)
     raise ValueError(f"a {packed.fmt} packed weight holds no quantized codes")
+
+
+def unpack_rows(packed: PackedWeight, source: str, index: torch.Tensor) -> QuantizedWeight:
+    """Rows ``index`` of ``unpack_quantized(packed, source)``, unpacking only the tiles that hold them."""
+    tiles, lanes = index // TILE, index % TILE
+    needed, position = torch.unique(tiles, return_inverse=True)
+    groups = packed.in_features // packed.group
+    data = packed.data.view(-(-packed.out_features // TILE), groups, -1)[needed]
+    part = unpack_quantized(PackedWeight(packed.fmt, data.reshape(-1), len(needed) * TILE, packed.in_features,
+                                         packed.group), source)
+    return part.permute_rows(position * TILE + lanes)

@@ -18,7 +18,7 @@ from engine.gguf_file import GgufFile
 from engine.kernels import load_cpu_kernels
 from engine.model_loader import embedded_gguf_path
 from engine.quant.formats import quantize_int4, quantize_int8
-from engine.quant.packing import pack_quantized, unpack_quantized
+from engine.quant.packing import pack_quantized, unpack_quantized, unpack_rows
 
 MAKE_MODEL = Path(__file__).resolve().parents[3] / "shared" / "peers" / "make_model.py"
 
@@ -163,3 +163,6 @@ def test_a_packed_weight_unpacks_to_its_codes(rows):
         back = unpack_quantized(pack_quantized(q), q.source)
         assert torch.equal(back.codes, q.codes) and torch.equal(back.scales, q.scales)
         assert (back.mins is None) == (q.mins is None) and (q.mins is None or torch.equal(back.mins, q.mins))
+        # a few rows (across tiles, repeated, out of order) unpacked alone: the same rows
+        index = torch.tensor([rows - 1, 0, 17 % rows, 0, 5])
+        assert torch.equal(unpack_rows(pack_quantized(q), q.source, index).dequantize(), q.rows(index))
