@@ -88,27 +88,36 @@ def _wait_ready(port: int, proc: subprocess.Popen, limit_s: float) -> float:
 
 def _load(port: int, requests: int, concurrency: int, max_tokens: int) -> None:
     """``requests`` streamed chat answers, ``concurrency`` at a time, sampled (as chat clients send)."""
-    body = {"model": "m", "messages": [{"role": "user", "content": "Tell me about the sea. " * 20}],
+    base = f"http://127.0.0.1:{port}"
+    model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]  # the name each server serves
+    body = {"model": model, "messages": [{"role": "user", "content": "Tell me about the sea. " * 20}],
             "max_tokens": max_tokens, "temperature": 0.7, "stream": True}
     left = list(range(requests))
+    failures: list[BaseException] = []
 
     def worker() -> None:
-        with httpx.Client(timeout=600) as client:
+        try:
             while left:
                 try:
                     left.pop()
                 except IndexError:
                     return
-                with client.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+                # a connection per answer: llama-server may close a kept-alive one after a stream
+                with httpx.Client(timeout=600) as client, \
+                        client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
                     r.raise_for_status()
                     for _ in r.iter_lines():
                         pass
+        except BaseException as exc:  # a figure measured without its load would be no figure: fail the run
+            failures.append(exc)
 
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if failures:
+        raise RuntimeError(f"the load failed: {failures[0]!r}") from failures[0]
 
 
 def _stop(proc: subprocess.Popen) -> None:
