@@ -489,6 +489,12 @@ def _batch_rate(lin: PackedLinear) -> float:
     return _INT8_PROBE_ROWS * lin.in_features * lin.out_features / seconds
 
 
+# The plain read's buffer: past every CPU's last-level cache (a few hundred MB at most), so it reads memory
+# as the pass does, and no larger: a copy of a 7B model's weights took seconds of a first start to write
+# and doubled its resident size for the moment.
+_PLAIN_READ_MAX_BYTES = 2 << 30
+
+
 def _stream_rate(packed: list[PackedLinear], total: int) -> tuple[float, float]:
     """GB/s of one-row passes over every packed weight (``total`` bytes; one C call for the pass, as
     bench_kernels times it), and of a plain read of as many bytes."""
@@ -499,6 +505,6 @@ def _stream_rate(packed: list[PackedLinear], total: int) -> tuple[float, float]:
                               packed[0].int8_activations)
     # the best of several: a neighbour's memory traffic had brought single passes down by up to a fifth
     elapsed = _best_time(lambda: kern.run_linear_calls(calls), reps=_RATE_REPS)
-    buffer = torch.ones(total // 8 + 1, dtype=torch.int64)
+    buffer = torch.ones(min(total, _PLAIN_READ_MAX_BYTES) // 8 + 1, dtype=torch.int64)
     read = _best_time(lambda: kern.read_sum(buffer), reps=3)
     return total / elapsed / 1e9, buffer.numel() * 8 / read / 1e9
