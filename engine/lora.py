@@ -27,6 +27,7 @@ import torch
 
 from engine.errors import LoraUnavailableError
 from engine.kernels import CpuKernels
+from engine.models import layout
 from engine.models.linear import Linear
 
 logger = logging.getLogger(__name__)
@@ -55,10 +56,9 @@ class LoraAdapter:
 
 def module_shapes(config) -> dict[str, tuple[int, int]]:
     """(out, in) of every LoRA-targetable projection of a Llama-family model."""
-    hidden = config.hidden_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    q = config.num_attention_heads * head_dim
-    kv = config.num_key_value_heads * head_dim
+    hidden, d = config.hidden_size, layout.head_dim(config)
+    q = config.num_attention_heads * d
+    kv = config.num_key_value_heads * d
     inter = config.intermediate_size
     return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
             "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}

@@ -75,18 +75,9 @@ class Scheduler:
         # most half the step budget) is prefilled whole in one step, as vLLM does: one bounded bump for the
         # running streams, and arrivals ramp up without being trickled through the cap.
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        # The cap counts a capped chunk's cost, not only its tokens: each token's linears plus its attention
-        # over the keys before it (this fraction of the linears per key, from the model's sizes; 0: tokens
-        # only). Late chunks of a long prompt attend over more keys, so they get fewer tokens and a step
-        # costs about the same at the prompt's end as at its start.
-        self.cost_model = cost_model  # engine/cost_model.py: measured at start, or pinned by a flag
-        self.attention_cost_per_key = cost_model.attention_cost_per_key
-        # A decoding row's attention over one key of its context, in the same units (a fraction of a token's
-        # linears): it reads the key's K and V from memory, so this follows the machine's bytes against its
-        # arithmetic (the loader measures it at start; 0: decode rows counted as rows alone).
-        self.decode_cost_per_key = cost_model.decode_cost_per_key
-        # and what a decode step costs before any row (it streams every weight once; 0: nothing)
-        self.decode_step_cost = cost_model.decode_step_cost
+        # The cap counts a capped chunk's cost, not only its tokens (engine/cost_model.py: measured at start,
+        # or pinned by a flag; the three properties below read it).
+        self.cost_model = cost_model
         self.short_prompt_tokens = max_num_batched_tokens // 2
         self.waiting: list[Sequence] = []  # in _wait_order
         self.running: list[Sequence] = []
@@ -99,6 +90,25 @@ class Scheduler:
         # ordered insert), whatever the number of clients or waiting sequences.
         self._virtual_time: dict[int, int] = {}  # priority -> largest fair_tag admitted
         self._clients: dict[tuple[int, str | None], list[int]] = {}  # (priority, client) -> [last tag, waiting]
+
+    @property
+    def attention_cost_per_key(self) -> float:
+        """A prompt token's attention over one key before it, as a fraction of a token's linears (from the
+        model's sizes; 0: tokens only). Late chunks of a long prompt attend over more keys, so they get
+        fewer tokens and a step costs about the same at the prompt's end as at its start."""
+        return self.cost_model.attention_cost_per_key
+
+    @property
+    def decode_cost_per_key(self) -> float:
+        """A decoding row's attention over one key of its context, in the same units: it reads the key's K
+        and V from memory, so this follows the machine's bytes against its arithmetic (0: decode rows
+        counted as rows alone)."""
+        return self.cost_model.decode_cost_per_key
+
+    @property
+    def decode_step_cost(self) -> float:
+        """What a decode step costs before any row (it streams every weight once; 0: nothing)."""
+        return self.cost_model.decode_step_cost
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING

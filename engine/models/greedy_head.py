@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kernels import CpuKernels
+from engine.models.linear import PackedLinear
 from engine.quant.formats import QuantizedWeight
 
 TILE = 16
@@ -60,10 +61,13 @@ class GreedyHead:
         self._hi = torch.empty(0, n)
 
     @classmethod
-    def build(cls, quantized: QuantizedWeight | None, kernels: CpuKernels | None) -> GreedyHead | None:
-        """The greedy head for an int8 lm_head on a CPU whose kernels have the VNNI path; else None."""
-        if (kernels is None or not kernels.greedy_head_fast or quantized is None or quantized.kind != "i8"
-                or quantized.codes.shape[1] % BLOCK or quantized.group % BLOCK):
+    def build(cls, head: PackedLinear, kernels: CpuKernels | None) -> GreedyHead | None:
+        """The greedy head for an int8 lm_head on a CPU whose kernels have the VNNI path; else None. The
+        head's plain codes are unpacked only where it is built, and not kept."""
+        if kernels is None or not kernels.greedy_head_fast or head.packed.fmt != "i8" or not head.takes(1):
+            return None
+        quantized = head.quantized
+        if quantized is None or quantized.codes.shape[1] % BLOCK or quantized.group % BLOCK:
             return None
         return cls(quantized, kernels)
 

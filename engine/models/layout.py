@@ -38,6 +38,7 @@ def lays_out(config: Any) -> bool:
 
 
 def head_dim(config: Any) -> int:
+    """A config's attention head size: its own ``head_dim`` where it names one (Qwen3), else hidden / heads."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
@@ -64,10 +65,12 @@ def _weights(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device="meta", dtype=dtype), requires_grad=False)
 
 
-class _Norm(nn.Module):
-    def __init__(self, size: int, dtype: torch.dtype) -> None:
+class _Weight(nn.Module):
+    """A module holding only ``weight`` (a norm's scale, the token embedding)."""
+
+    def __init__(self, *shape: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = _weights(size, dtype=dtype)
+        self.weight = _weights(*shape, dtype=dtype)
 
 
 class _Linear(nn.Module):
@@ -78,12 +81,6 @@ class _Linear(nn.Module):
         super().__init__()
         self.weight = _weights(outputs, inputs, dtype=dtype)
         self.bias = _weights(outputs, dtype=dtype) if bias else None
-
-
-class _Embedding(nn.Module):
-    def __init__(self, rows: int, size: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = _weights(rows, size, dtype=dtype)
 
 
 def _layer(config: Any, dtype: torch.dtype) -> nn.Module:
@@ -100,8 +97,8 @@ def _layer(config: Any, dtype: torch.dtype) -> nn.Module:
     attn.v_proj = _Linear(hidden, kv_heads * d, qkv_bias, dtype)
     attn.o_proj = _Linear(heads * d, hidden, o_bias, dtype)
     if family == "qwen3":
-        attn.q_norm = _Norm(d, dtype)
-        attn.k_norm = _Norm(d, dtype)
+        attn.q_norm = _Weight(d, dtype=dtype)
+        attn.k_norm = _Weight(d, dtype=dtype)
     mlp = nn.Module()
     mlp.gate_proj = _Linear(hidden, inter, mlp_bias, dtype)
     mlp.up_proj = _Linear(hidden, inter, mlp_bias, dtype)
@@ -110,8 +107,8 @@ def _layer(config: Any, dtype: torch.dtype) -> nn.Module:
     layer = nn.Module()
     layer.self_attn = attn
     layer.mlp = mlp
-    layer.input_layernorm = _Norm(hidden, dtype)
-    layer.post_attention_layernorm = _Norm(hidden, dtype)
+    layer.input_layernorm = _Weight(hidden, dtype=dtype)
+    layer.post_attention_layernorm = _Weight(hidden, dtype=dtype)
     return layer
 
 
@@ -123,9 +120,9 @@ def empty_causal_lm(config: Any, dtype: torch.dtype) -> nn.Module:
         raise ValueError(f"no layout for model type {getattr(config, 'model_type', None)!r} with RoPE "
                          f"{rope_type(config)!r}")
     inner = nn.Module()
-    inner.embed_tokens = _Embedding(config.vocab_size, config.hidden_size, dtype)
+    inner.embed_tokens = _Weight(config.vocab_size, config.hidden_size, dtype=dtype)
     inner.layers = nn.ModuleList(_layer(config, dtype) for _ in range(config.num_hidden_layers))
-    inner.norm = _Norm(config.hidden_size, dtype)
+    inner.norm = _Weight(config.hidden_size, dtype=dtype)
     inner.rotary_emb = RotaryEmbedding(config, device="cpu")
     model = nn.Module()
     model.config = config

@@ -119,7 +119,7 @@ class PackedLinear:
         self._bias32 = bias.float().contiguous() if bias is not None else None
         self._bias_ptr = self._bias32.data_ptr() if self._bias32 is not None else None
         self.kernels = kernels
-        self._quantized = quantized  # None: packed from bf16 weights (then ``fallback`` holds them), or released
+        self._quantized = quantized  # None: packed from bf16 weights (then ``fallback`` holds them), or not kept
         # what made the weight, for the log
         self.source = source or (quantized.source if quantized is not None else "bf16")
         self.fallback = fallback  # oneDNN, for batches over max_kernel_rows
@@ -153,16 +153,11 @@ class PackedLinear:
 
     @property
     def quantized(self) -> QuantizedWeight | None:
-        """The weight's codes and scales (None for bf16 weights): kept, or unpacked from the packed layout
-        after ``release_quantized``."""
+        """The weight's codes and scales (None for bf16 weights): kept where the linear was given them, else
+        unpacked from the packed layout."""
         if self._quantized is None and self.packed.fmt != "bf16":
             return unpack_quantized(self.packed, self.source)
         return self._quantized
-
-    def release_quantized(self) -> None:
-        """Keep only the packed layout: the plain codes are a second copy of the weight, which the forward
-        never reads (the rare users unpack it)."""
-        self._quantized = None
 
     @property
     def takes_int8_activations(self) -> bool:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, PagedKVCache, paged_attention, prefill_attention
 from engine.kernels import CpuKernels, ForwardStep, LayerDesc, LinearDesc, load_cpu_kernels
+from engine.models import layout
 from engine.models.greedy_head import GreedyHead, GreedyPicks
 from engine.models.linear import Linear, PackedLinear, ReferenceLinear
 from engine.models.tuning import TuningCache
@@ -114,15 +115,18 @@ class LlamaForCausalLM:
         # the token embedding: a table of the file's blocks (engine/gguf_weights.py, rows dequantized as they
         # are looked up) where the source kept one, else the dense weight
         table = getattr(inner.embed_tokens, "table", None)
-        self.embed: Any = (table.to(dtype) if table is not None and device.type == "cpu"
-                           else w(table.dense()) if table is not None else w(inner.embed_tokens.weight))
+        self.embed: Any
+        if table is None:
+            self.embed = w(inner.embed_tokens.weight)
+        elif device.type == "cpu":
+            self.embed = table.to(dtype)
+        else:  # looked up on another device: dense there
+            self.embed = w(table.dense())
         head: Any = hf_model.lm_head
         self.lm_head = self.builder.build(["lm_head.weight"], [head.weight], None)
         # greedy rows' picks through int8 logits and a bound (int8 heads on VNNI CPUs; None elsewhere)
-        self.greedy_head = (GreedyHead.build(self.lm_head.quantized, self.kernels)
-                            if isinstance(self.lm_head, PackedLinear) and self.lm_head.takes(1) else None)
-        if isinstance(self.lm_head, PackedLinear):
-            self.lm_head.release_quantized()  # a second copy of the head: its rare users unpack the rows they need
+        self.greedy_head = (GreedyHead.build(self.lm_head, self.kernels)
+                            if isinstance(self.lm_head, PackedLinear) else None)
         self.final_norm = w(inner.norm.weight)
         self.layers: list[_LayerWeights] = []
         layers = (track(inner.layers, "loading weights", logger, unit="layers") if show_progress
@@ -255,8 +259,7 @@ class LlamaForCausalLM:
     @staticmethod
     def kv_geometry(cfg: Any) -> tuple[int, int, int]:
         """(layers, KV heads, head dim) of a model config: the KV pool's shape, known before any weight loads."""
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim
+        return cfg.num_hidden_layers, cfg.num_key_value_heads, layout.head_dim(cfg)
 
     def kv_bytes_per_token(self) -> int:
         return PagedKVCache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)

@@ -35,7 +35,7 @@ from engine.models.tuning import TuningCache
 from engine.quant.calibration import PROGRESS_EVERY_S
 from engine.quant.formats import QuantizedWeight, concat, quantize_int4, quantize_int8
 from engine.quant.gptq import quantize_int8_gptq
-from engine.quant.packing import pack_bf16, pack_quantized, packable, unpack_quantized
+from engine.quant.packing import pack_bf16, pack_quantized, packable
 
 _CPU = torch.device("cpu")
 
@@ -140,9 +140,8 @@ class LinearBuilder:
                 linear: AnyLinear = ReferenceLinear(quantized, bias, int8_activations=self.activations == "int8")
             else:
                 assert self.kernels is not None
-                linear = PackedLinear(pack_quantized(quantized), bias, self.kernels, quantized=quantized)
-                if names != ["lm_head.weight"]:  # the head's plain codes build the greedy head, then go
-                    linear.release_quantized()
+                # no plain codes kept beside the packed layout: a second copy, which its few users unpack
+                linear = PackedLinear(pack_quantized(quantized), bias, self.kernels, source=quantized.source)
         else:
             weights = self._read(names, weights)
             weight = torch.cat(weights) if len(weights) > 1 else weights[0]
@@ -165,9 +164,7 @@ class LinearBuilder:
         if made is None:
             return None
         packed, source = made
-        # the head's plain codes build the greedy head (the model lets them go then); no other projection keeps them
-        kept = unpack_quantized(packed, source) if names == ["lm_head.weight"] else None
-        return PackedLinear(packed, bias, self.kernels, quantized=kept, source=source)
+        return PackedLinear(packed, bias, self.kernels, source=source)
 
     def _read(self, names: list[str], weights: list[torch.Tensor]) -> list[torch.Tensor]:
         """``weights`` with those not read yet (meta tensors) read from ``dense_source``."""
