@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from engine.gguf_file import GgufFile
+from engine.kernels import CpuKernels
 from engine.quant.formats import QuantizedWeight
 from engine.quant.gguf_blocks import BLOCK, decode_blocks
 from engine.quant.packing import TILE, PackedWeight
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 MAPPED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # read as the kernels' u4 / i8 groups of 32
+# block type -> (enum spark_gguf_block in csrc/repack.h, the packed format it becomes)
+REPACK_KINDS = {"Q8_0": (0, "i8"), "Q4_0": (1, "u4"), "Q4_1": (2, "u4")}
 # tensors transformers' conversion leaves out (it computes RoPE from the config)
 IGNORED = ("rope_freqs.weight",)
 _LAYER_PARTS = {
@@ -98,7 +101,7 @@ class GgufWeights:
             self.unservable = f"ggml types {', '.join(unreadable)} cannot be dequantized here"
 
     # ---- the layout transformers gives these tensors ---------------------------------------------
-    def _row_order(self, hf: str, rows: int) -> torch.Tensor | None:
+    def row_order(self, hf: str, rows: int) -> torch.Tensor | None:
         """llama.cpp permutes Llama's q and k rows (weights and biases) for its RoPE; transformers undoes
         it with the head counts (k's by the KV heads)."""
         if self.arch != "llama" or not (".q_proj." in hf or ".k_proj." in hf):
@@ -121,7 +124,7 @@ class GgufWeights:
         rows, cols = info.shape
         q = decode_blocks(info.type_name, self.file.raw(gguf_name), rows, cols)  # copies
         self.file.release(gguf_name)
-        order = self._row_order(hf, rows)
+        order = self.row_order(hf, rows)
         return q.permute_rows(order) if order is not None else q
 
     def raw_blocks(self, hf: str) -> torch.Tensor:
@@ -133,7 +136,7 @@ class GgufWeights:
         with warnings.catch_warnings():  # a view of the read-only map: only ever read
             warnings.simplefilter("ignore", UserWarning)
             blocks = torch.from_numpy(self.file.raw(info.name).reshape(rows, cols // BLOCK, block_bytes))
-        order = self._row_order(hf, rows)
+        order = self.row_order(hf, rows)
         return blocks[order] if order is not None else blocks
 
     def dense(self, hf: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -149,7 +152,7 @@ class GgufWeights:
             return values.reshape(blocks.shape[0], -1).to(dtype).contiguous()
         values = torch.from_numpy(np.array(self.file.dequantized(gguf_name)))  # owned: the map is read-only
         self.file.release(gguf_name)
-        order = self._row_order(hf, values.shape[0])
+        order = self.row_order(hf, values.shape[0])
         if order is not None:
             values = values[order]
         return values.to(dtype).contiguous()
@@ -206,22 +209,49 @@ class BlockWeights(Mapping[str, QuantizedWeight]):
             raise KeyError(name)
         return q
 
-    def packed(self, names: list[str]) -> tuple[PackedWeight, str] | None:
+    def packed(self, names: list[str], kernels: CpuKernels | None = None) -> tuple[PackedWeight, str] | None:
         """(the projection's parts, stacked by rows, in the kernels' layout, what made them) packed from
-        the file's blocks directly (``pack_blocks``); None where the parts are not all of one block type."""
+        the file's blocks directly: by the kernel library's one pass over the map where ``kernels`` is
+        given, else by ``pack_blocks`` (torch; the reference, equal byte for byte). None where the parts are
+        not all of one block type."""
         kinds = {self._weights.type_of(n) for n in names}
         if not all(n in self._names for n in names) or len(kinds) != 1:
             return None
         kind = kinds.pop()
         if kind is None:  # names outside the file (excluded by the check above)
             return None
-        parts = [self._weights.raw_blocks(n) for n in names]
-        if len({p.shape[1] for p in parts}) != 1:
+        if len({self._weights.file.tensors[self._weights.names[n]].shape[1] for n in names}) != 1:
             return None
-        packed = pack_blocks(kind, torch.cat(parts) if len(parts) > 1 else parts[0])
+        if kernels is not None:
+            packed = self._repacked(kind, names, kernels)
+        else:
+            parts = [self._weights.raw_blocks(n) for n in names]
+            packed = pack_blocks(kind, torch.cat(parts) if len(parts) > 1 else parts[0])
         for n in names:
             self._weights.file.release(self._weights.names[n])
         return packed, f"gguf {kind}"
+
+    def _repacked(self, kind: str, names: list[str], kernels: CpuKernels) -> PackedWeight:
+        """``pack_blocks``' layout written by the kernel library straight from the map: each row named by
+        its address (q and k rows in transformers' order, the stacked parts one after another), so no
+        block is copied before it lands in its tile."""
+        addresses = []
+        for name in names:
+            info = self._weights.file.tensors[self._weights.names[name]]
+            rows, cols = info.shape
+            order = self._weights.row_order(name, rows)
+            index = order if order is not None else torch.arange(rows)
+            addresses.append(index * (info.nbytes // rows) + self._weights.file.raw(info.name).ctypes.data)
+        stacked = torch.cat(addresses)
+        rows, groups = stacked.numel(), cols // BLOCK
+        tiles = -(-rows // TILE)
+        padded = torch.zeros(tiles * TILE, dtype=torch.int64)  # address 0: a padding row, packed as zeros
+        padded[:rows] = stacked
+        code, fmt = REPACK_KINDS[kind]
+        per_tile_group = (BLOCK * TILE if fmt == "i8" else BLOCK * TILE // 2) + 4 * TILE  # + scales (and mins)
+        out = torch.empty(tiles * groups * per_tile_group, dtype=torch.uint8)
+        kernels.repack_gguf_blocks(code, padded, groups, out)
+        return PackedWeight(fmt, out, rows, groups * BLOCK, BLOCK)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)

@@ -27,7 +27,7 @@ from engine.kernels.signatures import (
 if TYPE_CHECKING:
     from engine.quant.packing import PackedWeight
 
-ABI_VERSION = 12  # target.c's SPARK_KERNELS_ABI_VERSION: a library built from other sources is refused
+ABI_VERSION = 13  # target.c's SPARK_KERNELS_ABI_VERSION: a library built from other sources is refused
 FAST_PATHS = LINEAR_PATHS[:2]  # the linears' fast paths, by enum spark_linear_path value ("dot", "fma")
 LINEAR_PATH_NAMES = {"dot": "AVX512-BF16 dot products", "fma": "fp32 FMAs"}  # for logs and tables
 
@@ -81,6 +81,7 @@ class CpuKernels:
         self._greedy_exact = fns["spark_greedy_exact"]
         self._sample_rows = fns["sample_rows"]
         self._apply_token_bitmask = fns["apply_token_bitmask"]
+        self._repack_gguf_blocks = fns["spark_repack_gguf_blocks"]
         self.num_threads = torch.get_num_threads()
 
     def path_code(self, path: str | None = None) -> int:
@@ -186,6 +187,13 @@ class CpuKernels:
     def read_sum(self, buffer: torch.Tensor) -> int:
         """Read every byte of a buffer (a multiple of 8 bytes) once: the plain-read bandwidth reference."""
         return self._read_sum(buffer.data_ptr(), buffer.numel() * buffer.element_size() // 8, self.num_threads)
+
+    def repack_gguf_blocks(self, kind: int, rows: torch.Tensor, groups: int, out: torch.Tensor) -> None:
+        """out (uint8, the packed layout's whole matrix) from GGUF blocks of ``kind`` (enum spark_gguf_block):
+        rows int64 [N], each row's address (0: a padding row), N a multiple of 16; every row holds ``groups``
+        blocks. The memory the addresses name must stay mapped for the call."""
+        assert rows.dtype == torch.int64 and rows.is_contiguous() and out.dtype == torch.uint8 and out.is_contiguous()
+        self._repack_gguf_blocks(kind, rows.data_ptr(), rows.shape[0], groups, out.data_ptr(), self.num_threads)
 
     def apply_token_bitmask(self, logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
         """fp32 logits [B, V] in place: in row rows[i], tokens whose bit is 0 in mask[i] (int32 words) -> -inf."""

@@ -27,7 +27,7 @@ LIB_DIR = Path(__file__).resolve().parent / "_lib"
 MANIFEST = "manifest.json"
 # The translation units, compiled side by side (the linears take most of the time), then linked.
 UNITS = tuple(SOURCE_DIR / f"{name}.c" for name in ("linear", "layer_ops", "greedy_head", "sampling", "forward",
-                                                    "target"))
+                                                    "repack", "target"))
 BENCH_UNIT = SOURCE_DIR / "bench.c"  # the benchmarks' entry points: only their library has it
 # A function a target's #if paths leave undefined must fail its build (that target is then left out), not
 # make a library that only fails when it is opened: an error for an implicit declaration, and no undefined

@@ -160,7 +160,7 @@ class LinearBuilder:
         packer = getattr(self.stored, "packed", None)
         if self.mode != "gguf" or self.reference or self.kernels is None or packer is None:
             return None
-        made = packer(names)
+        made = packer(names, self.kernels)
         if made is None:
             return None
         packed, source = made

@@ -53,7 +53,8 @@ def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> Quantized
     elif kind == "Q4_0":  # {fp16 d; uint8 qs[16]}: w = d * (q - 8), i.e. a min of -8 d (exact in fp16)
         b = raw.reshape(blocks, 18)
         d = b[:, 0:2].copy().view(np.float16)
-        m = (d.astype(np.float32) * -8.0).astype(np.float16)
+        with np.errstate(over="ignore"):  # a d past 8188: the min is -inf, as fp16 arithmetic gives it
+            m = (d.astype(np.float32) * -8.0).astype(np.float16)
         qs = b[:, 2:]
     else:
         raise ValueError(f"GGUF block type {kind} is not read as blocks")
