@@ -157,6 +157,16 @@ class GgufWeights:
             values = values[order]
         return values.to(dtype).contiguous()
 
+    @property
+    def head_is_embedding(self) -> bool:
+        """Whether the output head is the embedding's tensor (a tied file stores one)."""
+        return self.names.get("lm_head.weight") == self.names.get("model.embed_tokens.weight") is not None
+
+    def keeps_embedding_blocks(self) -> bool:
+        """Whether ``embedding_table`` serves the embedding (a type dequantized in torch)."""
+        gguf_name = self.names.get("model.embed_tokens.weight")
+        return gguf_name is not None and self.file.tensors[gguf_name].type_name in _TORCH_DEQUANTIZED
+
     def embedding_table(self, hf: str, dtype: torch.dtype) -> BlockEmbedding | None:
         """The token embedding kept as the file's own blocks (a copy: the map is let go after the load),
         dequantized a looked-up row at a time; None where its type is not one dequantized in torch."""

@@ -27,7 +27,7 @@ from engine.kernels.signatures import (
 if TYPE_CHECKING:
     from engine.quant.packing import PackedWeight
 
-ABI_VERSION = 13  # target.c's SPARK_KERNELS_ABI_VERSION: a library built from other sources is refused
+ABI_VERSION = 14  # target.c's SPARK_KERNELS_ABI_VERSION: a library built from other sources is refused
 FAST_PATHS = LINEAR_PATHS[:2]  # the linears' fast paths, by enum spark_linear_path value ("dot", "fma")
 LINEAR_PATH_NAMES = {"dot": "AVX512-BF16 dot products", "fma": "fp32 FMAs"}  # for logs and tables
 
@@ -82,6 +82,7 @@ class CpuKernels:
         self._sample_rows = fns["sample_rows"]
         self._apply_token_bitmask = fns["apply_token_bitmask"]
         self._repack_gguf_blocks = fns["spark_repack_gguf_blocks"]
+        self._packed_rows = fns["spark_packed_rows_f32"]
         self.num_threads = torch.get_num_threads()
 
     def path_code(self, path: str | None = None) -> int:
@@ -194,6 +195,15 @@ class CpuKernels:
         blocks. The memory the addresses name must stay mapped for the call."""
         assert rows.dtype == torch.int64 and rows.is_contiguous() and out.dtype == torch.uint8 and out.is_contiguous()
         self._repack_gguf_blocks(kind, rows.data_ptr(), rows.shape[0], groups, out.data_ptr(), self.num_threads)
+
+    def packed_rows(self, weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 [len(ids), in_features]: rows ``ids`` of a packed u4 / i8 weight, dequantized as
+        QuantizedWeight.dequantize defines it (engine/quant/packing.py's unpack_rows is the reference)."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), weight.in_features, dtype=torch.float32)
+        self._packed_rows(weight.fmt_code, weight.data.data_ptr(), weight.out_features, weight.in_features,
+                          weight.group, ids.data_ptr(), ids.numel(), out.data_ptr())
+        return out
 
     def apply_token_bitmask(self, logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
         """fp32 logits [B, V] in place: in row rows[i], tokens whose bit is 0 in mask[i] (int32 words) -> -inf."""

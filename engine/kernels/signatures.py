@@ -99,6 +99,7 @@ SIGNATURES: dict[str, Signature] = {
     "spark_greedy_exact": (None, [P, I64, I64, I64, P, P, P, P, I64, P]),
     # repack.h
     "spark_repack_gguf_blocks": (INT, [INT, P, I64, I64, P, INT]),
+    "spark_packed_rows_f32": (INT, [INT, P, I64, I64, I64, P, I64, P]),
 }
 
 # The entry points whose int is an enum spark_status (their header comment says "Returns SPARK_OK ..."):
@@ -106,7 +107,7 @@ SIGNATURES: dict[str, Signature] = {
 RETURNS_STATUS = frozenset({
     "decode_attention_bf16", "decode_attention_f32", "prefill_attention_bf16", "prefill_attention_f32",
     "spark_linear", "spark_linear_many", "spark_forward_layers", "sample_rows", "spark_greedy_head_bounds",
-    "spark_repack_gguf_blocks"})
+    "spark_repack_gguf_blocks", "spark_packed_rows_f32"})
 
 # The public headers SIGNATURES covers (bench.h is the benchmarks' own: benchmarks/kernel_bench.py)
 HEADERS = ("target.h", "layer_ops.h", "linear.h", "forward.h", "sampling.h", "greedy_head.h", "repack.h")

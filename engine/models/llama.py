@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionMetadata, PagedKVCache, paged_attention, prefill_attention
 from engine.kernels import CpuKernels, ForwardStep, LayerDesc, LinearDesc, load_cpu_kernels
 from engine.models import layout
+from engine.models.embedding import HeadRowsEmbedding
 from engine.models.greedy_head import GreedyHead, GreedyPicks
 from engine.models.linear import Linear, PackedLinear, ReferenceLinear
 from engine.models.tuning import TuningCache
@@ -112,18 +113,9 @@ class LlamaForCausalLM:
             return self.builder.build([f"{prefix}.{p}.weight" for p in parts], [m.weight for m in modules], bias)
 
         inner: Any = hf_model.model  # the decoder stack (transformers' attribute, not typed by torch)
-        # the token embedding: a table of the file's blocks (engine/gguf_weights.py, rows dequantized as they
-        # are looked up) where the source kept one, else the dense weight
-        table = getattr(inner.embed_tokens, "table", None)
-        self.embed: Any
-        if table is None:
-            self.embed = w(inner.embed_tokens.weight)
-        elif device.type == "cpu":
-            self.embed = table.to(dtype)
-        else:  # looked up on another device: dense there
-            self.embed = w(table.dense())
         head: Any = hf_model.lm_head
         self.lm_head = self.builder.build(["lm_head.weight"], [head.weight], None)
+        self.embed: Any = self._embedding(inner.embed_tokens, w)
         # greedy rows' picks through int8 logits and a bound (int8 heads on VNNI CPUs; None elsewhere)
         self.greedy_head = (GreedyHead.build(self.lm_head, self.kernels)
                             if isinstance(self.lm_head, PackedLinear) else None)
@@ -171,6 +163,18 @@ class LlamaForCausalLM:
         self._layer_descs: ctypes.Array | None = None
         self._one_call_max_rows = 0.0
         self._described: tuple[list[object], tuple[int, ...]] = ([], ())
+
+    def _embedding(self, embed_tokens: Any, w: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        """The token embedding: the tied head's packed rows where they give the file's values
+        (engine/models/embedding.py), else a table of the file's blocks (engine/gguf_weights.py, rows
+        dequantized as they are looked up) where the source keeps one, else the dense weight."""
+        make_table = getattr(embed_tokens, "table_maker", None)
+        if make_table is None:
+            return w(embed_tokens.weight)
+        if self.device.type == "cpu" and embed_tokens.head_is_embedding and HeadRowsEmbedding.serves(self.lm_head):
+            return HeadRowsEmbedding(self.lm_head, self.dtype)
+        table = make_table()
+        return table.to(self.dtype) if self.device.type == "cpu" else w(table.dense())
 
     def _layers_as_described(self) -> ctypes.Array | None:
         """The layers' descriptors for the one-call loop, made again whenever a layer's weights, linears,

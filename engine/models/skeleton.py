@@ -64,15 +64,20 @@ def read_skeleton(source: WeightSource, config: Any, dtype: torch.dtype,
     not a second read of it."""
     model = empty_model(config, dtype, runs=whole)
     # An embedding the source can keep in its own blocks stays there (rows dequantized as looked up), beside
-    # the meta parameter; a model that runs whole (calibration) gets it dense.
+    # the meta parameter; a model that runs whole (calibration) gets it dense. The table is made when the
+    # model asks (``table_maker``): where the head is the same tensor, packed, its rows serve instead
+    # (engine/models/embedding.py) and no second copy is made.
     table_of = getattr(source, "embedding_table", None)
-    table = table_of(EMBEDDING, dtype) if table_of is not None and not whole else None
-    if table is not None:
-        model.get_submodule(EMBEDDING.rpartition(".")[0]).table = table
+    kept = table_of is not None and not whole and getattr(source, "keeps_embedding_blocks", lambda: False)()
+    if kept:
+        assert table_of is not None
+        embedding = model.get_submodule(EMBEDDING.rpartition(".")[0])
+        embedding.table_maker = lambda: table_of(EMBEDDING, dtype)
+        embedding.head_is_embedding = bool(getattr(source, "head_is_embedding", False))
     for name in unfilled(model):
         if name == HEAD and source.tied_head:
             continue
-        if name == EMBEDDING and table is not None:
+        if name == EMBEDDING and kept:
             continue
         if whole or not is_linear(name):
             fill(model, name, source.dense(name, dtype))

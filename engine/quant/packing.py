@@ -105,11 +105,30 @@ def unpack_quantized(packed: PackedWeight, source: str) -> QuantizedWeight:
 
 
 def unpack_rows(packed: PackedWeight, source: str, index: torch.Tensor) -> QuantizedWeight:
-    """Rows ``index`` of ``unpack_quantized(packed, source)``, unpacking only the tiles that hold them."""
-    tiles, lanes = index // TILE, index % TILE
-    needed, position = torch.unique(tiles, return_inverse=True)
-    groups = packed.in_features // packed.group
-    data = packed.data.view(-(-packed.out_features // TILE), groups, -1)[needed]
-    part = unpack_quantized(PackedWeight(packed.fmt, data.reshape(-1), len(needed) * TILE, packed.in_features,
-                                         packed.group), source)
-    return part.permute_rows(position * TILE + lanes)
+    """Rows ``index`` of ``unpack_quantized(packed, source)``, gathered from their tiles' lanes alone (a row's
+    codes sit at one lane of every pair row of its tile): the cost of the rows asked for, so a lookup of a
+    few rows (an embedding's, a head's ties) reads a few rows."""
+    n, k, g = packed.out_features, packed.in_features, packed.group
+    tiles, groups = -(-n // TILE), k // g
+    index = index.reshape(-1)
+    tile, lane = index // TILE, index % TILE
+    data = packed.data.view(tiles, groups, -1)
+    rows = index.numel()
+
+    def per_row(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [tiles, groups, 16 x size] -> [rows, groups]
+        size = t.shape[2] // TILE
+        return t.view(tiles, groups, TILE, size)[tile, :, lane].contiguous().view(dtype).reshape(rows, groups)
+
+    if packed.fmt == "u4":
+        code_bytes = g * TILE // 2
+        nibbles = data[:, :, :code_bytes].view(tiles, groups, g // 32, 8, TILE, 2)
+        picked = nibbles[tile, :, :, :, lane]  # [rows, groups, g / 32, 8, 2]: byte (j, e) holds inputs 2j+e, +16
+        codes = torch.cat([picked & 15, picked >> 4], dim=3).reshape(rows, k)
+        return QuantizedWeight("u4", codes, per_row(data[:, :, code_bytes:code_bytes + 2 * TILE], torch.float16),
+                               per_row(data[:, :, code_bytes + 2 * TILE:], torch.float16), g, source)
+    if packed.fmt == "i8":
+        code_bytes = g * TILE
+        codes = data[:, :, :code_bytes].view(torch.int8).view(tiles, groups, g // 2, TILE, 2)[tile, :, :, lane]
+        return QuantizedWeight("i8", codes.reshape(rows, k), per_row(data[:, :, code_bytes:], torch.float32), None,
+                               g, source)
+    raise ValueError(f"a {packed.fmt} packed weight holds no quantized codes")

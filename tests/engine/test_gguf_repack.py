@@ -102,3 +102,43 @@ def test_the_served_projections_pack_alike_with_and_without_the_kernels(kernels)
         assert (fast[0].fmt, fast[0].out_features, fast[0].in_features) == (
             reference[0].fmt, reference[0].out_features, reference[0].in_features)
         assert torch.equal(fast[0].data, reference[0].data)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("with_kernels", [True, False])
+def test_a_tied_heads_rows_are_the_embeddings_own_values(kind, with_kernels):
+    """A tied file keeps one copy of the vocabulary's weights: the embedding is looked up from the packed
+    head, and gives the values the file's blocks give (BlockEmbedding, the dequantization transformers
+    applies), bit for bit, at any batch shape."""
+    from engine.gguf_weights import BlockEmbedding
+    from engine.models.embedding import HeadRowsEmbedding
+    from engine.models.linear import PackedLinear
+
+    raw = torch.from_numpy(_blocks(kind, 200, 4, 9))
+    blocks = BlockEmbedding(kind, raw, torch.bfloat16)
+    kernels = load_cpu_kernels() if with_kernels else None
+    if with_kernels and kernels is None:
+        pytest.skip("no kernel library here")
+    head = PackedLinear(pack_blocks(kind, raw), None, kernels, source=f"gguf {kind}")  # type: ignore[arg-type]
+    assert HeadRowsEmbedding.serves(head)
+    rows = HeadRowsEmbedding(head, torch.bfloat16)
+    for ids in (torch.tensor([0]), torch.tensor([[5, 199, 5], [16, 15, 17]]), torch.randint(0, 200, (300,))):
+        assert torch.equal(rows[ids], blocks[ids])
+    assert torch.equal(rows.to(torch.float32)[ids], blocks.to(torch.float32)[ids])
+    if kernels is not None:
+        with pytest.raises(ValueError, match="not supported"):  # an id past the vocabulary reads nothing
+            rows[torch.tensor([200])]
+    assert not HeadRowsEmbedding.serves(PackedLinear(pack_blocks("Q4_0", raw[..., :18].contiguous()), None, None,
+                                                     source="gguf Q4_0"))  # type: ignore[arg-type]
+
+
+def test_the_embedded_model_keeps_one_copy_of_its_vocabulary():
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.models.embedding import HeadRowsEmbedding
+
+    if load_cpu_kernels() is None:
+        pytest.skip("no kernel library here")
+    engine = LLMEngine(EngineConfig(device="cpu", num_kv_blocks=16))
+    assert isinstance(engine.model.embed, HeadRowsEmbedding)
+    assert engine.model.embed.head is engine.model.lm_head

@@ -94,3 +94,43 @@ int spark_repack_gguf_blocks(int kind, const int64_t *rows, int64_t n_rows, int6
     }
     return SPARK_OK;
 }
+
+int spark_packed_rows_f32(int fmt, const uint8_t *data, int64_t out_features, int64_t in_features, int64_t group,
+                          const int64_t *ids, int64_t count, float *out) {
+    if ((fmt != 1 && fmt != 2) || group <= 0 || in_features % group || (fmt == 1 ? group % BLOCK : group % 2))
+        return SPARK_ERR_UNSUPPORTED;
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= out_features) return SPARK_ERR_UNSUPPORTED;
+    const int64_t groups = in_features / group;
+    const int64_t code_bytes = fmt == 1 ? group * TILE / 2 : group * TILE;
+    const int64_t per_group = code_bytes + 4 * TILE;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t lane = ids[i] % TILE;
+        const uint8_t *tile = data + ids[i] / TILE * groups * per_group;
+        float *row = out + i * in_features;
+        for (int64_t g = 0; g < groups; g++, row += group) {
+            const uint8_t *codes = tile + g * per_group;
+            if (fmt == 2) { /* pairs (2p, 2p + 1) at lanes (2r, 2r + 1) */
+                float d;
+                memcpy(&d, codes + code_bytes + 4 * lane, sizeof d);
+                for (int64_t p = 0; p < group / 2; p++)
+                    for (int e = 0; e < 2; e++) row[2 * p + e] = (float)(int8_t)codes[(p * TILE + lane) * 2 + e] * d;
+                continue;
+            }
+            const float d = f16_to_f32(load_u16(codes + code_bytes + 2 * lane));
+            const float m = f16_to_f32(load_u16(codes + code_bytes + 2 * TILE + 2 * lane));
+            for (int64_t c = 0; c < group / BLOCK; c++) { /* byte (j, e) of a 32-input chunk: inputs 2j+e, 2j+e+16 */
+                const uint8_t *chunk = codes + c * (BLOCK / 2) * TILE;
+                float *values = row + c * BLOCK;
+                for (int j = 0; j < BLOCK / 4; j++)
+                    for (int e = 0; e < 2; e++) {
+                        const uint8_t byte = chunk[(j * TILE + lane) * 2 + e];
+                        const float lo = (float)(byte & 15) * d, hi = (float)(byte >> 4) * d;
+                        values[2 * j + e] = lo + m;
+                        values[2 * j + e + BLOCK / 2] = hi + m;
+                    }
+            }
+        }
+    }
+    return SPARK_OK;
+}

@@ -1,5 +1,6 @@
-/* GGUF blocks into the packed linears' layout at load (repack.c): the layout is described in linear.h and
- * engine/quant/packing.py; engine/gguf_weights.py's pack_blocks is the torch reference, equal byte for byte. */
+/* GGUF blocks into the packed linears' layout at load, and single rows back out of it (repack.c): the layout
+ * is described in linear.h and engine/quant/packing.py; engine/gguf_weights.py's pack_blocks and
+ * packing.py's unpack_rows are the torch references. */
 #ifndef SPARK_REPACK_H
 #define SPARK_REPACK_H
 
@@ -20,5 +21,12 @@ enum spark_gguf_block {
  * is copied before this. Returns SPARK_OK, or SPARK_ERR_UNSUPPORTED (kind, or n_rows not a multiple of 16). */
 int spark_repack_gguf_blocks(int kind, const int64_t *rows, int64_t n_rows, int64_t groups, uint8_t *out,
                              int num_threads);
+
+/* out [count, in_features] fp32 = rows ids[0 .. count) of a packed u4 (fmt 1) or i8 (fmt 2) weight of
+ * [out_features, in_features] in groups of `group`, dequantized as QuantizedWeight.dequantize defines it:
+ * code x scale (+ min), in fp32. Returns SPARK_OK, or SPARK_ERR_UNSUPPORTED (fmt, group, or an id out of
+ * range: nothing is read past the weight). */
+int spark_packed_rows_f32(int fmt, const uint8_t *data, int64_t out_features, int64_t in_features, int64_t group,
+                          const int64_t *ids, int64_t count, float *out);
 
 #endif
