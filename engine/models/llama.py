@@ -171,8 +171,10 @@ class LlamaForCausalLM:
         make_table = getattr(embed_tokens, "table_maker", None)
         if make_table is None:
             return w(embed_tokens.weight)
-        if self.device.type == "cpu" and embed_tokens.head_is_embedding and HeadRowsEmbedding.serves(self.lm_head):
-            return HeadRowsEmbedding(self.lm_head, self.dtype)
+        head = self.lm_head
+        if self.device.type == "cpu" and embed_tokens.head_is_embedding and isinstance(head, PackedLinear) \
+                and HeadRowsEmbedding.serves(head):
+            return HeadRowsEmbedding(head, self.dtype)
         table = make_table()
         return table.to(self.dtype) if self.device.type == "cpu" else w(table.dense())
 

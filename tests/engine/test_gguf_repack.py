@@ -119,7 +119,7 @@ def test_a_tied_heads_rows_are_the_embeddings_own_values(kind, with_kernels):
     kernels = load_cpu_kernels() if with_kernels else None
     if with_kernels and kernels is None:
         pytest.skip("no kernel library here")
-    head = PackedLinear(pack_blocks(kind, raw), None, kernels, source=f"gguf {kind}")  # type: ignore[arg-type]
+    head = PackedLinear(pack_blocks(kind, raw), None, kernels, source=f"gguf {kind}")
     assert HeadRowsEmbedding.serves(head)
     rows = HeadRowsEmbedding(head, torch.bfloat16)
     for ids in (torch.tensor([0]), torch.tensor([[5, 199, 5], [16, 15, 17]]), torch.randint(0, 200, (300,))):
@@ -129,7 +129,7 @@ def test_a_tied_heads_rows_are_the_embeddings_own_values(kind, with_kernels):
         with pytest.raises(ValueError, match="not supported"):  # an id past the vocabulary reads nothing
             rows[torch.tensor([200])]
     assert not HeadRowsEmbedding.serves(PackedLinear(pack_blocks("Q4_0", raw[..., :18].contiguous()), None, None,
-                                                     source="gguf Q4_0"))  # type: ignore[arg-type]
+                                                     source="gguf Q4_0"))
 
 
 def test_the_embedded_model_keeps_one_copy_of_its_vocabulary():
