@@ -10,19 +10,23 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pytest
-import uvicorn
 
 # Servers the tests start as processes: a 0.5 GiB KV cache (the default 2 GiB takes seconds to zero, and no
 # test needs it); a test that sets its own still wins.
 os.environ.setdefault("SPARK_KV_CACHE_SPACE", "0.5")
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from spark_server.app import SPARK_HTTP_PATH, SPARK_WS_PATH, build_app
-from spark_server.settings import Settings
-from tests.fake_engine import FakeEngine, Script
+# The engine, the app and uvicorn are imported where a fixture or helper first needs them: xdist's controller
+# process loads this file too, only to hand files to the workers, and importing torch there would delay every
+# worker's start by seconds (and its exit by the interpreter's teardown of torch).
+if TYPE_CHECKING:
+    import uvicorn
+
+    from engine.async_engine import AsyncEngine
+    from spark_server.settings import Settings
+    from tests.fake_engine import FakeEngine
 
 # The files that hold a worker longest (each from ~10 s to ~45 s: a server process, engines of their own, a
 # calibration), longest first. `make test` hands whole files to two workers in collection order as they free
@@ -86,6 +90,8 @@ class ServerThread:
     """A real uvicorn server in a background thread."""
 
     def __init__(self, app, port: int, config: uvicorn.Config | None = None) -> None:
+        import uvicorn
+
         self.port = port
         self.server = uvicorn.Server(config or uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                                               ws_max_size=int(4.5 * (1 << 20))))
@@ -112,6 +118,8 @@ class LiveServer:
 
     @property
     def ws_url(self) -> str:
+        from spark_server.app import SPARK_WS_PATH
+
         return f"ws://127.0.0.1:{self.port}{SPARK_WS_PATH}"
 
     @property
@@ -120,6 +128,8 @@ class LiveServer:
 
     @property
     def spark_http_url(self) -> str:
+        from spark_server.app import SPARK_HTTP_PATH
+
         return self.http_url + SPARK_HTTP_PATH
 
     def wait_idle(self, timeout: float = 10.0) -> None:
@@ -141,6 +151,8 @@ def async_engine() -> Iterator[AsyncEngine]:
     # path keeps its own tests: tests/engine's `llm_engine`, held to transformers' fp32 forward).
     # The per-step grammar-mask budget is tested on engines of its own (tests/engine/test_structured.py);
     # here a loaded 2-core test machine must not make an ordinary grammar's masks count as too costly.
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
     from engine.constraint_budget import ConstraintBudget
 
     engine = AsyncEngine.from_config(EngineConfig(max_num_seqs=32, kv_cache_space_gib=0.75,
@@ -152,6 +164,9 @@ def async_engine() -> Iterator[AsyncEngine]:
 
 @pytest.fixture(scope="session")
 def live_server(async_engine: AsyncEngine) -> Iterator[LiveServer]:
+    from spark_server.app import build_app
+    from spark_server.settings import Settings
+
     settings = Settings(port=free_port(), ws_request_timeout=3.0)
     app = build_app(settings, async_engine, owns_engine=False)
     with ServerThread(app, settings.port):
@@ -175,10 +190,14 @@ class FakeServer:
 
     @property
     def ws_url(self) -> str:
+        from spark_server.app import SPARK_WS_PATH
+
         return f"ws://127.0.0.1:{self.port}{SPARK_WS_PATH}"
 
     @property
     def spark_http_url(self) -> str:
+        from spark_server.app import SPARK_HTTP_PATH
+
         return self.url + SPARK_HTTP_PATH
 
     def last_request(self):
@@ -196,6 +215,9 @@ class FakeServer:
 @contextmanager
 def fake_server_with(settings: Settings, engine: FakeEngine | None = None) -> Iterator[FakeServer]:
     """A fake-engine server with these settings (a fresh engine unless one is given), for the test's span."""
+    from spark_server.app import build_app
+    from tests.fake_engine import FakeEngine
+
     engine = engine or FakeEngine()
     with ServerThread(build_app(settings, engine, owns_engine=False), settings.port):
         yield FakeServer(engine, settings.port)
@@ -203,6 +225,10 @@ def fake_server_with(settings: Settings, engine: FakeEngine | None = None) -> It
 
 @pytest.fixture(scope="session")
 def fake_server() -> Iterator[FakeServer]:
+    from spark_server.app import build_app
+    from spark_server.settings import Settings
+    from tests.fake_engine import FakeEngine
+
     engine = FakeEngine()
     settings = Settings(port=free_port())
     with ServerThread(build_app(settings, engine), settings.port):
@@ -212,6 +238,8 @@ def fake_server() -> Iterator[FakeServer]:
 @pytest.fixture
 def fake(fake_server: FakeServer) -> Iterator[FakeServer]:
     """The shared fake server with a fresh script and request log for this test."""
+    from tests.fake_engine import Script
+
     fake_server.engine.script = Script()
     fake_server.engine.requests.clear()
     yield fake_server
@@ -221,6 +249,9 @@ def fake(fake_server: FakeServer) -> Iterator[FakeServer]:
 @pytest.fixture(scope="session")
 def hf_server(async_engine):
     """A second server on the same engine, in the HF `text_generation` shape (--tgi-compat hf)."""
+    from spark_server.app import build_app
+    from spark_server.settings import Settings
+
     settings = Settings(port=free_port(), tgi_compat="hf")
     with ServerThread(build_app(settings, async_engine, owns_engine=False), settings.port):
         yield LiveServer(async_engine, settings.port)

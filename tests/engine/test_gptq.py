@@ -121,3 +121,14 @@ def test_calibration_samples_the_model_reproducibly_and_measures_every_linear(hf
                                position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
     h = final.reshape(-1, hidden)[mask.reshape(-1).bool()]
     assert torch.allclose(moments["lm_head.weight"], h.T @ h / h.shape[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 5, 128, 129, 300])
+def test_the_triangular_inverse_by_halves_inverts(n):
+    from engine.quant.gptq import _lower_triangular_inverse
+
+    x = torch.randn(n, 2 * n + 1, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    lower = torch.linalg.cholesky(x @ x.t() / n + torch.eye(n, dtype=torch.float64))
+    inverse = _lower_triangular_inverse(lower)
+    assert torch.equal(inverse, inverse.tril())
+    assert torch.allclose(inverse @ lower, torch.eye(n, dtype=torch.float64), atol=1e-10)
