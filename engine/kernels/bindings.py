@@ -27,7 +27,7 @@ from engine.kernels.signatures import (
 if TYPE_CHECKING:
     from engine.quant.packing import PackedWeight
 
-ABI_VERSION = 14  # target.c's SPARK_KERNELS_ABI_VERSION: a library built from other sources is refused
+ABI_VERSION = 15  # target.c's SPARK_KERNELS_ABI_VERSION: a library built from other sources is refused
 FAST_PATHS = LINEAR_PATHS[:2]  # the linears' fast paths, by enum spark_linear_path value ("dot", "fma")
 LINEAR_PATH_NAMES = {"dot": "AVX512-BF16 dot products", "fma": "fp32 FMAs"}  # for logs and tables
 
@@ -79,6 +79,7 @@ class CpuKernels:
         self._greedy_head_bounds = fns["spark_greedy_head_bounds"]
         self._greedy_candidates = fns["spark_greedy_candidates"]
         self._greedy_exact = fns["spark_greedy_exact"]
+        self._greedy_head_from_packed = fns["spark_greedy_head_from_packed"]
         self._sample_rows = fns["sample_rows"]
         self._apply_token_bitmask = fns["apply_token_bitmask"]
         self._repack_gguf_blocks = fns["spark_repack_gguf_blocks"]
@@ -262,6 +263,14 @@ class CpuKernels:
         except KernelUnsupported:
             return False
         return True
+
+    def greedy_head_from_packed(self, head: PackedWeight, codes: torch.Tensor, meta: torch.Tensor) -> None:
+        """Fills the greedy head's codes (uint8 [tiles, K / 32, 8, 16, 4]) and meta (fp32 [tiles, K / 32, 2, 16])
+        from a packed i8 head in one pass (engine/models/greedy_head.py's GreedyHead.__init__ is the reference)."""
+        assert head.fmt == "i8" and codes.dtype == torch.uint8 and meta.dtype == torch.float32
+        assert codes.is_contiguous() and meta.is_contiguous()
+        self._greedy_head_from_packed(head.data.data_ptr(), head.out_features, head.in_features, head.group,
+                                      codes.data_ptr(), meta.data_ptr(), self.num_threads)
 
     def greedy_candidates(self, hi: torch.Tensor, best: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row, the ids whose hi reaches the row's best lower bound (ascending, at most cap: idx [S, cap])

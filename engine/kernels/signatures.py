@@ -97,6 +97,7 @@ SIGNATURES: dict[str, Signature] = {
     "spark_greedy_head_bounds": (INT, [P, I64, I64, I64, P, P, I64, P, P, P, P, INT]),
     "spark_greedy_candidates": (None, [P, P, I64, I64, I64, P, P]),
     "spark_greedy_exact": (None, [P, I64, I64, I64, P, P, P, P, I64, P]),
+    "spark_greedy_head_from_packed": (INT, [P, I64, I64, I64, P, P, INT]),
     # repack.h
     "spark_repack_gguf_blocks": (INT, [INT, P, I64, I64, P, INT]),
     "spark_packed_rows_f32": (INT, [INT, P, I64, I64, I64, P, I64, P]),
@@ -107,7 +108,8 @@ SIGNATURES: dict[str, Signature] = {
 RETURNS_STATUS = frozenset({
     "decode_attention_bf16", "decode_attention_f32", "prefill_attention_bf16", "prefill_attention_f32",
     "spark_linear", "spark_linear_many", "spark_forward_layers", "sample_rows", "spark_greedy_head_bounds",
-    "spark_repack_gguf_blocks", "spark_packed_rows_f32"})
+    "spark_repack_gguf_blocks", "spark_packed_rows_f32",
+    "spark_greedy_head_from_packed"})
 
 # The public headers SIGNATURES covers (bench.h is the benchmarks' own: benchmarks/kernel_bench.py)
 HEADERS = ("target.h", "layer_ops.h", "linear.h", "forward.h", "sampling.h", "greedy_head.h", "repack.h")

@@ -62,14 +62,23 @@ class GreedyHead:
 
     @classmethod
     def build(cls, head: PackedLinear, kernels: CpuKernels | None) -> GreedyHead | None:
-        """The greedy head for an int8 lm_head on a CPU whose kernels have the VNNI path; else None. The
-        head's plain codes are unpacked only where it is built, and not kept."""
+        """The greedy head for an int8 lm_head on a CPU whose kernels have the VNNI path; else None. Made by
+        the kernel library in one pass over the packed head (``__init__``, from plain codes, is the
+        reference it equals)."""
         if kernels is None or not kernels.greedy_head_fast or head.packed.fmt != "i8" or not head.takes(1):
             return None
-        quantized = head.quantized
-        if quantized is None or quantized.codes.shape[1] % BLOCK or quantized.group % BLOCK:
+        n, k, group = head.out_features, head.in_features, head.packed.group
+        if k % BLOCK or group % BLOCK:
             return None
-        return cls(quantized, kernels)
+        tiles, blocks = -(-n // TILE), k // BLOCK
+        built = cls.__new__(cls)
+        built.kernels = kernels
+        built.out_features = n
+        built.codes = torch.empty(tiles, blocks, 8, TILE, 4, dtype=torch.uint8)
+        built.meta = torch.empty(tiles, blocks, 2, TILE, dtype=torch.float32)
+        kernels.greedy_head_from_packed(head.packed, built.codes, built.meta)
+        built._hi = torch.empty(0, n)
+        return built
 
     def pick(self, h: torch.Tensor, banned: list[list[int]]) -> GreedyPicks | None:
         """The greedy token of each row of h [S, hidden] (bf16, after the final norm), banned ids left out;

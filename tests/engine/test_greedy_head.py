@@ -113,3 +113,18 @@ def test_greedy_generation_equals_the_full_head() -> None:
     model.greedy_head = None
     full = _generate(engine, prompts, 24)
     assert fast == full
+
+
+@pytest.mark.parametrize("n, group", [(1037, 32), (300, 96), (64, 576)])
+def test_the_head_built_from_the_packed_layout_equals_the_reference(n: int, group: int) -> None:
+    """GreedyHead.build (the kernel library, one pass over the packed head) against GreedyHead(quantized),
+    padding rows included."""
+    from engine.models.linear import PackedLinear
+    from engine.quant.packing import pack_quantized
+
+    assert kernels is not None
+    quantized = _random_head(n, 576, group, torch.Generator().manual_seed(n))
+    built = GreedyHead.build(PackedLinear(pack_quantized(quantized), None, kernels, source="test"), kernels)
+    reference = GreedyHead(quantized, kernels)
+    assert built is not None
+    assert torch.equal(built.codes, reference.codes) and torch.equal(built.meta, reference.meta)

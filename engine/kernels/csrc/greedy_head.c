@@ -324,3 +324,33 @@ void spark_greedy_candidates(const float *hi, const float *best_lo, int64_t rows
         count[r] = n;
     }
 }
+
+int spark_greedy_head_from_packed(const uint8_t *packed, int64_t N, int64_t K, int64_t group, uint8_t *codes,
+                                  float *meta, int num_threads) {
+    if (K % 32 || group % 32 || K % group) return SPARK_ERR_UNSUPPORTED;
+    const int64_t tiles = (N + 15) / 16, blocks = K / 32, groups = K / group;
+    const int64_t per_group = group * 16 + 4 * 16; /* the i8 layout: codes [group / 2][16][2], fp32 scales [16] */
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t g = b * 32 / group, first = b * 32 % group; /* the block's group, its first input there */
+            const uint8_t *src = packed + (t * groups + g) * per_group;
+            uint8_t *dst = codes + (t * blocks + b) * 8 * 16 * 4;
+            float *m = meta + (t * blocks + b) * 2 * 16;
+            for (int r = 0; r < 16; r++) {
+                int32_t sum = 0;
+                for (int i = 0; i < 32; i++) {
+                    const int64_t input = first + i;
+                    const int8_t q = (int8_t)src[((input / 2) * 16 + r) * 2 + input % 2];
+                    dst[((i / 4) * 16 + r) * 4 + i % 4] = (uint8_t)(q + 128);
+                    sum += q < 0 ? -q : q;
+                }
+                float d;
+                memcpy(&d, src + group * 16 + 4 * r, sizeof d);
+                m[r] = d;
+                m[16 + r] = d * (float)sum;
+            }
+        }
+    }
+    return SPARK_OK;
+}

@@ -28,4 +28,12 @@ void spark_greedy_candidates(const float *hi, const float *best_lo, int64_t rows
 void spark_greedy_exact(const uint16_t *x, int64_t rows, int64_t K, int64_t ldx, const uint8_t *codes,
                         const float *meta, const int64_t *idx, const int64_t *count, int64_t cap, int64_t *out);
 
+/* The greedy head's codes [tiles, K / 32, 8, 16, 4] (code + 128) and meta [tiles, K / 32, 2, 16] (d, and d
+ * times the block's sum of |code|) from a packed i8 head (engine/quant/packing.py's layout, `group` inputs a
+ * scale): engine/models/greedy_head.py's GreedyHead.__init__ is the reference, equal byte for byte. Padding
+ * rows come out as the packed layout holds them (codes 0, scale 0). Returns SPARK_OK, or
+ * SPARK_ERR_UNSUPPORTED (K or group not a multiple of 32). */
+int spark_greedy_head_from_packed(const uint8_t *packed, int64_t N, int64_t K, int64_t group, uint8_t *codes,
+                                  float *meta, int num_threads);
+
 #endif
