@@ -91,8 +91,10 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> list[
 
 
 def test_greedy_generation_equals_the_full_head() -> None:
-    # no prefix cache: the second run must compute its prompts exactly as the first did
-    engine = LLMEngine(EngineConfig(enable_prefix_caching=False))
+    # The second run must compute every step exactly as the first did: no prefix cache (it would skip the
+    # prompts), and no speculation, whose draft lengths follow the server's acceptance so far (the first
+    # run's drafts change the second run's rows, and rows of another batch round their logits otherwise).
+    engine = LLMEngine(EngineConfig(enable_prefix_caching=False, num_speculative_tokens=0))
     model = engine.runner.model
     if model.greedy_head is None:
         pytest.skip("the model's head is not int8 here")
