@@ -20,19 +20,28 @@ _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 def content_digest(path: Path, cache_dir: Path) -> str:
     """The hex SHA-256 of the file's bytes, remembered for as long as the file's stat stays the same."""
+    remembered = remembered_digest(path, cache_dir)
+    if remembered is not None:
+        return remembered
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()  # hashlib lets go of the GIL as it reads
+    _write_atomically(_memo(path, cache_dir), digest)
+    return digest
+
+
+def remembered_digest(path: Path, cache_dir: Path) -> str | None:
+    """``content_digest`` where it is remembered for the file's current stat; None where it would read the file."""
+    try:
+        remembered = _memo(path, cache_dir).read_text().strip()
+    except OSError:
+        return None
+    return remembered if _DIGEST.fullmatch(remembered) else None
+
+
+def _memo(path: Path, cache_dir: Path) -> Path:
     st = path.stat()
     stamp = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-    memo = cache_dir / "digests" / hashlib.sha1(stamp.encode()).hexdigest()[:24]
-    try:
-        remembered = memo.read_text().strip()
-        if _DIGEST.fullmatch(remembered):
-            return remembered
-    except OSError:
-        pass
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    _write_atomically(memo, digest)
-    return digest
+    return cache_dir / "digests" / hashlib.sha1(stamp.encode()).hexdigest()[:24]
 
 
 def _write_atomically(path: Path, text: str) -> None:

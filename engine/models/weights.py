@@ -486,10 +486,10 @@ def _batch_rate(lin: PackedLinear) -> float:
     return _INT8_PROBE_ROWS * lin.in_features * lin.out_features / seconds
 
 
-# The plain read's buffer: past every CPU's last-level cache (a few hundred MB at most), so it reads memory
-# as the pass does, and no larger: a copy of a 7B model's weights took seconds of a first start to write
-# and doubled its resident size for the moment.
-_PLAIN_READ_MAX_BYTES = 2 << 30
+# The plain read's buffer: twice the largest last-level cache a CPU shares (~500 MB), so it reads memory as
+# the pass does, and no larger: it is written before it is read, and each GiB of it is a second of a first
+# start (a copy of a 7B model's weights once took seconds and doubled the resident size for the moment).
+_PLAIN_READ_MAX_BYTES = 1 << 30
 
 
 def _stream_rate(packed: list[PackedLinear], total: int) -> tuple[float, float]:

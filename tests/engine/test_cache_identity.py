@@ -56,3 +56,32 @@ def test_an_unwritable_cache_still_gives_the_digest(tmp_path):
     blocker = _write(tmp_path / "not-a-dir", b"x")  # the memo's directory cannot be made under a file
     model = _write(tmp_path / "m.gguf", b"weights")
     assert content_digest(model, blocker) == hashlib.sha256(b"weights").hexdigest()
+
+
+def test_a_first_start_reads_the_metadata_while_hashing_and_a_copy_reuses_it(tmp_path, monkeypatch):
+    """A file never seen: its metadata is made in a staging directory while its digest is read, then lands
+    under the digest's key, the digest remembered. A copy of it (another path and mtime, the same name and
+    bytes) is hashed first and finds that directory: nothing is made again."""
+    from engine import gguf_metadata
+    from engine.model_loader import embedded_gguf_path
+
+    cache = tmp_path / "cache"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = tmp_path / "a" / "m.gguf"
+    shutil.copyfile(embedded_gguf_path(), first)
+    made = []
+    fill = gguf_metadata._fill_metadata
+    monkeypatch.setattr(gguf_metadata, "_fill_metadata", lambda g, d: made.append(g) or fill(g, d))
+    target = gguf_metadata.metadata_dir(first, cache, "m")
+    assert made == [first] and gguf_metadata._is_complete(target)
+    assert file_identity.remembered_digest(first, cache) == hashlib.sha256(first.read_bytes()).hexdigest()
+    assert target == gguf_metadata.metadata_dir_path(first, cache, "m")
+    assert [p.name for p in (cache / "gguf").iterdir() if p.is_dir()] == [target.name]  # no staging left
+
+    second = tmp_path / "b" / "m.gguf"
+    shutil.copyfile(first, second)
+    os.utime(second, ns=(10**18, 10**18))
+    assert file_identity.remembered_digest(second, cache) is None
+    assert gguf_metadata.metadata_dir(second, cache, "m") == target
+    assert made == [first]
