@@ -179,14 +179,18 @@ class GgufWeights:
 
     def resident_bytes(self, dtype_size: int) -> int:
         """What the engine will hold for these weights: block-typed projections packed at about their size
-        in the file (Q8_0's fp16 scales become fp32: 36 bytes a block of 32 against 34; an embedding of a
-        type dequantized in torch is kept as its blocks), everything else (norms, projections of other
-        types) dense in a ``dtype_size``-byte type."""
+        in the file (Q8_0's fp16 scales become fp32: 36 bytes a block of 32 against 34); an embedding of a
+        type dequantized in torch kept as its blocks, or nothing more where the packed head is that tensor
+        and its rows serve the lookups (engine/models/embedding.py: Q8_0, Q4_1); everything else (norms,
+        projections of other types) dense in a ``dtype_size``-byte type."""
+        embedding = "model.embed_tokens.weight"
+        rows_from_head = self.head_is_embedding and self.type_of(embedding) in ("Q8_0", "Q4_1")
         total = 0
-        for hf, gguf_name in self.names.items():  # a tied head is counted as the embedding and as the head
+        for hf, gguf_name in self.names.items():  # a tied head: the embedding's tensor under both names
             info = self.file.tensors[gguf_name]
-            if ((is_linear(hf) and info.type_name in BLOCK_TYPES)
-                    or (hf == "model.embed_tokens.weight" and info.type_name in _TORCH_DEQUANTIZED)):
+            if hf == embedding and info.type_name in _TORCH_DEQUANTIZED:
+                total += 0 if rows_from_head else info.nbytes
+            elif is_linear(hf) and info.type_name in BLOCK_TYPES:
                 total += info.nbytes * 36 // 34 if info.type_name == "Q8_0" else info.nbytes
             else:
                 total += int(np.prod(info.shape, dtype=np.int64)) * dtype_size

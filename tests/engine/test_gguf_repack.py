@@ -142,3 +142,25 @@ def test_the_embedded_model_keeps_one_copy_of_its_vocabulary():
     engine = LLMEngine(EngineConfig(device="cpu", num_kv_blocks=16))
     assert isinstance(engine.model.embed, HeadRowsEmbedding)
     assert engine.model.embed.head is engine.model.lm_head
+
+
+def test_the_weights_estimate_counts_a_tied_vocabulary_once():
+    """The estimate the KV budget is checked against (before loading) is what the loaded model holds: the
+    packed linears, the head among them, and no second copy of the vocabulary for the embedding."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.models.linear import PackedLinear
+
+    if load_cpu_kernels() is None:
+        pytest.skip("no kernel library here")
+    file = GgufFile(embedded_gguf_path())
+    config = SimpleNamespace(num_attention_heads=file.field("llama.attention.head_count"),
+                             num_key_value_heads=file.field("llama.attention.head_count_kv"))
+    estimate = GgufWeights(file, config).resident_bytes(2)
+    model = LLMEngine(EngineConfig(device="cpu", num_kv_blocks=16)).model
+    linears = [model.lm_head] + [lin for layer in model.layers
+                                 for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    held = sum(lin.packed.data.numel() for lin in linears if isinstance(lin, PackedLinear))
+    held += sum(t.numel() * t.element_size() for layer in model.layers for t in (layer.input_norm, layer.post_norm))
+    held += model.final_norm.numel() * model.final_norm.element_size()
+    assert abs(estimate - held) / held < 0.02, (estimate, held)
