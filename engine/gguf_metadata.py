@@ -13,9 +13,6 @@ import fcntl
 import glob
 import hashlib
 import logging
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +26,9 @@ from engine.model_loader import (
     default_cache_dir,
     gguf_source,
     publish_directory,
+    replace_directory,
     resolve_model_dir,
+    staging_directory,
 )
 
 logger = logging.getLogger(__name__)
@@ -84,18 +83,12 @@ def _made_while_hashing(gguf: Path, cache_dir: Path, name: str) -> Path:
     parent.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="file-digest") as pool:
         hashing = pool.submit(content_digest, gguf, cache_dir)
-        staging = Path(tempfile.mkdtemp(prefix=".metadata-", dir=parent))
-        try:
+        with staging_directory(parent, ".metadata-") as staging:
             _fill_metadata(gguf, staging)
             target = metadata_dir_path(gguf, cache_dir, name, hashing.result())
             with _locked(target):
                 if not _is_complete(target):
-                    if target.exists():
-                        shutil.rmtree(target)
-                    os.replace(staging, target)
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
+                    replace_directory(staging, target)
     return target
 
 

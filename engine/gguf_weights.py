@@ -262,8 +262,7 @@ class BlockWeights(Mapping[str, QuantizedWeight]):
         padded = torch.zeros(tiles * TILE, dtype=torch.int64)  # address 0: a padding row, packed as zeros
         padded[:rows] = stacked
         code, fmt = REPACK_KINDS[kind]
-        per_tile_group = (BLOCK * TILE if fmt == "i8" else BLOCK * TILE // 2) + 4 * TILE  # + scales (and mins)
-        out = torch.empty(tiles * groups * per_tile_group, dtype=torch.uint8)
+        out = torch.empty(tiles * groups * kernels.packed_tile_group_bytes(fmt, BLOCK), dtype=torch.uint8)
         kernels.repack_gguf_blocks(code, padded, groups, out)
         return PackedWeight(fmt, out, rows, groups * BLOCK, BLOCK)
 

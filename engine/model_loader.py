@@ -195,12 +195,24 @@ def reported_dequantization() -> Iterator[None]:
 def publish_directory(target: Path, write: Callable[[Path], None], prefix: str) -> None:
     """``write`` fills a staging directory beside ``target``, which then replaces ``target`` in one rename:
     a reader never sees a half-written directory, and a failed write leaves nothing behind."""
-    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
-    try:
+    with staging_directory(target.parent, prefix) as staging:
         write(staging)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
+        replace_directory(staging, target)
+
+
+@contextlib.contextmanager
+def staging_directory(parent: Path, prefix: str) -> Iterator[Path]:
+    """A fresh directory in ``parent`` for the block, removed after it unless it was moved away."""
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        yield staging
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def replace_directory(staging: Path, target: Path) -> None:
+    """``target`` becomes ``staging`` (whatever was there before removed), in one rename."""
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(staging, target)

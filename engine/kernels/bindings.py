@@ -59,6 +59,7 @@ class CpuKernels:
         self._linear_many = fns["spark_linear_many"]
         self._forward_layers = fns["spark_forward_layers"]
         self._read_sum = fns["spark_read_sum"]
+        self._tile_group_bytes = fns["spark_packed_tile_group_bytes"]
         # 2: AVX512-BF16 dot products (and AVX-512F FMAs); 1: fp32 FMAs only (AVX2, or AVX-512F without BF16);
         # 0: the portable C path only (correct everywhere, slower)
         self.linear_isa = fns["spark_linear_isa"]()
@@ -189,6 +190,13 @@ class CpuKernels:
     def read_sum(self, buffer: torch.Tensor) -> int:
         """Read every byte of a buffer (a multiple of 8 bytes) once: the plain-read bandwidth reference."""
         return self._read_sum(buffer.data_ptr(), buffer.numel() * buffer.element_size() // 8, self.num_threads)
+
+    def packed_tile_group_bytes(self, fmt: str, group: int) -> int:
+        """Bytes of one tile's group of ``group`` inputs in the packed layout, in format ``fmt`` ("bf16", "u4",
+        "i8"), as the kernels read it."""
+        from engine.quant.packing import FORMATS
+
+        return int(self._tile_group_bytes(FORMATS[fmt], group))
 
     def repack_gguf_blocks(self, kind: int, rows: torch.Tensor, groups: int, out: torch.Tensor) -> None:
         """out (uint8, the packed layout's whole matrix) from GGUF blocks of ``kind`` (enum spark_gguf_block):

@@ -50,8 +50,8 @@ def _repacked(kernels, kind: str, parts: list[np.ndarray], orders: list[torch.Te
     padded[:stacked.numel()] = stacked
     code, fmt = REPACK_KINDS[kind]
     groups = parts[0].shape[1]
-    per_tile_group = (32 * TILE if fmt == "i8" else 16 * TILE) + 4 * TILE
-    out = torch.full((padded.numel() // TILE * groups * per_tile_group,), 0xAB, dtype=torch.uint8)
+    out = torch.full((padded.numel() // TILE * groups * kernels.packed_tile_group_bytes(fmt, 32),), 0xAB,
+                     dtype=torch.uint8)
     kernels.repack_gguf_blocks(code, padded, groups, out)
     return out
 

@@ -31,6 +31,44 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* The packed linears' layout (engine/quant/packing.py): outputs in tiles of TILE_N, each tile's inputs in
+ * groups of G, a group's codes followed by its scales (u4: fp16 scales, then fp16 mins; i8: fp32 scales). */
+#define TILE_N 16
+enum { WFMT_BF16 = 0, WFMT_U4 = 1, WFMT_I8 = 2 };
+
+/* Bytes of one tile's group of G inputs in format fmt. */
+static inline int64_t tile_group_bytes(int fmt, int64_t G) {
+    switch (fmt) {
+    case WFMT_BF16: return G * TILE_N * 2;
+    case WFMT_U4: return G * TILE_N / 2 + TILE_N * 4;
+    default: return G * TILE_N + TILE_N * 4;
+    }
+}
+
+/* fp16 bits to fp32, exactly (subnormals normalised, inf and NaN kept). */
+static inline float half_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400u)) {
+            man <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 /* e^x for x in [-87, 88] (clamped there), in a form the compiler vectorises (glibc's expf is not
  * without -ffast-math). Cody-Waite reduction and a degree-6 polynomial (Cephes): within 2 ulp of
  * expf. n = round(x / ln2) by the 1.5 * 2^23 trick, so no floorf call. */

@@ -329,7 +329,7 @@ int spark_greedy_head_from_packed(const uint8_t *packed, int64_t N, int64_t K, i
                                   float *meta, int num_threads) {
     if (K % 32 || group % 32 || K % group) return SPARK_ERR_UNSUPPORTED;
     const int64_t tiles = (N + 15) / 16, blocks = K / 32, groups = K / group;
-    const int64_t per_group = group * 16 + 4 * 16; /* the i8 layout: codes [group / 2][16][2], fp32 scales [16] */
+    const int64_t per_group = tile_group_bytes(WFMT_I8, group); /* codes [group / 2][16][2], fp32 scales [16] */
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t t = 0; t < tiles; t++) {
         for (int64_t b = 0; b < blocks; b++) {

@@ -32,7 +32,6 @@
 
 #include "common.h"
 
-#define TILE_N 16
 #define ROWS_PER_PASS 8 /* rows of x per pass over a tile's weights (register-resident accumulators) */
 #define ROW_CHUNK 64    /* rows of x kept hot in cache while every tile streams past them */
 /* With at least this many rows (i8: twice as many): two tiles per pass, 2 x PAIR_ROWS rows at a time where
@@ -41,46 +40,13 @@
  * from ~260 to ~320 at 4 rows; 8 rows added 2-3% (u4), 19-44% (bf16), 14-22% (i8). */
 #define PAIR_ROWS 4
 
-enum { WFMT_BF16 = 0, WFMT_U4 = 1, WFMT_I8 = 2 };
-
 /* A pass's shares: one per group for 4-bit tiles, one per 32 inputs for the others (a bf16 or per-channel
  * int8 tile is one group of every input, and asking for its whole next tile at once ran 1.3-1.6x slower). */
 static inline int64_t lookahead_shares(int fmt, int64_t K, int64_t G) {
     return fmt == WFMT_U4 ? K / G : (K + 31) / 32;
 }
 
-static inline int64_t tile_group_bytes(int fmt, int64_t G) {
-    switch (fmt) {
-    case WFMT_BF16: return G * TILE_N * 2;
-    case WFMT_U4: return G * TILE_N / 2 + TILE_N * 4;
-    default: return G * TILE_N + TILE_N * 4;
-    }
-}
-
 int64_t spark_packed_tile_group_bytes(int fmt, int64_t G) { return tile_group_bytes(fmt, G); }
-
-static inline float half_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    uint32_t bits;
-    if (exp == 0x1fu) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112u) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else { /* subnormal: normalise */
-        exp = 113;
-        while (!(man & 0x400u)) {
-            man <<= 1;
-            exp--;
-        }
-        bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* sums[g] = sum of row xr's inputs in group g (the u4 min term needs it). With AVX-512, lane-wise then a
  * tree: the compiler's in-order reduction of the plain loop was 16 dependent scalar adds a group, ~4% of a
