@@ -162,6 +162,7 @@ class GgufWeights:
         """Whether the output head is the embedding's tensor (a tied file stores one)."""
         return self.names.get("lm_head.weight") == self.names.get("model.embed_tokens.weight") is not None
 
+    @property
     def keeps_embedding_blocks(self) -> bool:
         """Whether ``embedding_table`` serves the embedding (a type dequantized in torch)."""
         gguf_name = self.names.get("model.embed_tokens.weight")

@@ -36,12 +36,8 @@ class HeadRowsEmbedding:
         kernels = self.head.kernels
         if kernels is not None:
             values = kernels.packed_rows(self.head.packed, flat)
-        else:  # the torch reference: QuantizedWeight.dequantize's operations, per group
-            q = unpack_rows(self.head.packed, self.head.source, flat)
-            rows, groups = q.scales.shape
-            values = q.codes.view(rows, groups, q.group).float() * q.scales.float().unsqueeze(-1)
-            if q.mins is not None:
-                values = values + q.mins.float().unsqueeze(-1)
+        else:  # the torch reference
+            values = unpack_rows(self.head.packed, self.head.source, flat).dequantize()
         return values.view(*ids.shape, self.shape[1]).to(self.dtype)
 
     def to(self, dtype: torch.dtype) -> HeadRowsEmbedding:

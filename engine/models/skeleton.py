@@ -68,7 +68,7 @@ def read_skeleton(source: WeightSource, config: Any, dtype: torch.dtype,
     # model asks (``table_maker``): where the head is the same tensor, packed, its rows serve instead
     # (engine/models/embedding.py) and no second copy is made.
     table_of = getattr(source, "embedding_table", None)
-    kept = table_of is not None and not whole and getattr(source, "keeps_embedding_blocks", lambda: False)()
+    kept = table_of is not None and not whole and getattr(source, "keeps_embedding_blocks", False)
     if kept:
         assert table_of is not None
         embedding = model.get_submodule(EMBEDDING.rpartition(".")[0])
