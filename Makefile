@@ -51,11 +51,13 @@ PYTEST_PLUGINS := -p xdist.plugin -p pytest_asyncio.plugin -p pytest_timeout -p 
 
 # The project's own modules byte-compiled first: an editable install leaves them as sources, and where bytecode
 # is not written (PYTHONDONTWRITEBYTECODE) every server and worker process the tests start would compile
-# each module it imports again; half a second once instead.
+# each module it imports again; half a second once instead. For the same reason pytest runs with bytecode
+# written: it keeps its assert-rewritten test modules only then, and rewriting all of them is ~4 s of each
+# worker's collection at every run.
 test: $(STAMP) $(KERNEL_LIBS)
 	@$(PY) -m compileall -q -j 2 engine bridges spark_server lora_store fleet schemas tests benchmarks > /dev/null
 	@($(VENV)/bin/ruff check . && $(VENV)/bin/mypy) > $(VENV)/lint.log 2>&1 & lint=$$!; \
-	OMP_NUM_THREADS=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
 		$(PYTEST_PLUGINS); rc=$$?; \
 	if wait $$lint; then echo "lint: ruff and mypy clean"; else cat $(VENV)/lint.log; echo "lint: failed"; rc=1; fi; \
 	exit $$rc
