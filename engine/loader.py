@@ -100,9 +100,10 @@ def load(config: EngineConfig) -> Loaded:
         kernels = kernel_build.result() if kernel_build is not None else None
         dtype = _dtype(config, kernels, ckpt.gguf is not None, device)
         weight_bytes = _weight_bytes(ckpt, dtype)
-        # The pool first, so its pages are faulted in while the model loads (one core is idle meanwhile)
+        # The pool is sized (and refused) here, before the weights load, but faulted in only at the end: the
+        # load is itself page faults on both cores (the repack's fresh pages), which a pass over the pool
+        # beside it slows, and the cost model's timings are taken on a quiet machine.
         kv_cache = _make_kv_cache(config, ckpt, dtype, device, weight_bytes)
-        kv_prefault = kv_cache.prefault_in_background() if config.kv_cache_prefault else None
         quantization = resolve_quantization(config.quantization, ckpt.gguf is not None, kernels, dtype, device)
         resolve_activations(config.linear_activations, quantization)  # refuses a bad pair before loading
         stored, cache_file = _stored_weights(ckpt, quantization)
@@ -118,10 +119,12 @@ def load(config: EngineConfig) -> Loaded:
                            chat_template_tools="tools" in (tokenizer.chat_template or ""),
                            task=task, pooling_tasks=pooler.tasks, labels=_labels(ckpt.hf_config, pooler))
     release_freed_memory()  # the load's transient copies (fp32 dequantized tensors, the file's pages) leave RSS
+    cost_model = pinned or _cost_model(model)
+    kv_prefault = kv_cache.prefault_in_background() if config.kv_cache_prefault else None
     return Loaded(model=model, tokenizer=tokenizer, kv_cache=kv_cache, kv_prefault=kv_prefault,
                   eos_token_ids=_eos_ids(tokenizer, ckpt.model_dir), hf_config=ckpt.hf_config,
                   model_dir=ckpt.model_dir, max_model_len=max_model_len, task=task, pooler=pooler, dtype=dtype,
-                  device=device, quantization=quantization, cost_model=pinned or _cost_model(model),
+                  device=device, quantization=quantization, cost_model=cost_model,
                   model_info=model_info, started=started)
 
 

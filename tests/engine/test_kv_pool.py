@@ -129,6 +129,32 @@ def test_prefault_stops_when_its_pool_is_dropped():
     assert not prefault.running
 
 
+def test_the_pass_starts_once_the_weights_are_loaded(monkeypatch):
+    """Loading the weights is page faults on both cores too (the repack's fresh pages): the pass over the
+    pool begins after it, and after the cost model's timings, not beside them."""
+    from engine import loader
+    from engine.config import EngineConfig
+
+    events: list[str] = []
+    build, cost, prefault = loader._build_model, loader._cost_model, PagedKVCache.prefault_in_background
+
+    def record(name, fn):
+        def wrapped(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(loader, "_build_model", record("weights", build))
+    monkeypatch.setattr(loader, "_cost_model", record("cost model", cost))
+    monkeypatch.setattr(PagedKVCache, "prefault_in_background", record("prefault", prefault))
+    loaded = loader.load(EngineConfig(kv_cache_space_gib=0.25))
+    try:
+        assert events == ["weights", "cost model", "prefault"]
+        assert loaded.kv_prefault is not None
+    finally:
+        loaded.kv_prefault.cancel()
+
+
 def test_the_engine_prefaults_its_pool_unless_told_not_to():
     from spark_server import settings as settings_mod
 
