@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import fields
 from functools import partial
 from pathlib import Path
@@ -15,6 +15,7 @@ from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 
 from bridges.context import ProtocolOptions, build_context
+from bridges.errors import ErrorInfo
 from bridges.registry import Operation, Protocol, Registry, discover
 from engine.model_loader import default_cache_dir
 from engine.protocol import EngineClient
@@ -132,9 +133,12 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
         engine.finished_listeners.append(note_in_request_context)
     app.add_middleware(RequestCounter, metrics=metrics, registry=registry,
                        echo_request_id=settings.enable_request_id_headers)
+    def refusal_of(path: str) -> Callable[[ErrorInfo], dict] | None:
+        """The error body of the protocol serving ``path``, for refusals made before its handler runs."""
+        return getattr(registry.protocol_of(path), "render_refusal", None)
+
     if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, refusal_of=lambda path: getattr(
-            registry.protocol_of(path), "render_refusal", None))
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, refusal_of=refusal_of)
     app.state.draining = False
     app.add_middleware(DrainGuard, state=app.state)
     if settings.origins:  # CORS, off unless origins are named (vLLM's --allowed-origins)
@@ -142,7 +146,7 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
                            allow_headers=["*"], expose_headers=["X-Request-Id", "X-Ignored-Parameters"])
     app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_body_mb * (1 << 20)), timeout_s=settings.body_timeout,
                        min_rate=settings.body_min_rate_kb * 1024,
-                       large_bodies={"/v1/lora/packs": settings.lora_max_pack_mb << 20})
+                       large_bodies={"/v1/lora/packs": settings.lora_max_pack_mb << 20}, refusal_of=refusal_of)
     # outside the body limit: the adapter endpoints' permission, key and Content-Type are checked before
     # any of a body is read
     app.add_middleware(AdminGate, api_key=settings.api_key, allow_unauthenticated=settings.allow_unauthenticated_admin)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -24,8 +25,11 @@ class BodySizeLimit:
     and bodies not received within ``timeout_s`` with 408."""
 
     def __init__(self, app, max_bytes: int, timeout_s: float | None = None, min_rate: float = 0.0,
-                 rate_grace_s: float = 2.0, large_bodies: dict[str, int] | None = None) -> None:
+                 rate_grace_s: float = 2.0, large_bodies: dict[str, int] | None = None,
+                 refusal_of: Callable[[str], Callable[[ErrorInfo], dict] | None] | None = None) -> None:
         self.app = app
+        # the error body of the protocol that serves a path (None, or no protocol there: OpenAI's)
+        self.refusal_of = refusal_of
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         # paths that take files (LoRA packs), with their own size limit: only a declared Content-Length is
@@ -35,14 +39,17 @@ class BodySizeLimit:
         self.min_rate = min_rate  # bytes/s a body must average once ``rate_grace_s`` have passed
         self.rate_grace_s = rate_grace_s
 
-    def _too_slow(self, why: str | None = None) -> JSONResponse:
-        message = why or f"the request body did not arrive within {self.timeout_s:g} s (--body-timeout)"
-        return error_response(ErrorInfo.of("body_timeout", message), openai_error, {"Connection": "close"})
+    def _render(self, path: str) -> Callable[[ErrorInfo], dict]:
+        return (self.refusal_of(path) if self.refusal_of is not None else None) or openai_error
 
-    def _too_large(self, limit: int, path: str | None = None) -> JSONResponse:
+    def _too_slow(self, path: str, why: str | None = None) -> JSONResponse:
+        message = why or f"the request body did not arrive within {self.timeout_s:g} s (--body-timeout)"
+        return error_response(ErrorInfo.of("body_timeout", message), self._render(path), {"Connection": "close"})
+
+    def _too_large(self, limit: int, path: str) -> JSONResponse:
         where = f"of {path}" if path in self.large_bodies else "(--max-body-mb)"
         message = f"request body is over the {limit} byte limit {where}"
-        return error_response(ErrorInfo.of("body_too_large", message), openai_error,
+        return error_response(ErrorInfo.of("body_too_large", message), self._render(path),
                               {"Connection": "close"} if path in self.large_bodies else None)
 
     async def __call__(self, scope, receive, send) -> None:
@@ -71,7 +78,7 @@ class BodySizeLimit:
                     if self.min_rate and elapsed > self.rate_grace_s and received / elapsed < self.min_rate:
                         why = (f"the request body arrives at {received / elapsed:.0f} bytes/s; at least "
                                f"{self.min_rate:.0f} are required (--body-min-rate-kb)")
-                        await self._too_slow(why)(scope, receive, send)
+                        await self._too_slow(scope["path"], why)(scope, receive, send)
                         return
                     message = await receive()
                     if message["type"] != "http.request":  # the client left mid-body: the app counts it (499)
@@ -80,13 +87,13 @@ class BodySizeLimit:
                     chunk = message.get("body", b"")
                     received += len(chunk)
                     if received > max_bytes:
-                        await self._too_large(max_bytes)(scope, receive, send)
+                        await self._too_large(max_bytes, scope["path"])(scope, receive, send)
                         return
                     chunks.append(chunk)
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
-            await self._too_slow()(scope, receive, send)
+            await self._too_slow(scope["path"])(scope, receive, send)
             return
         body = b"".join(chunks)
         replayed = False

@@ -22,6 +22,25 @@ def test_http_body_over_the_limit_is_413(fake):
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/messages", "/turing/v3/func/gpt", "/v1/chat/completions"])
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_a_body_over_the_limit_is_refused_in_its_protocols_own_form(fake, path, declared):
+    """The refusal is made before any handler runs, but in the error body of the protocol serving the path:
+    Anthropic's on /v1/messages, the Spark HTTP form's header, OpenAI's elsewhere."""
+    body = b"x" * (9 << 20)
+    content = body if declared else iter([body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20)])
+    r = httpx.post(fake.http_url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413
+    got = r.json()
+    if path == "/v1/messages":
+        assert got["type"] == "error" and got["error"]["type"] == "request_too_large", got
+        assert "byte limit" in got["error"]["message"]
+    elif path.startswith("/turing"):
+        assert got["header"]["code"] != 0 and "byte limit" in got["header"]["message"], got
+    else:
+        assert "byte limit" in got["error"]["message"], got
+
+
 def test_websocket_frame_over_the_limit_is_closed_with_1009(fake):
     async def go():
         async with websockets.connect(fake.ws_url, max_size=None) as ws:
