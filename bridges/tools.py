@@ -177,12 +177,41 @@ _SUBSCHEMAS = {"items", "prefixItems", "additionalProperties", "anyOf", "oneOf",
                "contains", "propertyNames", "unevaluatedItems"}
 
 
+# Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
+_DATA_KEYWORDS = {"const", "enum", "default", "examples"}
+
+
+def rebased_refs(schema: Any, pointer: str) -> Any:
+    """``schema`` with its document-local references ("#", "#/$defs/X", any JSON pointer) made to point
+    into the same schema placed at ``pointer`` inside a larger document: a function's parameters become
+    one property of the call's schema, and their "#/$defs/..." (as pydantic writes them) would otherwise
+    name the call's root, where nothing is defined."""
+    if isinstance(schema, list):
+        return [rebased_refs(s, pointer) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = "#" + pointer + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = rebased_refs(value, pointer)
+    return out
+
+
 def _calls_grammar(functions: list[dict], many: bool) -> Constraint:
     """Exactly the call format, each call's arguments valid against its function's parameters."""
-    schemas = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                 "arguments": strict_parameters(f.get("parameters")
-                                                                                or {"type": "object"})},
-                "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    def arguments(f: dict, pointer: str) -> Any:
+        return rebased_refs(strict_parameters(f.get("parameters") or {"type": "object"}), pointer)
+
+    def call(f: dict, at: str) -> dict[str, Any]:
+        return {"type": "object", "properties": {"name": {"const": f["name"]},
+                                                 "arguments": arguments(f, f"{at}/properties/arguments")},
+                "required": ["name", "arguments"], "additionalProperties": False}
+
+    schemas = [call(f, "" if len(functions) == 1 else f"/anyOf/{i}") for i, f in enumerate(functions)]
     body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     body = {**body, "x-guidance": {"whitespace_flexible": False}}  # compact JSON, as the call format shows it
     repeat = "+" if many else ""

@@ -195,6 +195,13 @@ SCHEMA_CARRIERS: list[tuple[str, Callable[[Any], Callable[[str, str], Awaitable[
                                                        "options": {"num_predict": 8}}), (400,), "format"),
     ("spark response_format", lambda s: spark({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": s}}}), (10000,), "response_format"),
+    ("responses text.format", lambda s: post("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 8,
+                                                               "text": {"format": {"type": "json_schema", "name": "x",
+                                                                                   "schema": s}}}),
+     (400,), "text.format.schema"),
+    ("anthropic tools any", lambda s: post("/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": [
+        {"role": "user", "content": "Hi"}], "tools": [{"name": "lookup", "input_schema": s}],
+        "tool_choice": {"type": "any"}}), (400,), "tool_choice"),
 ]
 
 # ... and a grammar or regex: (name, text -> sender, answer codes, field named)
@@ -248,6 +255,11 @@ def corpus() -> list[Attack]:
         Attack("24 bodies with 12,000-item lists (schema errors)", "validation off the event loop", burst(
             [completion(guided_choice=[f"b{j}-{i}" for i in range(12000)]) for j in range(24)], "/v1/completions"),
             (400,), "guided_choice"),
+        # items: the pooling endpoints' lists meet the same per-array bound as every other body
+        Attack("embeddings of 20,000 inputs", "request items", post("/v1/embeddings", {
+            "model": MODEL, "input": ["word"] * 20_000}), (400,), "--max-request-items"),
+        Attack("rerank of 20,000 documents", "request items", post("/rerank", {
+            "model": MODEL, "query": "q", "documents": ["d"] * 20_000}), (400,), "--max-request-items"),
         # slots: one request may not take every running slot
         Attack("4 prompts x n=16", "slots per request", post("/v1/completions", {
             "model": MODEL, "prompt": ["Hi"] * 4, "n": 16, "max_tokens": 8}), (400,), "max-seqs-per-request"),

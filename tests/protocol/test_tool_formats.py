@@ -13,7 +13,7 @@ import llguidance
 import pytest
 
 from bridges.tool_formats import FORMATS, PARSERS
-from bridges.tools import strict_parameters
+from bridges.tools import rebased_refs, strict_parameters
 from engine.grammar_worker import grammar_text
 from engine.structured import grammar_tokenizer
 from spark_server.app import build_app
@@ -165,3 +165,21 @@ def test_choices_of_the_settings_are_the_modules():
 
     choices = {f.name: f.metadata.get("choices") for f in fields(Settings)}
     assert tuple(choices["tool_call_parser"]) == PARSERS and set(choices["reasoning_parser"]) == set(REASONING)
+
+
+def test_a_functions_references_follow_its_schema_into_the_calls_grammar():
+    """pydantic writes a model's nested types as "#/$defs/X"; inside the call's schema the parameters sit at
+    /properties/arguments (or /anyOf/i/properties/arguments), and every document-local pointer moves with
+    them. Data that looks like a reference (a const, an enum) is left alone, and so is another document's."""
+    schema = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}, "me": {"anyOf": [{"$ref": "#"}]},
+                                               "odd": {"$ref": "#/$defs/a%20b"}, "far": {"$ref": "other.json#/x"},
+                                               "tag": {"const": {"$ref": "#/not/a/ref"}}},
+              "$defs": {"P": {"type": "object", "properties": {"q": {"$ref": "#/$defs/Q"}}}, "Q": {"type": "integer"}}}
+    moved = rebased_refs(schema, "/anyOf/1/properties/arguments")
+    props = moved["properties"]
+    assert props["p"] == {"$ref": "#/anyOf/1/properties/arguments/$defs/P"}
+    assert props["me"] == {"anyOf": [{"$ref": "#/anyOf/1/properties/arguments"}]}
+    assert props["odd"] == {"$ref": "#/anyOf/1/properties/arguments/$defs/a%20b"}
+    assert props["far"] == {"$ref": "other.json#/x"} and props["tag"] == {"const": {"$ref": "#/not/a/ref"}}
+    assert moved["$defs"]["P"]["properties"]["q"] == {"$ref": "#/anyOf/1/properties/arguments/$defs/Q"}
+    assert rebased_refs(schema, "")["properties"]["p"] == {"$ref": "#/$defs/P"}  # at the root: unchanged
