@@ -25,7 +25,7 @@ import string
 from typing import Any
 
 from bridges import tools
-from bridges.tools import ToolCall, strict_parameters
+from bridges.tools import ToolCall, call_schemas, strict_parameters
 from engine.request import ChatMessage
 from engine.structured import Constraint
 from schemas.json_body import JsonBodyError, parse_json
@@ -68,12 +68,6 @@ def _to_system(messages: list[ChatMessage], text: str) -> None:
         messages[0] = ChatMessage("system", messages[0].content + "\n\n" + text)
     else:
         messages.insert(0, ChatMessage("system", text))
-
-
-def _json_call_schema(f: dict, args_key: str) -> dict:
-    return {"type": "object", "properties": {"name": {"const": f["name"]},
-                                             args_key: strict_parameters(f.get("parameters") or {"type": "object"})},
-            "required": ["name", args_key], "additionalProperties": False}
 
 
 def _compact(schema: dict) -> str:
@@ -144,8 +138,7 @@ class Llama3Json(ToolFormat):
         return content
 
     def grammar(self, functions: list[dict], many: bool) -> Constraint:
-        schemas = [_json_call_schema(f, "parameters") for f in functions]
-        body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        body = call_schemas(functions, "parameters")
         repeat = ' ("; " call)*' if many else ""
         return Constraint("grammar", f"start: call{repeat}\ncall: %json {_compact(body)}\n", field="tool_choice")
 
@@ -194,8 +187,7 @@ class Mistral(ToolFormat):
         return f"[TOOL_RESULTS] {json.dumps({'content': content}, ensure_ascii=False)}[/TOOL_RESULTS]"
 
     def grammar(self, functions: list[dict], many: bool) -> Constraint:
-        schemas = [_json_call_schema(f, "arguments") for f in functions]
-        item = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        item = call_schemas(functions, "arguments", at="/items")
         array = {"type": "array", "items": item, "minItems": 1, **({} if many else {"maxItems": 1})}
         return Constraint("grammar", f'start: "{self.TAG}" calls\ncalls: %json {_compact(array)}\n',
                           field="tool_choice")

@@ -201,19 +201,27 @@ def rebased_refs(schema: Any, pointer: str) -> Any:
     return out
 
 
+def _call_schema(f: dict, args_key: str, at: str) -> dict[str, Any]:
+    """One function's call as a JSON object, placed at JSON pointer ``at`` of the grammar's document (its
+    parameters' "#/..." references are rebased to where they land)."""
+    params = strict_parameters(f.get("parameters") or {"type": "object"})
+    return {"type": "object", "properties": {"name": {"const": f["name"]},
+                                             args_key: rebased_refs(params, f"{at}/properties/{args_key}")},
+            "required": ["name", args_key], "additionalProperties": False}
+
+
+def call_schemas(functions: list[dict], args_key: str, at: str = "") -> dict[str, Any]:
+    """Any one of the functions' calls, as a JSON object whose ``args_key`` holds the arguments, placed at
+    JSON pointer ``at``: the call itself for one function, else an anyOf of them."""
+    if len(functions) == 1:
+        return _call_schema(functions[0], args_key, at)
+    return {"anyOf": [_call_schema(f, args_key, f"{at}/anyOf/{i}") for i, f in enumerate(functions)]}
+
+
 def _calls_grammar(functions: list[dict], many: bool) -> Constraint:
     """Exactly the call format, each call's arguments valid against its function's parameters."""
-    def arguments(f: dict, pointer: str) -> Any:
-        return rebased_refs(strict_parameters(f.get("parameters") or {"type": "object"}), pointer)
-
-    def call(f: dict, at: str) -> dict[str, Any]:
-        return {"type": "object", "properties": {"name": {"const": f["name"]},
-                                                 "arguments": arguments(f, f"{at}/properties/arguments")},
-                "required": ["name", "arguments"], "additionalProperties": False}
-
-    schemas = [call(f, "" if len(functions) == 1 else f"/anyOf/{i}") for i, f in enumerate(functions)]
-    body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    body = {**body, "x-guidance": {"whitespace_flexible": False}}  # compact JSON, as the call format shows it
+    # compact JSON, as the call format shows it
+    body = {**call_schemas(functions, "arguments"), "x-guidance": {"whitespace_flexible": False}}
     repeat = "+" if many else ""
     lark = (f"start: call{repeat}\n"
             f'call: "{CALL_OPEN}\\n" args "\\n{CALL_CLOSE}"\n'

@@ -183,3 +183,22 @@ def test_a_functions_references_follow_its_schema_into_the_calls_grammar():
     assert props["far"] == {"$ref": "other.json#/x"} and props["tag"] == {"const": {"$ref": "#/not/a/ref"}}
     assert moved["$defs"]["P"]["properties"]["q"] == {"$ref": "#/anyOf/1/properties/arguments/$defs/Q"}
     assert rebased_refs(schema, "")["properties"]["p"] == {"$ref": "#/$defs/P"}  # at the root: unchanged
+
+
+DEFS = {"type": "object", "properties": {"place": {"$ref": "#/$defs/Place"}}, "required": ["place"],
+        "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WITH_DEFS_CALL = {"hermes": '<tool_call>\n{"name":"at","arguments":{"place":{"city":"P"}}}\n</tool_call>',
+                  "llama3_json": '{"name":"at","parameters":{"place":{"city":"P"}}}',
+                  "mistral": '[TOOL_CALLS][{"name":"at","arguments":{"place":{"city":"P"}}}]'}
+
+
+@pytest.mark.parametrize("alone", [True, False], ids=["one function", "beside another"])
+@pytest.mark.parametrize("name", sorted(WITH_DEFS_CALL))
+def test_every_json_call_grammar_reads_the_parameters_own_definitions(name, alone):
+    """Each JSON call format puts the parameters somewhere else in its grammar's schema (a property, inside
+    an anyOf, inside an array's items); their "#/$defs/..." references name their definitions there."""
+    functions = [{"name": "at", "parameters": DEFS}] + ([] if alone else [t["function"] for t in TOOLS])
+    constraint = FORMATS[name].grammar(functions, False)
+    good = WITH_DEFS_CALL[name]
+    assert _accepts(constraint, good)
+    assert not _accepts(constraint, good.replace('"city":"P"', '"town":"P"'))  # the definition binds
