@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.checkpoint_names import EMBEDDING, HEAD, hf_name, is_linear
 from engine.gguf_file import GgufFile
 from engine.kernels import CpuKernels
 from engine.quant.formats import QuantizedWeight
@@ -36,39 +37,11 @@ BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # read as the kernels' u4 / i8 groups of
 REPACK_KINDS = {"Q8_0": (0, "i8"), "Q4_0": (1, "u4"), "Q4_1": (2, "u4")}
 # tensors transformers' conversion leaves out (it computes RoPE from the config)
 IGNORED = ("rope_freqs.weight",)
-_LAYER_PARTS = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-_LINEAR_PARTS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
-
-
 def readable_types() -> tuple[str, ...]:
     """The ggml types gguf's dequantization reads (F32 and F16 aside, its per-type table)."""
     from gguf import quants
 
     return ("F32", "F16", *(t.name for t in getattr(quants, "_type_traits", {})))
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """The transformers parameter a GGUF tensor is, for the mapped architectures; None for any other."""
-    top = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
-           "output_norm.weight": "model.norm.weight"}
-    if gguf_name in top:
-        return top[gguf_name]
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_PARTS \
-            and parts[3] in ("weight", "bias"):
-        return f"model.layers.{parts[1]}.{_LAYER_PARTS[parts[2]]}.{parts[3]}"
-    return None
-
-
-def is_linear(name: str) -> bool:
-    """Whether an HF weight name is one the engine's linear builder takes (a projection or the head)."""
-    return name == "lm_head.weight" or (name.endswith(".weight") and any(
-        name.endswith(f".{_LAYER_PARTS[p]}.weight") for p in _LINEAR_PARTS))
 
 
 class GgufWeights:
@@ -87,8 +60,8 @@ class GgufWeights:
                 self.names[hf] = name
             elif name not in IGNORED:
                 unmapped.append(name)
-        if "lm_head.weight" not in self.names and "model.embed_tokens.weight" in self.names:
-            self.names["lm_head.weight"] = self.names["model.embed_tokens.weight"]  # tied embeddings
+        if HEAD not in self.names and EMBEDDING in self.names:
+            self.names[HEAD] = self.names[EMBEDDING]  # tied embeddings
         # where the config ties them, the head is the embedding's tensor, read once (as transformers ties them)
         self.tied_head = bool(getattr(config, "tie_word_embeddings", False))
         self.auto_dtype = torch.float32  # "auto" (int8 / int4 start from the weights' meaning): dequantized fp32
@@ -160,12 +133,12 @@ class GgufWeights:
     @property
     def head_is_embedding(self) -> bool:
         """Whether the output head is the embedding's tensor (a tied file stores one)."""
-        return self.names.get("lm_head.weight") == self.names.get("model.embed_tokens.weight") is not None
+        return self.names.get(HEAD) == self.names.get(EMBEDDING) is not None
 
     @property
     def keeps_embedding_blocks(self) -> bool:
         """Whether ``embedding_table`` serves the embedding (a type dequantized in torch)."""
-        gguf_name = self.names.get("model.embed_tokens.weight")
+        gguf_name = self.names.get(EMBEDDING)
         return gguf_name is not None and self.file.tensors[gguf_name].type_name in _TORCH_DEQUANTIZED
 
     def embedding_table(self, hf: str, dtype: torch.dtype) -> BlockEmbedding | None:
@@ -184,7 +157,7 @@ class GgufWeights:
         type dequantized in torch kept as its blocks, or nothing more where the packed head is that tensor
         and its rows serve the lookups (engine/models/embedding.py: Q8_0, Q4_1); everything else (norms,
         projections of other types) dense in a ``dtype_size``-byte type."""
-        embedding = "model.embed_tokens.weight"
+        embedding = EMBEDDING
         rows_from_head = self.head_is_embedding and self.type_of(embedding) in ("Q8_0", "Q4_1")
         total = 0
         for hf, gguf_name in self.names.items():  # a tied head: the embedding's tensor under both names

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from engine.attention import PagedKVCache
+from engine.checkpoint_names import EMBEDDING
 from engine.config import EngineConfig
 from engine.cost_model import CostModel
 from engine.device import resolve_device, resolve_dtype
@@ -337,7 +338,7 @@ def _gguf_blocks(gguf: Any, hf_config: Any) -> Any:
     if stored is None:
         from engine.quant.gguf_blocks import read_gguf_linears
 
-        stored = {k: v for k, v in read_gguf_linears(gguf, hf_config).items() if k != "model.embed_tokens.weight"}
+        stored = {k: v for k, v in read_gguf_linears(gguf, hf_config).items() if k != EMBEDDING}
         quant_cache.save(path, stored)
     return stored
 

@@ -32,12 +32,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.checkpoint_names import EMBEDDING, HEAD
+
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # read elsewhere (the pooling head) or computed from the config (RoPE frequencies, saved by older versions)
 _NOT_PARAMETERS = ("score.weight", "score.bias")
 _BUFFER_SUFFIXES = (".rotary_emb.inv_freq",)

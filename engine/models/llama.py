@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, PagedKVCache, paged_attention, prefill_attention
+from engine.checkpoint_names import HEAD
 from engine.kernels import CpuKernels, ForwardStep, LayerDesc, LinearDesc, load_cpu_kernels
 from engine.models import layout
 from engine.models.embedding import HeadRowsEmbedding
@@ -114,7 +115,7 @@ class LlamaForCausalLM:
 
         inner: Any = hf_model.model  # the decoder stack (transformers' attribute, not typed by torch)
         head: Any = hf_model.lm_head
-        self.lm_head = self.builder.build(["lm_head.weight"], [head.weight], None)
+        self.lm_head = self.builder.build([HEAD], [head.weight], None)
         self.embed: Any = self._embedding(inner.embed_tokens, w)
         # greedy rows' picks through int8 logits and a bound (int8 heads on VNNI CPUs; None elsewhere)
         self.greedy_head = (GreedyHead.build(self.lm_head, self.kernels)

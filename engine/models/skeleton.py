@@ -12,10 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.gguf_weights import is_linear
+from engine.checkpoint_names import EMBEDDING, HEAD, is_linear
 from engine.models import layout
-
-EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 class WeightSource(Protocol):

@@ -12,28 +12,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.checkpoint_names import EMBEDDING, HEAD, hf_name, is_linear
 from engine.gguf_parse import metadata_value
 from engine.quant.formats import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
 BLOCK = 32
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-def hf_name(gguf_name: str) -> str | None:
-    if gguf_name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if gguf_name == "output.weight":
-        return "lm_head.weight"
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
-    return None
 
 
 def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> QuantizedWeight:
@@ -81,7 +66,7 @@ def read_gguf_linears(path: Path, config) -> dict[str, QuantizedWeight]:
     skipped: dict[str, int] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
-        if name is None:
+        if name is None or not (is_linear(name) or name == EMBEDDING):
             continue
         kind = t.tensor_type.name
         if kind not in ("Q4_0", "Q4_1", "Q8_0"):
@@ -93,8 +78,8 @@ def read_gguf_linears(path: Path, config) -> dict[str, QuantizedWeight]:
             heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
             q = q.permute_rows(_unpermute_order(rows, heads))
         found[name] = q
-    if "lm_head.weight" not in found and "model.embed_tokens.weight" in found:
-        found["lm_head.weight"] = found["model.embed_tokens.weight"]  # tied embeddings
+    if HEAD not in found and EMBEDDING in found:
+        found[HEAD] = found[EMBEDDING]  # tied embeddings
     if skipped:
         logger.info("GGUF tensors of types %s run on dequantized weights", ", ".join(sorted(skipped)))
     return found
