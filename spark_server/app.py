@@ -140,7 +140,7 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, refusal_of=refusal_of)
     app.state.draining = False
-    app.add_middleware(DrainGuard, state=app.state)
+    app.add_middleware(DrainGuard, state=app.state, refusal_of=refusal_of)
     if settings.origins:  # CORS, off unless origins are named (vLLM's --allowed-origins)
         app.add_middleware(CORSMiddleware, allow_origins=settings.origins, allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["*"], expose_headers=["X-Request-Id", "X-Ignored-Parameters"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -68,18 +69,26 @@ class DrainingServer(uvicorn.Server):
 class DrainGuard:
     """While draining, new requests and sessions are refused with 503."""
 
-    def __init__(self, app, state: Any) -> None:
+    def __init__(self, app, state: Any,
+                 refusal_of: Callable[[str], Callable[[ErrorInfo], dict] | None] | None = None) -> None:
         self.app = app
         self.state = state
+        self.refusal_of = refusal_of  # the error body of a protocol that declares its own for such refusals
 
     async def __call__(self, scope, receive, send) -> None:
         if not getattr(self.state, "draining", False) or scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         info = ErrorInfo.of("shutting_down", "the server is shutting down")
-        # one body every protocol's client reads an error from: a message, and the Spark form's header
-        body = {"error": info.message, "header": {"code": info.spark_code, "message": info.message, "status": 2}}
-        response = JSONResponse(body, status_code=info.status, headers={"Retry-After": "5", "Connection": "close"})
+        headers = {"Retry-After": "5", "Connection": "close"}
+        render = self.refusal_of(scope["path"]) if self.refusal_of is not None and scope["type"] == "http" else None
+        if render is not None:
+            response = JSONResponse(render(info), status_code=info.status, headers=headers)
+        else:
+            # one body every other protocol's client reads an error from: a message (TGI's and the text
+            # servers' clients read a string there), and the Spark form's header
+            body = {"error": info.message, "header": {"code": info.spark_code, "message": info.message, "status": 2}}
+            response = JSONResponse(body, status_code=info.status, headers=headers)
         if scope["type"] == "http":
             await response(scope, receive, send)
             return

@@ -98,3 +98,26 @@ def test_a_stuck_model_step_turns_health_red(live_server):
         engine.limits.stuck_after_s = old
     assert task_done.wait(30)
     assert httpx.get(live_server.http_url + "/health").status_code == 200
+
+
+def test_a_refusal_while_draining_is_in_the_protocols_own_form_where_it_has_one():
+    """Anthropic's clients read their own error body, the Spark HTTP form its header; every other protocol
+    gets the one body all their clients read (a message string, and the Spark header)."""
+    from spark_server.app import build_app
+    from spark_server.settings import Settings
+    from tests.conftest import ServerThread, free_port
+    from tests.fake_engine import FakeEngine
+
+    settings = Settings(port=free_port(), log_level="warning")
+    app = build_app(settings, FakeEngine())
+    with ServerThread(app, settings.port):
+        app.state.draining = True
+        base = f"http://127.0.0.1:{settings.port}"
+        messages = httpx.post(base + "/v1/messages", json={"model": "m", "max_tokens": 4, "messages": []}, timeout=30)
+        spark = httpx.post(base + "/turing/v3/func/gpt", json={}, timeout=30)
+        tgi = httpx.post(base + "/generate", json={"inputs": "hi"}, timeout=30)
+        app.state.draining = False
+    assert messages.status_code == spark.status_code == tgi.status_code == 503
+    assert messages.json()["type"] == "error" and messages.json()["error"]["type"] == "overloaded_error"
+    assert spark.json()["header"]["code"] == 12101
+    assert tgi.json()["error"] == "the server is shutting down" and messages.headers["retry-after"] == "5"
