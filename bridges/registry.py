@@ -46,6 +46,10 @@ class Operation:
     enabled: Callable[[Any], bool] | None = None  # by the settings; None: always
 
 
+# A middleware's way to the error body of the protocol serving a path (Registry.refusal_of)
+RefusalOf = Callable[[str], "Callable[[ErrorInfo], dict] | None"]
+
+
 @dataclass(frozen=True)
 class Protocol:
     label: str  # the `protocol` label of metrics and request logs
@@ -100,6 +104,12 @@ class Registry:
             if pattern.match(path):
                 return protocol
         return None
+
+    def refusal_of(self, path: str) -> Callable[[ErrorInfo], dict] | None:
+        """The error body of the protocol serving ``path`` for a refusal made before its handler runs (None:
+        no protocol there, or one without its own)."""
+        protocol = self.protocol_of(path)
+        return protocol.render_refusal if protocol is not None else None
 
 
 def _labelled(label: str, handler: Handler) -> Handler:

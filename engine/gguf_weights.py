@@ -37,6 +37,8 @@ BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # read as the kernels' u4 / i8 groups of
 REPACK_KINDS = {"Q8_0": (0, "i8"), "Q4_0": (1, "u4"), "Q4_1": (2, "u4")}
 # tensors transformers' conversion leaves out (it computes RoPE from the config)
 IGNORED = ("rope_freqs.weight",)
+
+
 def readable_types() -> tuple[str, ...]:
     """The ggml types gguf's dequantization reads (F32 and F16 aside, its per-type table)."""
     from gguf import quants
@@ -157,12 +159,11 @@ class GgufWeights:
         type dequantized in torch kept as its blocks, or nothing more where the packed head is that tensor
         and its rows serve the lookups (engine/models/embedding.py: Q8_0, Q4_1); everything else (norms,
         projections of other types) dense in a ``dtype_size``-byte type."""
-        embedding = EMBEDDING
-        rows_from_head = self.head_is_embedding and self.type_of(embedding) in ("Q8_0", "Q4_1")
+        rows_from_head = self.head_is_embedding and self.type_of(EMBEDDING) in ("Q8_0", "Q4_1")
         total = 0
         for hf, gguf_name in self.names.items():  # a tied head: the embedding's tensor under both names
             info = self.file.tensors[gguf_name]
-            if hf == embedding and info.type_name in _TORCH_DEQUANTIZED:
+            if hf == EMBEDDING and info.type_name in _TORCH_DEQUANTIZED:
                 total += 0 if rows_from_head else info.nbytes
             elif is_linear(hf) and info.type_name in BLOCK_TYPES:
                 total += info.nbytes * 36 // 34 if info.type_name == "Q8_0" else info.nbytes

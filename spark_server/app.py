@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import fields
 from functools import partial
 from pathlib import Path
@@ -15,7 +15,6 @@ from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 
 from bridges.context import ProtocolOptions, build_context
-from bridges.errors import ErrorInfo
 from bridges.registry import Operation, Protocol, Registry, discover
 from engine.model_loader import default_cache_dir
 from engine.protocol import EngineClient
@@ -133,10 +132,7 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
         engine.finished_listeners.append(note_in_request_context)
     app.add_middleware(RequestCounter, metrics=metrics, registry=registry,
                        echo_request_id=settings.enable_request_id_headers)
-    def refusal_of(path: str) -> Callable[[ErrorInfo], dict] | None:
-        """The error body of the protocol serving ``path``, for refusals made before its handler runs."""
-        return getattr(registry.protocol_of(path), "render_refusal", None)
-
+    refusal_of = registry.refusal_of  # refusals made before a handler runs, in the path's protocol's form
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, refusal_of=refusal_of)
     app.state.draining = False

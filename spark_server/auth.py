@@ -19,7 +19,6 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from datetime import UTC, datetime
 from email.utils import format_datetime, parsedate_to_datetime
 from urllib.parse import urlencode, urlsplit
@@ -29,6 +28,7 @@ from starlette.responses import JSONResponse
 from bridges.common import error_response
 from bridges.errors import BridgeError, ErrorInfo
 from bridges.openai import render_error as openai_error
+from bridges.registry import RefusalOf
 from spark_server.settings import parse_pairs
 
 DATE_WINDOW_S = 300
@@ -157,7 +157,7 @@ class ApiKeyMiddleware:
     in the protocol's own shape for a path (None: OpenAI's)."""
 
     def __init__(self, app, api_key: str,
-                 refusal_of: Callable[[str], Callable[[ErrorInfo], dict] | None] | None = None) -> None:
+                 refusal_of: RefusalOf | None = None) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
         self.key = api_key.encode()

@@ -14,6 +14,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from bridges.common import error_response
 from bridges.errors import ErrorInfo
 from bridges.openai import render_error as openai_error
+from bridges.registry import RefusalOf
 
 
 async def _disconnected() -> dict:
@@ -26,7 +27,7 @@ class BodySizeLimit:
 
     def __init__(self, app, max_bytes: int, timeout_s: float | None = None, min_rate: float = 0.0,
                  rate_grace_s: float = 2.0, large_bodies: dict[str, int] | None = None,
-                 refusal_of: Callable[[str], Callable[[ErrorInfo], dict] | None] | None = None) -> None:
+                 refusal_of: RefusalOf | None = None) -> None:
         self.app = app
         # the error body of the protocol that serves a path (None, or no protocol there: OpenAI's)
         self.refusal_of = refusal_of

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import uvicorn
 from starlette.responses import JSONResponse
 
+from bridges.common import error_response
 from bridges.errors import ErrorInfo
+from bridges.registry import RefusalOf
 from engine.errors import EngineShutdownError
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class DrainGuard:
     """While draining, new requests and sessions are refused with 503."""
 
     def __init__(self, app, state: Any,
-                 refusal_of: Callable[[str], Callable[[ErrorInfo], dict] | None] | None = None) -> None:
+                 refusal_of: RefusalOf | None = None) -> None:
         self.app = app
         self.state = state
         self.refusal_of = refusal_of  # the error body of a protocol that declares its own for such refusals
@@ -83,7 +84,7 @@ class DrainGuard:
         headers = {"Retry-After": "5", "Connection": "close"}
         render = self.refusal_of(scope["path"]) if self.refusal_of is not None and scope["type"] == "http" else None
         if render is not None:
-            response = JSONResponse(render(info), status_code=info.status, headers=headers)
+            response = error_response(info, render, headers)
         else:
             # one body every other protocol's client reads an error from: a message (TGI's and the text
             # servers' clients read a string there), and the Spark form's header
