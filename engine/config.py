@@ -22,6 +22,7 @@ class EngineConfig:
     kv_cache_space_gib: float = 2.0
     num_kv_blocks: int | None = None  # overrides kv_cache_space_gib
     kv_cache_prefault: bool = True  # CPU: fault the KV pool in on idle CPU after start (engine/resident.py)
+    packed_weights_cache: bool = True  # a GGUF's packed projections kept on disk and mapped (engine/packed_cache.py)
     enable_prefix_caching: bool = True
     max_waiting: int = 1024
     num_threads: int | None = None  # torch intra-op threads; None: torch's default

@@ -25,6 +25,7 @@ import torch
 from engine.checkpoint_names import EMBEDDING, HEAD, hf_name, is_linear
 from engine.gguf_file import GgufFile
 from engine.kernels import CpuKernels
+from engine.packed_cache import PackedCache
 from engine.quant.formats import QuantizedWeight
 from engine.quant.gguf_blocks import BLOCK, decode_blocks
 from engine.quant.packing import TILE, PackedWeight
@@ -175,8 +176,10 @@ class GgufWeights:
         """Drop every page of the file from the process (after the load has read what it needs)."""
         self.file.release_all()
 
-    def blocks(self) -> BlockWeights:
-        return BlockWeights(self)
+    def blocks(self, cache: PackedCache | None = None) -> BlockWeights:
+        """The projections' blocks, packed through ``cache`` (mapped from an earlier start's files, or packed
+        into files kept for later ones) where it is given."""
+        return BlockWeights(self, cache)
 
     def stored_bytes(self, names: list[str] | None = None) -> int:
         """Bytes of the file's tensors (all of them, or those named by HF name)."""
@@ -188,8 +191,9 @@ class GgufWeights:
 class BlockWeights(Mapping[str, QuantizedWeight]):
     """HF name -> the projection's blocks, decoded when the builder asks (and not kept here)."""
 
-    def __init__(self, weights: GgufWeights) -> None:
+    def __init__(self, weights: GgufWeights, cache: PackedCache | None = None) -> None:
         self._weights = weights
+        self.cache = cache
         self._names = dict.fromkeys(n for n in weights.names if is_linear(n) and weights.type_of(n) in BLOCK_TYPES)
 
     def __getitem__(self, name: str) -> QuantizedWeight:
@@ -221,25 +225,35 @@ class BlockWeights(Mapping[str, QuantizedWeight]):
         return packed, f"gguf {kind}"
 
     def _repacked(self, kind: str, names: list[str], kernels: CpuKernels) -> PackedWeight:
-        """``pack_blocks``' layout written by the kernel library straight from the map: each row named by
-        its address (q and k rows in transformers' order, the stacked parts one after another), so no
-        block is copied before it lands in its tile."""
+        """``pack_blocks``' layout written by the kernel library straight from the map (or mapped from the
+        cache where an earlier start kept it)."""
+        infos = [self._weights.file.tensors[self._weights.names[name]] for name in names]
+        rows, groups = sum(info.shape[0] for info in infos), infos[0].shape[1] // BLOCK
+        tiles = -(-rows // TILE)
+        code, fmt = REPACK_KINDS[kind]
+        nbytes = tiles * groups * kernels.packed_tile_group_bytes(fmt, BLOCK)
+        key = f"{kind}:{fmt}:{rows}x{groups}:{'+'.join(names)}"
+        out = self.cache.mapped(key, nbytes) if self.cache is not None else None
+        if out is None:
+            out = self.cache.fresh(key, nbytes) if self.cache is not None else torch.empty(nbytes, dtype=torch.uint8)
+            kernels.repack_gguf_blocks(code, self._row_addresses(names, tiles * TILE), groups, out)
+        return PackedWeight(fmt, out, rows, groups * BLOCK, BLOCK)
+
+    def _row_addresses(self, names: list[str], padded_rows: int) -> torch.Tensor:
+        """Each packed row named by its address in the map (q and k rows in transformers' order, the stacked
+        parts one after another; address 0 a padding row, packed as zeros), so no block is copied before it
+        lands in its tile."""
         addresses = []
         for name in names:
             info = self._weights.file.tensors[self._weights.names[name]]
-            rows, cols = info.shape
+            rows = info.shape[0]
             order = self._weights.row_order(name, rows)
             index = order if order is not None else torch.arange(rows)
             addresses.append(index * (info.nbytes // rows) + self._weights.file.raw(info.name).ctypes.data)
         stacked = torch.cat(addresses)
-        rows, groups = stacked.numel(), cols // BLOCK
-        tiles = -(-rows // TILE)
-        padded = torch.zeros(tiles * TILE, dtype=torch.int64)  # address 0: a padding row, packed as zeros
-        padded[:rows] = stacked
-        code, fmt = REPACK_KINDS[kind]
-        out = torch.empty(tiles * groups * kernels.packed_tile_group_bytes(fmt, BLOCK), dtype=torch.uint8)
-        kernels.repack_gguf_blocks(code, padded, groups, out)
-        return PackedWeight(fmt, out, rows, groups * BLOCK, BLOCK)
+        padded = torch.zeros(padded_rows, dtype=torch.int64)
+        padded[:stacked.numel()] = stacked
+        return padded
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)

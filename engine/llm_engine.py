@@ -79,6 +79,7 @@ class EngineCore:
         self.quantization, self.max_model_len, self.pooler = loaded.quantization, loaded.max_model_len, loaded.pooler
         self.model_info, self.eos_token_ids = loaded.model_info, list(loaded.eos_token_ids)
         self.kv_prefault = loaded.kv_prefault
+        self.packed_cache = loaded.packed_cache  # its copy on disk is finished on a thread (engine/packed_cache.py)
         if self.kv_prefault is not None:  # the pass pauses while requests run or wait (engine/resident.py)
             self.kv_prefault.busy = self._has_work
         self._unseeded = random.Random(config.seed)  # seeds samples that bring none (--seed: reproducible)

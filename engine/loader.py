@@ -25,7 +25,7 @@ from engine.file_identity import content_digest
 from engine.gguf_file import GgufFile
 from engine.gguf_metadata import resolve_served_model
 from engine.gguf_parse import shared_gguf_readers
-from engine.gguf_weights import GgufWeights
+from engine.gguf_weights import BlockWeights, GgufWeights
 from engine.heap import release_freed_memory
 from engine.kernels import CpuKernels, load_cpu_kernels
 from engine.model_loader import EMBEDDED_MODEL_NAME, default_cache_dir, resolve_model_dir
@@ -33,6 +33,7 @@ from engine.models import LlamaForCausalLM, model_class
 from engine.models.skeleton import WeightSource, parameter_shapes, read_skeleton
 from engine.models.tuning import TuningCache, tuning_cache
 from engine.models.weights import resolve_activations, resolve_quantization
+from engine.packed_cache import PackedCache
 from engine.pooling import Pooler, PoolerConfig, matryoshka_of, read_head, resolve_task
 from engine.prompts import read_chat_template
 from engine.protocol import ModelInfo
@@ -67,6 +68,7 @@ class Loaded:
     cost_model: CostModel
     model_info: ModelInfo
     started: float  # time.monotonic() when loading began (the engine's ready line counts from it)
+    packed_cache: PackedCache | None = None  # where a GGUF's packed projections were mapped from or are kept
 
 
 @dataclass(slots=True)
@@ -107,7 +109,7 @@ def load(config: EngineConfig) -> Loaded:
         kv_cache = _make_kv_cache(config, ckpt, dtype, device, weight_bytes)
         quantization = resolve_quantization(config.quantization, ckpt.gguf is not None, kernels, dtype, device)
         resolve_activations(config.linear_activations, quantization)  # refuses a bad pair before loading
-        stored, cache_file = _stored_weights(ckpt, quantization)
+        stored, cache_file = _stored_weights(ckpt, quantization, config.packed_weights_cache)
     tokenizer = _tokenizer(config, ckpt)
     model = _build_model(config, ckpt, tokenizer, dtype, device, quantization, stored, cache_file, weight_bytes)
     max_model_len = _max_model_len(config, model, ckpt.hf_config)
@@ -121,12 +123,16 @@ def load(config: EngineConfig) -> Loaded:
                            task=task, pooling_tasks=pooler.tasks, labels=_labels(ckpt.hf_config, pooler))
     release_freed_memory()  # the load's transient copies (fp32 dequantized tensors, the file's pages) leave RSS
     cost_model = pinned or _cost_model(model)
+    if isinstance(stored, BlockWeights) and stored.cache is not None:
+        _log_packed_cache(stored.cache)
+        stored.cache.commit_in_background()  # to disk while the engine serves
     kv_prefault = kv_cache.prefault_in_background() if config.kv_cache_prefault else None
     return Loaded(model=model, tokenizer=tokenizer, kv_cache=kv_cache, kv_prefault=kv_prefault,
                   eos_token_ids=_eos_ids(tokenizer, ckpt.model_dir), hf_config=ckpt.hf_config,
                   model_dir=ckpt.model_dir, max_model_len=max_model_len, task=task, pooler=pooler, dtype=dtype,
                   device=device, quantization=quantization, cost_model=cost_model,
-                  model_info=model_info, started=started)
+                  model_info=model_info, started=started,
+                  packed_cache=stored.cache if isinstance(stored, BlockWeights) else None)
 
 
 def _resolve_checkpoint(config: EngineConfig) -> _Checkpoint:
@@ -298,6 +304,15 @@ def _available_memory_bytes() -> int | None:
     return None
 
 
+def _log_packed_cache(cache: PackedCache) -> None:
+    if cache.mapped_bytes:
+        logger.info("weights: %.2f GiB of packed projections mapped from %s", cache.mapped_bytes / (1 << 30),
+                    cache.directory)
+    if cache.written_bytes:
+        logger.info("weights: %.2f GiB of packed projections being kept in %s for later starts "
+                    "(--no-packed-weights-cache: nothing kept)", cache.written_bytes / (1 << 30), cache.directory)
+
+
 def _check_kv_fits(nbytes: int, device: torch.device, weight_bytes: int = 0) -> None:
     """The CPU KV pool is mapped, not written, at start (attention.lazily_zeroed), and faulted in afterwards
     (engine/resident.py), so a budget larger than the machine's memory would not fail here but seconds or
@@ -310,14 +325,16 @@ def _check_kv_fits(nbytes: int, device: torch.device, weight_bytes: int = 0) -> 
                          f"available memory ({available / (1 << 30):.1f} GiB); lower --kv-cache-space")
 
 
-def _stored_weights(ckpt: _Checkpoint, quantization: str) -> tuple[Any, Path | None]:
-    """(quantized weights already made, the cache file to save new ones to) for this run's mode."""
+def _stored_weights(ckpt: _Checkpoint, quantization: str, keep_packed: bool = False) -> tuple[Any, Path | None]:
+    """(quantized weights already made, the cache file to save new ones to) for this run's mode; a GGUF's
+    blocks read in place are packed through the packed-weights cache where ``keep_packed``."""
     in_place = ckpt.in_place if isinstance(ckpt.in_place, GgufWeights) else None
     gguf = ckpt.gguf
     if quantization in ("none", "auto"):
         return None, None
     if quantization == "gguf" and in_place is not None:
-        return in_place.blocks(), None  # read from the file as each projection is built; nothing cached
+        # read from the file as each projection is built, or mapped from where an earlier start packed them
+        return in_place.blocks(PackedCache.beside(ckpt.model_dir) if keep_packed else None), None
     if in_place is not None:  # int8 / int4 made from a GGUF file's weights
         assert gguf is not None  # GGUF weights are read in place only from a GGUF file
         path = quant_cache.cache_path([gguf], quantization)

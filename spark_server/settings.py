@@ -86,6 +86,9 @@ class Settings:
     kv_cache_prefault: bool = _opt(True, "CPU: after start, make the KV cache's memory resident in the background, "
                                          "at the lowest priority and only while no request runs, so steps do not "
                                          "fault its pages in (--no-kv-cache-prefault: on first use)")
+    packed_weights_cache: bool = _opt(True, "a GGUF model's weights, once packed for the kernels, kept in the cache "
+                                            "directory (about the file's size) and mapped at later starts "
+                                            "(--no-packed-weights-cache: packed again at every start)")
     block_size: int = _opt(16, "tokens per KV cache block")
     enable_prefix_caching: bool = _opt(True, "reuse the KV cache of previously seen prompt prefixes")
     spark_http_markers: bool = _opt(True, "Spark HTTP answers as the document's example writes them: newlines as "
@@ -299,7 +302,7 @@ class Settings:
             long_prefill_token_threshold=self.long_prefill_token_threshold, block_size=self.block_size,
             kv_cache_space_gib=self.kv_cache_space, max_logprobs=self.max_logprobs, seed=self.seed,
             chat_template=self.chat_template, num_kv_blocks=self.num_kv_blocks,
-            kv_cache_prefault=self.kv_cache_prefault,
+            kv_cache_prefault=self.kv_cache_prefault, packed_weights_cache=self.packed_weights_cache,
             enable_prefix_caching=self.enable_prefix_caching, max_waiting=self.max_waiting,
             max_stop_strings=self.max_stop_strings, max_stop_chars=self.max_stop_chars,
             num_threads=self.num_threads, native_kernels=self.native_kernels,

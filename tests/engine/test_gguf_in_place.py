@@ -1,5 +1,6 @@
-"""A GGUF file served in place: no dequantized copy written, a warm start that converts and measures nothing,
-and a KV cache that cannot fit refused at start."""
+"""A GGUF file served in place: no dequantized copy written (the packed projections kept at about the file's
+size, none of them larger than it), a warm start that converts, packs and measures nothing, and a KV cache
+that cannot fit refused at start."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from engine import llm_engine, loader
 from engine.config import EngineConfig
 from engine.gguf_file import GgufFile
-from engine.kernels import load_cpu_kernels
+from engine.kernels import CpuKernels, load_cpu_kernels
 from engine.model_loader import embedded_gguf_path
 from engine.quant.formats import quantize_int4, quantize_int8
 from engine.quant.packing import pack_quantized, unpack_quantized, unpack_rows
@@ -41,14 +42,15 @@ def cold_cache(tmp_path_factory):
         mp.setenv("SPARK_CACHE_DIR", str(cache))
         engine = _start(None)
         assert engine.model.kernels is not None or load_cpu_kernels() is None
+        assert engine.packed_cache is None or engine.packed_cache.wait(60), "the packed weights never reached the disk"
         del engine
     return cache, _files(cache)
 
 
 def _assert_no_copy(cache_files: dict[str, int], model: Path, share: float) -> None:
-    """No file written larger than the model's, and at most ``share`` of its size in all (the config, the
-    tokenizer, content digests and kernel measurements: a tiny model's file is not much larger than its
-    tokenizer)."""
+    """No file written larger than the model's, and at most ``share`` of its size in all (the packed
+    projections where they are kept, the config, the tokenizer, content digests and kernel measurements: a
+    tiny model's file is not much larger than its tokenizer)."""
     size = model.stat().st_size
     assert cache_files, "nothing cached at all"
     largest = max(cache_files, key=lambda name: cache_files[name])
@@ -59,7 +61,19 @@ def _assert_no_copy(cache_files: dict[str, int], model: Path, share: float) -> N
 
 def test_serving_the_embedded_gguf_writes_no_copy_of_it(cold_cache):
     _, files = cold_cache
-    _assert_no_copy(files, embedded_gguf_path(), 0.1)
+    _assert_no_copy(files, embedded_gguf_path(), 1.1)
+    packed = sum(size for name, size in files.items() if "/packed-v" in name)
+    if load_cpu_kernels() is not None:
+        assert 0.9 * embedded_gguf_path().stat().st_size <= packed <= embedded_gguf_path().stat().st_size, files
+    assert not [name for name in files if "/.packed" in name], "a staging directory was left behind"
+
+
+def test_without_the_packed_cache_nothing_of_the_weights_is_written(tmp_path, monkeypatch):
+    load_cpu_kernels()
+    monkeypatch.setenv("SPARK_CACHE_DIR", str(tmp_path))
+    engine = _start(None, packed_weights_cache=False)
+    assert engine.packed_cache is None
+    _assert_no_copy(_files(tmp_path), embedded_gguf_path(), 0.1)
 
 
 def test_a_warm_start_converts_parses_and_measures_nothing(cold_cache, monkeypatch):
@@ -82,8 +96,10 @@ def test_a_warm_start_converts_parses_and_measures_nothing(cold_cache, monkeypat
     monkeypatch.setattr(engine.model_loader, "convert_gguf", refuse("the de-quantizing conversion"))
     for probe in ("choose_linear_path", "_stream_rate", "_batch_rate", "_kernel_row_limit", "_activation_times"):
         monkeypatch.setattr(weights, probe, refuse(f"the kernel probe {probe}"))
+    monkeypatch.setattr(CpuKernels, "repack_gguf_blocks", refuse("the repack (the packed projections are kept)"))
     engine = _start(None)
     assert "measured at an earlier start" in engine.model.linears_summary or engine.model.kernels is None
+    assert engine.model.kernels is None or engine.packed_cache.mapped_bytes > 0
     assert _files(cache) == before  # nothing new written
 
 

@@ -1,0 +1,206 @@
+"""A GGUF file's projections in the kernels' packed layout, kept on disk so that later starts map them.
+
+Packing a file's blocks into the kernels' tiles (engine/gguf_weights.py) writes every byte of the weights
+into fresh anonymous memory, and a fresh page costs its first touch: on a virtual machine, where the host
+backs the page then too, that is most of a large model's start. A file already in the page cache is mapped
+for a small fraction of that. So the first start packs each projection straight into a file of its own
+(a shared mapping: each byte is written once, and the kernel writes it back on its own time), and later
+starts map those files (a private mapping: nothing can write through to them) instead of packing again.
+
+The files live in one directory per model contents and layout version (beside the config and tokenizer
+made from the file, engine/gguf_metadata.py). A first start fills a staging directory; once the engine is
+ready a thread flushes every file to disk and renames the directory into place, so a later start either
+finds every file whole or does not find the directory. A start that dies first leaves its staging
+directory, which the next start removes. Each file is at most the size of the blocks it was packed from
+(Q8_0's fp16 scales become fp32: 36 bytes a block of 32 against 34), so the cache holds about the GGUF
+file's size once, and no file is larger than it.
+
+Mapped weights are file pages: under memory pressure the OS may drop them and read them back on next use,
+as it does for llama.cpp's mapped model files. ``--no-packed-weights-cache`` packs into anonymous memory at
+every start instead (nothing written), where a start's seconds matter less than that.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Bumped whenever the packed layout (engine/quant/packing.py, the kernels' repack) changes, so that files
+# packed before are packed again rather than read in a layout the kernels no longer expect.
+LAYOUT_VERSION = 1
+MANIFEST = "manifest.json"
+MADV_POPULATE_READ = 22  # <linux/mman.h>, Linux 5.14+: map the pages in now, in one call, without copying them
+EXIT_WAIT_S = 60.0  # how long an exiting process waits for its cache to reach the disk before giving it up
+
+
+class PackedCache:
+    """Where one model's packed projections are read from (``mapped``) or packed into (``fresh``)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._manifest = _read_manifest(directory)  # key -> (file name, bytes); empty on a first start
+        if not self._manifest and directory.exists():  # damaged, or of another layout: packed and kept anew
+            shutil.rmtree(directory, ignore_errors=True)
+        self._staging: Path | None = None
+        self._written: dict[str, tuple[str, int]] = {}
+        self.mapped_bytes = 0
+        self.written_bytes = 0
+        self._commit: threading.Thread | None = None
+        self._given_up = False  # the disk refused a file: the rest is packed into memory, nothing kept
+
+    @classmethod
+    def beside(cls, metadata_dir: Path) -> PackedCache:
+        """The cache of the model whose config and tokenizer are kept in ``metadata_dir``."""
+        directory = metadata_dir / f"packed-v{LAYOUT_VERSION}"
+        _remove_dead_staging(metadata_dir, directory.name)
+        return cls(directory)
+
+    def mapped(self, key: str, nbytes: int) -> torch.Tensor | None:
+        """The projection packed under ``key`` at an earlier start, mapped; None where it was not kept (or
+        its file is not ``nbytes`` long)."""
+        entry = self._manifest.get(key)
+        if entry is None or entry[1] != nbytes or nbytes == 0:
+            return None
+        path = self.directory / entry[0]
+        try:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size != nbytes:
+                    return None
+                pages = mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_COPY)  # private: writes never reach the file
+        except OSError as exc:
+            logger.warning("packed weights %s unreadable (%s): packing them again", path, exc)
+            return None
+        try:
+            pages.madvise(MADV_POPULATE_READ)  # one call instead of a fault per page at the first step
+        except OSError:
+            pass  # an older kernel: the pages come in on first use
+        self.mapped_bytes += nbytes
+        return torch.frombuffer(pages, dtype=torch.uint8)
+
+    def fresh(self, key: str, nbytes: int) -> torch.Tensor:
+        """Memory for the projection ``key`` to be packed into: a file of the staging directory, mapped
+        shared, where the disk has room for it; else anonymous memory (nothing kept for it)."""
+        if nbytes == 0 or self._given_up or self.directory.exists():  # a cache made by another start: kept as is
+            return torch.empty(nbytes, dtype=torch.uint8)
+        path = None
+        try:
+            if self._staging is None:
+                self.directory.parent.mkdir(parents=True, exist_ok=True)
+                self._staging = Path(tempfile.mkdtemp(prefix=f".{self.directory.name}.{os.getpid()}.",
+                                                      dir=self.directory.parent))
+            path = self._staging / (hashlib.sha1(key.encode()).hexdigest()[:24] + ".packed")
+            if not hasattr(os, "posix_fallocate"):
+                raise OSError("the disk's blocks cannot be reserved on this system")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                # Blocks reserved now: a write through the map to a full disk would kill the process (SIGBUS)
+                os.posix_fallocate(fd, 0, nbytes)
+                pages = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            logger.warning("packed weights not kept for later starts (%s): packing into memory", exc)
+            self._given_up = True
+            if path is not None:
+                path.unlink(missing_ok=True)
+            return torch.empty(nbytes, dtype=torch.uint8)
+        self._written[key] = (path.name, nbytes)
+        self.written_bytes += nbytes
+        return torch.frombuffer(pages, dtype=torch.uint8)
+
+    def commit_in_background(self) -> threading.Thread | None:
+        """After the load: flush what this start packed to disk and publish it, on a thread (the engine
+        serves meanwhile); an exiting process waits up to EXIT_WAIT_S for it."""
+        if self._staging is None or self._given_up:
+            if self._staging is not None:  # an incomplete set would be mapped as whole at later starts
+                shutil.rmtree(self._staging, ignore_errors=True)
+            return None
+        self._commit = threading.Thread(target=self._publish, name="packed-weights-cache", daemon=True)
+        self._commit.start()
+        atexit.register(_finish, self._commit)  # the thread, not this cache: the engine's memory may go before exit
+        return self._commit
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the cache this start made (if any) is on disk, waiting up to ``timeout`` seconds for it."""
+        if self._commit is None:
+            return True
+        self._commit.join(timeout)
+        return not self._commit.is_alive()
+
+    def _publish(self) -> None:
+        staging = self._staging
+        assert staging is not None
+        started = time.monotonic()
+        try:
+            for name, _ in self._written.values():
+                _fsync(staging / name)
+            with open(staging / MANIFEST, "w") as f:
+                json.dump({"layout": LAYOUT_VERSION, "entries": self._written}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync(staging)
+            os.rename(staging, self.directory)  # one step: a reader sees every file or none
+            _fsync(self.directory.parent)
+        except OSError as exc:  # another start published first (the target exists), or the disk failed
+            if not self.directory.exists():
+                logger.warning("packed weights not kept for later starts: %s", exc)
+            shutil.rmtree(staging, ignore_errors=True)  # the maps keep their files' pages until they go
+            return
+        logger.info("packed weights: %.2f GiB kept for later starts in %.1fs", self.written_bytes / (1 << 30),
+                    time.monotonic() - started)
+
+
+def _finish(commit: threading.Thread) -> None:
+    if commit.is_alive():
+        logger.info("packed weights: finishing the copy kept for later starts")
+        commit.join(EXIT_WAIT_S)
+
+
+def _read_manifest(directory: Path) -> dict[str, tuple[str, int]]:
+    try:
+        with open(directory / MANIFEST) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(manifest, dict) or manifest.get("layout") != LAYOUT_VERSION:
+        return {}
+    entries = manifest.get("entries")
+    if not isinstance(entries, dict):
+        return {}
+    return {key: (str(entry[0]), int(entry[1])) for key, entry in entries.items()
+            if isinstance(entry, list) and len(entry) == 2 and "/" not in str(entry[0])}
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_dead_staging(parent: Path, name: str) -> None:
+    """Staging directories left by starts whose process is gone (killed before publishing)."""
+    for staging in parent.glob(f".{name}.*.*"):
+        try:
+            pid = int(staging.name.split(".")[2])
+            os.kill(pid, 0)
+        except (ValueError, IndexError):
+            continue
+        except ProcessLookupError:
+            shutil.rmtree(staging, ignore_errors=True)
+        except PermissionError:
+            continue  # a live process of another user

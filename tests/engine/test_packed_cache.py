@@ -1,0 +1,135 @@
+"""The packed-weights cache (engine/packed_cache.py): a later start maps exactly the bytes the first start
+packed and answers the same; what is mapped is private; a full disk, a dead start's staging directory, a
+damaged manifest and two starts publishing at once each leave a working engine and a consistent cache."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import packed_cache
+from engine.config import EngineConfig
+from engine.kernels import load_cpu_kernels
+from engine.llm_engine import LLMEngine
+from engine.models.linear import PackedLinear
+from engine.packed_cache import PackedCache
+from engine.request import GenerationRequest, TokensPrompt
+from engine.sampling_params import SamplingParams
+from tests.engine.helpers import run_all, tokens_of
+
+
+def _engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(device="cpu", num_kv_blocks=16, kv_cache_prefault=False))
+
+
+def _packed(engine: LLMEngine) -> list[torch.Tensor]:
+    linears = [lin for layer in engine.model.layers for lin in layer.linears()] + [engine.model.lm_head]
+    return [lin.packed.data for lin in linears if isinstance(lin, PackedLinear)]
+
+
+def _greedy(engine: LLMEngine) -> list[int]:
+    request = GenerationRequest("r", TokensPrompt([1, 5, 900, 300, 42, 7, 1000]),
+                                SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    return tokens_of(run_all(engine, [request])["r"])
+
+
+def test_a_later_start_maps_the_bytes_the_first_packed_and_answers_the_same(tmp_path, monkeypatch):
+    if load_cpu_kernels() is None:
+        pytest.skip("no fused kernels here: nothing is packed by the kernels")
+    monkeypatch.setenv("SPARK_CACHE_DIR", str(tmp_path))
+    first = _engine()
+    assert first.packed_cache is not None and first.packed_cache.written_bytes > 0
+    assert first.packed_cache.wait(60)
+    second = _engine()
+    assert second.packed_cache is not None
+    assert second.packed_cache.mapped_bytes == first.packed_cache.written_bytes
+    assert second.packed_cache.written_bytes == 0
+    first_packed, second_packed = _packed(first), _packed(second)
+    assert len(first_packed) == len(second_packed) > 0
+    assert all(torch.equal(a, b) for a, b in zip(first_packed, second_packed, strict=True))
+    assert _greedy(second) == _greedy(first)
+
+
+def test_a_mapped_projection_is_private_to_the_process(tmp_path):
+    pattern = (torch.arange(8192) % 251).to(torch.uint8)
+    cache = PackedCache(tmp_path / "packed-v1")
+    cache.fresh("w", 8192).copy_(pattern)
+    cache.commit_in_background()
+    assert cache.wait(30)
+    mapped = PackedCache(tmp_path / "packed-v1").mapped("w", 8192)
+    assert mapped is not None and torch.equal(mapped, pattern)
+    mapped.zero_()  # a write stays in this process's copy of the page
+    again = PackedCache(tmp_path / "packed-v1").mapped("w", 8192)
+    assert again is not None and torch.equal(again, pattern)
+
+
+def test_nothing_is_published_before_the_commit_and_the_staging_goes_after(tmp_path):
+    cache = PackedCache(tmp_path / "packed-v1")
+    cache.fresh("a", 4096).fill_(3)
+    assert not (tmp_path / "packed-v1").exists()
+    assert PackedCache(tmp_path / "packed-v1").mapped("a", 4096) is None
+    cache.commit_in_background()
+    assert cache.wait(30)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["packed-v1"]
+    assert PackedCache(tmp_path / "packed-v1").mapped("a", 4096) is not None
+    assert PackedCache(tmp_path / "packed-v1").mapped("a", 8192) is None  # another size: not this entry
+
+
+def test_a_full_disk_packs_into_memory_and_keeps_nothing(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    cache = PackedCache(tmp_path / "packed-v1")
+    out = cache.fresh("a", 4096)
+    out.fill_(1)  # anonymous memory: writable, nothing behind it on disk
+    assert cache.written_bytes == 0 and cache.commit_in_background() is None
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+def test_a_damaged_manifest_or_file_is_packed_again(tmp_path):
+    cache = PackedCache(tmp_path / "packed-v1")
+    cache.fresh("a", 4096).fill_(5)
+    cache.fresh("b", 4096).fill_(6)
+    cache.commit_in_background()
+    assert cache.wait(30)
+    directory = tmp_path / "packed-v1"
+    manifest = json.loads((directory / packed_cache.MANIFEST).read_text())
+    os.truncate(directory / manifest["entries"]["b"][0], 100)  # a file cut short
+    reread = PackedCache(directory)
+    assert reread.mapped("a", 4096) is not None and reread.mapped("b", 4096) is None
+    (directory / packed_cache.MANIFEST).write_text("{not json")
+    repaired = PackedCache(directory)
+    assert repaired.mapped("a", 4096) is None and not directory.exists()  # removed, so this start keeps its own
+    repaired.fresh("a", 4096).fill_(7)
+    repaired.commit_in_background()
+    assert repaired.wait(30)
+    again = PackedCache(directory).mapped("a", 4096)
+    assert again is not None and int(again[0]) == 7
+
+
+def test_a_dead_starts_staging_is_removed_and_a_live_ones_kept(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    (tmp_path / f".packed-v{packed_cache.LAYOUT_VERSION}.{int(dead.stdout)}.abc").mkdir()
+    (tmp_path / f".packed-v{packed_cache.LAYOUT_VERSION}.{os.getpid()}.def").mkdir()
+    PackedCache.beside(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [f".packed-v{packed_cache.LAYOUT_VERSION}.{os.getpid()}.def"]
+
+
+def test_two_starts_publishing_at_once_leave_one_whole_cache(tmp_path):
+    caches = [PackedCache(tmp_path / "packed-v1") for _ in range(2)]
+    for value, cache in enumerate(caches):
+        cache.fresh("a", 4096).fill_(value + 1)
+    for cache in caches:
+        cache.commit_in_background()
+    assert all(cache.wait(30) for cache in caches)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["packed-v1"]
+    mapped = PackedCache(tmp_path / "packed-v1").mapped("a", 4096)
+    assert mapped is not None and int(mapped[0]) in (1, 2) and bool((mapped == mapped[0]).all())
