@@ -54,6 +54,9 @@ _QUANTIZED_FALLBACK_MARGIN = 1.25
 _PATH_PROBE_ROWS = (1, 8, 32)
 _RATE_REPS = 7  # passes each rate takes the best of (MeasuredRates: the one-row pass is ~2 ms here)
 _PATH_MARGIN = 1.05
+# The path probe stops after two rounds where one path leads by this much: a neighbour's traffic moved
+# single timings by up to a fifth, so a lead past a quarter is the paths' own difference, not noise.
+_PATH_DECIDED = 1.25
 
 AnyLinear = Linear | PackedLinear | ReferenceLinear
 
@@ -392,11 +395,14 @@ def choose_linear_path(packed: list[PackedLinear], margin: float = _PATH_MARGIN)
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(rows, probe.in_features, generator=gen).to(torch.bfloat16) for rows in _PATH_PROBE_ROWS]
     best = {path: [float("inf")] * len(inputs) for path in ("dot", "fma")}
-    for _ in range(5):
+    for round_ in range(5):
         for path in ("dot", "fma"):
             with kern.on_linear_path(path):
                 for i, x in enumerate(inputs):
                     best[path][i] = min(best[path][i], _best_time(partial(kern.linear, x, probe.packed), reps=3))
+        dot, fma = sum(best["dot"]), sum(best["fma"])
+        if round_ >= 1 and max(dot, fma) > _PATH_DECIDED * min(dot, fma):
+            break  # a lead this wide is past what the later rounds' noise could overturn
     chosen = "fma" if sum(best["fma"]) * margin < sum(best["dot"]) else "dot"
     kern.set_linear_path(chosen)
     times = ", ".join(f"{rows} rows {d * 1e3:.2f} / {f * 1e3:.2f} ms"
@@ -486,15 +492,15 @@ def _batch_rate(lin: PackedLinear) -> float:
     return _INT8_PROBE_ROWS * lin.in_features * lin.out_features / seconds
 
 
-# The plain read's buffer: twice the largest last-level cache a CPU shares (~500 MB), so it reads memory as
-# the pass does, and no larger: it is written before it is read, and each GiB of it is a second of a first
-# start (a copy of a 7B model's weights once took seconds and doubled the resident size for the moment).
+# The plain read reads the packed weights' own bytes (the largest first), no new buffer: a fresh GiB of
+# memory is a second of a first start. Up to twice the largest last-level cache a CPU shares (~500 MB), so
+# it reads memory as the pass does.
 _PLAIN_READ_MAX_BYTES = 1 << 30
 
 
 def _stream_rate(packed: list[PackedLinear], total: int) -> tuple[float, float]:
     """GB/s of one-row passes over every packed weight (``total`` bytes; one C call for the pass, as
-    bench_kernels times it), and of a plain read of as many bytes."""
+    bench_kernels times it), and of a plain read of the same bytes (up to _PLAIN_READ_MAX_BYTES)."""
     kern = packed[0].kernels
     inputs = {lin.in_features: torch.ones(1, lin.in_features, dtype=torch.bfloat16) for lin in packed}
     outs = [torch.empty(1, lin.out_features, dtype=torch.bfloat16) for lin in packed]
@@ -502,6 +508,13 @@ def _stream_rate(packed: list[PackedLinear], total: int) -> tuple[float, float]:
                               packed[0].int8_activations)
     # the best of several: a neighbour's memory traffic had brought single passes down by up to a fifth
     elapsed = _best_time(lambda: kern.run_linear_calls(calls), reps=_RATE_REPS)
-    buffer = torch.ones(min(total, _PLAIN_READ_MAX_BYTES) // 8 + 1, dtype=torch.int64)
-    read = _best_time(lambda: kern.read_sum(buffer), reps=3)
-    return total / elapsed / 1e9, buffer.numel() * 8 / read / 1e9
+    words, nbytes = [], 0
+    for lin in sorted(packed, key=lambda lin: lin.packed.data.numel(), reverse=True):
+        if nbytes >= _PLAIN_READ_MAX_BYTES:
+            break
+        data = lin.packed.data
+        if data.is_contiguous() and data.storage_offset() % 8 == 0 and data.numel() >= 8:
+            words.append(data[:data.numel() // 8 * 8].view(torch.int64))
+            nbytes += words[-1].numel() * 8
+    read = _best_time(lambda: [kern.read_sum(w) for w in words], reps=3)
+    return total / elapsed / 1e9, nbytes / read / 1e9

@@ -379,6 +379,28 @@ def test_start_up_keeps_the_faster_linear_path(monkeypatch, faster: str) -> None
         assert kernels.linear_path == "dot"
 
 
+def test_the_path_probe_stops_early_only_on_a_wide_lead(monkeypatch) -> None:
+    """Two rounds where one path leads by more than _PATH_DECIDED; all five where the two are close."""
+    if len(kernels.linear_paths) < 2:
+        pytest.skip("one fast path in this build")
+    assert kernels is not None and kernels.linear_path is not None  # built with both fast paths
+    gen = torch.Generator().manual_seed(6)
+    layers = [PackedLinear(_weights("u4", 96, 64, gen)[0], None, kernels) for _ in range(2)]
+    per_round = 2 * len(weights_module._PATH_PROBE_ROWS)
+    for fma_time, rounds in ((2.0, 2), (1.1, 5)):
+        calls: list[str | None] = []
+
+        def timed(fn, reps=5, fma_time=fma_time, calls=calls):
+            calls.append(kernels.linear_path)
+            return fma_time if kernels.linear_path == "fma" else 1.0
+
+        monkeypatch.setattr(weights_module, "_best_time", timed)
+        with kernels.on_linear_path(kernels.linear_path):
+            weights_module.choose_linear_path(layers)
+            assert kernels.linear_path == "dot"
+        assert len(calls) == rounds * per_round
+
+
 @pytest.mark.parametrize("inputs", [256, 288])  # whole dequantized ranges of 128 inputs, and a ragged last one
 @pytest.mark.parametrize("kind", ["bf16", "i8", "i8-groups", "u4"])
 def test_fma_rows_give_the_same_bits_in_any_batch(kind: str, inputs: int) -> None:
