@@ -13,20 +13,65 @@ import hashlib
 import os
 import re
 import tempfile
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
+_in_flight: dict[Path, Future[str]] = {}  # memo path -> the digest being read on a thread of this process
+_in_flight_lock = threading.Lock()
 
 
 def content_digest(path: Path, cache_dir: Path) -> str:
-    """The hex SHA-256 of the file's bytes, remembered for as long as the file's stat stays the same."""
+    """The hex SHA-256 of the file's bytes, remembered for as long as the file's stat stays the same.
+    Where ``digest_in_background`` is reading it already, waits for that read rather than reading again."""
+    claimed = _claim(path, cache_dir)
+    if isinstance(claimed, str):
+        return claimed
+    future, mine = claimed
+    if mine:
+        _read_digest(path, cache_dir, future)
+    return future.result()
+
+
+def digest_in_background(path: Path, cache_dir: Path) -> None:
+    """Start reading the file's digest on a thread where it is not remembered: a process that will need it
+    (every cache of the model is keyed by it) calls this before its own seconds of imports, which the
+    read (I/O and hashing, without the GIL) then overlaps."""
+    try:
+        claimed = _claim(path, cache_dir)
+    except OSError:
+        return  # no such file: the load names the problem
+    if not isinstance(claimed, str) and claimed[1]:
+        threading.Thread(target=_read_digest, args=(path, cache_dir, claimed[0]), name="file-digest",
+                         daemon=True).start()
+
+
+def _claim(path: Path, cache_dir: Path) -> str | tuple[Future[str], bool]:
+    """The remembered digest; else (the read of it in flight, whether the caller must do that read)."""
     remembered = remembered_digest(path, cache_dir)
     if remembered is not None:
         return remembered
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()  # hashlib lets go of the GIL as it reads
-    _write_atomically(_memo(path, cache_dir), digest)
-    return digest
+    memo = _memo(path, cache_dir)
+    with _in_flight_lock:
+        if memo in _in_flight:
+            return _in_flight[memo], False
+        future = _in_flight[memo] = Future()
+        return future, True
+
+
+def _read_digest(path: Path, cache_dir: Path, future: Future[str]) -> None:
+    memo = _memo(path, cache_dir)
+    try:
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()  # hashlib lets go of the GIL as it reads
+        _write_atomically(memo, digest)
+        future.set_result(digest)
+    except BaseException as exc:  # the waiters meet it (a file gone or unreadable)
+        future.set_exception(exc)
+    finally:
+        with _in_flight_lock:
+            _in_flight.pop(memo, None)
 
 
 def remembered_digest(path: Path, cache_dir: Path) -> str | None:

@@ -27,18 +27,33 @@ def _log_native_faults() -> None:
         pass
 
 
+def _hash_model_early(settings: settings_mod.Settings) -> None:
+    """A model file not hashed before (its content digest keys every cache made from it) starts hashing now,
+    on a thread that reads and hashes without the GIL: a first start's seconds of imports then pass beside
+    the hash rather than before it."""
+    if settings.engine_url:
+        return
+    from engine.file_identity import digest_in_background
+    from engine.model_loader import default_cache_dir, gguf_source
+
+    gguf = gguf_source(settings.model)
+    if gguf is not None:
+        digest_in_background(gguf, default_cache_dir())
+
+
 def _serve(args: argparse.Namespace) -> int:
-
-    from engine.async_engine import AsyncEngine
-    from spark_server.app import LOG_FORMAT, SPARK_WS_PATH, build_app, uvicorn_config
-    from spark_server.shutdown import DrainingServer
-
     launch = launch_compat.Launch()  # what vLLM's and FastDeploy's flags did here
     try:
         settings, sources = settings_mod.resolve_with_sources(vars(args), launch=launch)
     except (ValueError, OSError) as exc:
         print(f"spark-server: {exc}", file=sys.stderr)
         return 2
+    _hash_model_early(settings)
+
+    from engine.async_engine import AsyncEngine
+    from spark_server.app import LOG_FORMAT, SPARK_WS_PATH, build_app, uvicorn_config
+    from spark_server.shutdown import DrainingServer
+
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
     _log_native_faults()
     logging.getLogger("spark_server").info("%s", settings_mod.describe(settings, sources,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 import shutil
+import threading
+import time
 
 from engine import file_identity
 from engine.file_identity import content_digest
@@ -33,6 +36,32 @@ def test_the_digest_is_the_contents_sha256_and_is_remembered(tmp_path, monkeypat
     os.utime(model, ns=(1, 1))
     assert content_digest(model, cache) == hashlib.sha256(model.read_bytes()).hexdigest()
     assert reads == [1]
+
+
+def test_a_digest_begun_in_the_background_is_read_once_and_waited_for(tmp_path, monkeypatch):
+    """The server starts hashing the model before its imports; the load's own content_digest then waits for
+    that read instead of reading the file a second time, and gets the same digest."""
+    cache = tmp_path / "cache"
+    model = _write(tmp_path / "m.gguf", b"GGUF" + os.urandom(50_000))
+    reads, release = [], threading.Event()
+    real = file_identity.hashlib.file_digest
+
+    def slow(f, name):
+        reads.append(1)
+        release.wait(10)
+        return real(f, name)
+
+    monkeypatch.setattr(file_identity.hashlib, "file_digest", slow)
+    file_identity.digest_in_background(model, cache)
+    waiter = concurrent.futures.ThreadPoolExecutor(1).submit(content_digest, model, cache)
+    time.sleep(0.2)
+    assert not waiter.done() and reads == [1]  # waiting on the read in flight, not reading again
+    release.set()
+    assert waiter.result(10) == hashlib.sha256(model.read_bytes()).hexdigest()
+    assert reads == [1] and file_identity.remembered_digest(model, cache) == waiter.result()
+    file_identity.digest_in_background(model, cache)  # remembered now: nothing read
+    assert reads == [1]
+    file_identity.digest_in_background(tmp_path / "gone.gguf", cache)  # no file: nothing, the load reports it
 
 
 def test_a_reinstall_of_the_same_bytes_reuses_the_converted_and_quantized_copies(tmp_path):
