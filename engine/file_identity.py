@@ -28,9 +28,9 @@ def content_digest(path: Path, cache_dir: Path) -> str:
     claimed = _claim(path, cache_dir)
     if isinstance(claimed, str):
         return claimed
-    future, mine = claimed
+    future, mine, memo = claimed
     if mine:
-        _read_digest(path, cache_dir, future)
+        _read_digest(path, memo, future)
     return future.result()
 
 
@@ -43,25 +43,25 @@ def digest_in_background(path: Path, cache_dir: Path) -> None:
     except OSError:
         return  # no such file: the load names the problem
     if not isinstance(claimed, str) and claimed[1]:
-        threading.Thread(target=_read_digest, args=(path, cache_dir, claimed[0]), name="file-digest",
+        threading.Thread(target=_read_digest, args=(path, claimed[2], claimed[0]), name="file-digest",
                          daemon=True).start()
 
 
-def _claim(path: Path, cache_dir: Path) -> str | tuple[Future[str], bool]:
-    """The remembered digest; else (the read of it in flight, whether the caller must do that read)."""
-    remembered = remembered_digest(path, cache_dir)
-    if remembered is not None:
-        return remembered
+def _claim(path: Path, cache_dir: Path) -> str | tuple[Future[str], bool, Path]:
+    """The remembered digest; else (the read of it in flight, whether the caller must do that read, the
+    memo it is remembered in)."""
     memo = _memo(path, cache_dir)
     with _in_flight_lock:
+        remembered = remembered_digest(path, cache_dir)  # under the lock: a read that just ended is not redone
+        if remembered is not None:
+            return remembered
         if memo in _in_flight:
-            return _in_flight[memo], False
+            return _in_flight[memo], False, memo
         future = _in_flight[memo] = Future()
-        return future, True
+        return future, True, memo
 
 
-def _read_digest(path: Path, cache_dir: Path, future: Future[str]) -> None:
-    memo = _memo(path, cache_dir)
+def _read_digest(path: Path, memo: Path, future: Future[str]) -> None:
     try:
         with open(path, "rb") as f:
             digest = hashlib.file_digest(f, "sha256").hexdigest()  # hashlib lets go of the GIL as it reads
@@ -85,7 +85,9 @@ def remembered_digest(path: Path, cache_dir: Path) -> str | None:
 
 def _memo(path: Path, cache_dir: Path) -> Path:
     st = path.stat()
-    stamp = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    # ctime cannot be set by the tools that copy or unpack files (mtime can, and a freed inode number is
+    # handed out again): a file replaced in place by one of the same size is read again
+    stamp = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}:{st.st_dev}"
     return cache_dir / "digests" / hashlib.sha1(stamp.encode()).hexdigest()[:24]
 
 

@@ -5,7 +5,8 @@ into fresh anonymous memory, and a fresh page costs its first touch: on a virtua
 backs the page then too, that is most of a large model's start. A file already in the page cache is mapped
 for a small fraction of that. So the first start packs each projection straight into a file of its own
 (a shared mapping: each byte is written once, and the kernel writes it back on its own time), and later
-starts map those files (a private mapping: nothing can write through to them) instead of packing again.
+starts map those files (a private mapping: nothing can write through to them) instead of packing again;
+the first start makes its own shared maps read-only once each projection is packed.
 
 The files live in one directory per model contents and layout version (beside the config and tokenizer
 made from the file, engine/gguf_metadata.py). A first start fills a staging directory; once the engine is
@@ -23,12 +24,16 @@ every start instead (nothing written), where a start's seconds matter less than 
 from __future__ import annotations
 
 import atexit
+import ctypes
+import errno
 import hashlib
 import json
 import logging
 import mmap
 import os
+import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -42,6 +47,8 @@ logger = logging.getLogger(__name__)
 # packed before are packed again rather than read in a layout the kernels no longer expect.
 LAYOUT_VERSION = 1
 MANIFEST = "manifest.json"
+_FILE_NAME = re.compile(r"[0-9a-f]{24}\.packed")  # what ``fresh`` names a file; nothing else is opened
+PROT_READ = 1  # <sys/mman.h>
 MADV_POPULATE_READ = 22  # <linux/mman.h>, Linux 5.14+: map the pages in now, in one call, without copying them
 EXIT_WAIT_S = 60.0  # how long an exiting process waits for its cache to reach the disk before giving it up
 
@@ -59,6 +66,7 @@ class PackedCache:
         self.mapped_bytes = 0
         self.written_bytes = 0
         self._commit: threading.Thread | None = None
+        self._file_pages: set[int] = set()  # addresses of the maps ``fresh`` made over files
         self._given_up = False  # the disk refused a file: the rest is packed into memory, nothing kept
 
     @classmethod
@@ -76,17 +84,27 @@ class PackedCache:
             return None
         path = self.directory / entry[0]
         try:
-            with open(path, "rb") as f:
-                if os.fstat(f.fileno()).st_size != nbytes:
-                    return None
-                pages = mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_COPY)  # private: writes never reach the file
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a link planted in the cache is not followed
         except OSError as exc:
             logger.warning("packed weights %s unreadable (%s): packing them again", path, exc)
             return None
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
+                return None
+            pages = mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)  # private: writes never reach the file
+        except OSError as exc:
+            logger.warning("packed weights %s unreadable (%s): packing them again", path, exc)
+            return None
+        finally:
+            os.close(fd)
+        try:
             pages.madvise(MADV_POPULATE_READ)  # one call instead of a fault per page at the first step
-        except OSError:
-            pass  # an older kernel: the pages come in on first use
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: a kernel before 5.14, the pages come in on first use
+                # anything else (the file cut short under the map) would fault at the first step: pack again
+                logger.warning("packed weights %s unreadable (%s): packing them again", path, exc)
+                return None
         self.mapped_bytes += nbytes
         return torch.frombuffer(pages, dtype=torch.uint8)
 
@@ -119,7 +137,13 @@ class PackedCache:
             return torch.empty(nbytes, dtype=torch.uint8)
         self._written[key] = (path.name, nbytes)
         self.written_bytes += nbytes
-        return torch.frombuffer(pages, dtype=torch.uint8)
+        out = torch.frombuffer(pages, dtype=torch.uint8)
+        self._file_pages.add(out.data_ptr())
+        return out
+
+    def is_kept(self, data: torch.Tensor) -> bool:
+        """Whether ``data`` (from ``fresh``) lies in a file this start keeps (then ``seal`` it once packed)."""
+        return data.numel() > 0 and data.data_ptr() in self._file_pages
 
     def commit_in_background(self) -> threading.Thread | None:
         """After the load: flush what this start packed to disk and publish it, on a thread (the engine
@@ -151,6 +175,7 @@ class PackedCache:
                 json.dump({"layout": LAYOUT_VERSION, "entries": self._written}, f)
                 f.flush()
                 os.fsync(f.fileno())
+            os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide the cache from the cache directory's other users
             _fsync(staging)
             os.rename(staging, self.directory)  # one step: a reader sees every file or none
             _fsync(self.directory.parent)
@@ -170,18 +195,35 @@ def _finish(commit: threading.Thread) -> None:
 
 
 def _read_manifest(directory: Path) -> dict[str, tuple[str, int]]:
+    """key -> (file name, bytes) of a published cache; empty where there is none or it is not well formed."""
     try:
         with open(directory / MANIFEST) as f:
             manifest = json.load(f)
-    except (OSError, ValueError):
+        if not isinstance(manifest, dict) or manifest.get("layout") != LAYOUT_VERSION:
+            return {}
+        entries = manifest["entries"]
+        out = {}
+        for key, (name, nbytes) in entries.items():
+            if not (isinstance(name, str) and _FILE_NAME.fullmatch(name) and type(nbytes) is int and nbytes > 0):
+                return {}
+            out[str(key)] = (name, nbytes)
+        return out
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return {}
-    if not isinstance(manifest, dict) or manifest.get("layout") != LAYOUT_VERSION:
-        return {}
-    entries = manifest.get("entries")
-    if not isinstance(entries, dict):
-        return {}
-    return {key: (str(entry[0]), int(entry[1])) for key, entry in entries.items()
-            if isinstance(entry, list) and len(entry) == 2 and "/" not in str(entry[0])}
+
+
+def seal(data: torch.Tensor) -> None:
+    """Make a projection packed into a cache file read-only in this process: the first start's shared map
+    writes through to the file, and so to every later start's weights, so a stray write must fault here
+    rather than change them. Where mprotect is missing, nothing changes."""
+    start = data.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+    length = data.data_ptr() + data.numel() - start
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        libc.mprotect(start, length, PROT_READ)
+    except (OSError, AttributeError):
+        pass
 
 
 def _fsync(path: Path) -> None:

@@ -36,7 +36,10 @@ def _hash_model_early(settings: settings_mod.Settings) -> None:
     from engine.file_identity import digest_in_background
     from engine.model_loader import default_cache_dir, gguf_source
 
-    gguf = gguf_source(settings.model)
+    try:
+        gguf = gguf_source(settings.model)
+    except (OSError, RuntimeError):
+        return  # no such model: the load says so in its own words
     if gguf is not None:
         digest_in_background(gguf, default_cache_dir())
 

@@ -516,5 +516,8 @@ def _stream_rate(packed: list[PackedLinear], total: int) -> tuple[float, float]:
         if data.is_contiguous() and data.storage_offset() % 8 == 0 and data.numel() >= 8:
             words.append(data[:data.numel() // 8 * 8].view(torch.int64))
             nbytes += words[-1].numel() * 8
+    if not words:  # no packed matrix of whole words: a plain buffer of the same size
+        words = [torch.ones(min(total, _PLAIN_READ_MAX_BYTES) // 8 + 1, dtype=torch.int64)]
+        nbytes = words[0].numel() * 8
     read = _best_time(lambda: [kern.read_sum(w) for w in words], reps=3)
     return total / elapsed / 1e9, nbytes / read / 1e9

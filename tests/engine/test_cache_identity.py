@@ -64,6 +64,24 @@ def test_a_digest_begun_in_the_background_is_read_once_and_waited_for(tmp_path, 
     file_identity.digest_in_background(tmp_path / "gone.gguf", cache)  # no file: nothing, the load reports it
 
 
+def test_a_failed_background_read_fails_its_waiters_and_is_not_left_in_flight(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    model = _write(tmp_path / "m.gguf", b"GGUF" + os.urandom(1000))
+
+    def broken(f, name):
+        raise OSError("read error")
+
+    monkeypatch.setattr(file_identity.hashlib, "file_digest", broken)
+    file_identity.digest_in_background(model, cache)
+    try:
+        content_digest(model, cache)
+    except OSError:
+        pass
+    monkeypatch.undo()
+    assert content_digest(model, cache) == hashlib.sha256(model.read_bytes()).hexdigest()
+    assert not file_identity._in_flight
+
+
 def test_a_reinstall_of_the_same_bytes_reuses_the_converted_and_quantized_copies(tmp_path):
     cache = tmp_path / "cache"
     (tmp_path / "env1").mkdir()

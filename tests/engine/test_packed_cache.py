@@ -133,3 +133,47 @@ def test_two_starts_publishing_at_once_leave_one_whole_cache(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["packed-v1"]
     mapped = PackedCache(tmp_path / "packed-v1").mapped("a", 4096)
     assert mapped is not None and int(mapped[0]) in (1, 2) and bool((mapped == mapped[0]).all())
+
+
+@pytest.mark.parametrize("entry", [["../escape", 4096], ["0" * 24 + ".packed", "4096"], ["0" * 24 + ".packed", None],
+                                   ["0" * 24 + ".packed", True], "not a pair"])
+def test_a_manifest_naming_other_files_or_sizes_is_not_read(tmp_path, entry):
+    directory = tmp_path / "packed-v1"
+    directory.mkdir()
+    (directory / packed_cache.MANIFEST).write_text(json.dumps({"layout": packed_cache.LAYOUT_VERSION,
+                                                               "entries": {"a": entry}}))
+    cache = PackedCache(directory)
+    assert cache.mapped("a", 4096) is None and not directory.exists()
+
+
+def test_a_link_in_the_cache_is_not_followed(tmp_path):
+    cache = PackedCache(tmp_path / "packed-v1")
+    cache.fresh("a", 4096).fill_(5)
+    cache.commit_in_background()
+    assert cache.wait(30)
+    directory = tmp_path / "packed-v1"
+    name = json.loads((directory / packed_cache.MANIFEST).read_text())["entries"]["a"][0]
+    target = tmp_path / "elsewhere"
+    target.write_bytes(bytes(4096))
+    (directory / name).unlink()
+    (directory / name).symlink_to(target)
+    assert PackedCache(directory).mapped("a", 4096) is None
+
+
+def test_the_first_starts_packed_files_are_sealed_read_only(tmp_path):
+    """A write into a projection this start packed into a kept file faults, rather than changing the file
+    (and so every later start's weights)."""
+    script = (
+        "import sys, torch\n"
+        "from pathlib import Path\n"
+        "from engine.packed_cache import PackedCache, seal\n"
+        f"cache = PackedCache(Path({str(tmp_path / 'packed-v1')!r}))\n"
+        "out = cache.fresh('a', 8192)\n"
+        "out.fill_(3)\n"
+        "assert cache.is_kept(out)\n"
+        "seal(out)\n"
+        "print(int(out[100]), flush=True)\n"
+        "out[100] = 7\n"
+        "print('written', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["3"] and done.returncode != 0, (done.stdout, done.stderr[-500:])
