@@ -25,7 +25,7 @@ import torch
 from engine.checkpoint_names import EMBEDDING, HEAD, hf_name, is_linear
 from engine.gguf_file import GgufFile
 from engine.kernels import CpuKernels
-from engine.packed_cache import PackedCache, seal
+from engine.packed_cache import PackedCache
 from engine.quant.formats import QuantizedWeight
 from engine.quant.gguf_blocks import BLOCK, decode_blocks
 from engine.quant.packing import TILE, PackedWeight
@@ -233,12 +233,15 @@ class BlockWeights(Mapping[str, QuantizedWeight]):
         code, fmt = REPACK_KINDS[kind]
         nbytes = tiles * groups * kernels.packed_tile_group_bytes(fmt, BLOCK)
         key = f"{kind}:{fmt}:{rows}x{groups}:{'+'.join(names)}"
-        out = self.cache.mapped(key, nbytes) if self.cache is not None else None
-        if out is None:
-            out = self.cache.fresh(key, nbytes) if self.cache is not None else torch.empty(nbytes, dtype=torch.uint8)
+
+        def pack(out: torch.Tensor) -> None:
             kernels.repack_gguf_blocks(code, self._row_addresses(names, tiles * TILE), groups, out)
-            if self.cache is not None and self.cache.is_kept(out):
-                seal(out)
+
+        if self.cache is not None:
+            out = self.cache.packed(key, nbytes, pack)
+        else:
+            out = torch.empty(nbytes, dtype=torch.uint8)
+            pack(out)
         return PackedWeight(fmt, out, rows, groups * BLOCK, BLOCK)
 
     def _row_addresses(self, names: list[str], padded_rows: int) -> torch.Tensor:

@@ -123,16 +123,18 @@ def load(config: EngineConfig) -> Loaded:
                            task=task, pooling_tasks=pooler.tasks, labels=_labels(ckpt.hf_config, pooler))
     release_freed_memory()  # the load's transient copies (fp32 dequantized tensors, the file's pages) leave RSS
     cost_model = pinned or _cost_model(model)
-    if isinstance(stored, BlockWeights) and stored.cache is not None:
-        _log_packed_cache(stored.cache)
-        stored.cache.commit_in_background()  # to disk while the engine serves
+    packed_cache = stored.cache if isinstance(stored, BlockWeights) else None
+    if packed_cache is not None:
+        if packed_cache.mapped_bytes:
+            logger.info("weights: %.2f GiB of packed projections mapped from %s",
+                        packed_cache.mapped_bytes / (1 << 30), packed_cache.directory)
+        packed_cache.commit_in_background()  # what this start packed, to disk while the engine serves
     kv_prefault = kv_cache.prefault_in_background() if config.kv_cache_prefault else None
     return Loaded(model=model, tokenizer=tokenizer, kv_cache=kv_cache, kv_prefault=kv_prefault,
                   eos_token_ids=_eos_ids(tokenizer, ckpt.model_dir), hf_config=ckpt.hf_config,
                   model_dir=ckpt.model_dir, max_model_len=max_model_len, task=task, pooler=pooler, dtype=dtype,
                   device=device, quantization=quantization, cost_model=cost_model,
-                  model_info=model_info, started=started,
-                  packed_cache=stored.cache if isinstance(stored, BlockWeights) else None)
+                  model_info=model_info, started=started, packed_cache=packed_cache)
 
 
 def _resolve_checkpoint(config: EngineConfig) -> _Checkpoint:
@@ -302,15 +304,6 @@ def _available_memory_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-
-
-def _log_packed_cache(cache: PackedCache) -> None:
-    if cache.mapped_bytes:
-        logger.info("weights: %.2f GiB of packed projections mapped from %s", cache.mapped_bytes / (1 << 30),
-                    cache.directory)
-    if cache.written_bytes:
-        logger.info("weights: %.2f GiB of packed projections being kept in %s for later starts "
-                    "(--no-packed-weights-cache: nothing kept)", cache.written_bytes / (1 << 30), cache.directory)
 
 
 def _check_kv_fits(nbytes: int, device: torch.device, weight_bytes: int = 0) -> None:

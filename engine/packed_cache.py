@@ -37,6 +37,7 @@ import stat
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -141,9 +142,16 @@ class PackedCache:
         self._file_pages.add(out.data_ptr())
         return out
 
-    def is_kept(self, data: torch.Tensor) -> bool:
-        """Whether ``data`` (from ``fresh``) lies in a file this start keeps (then ``seal`` it once packed)."""
-        return data.numel() > 0 and data.data_ptr() in self._file_pages
+    def packed(self, key: str, nbytes: int, pack: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        """The projection ``key`` in the packed layout: mapped where an earlier start kept it, else written
+        by ``pack`` into ``fresh`` memory, which is made read-only once packed where it is a kept file."""
+        out = self.mapped(key, nbytes)
+        if out is None:
+            out = self.fresh(key, nbytes)
+            pack(out)
+            if out.numel() and out.data_ptr() in self._file_pages:
+                _seal(out)
+        return out
 
     def commit_in_background(self) -> threading.Thread | None:
         """After the load: flush what this start packed to disk and publish it, on a thread (the engine
@@ -152,6 +160,8 @@ class PackedCache:
             if self._staging is not None:  # an incomplete set would be mapped as whole at later starts
                 shutil.rmtree(self._staging, ignore_errors=True)
             return None
+        logger.info("weights: %.2f GiB of packed projections being kept in %s for later starts "
+                    "(--no-packed-weights-cache: nothing kept)", self.written_bytes / (1 << 30), self.directory)
         self._commit = threading.Thread(target=self._publish, name="packed-weights-cache", daemon=True)
         self._commit.start()
         atexit.register(_finish, self._commit)  # the thread, not this cache: the engine's memory may go before exit
@@ -212,7 +222,7 @@ def _read_manifest(directory: Path) -> dict[str, tuple[str, int]]:
         return {}
 
 
-def seal(data: torch.Tensor) -> None:
+def _seal(data: torch.Tensor) -> None:
     """Make a projection packed into a cache file read-only in this process: the first start's shared map
     writes through to the file, and so to every later start's weights, so a stray write must fault here
     rather than change them. Where mprotect is missing, nothing changes."""

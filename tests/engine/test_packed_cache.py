@@ -166,12 +166,10 @@ def test_the_first_starts_packed_files_are_sealed_read_only(tmp_path):
     script = (
         "import sys, torch\n"
         "from pathlib import Path\n"
-        "from engine.packed_cache import PackedCache, seal\n"
+        "from engine.packed_cache import PackedCache\n"
         f"cache = PackedCache(Path({str(tmp_path / 'packed-v1')!r}))\n"
-        "out = cache.fresh('a', 8192)\n"
-        "out.fill_(3)\n"
-        "assert cache.is_kept(out)\n"
-        "seal(out)\n"
+        "out = cache.packed('a', 8192, lambda fresh: fresh.fill_(3))\n"
+        "assert cache.written_bytes == 8192\n"  # packed into a kept file, not into memory
         "print(int(out[100]), flush=True)\n"
         "out[100] = 7\n"
         "print('written', flush=True)\n")
