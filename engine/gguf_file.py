@@ -67,11 +67,15 @@ class GgufFile:
         if self.version not in (2, 3):
             raise GgufFormatError(f"{self.path}: GGUF version {self.version} is not read here (2 and 3 are)")
         tensor_count, kv_count = self._unpack("<QQ")
+        self.header_counts = (tensor_count, kv_count)
         self._fields: dict[str, Any] = {}
+        self._types: dict[str, int] = {}
+        self._decoded: dict[str, list] = {}  # arrays decoded at their first use
         for _ in range(kv_count):
             key = self._string()
             (value_type,) = self._unpack("<I")
             self._fields[key] = self._value(value_type)
+            self._types[key] = value_type
         alignment = int(self._fields.get("general.alignment", DEFAULT_ALIGNMENT))
         infos = []
         for _ in range(tensor_count):
@@ -100,11 +104,39 @@ class GgufFile:
         """A metadata value: a number, a string, or a list (arrays are decoded at their first use)."""
         value = self._fields.get(name, default)
         if isinstance(value, _LazyArray):
-            value = self._fields[name] = self._decode_array(value)
+            if name not in self._decoded:
+                self._decoded[name] = self._decode_array(value)
+            value = self._decoded[name]
         return value
 
     def __contains__(self, name: str) -> bool:
         return name in self._fields
+
+    def field_names(self) -> list[str]:
+        """Every metadata key, in the file's order."""
+        return list(self._fields)
+
+    def field_types(self, name: str) -> list[int]:
+        """The value's GGUF type codes: ``[type]`` for a scalar or a string, ``[9, item type]`` for an array."""
+        value = self._fields[name]
+        return [_ARRAY, value.item_type] if isinstance(value, _LazyArray) else [self._types[name]]
+
+    def raw_items(self, name: str) -> Any:
+        """An array field's elements undecoded: a numpy array for numbers, each string's bytes for strings
+        (None for an array of arrays, which no model's metadata holds)."""
+        value = self._fields[name]
+        if not isinstance(value, _LazyArray):
+            raise TypeError(f"{name} is not an array")
+        if value.item_type in _NUMPY:
+            return np.frombuffer(self._map, dtype=_NUMPY[value.item_type], count=value.count, offset=value.start)
+        if value.item_type != _STRING:
+            return None
+        items, unpack, buf, pos = [], struct.unpack_from, self._map, value.start
+        for _ in range(value.count):
+            (length,) = unpack("<Q", buf, pos)
+            items.append(buf[pos + 8:pos + 8 + length])
+            pos += 8 + length
+        return items
 
     @property
     def architecture(self) -> str:

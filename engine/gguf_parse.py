@@ -1,27 +1,135 @@
-"""One parse of a GGUF file per conversion, however many times transformers opens it.
+"""One fast parse of a GGUF file per conversion, however many times transformers opens it.
 
-Converting a GGUF file through transformers opens it four times (the tokenizer, the config twice, the
-weights), and ``gguf.GGUFReader`` parses every metadata field anew each time: ~8 s for the embedded
-model's 49k-token vocabulary and merges, a third of a cold first start. A reader is a read-only memory
-map, so within ``shared_gguf_readers()`` every ``GGUFReader`` of a path is the first one made. Blocks
-nest (a cold engine start converts the file, then reads its quantized blocks: one parse for both).
+Reading a GGUF file's config and tokenizer through transformers opens it three times (the tokenizer,
+the config twice; a conversion of the weights once more), and each open builds a ``gguf.GGUFReader``:
+a numpy memory-map object for every element of every metadata array, ~2 s for the embedded model's
+49k-token vocabulary and merges, ~6 s for a 152k one. Then transformers parses every element of every
+array in Python again at each of the three reads. Within ``shared_gguf_readers()``:
 
-The same block shares ``gguf.get_tensor_name_map``'s answers: transformers asks it again for every
-submodule of the model while matching tensor names (397 times for the embedded model, ~19 ms each, so
-another ~7 s of the cold start), and the map depends only on the architecture and the layer count.
-A map is only read (``get_name``), so one per key serves every caller.
+- every ``GGUFReader`` of a path is one ``MetadataReader``: the metadata from this project's own parse
+  (engine/gguf_file.py: arrays stepped over, then handed out as plain bytes and numbers), laid out as
+  gguf-py's fields so transformers reads the same values; the tensors' names from the same parse, and
+  their data (a conversion of the weights) from one real ``GGUFReader`` made at its first use;
+- transformers' ``load_gguf_checkpoint`` of the metadata alone answers each path once and hands every
+  later read a copy of that answer;
+- ``gguf.get_tensor_name_map``'s answers are shared: transformers asks it again for every submodule of
+  the model while matching tensor names (397 times for the embedded model, ~19 ms each), and the map
+  depends only on the architecture and the layer count. A map is only read (``get_name``).
+
+Blocks nest (a cold engine start reads the metadata, then the quantized blocks: one parse for both).
 """
 
 from __future__ import annotations
 
+import copy
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cached_property
 from typing import Any
+
+from engine.gguf_file import GgufFile
 
 _lock = threading.RLock()  # the patch is process-wide: one thread's blocks at a time
 _depth = 0
+
+_UINT32, _STRING, _ARRAY, _UINT64 = 4, 8, 9, 10  # GGUF value types
+
+
+class _ScalarParts:
+    """A scalar field's parts as transformers indexes them: ``parts[data[0]][0]`` is the number."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __getitem__(self, index: int) -> Any:
+        return (self.value,)
+
+
+class _ArrayParts:
+    """An array field's parts: element ``i`` at ``parts[i]``, a string as its bytes, a number in a 1-tuple."""
+
+    __slots__ = ("items", "strings")
+
+    def __init__(self, items: Any, strings: bool) -> None:
+        self.items, self.strings = items, strings
+
+    def __getitem__(self, index: int) -> Any:
+        return self.items[index] if self.strings else (self.items[index],)
+
+
+class MetadataField:
+    """One metadata field as gguf-py's ``ReaderField`` offers it to its readers: ``types``, ``parts`` indexed by
+    ``data``, and ``contents()``."""
+
+    def __init__(self, file: GgufFile, name: str) -> None:
+        self.name = name
+        self.types = file.field_types(name)
+        self._file = file
+
+    @cached_property
+    def _items(self) -> Any:
+        return self._file.raw_items(self.name) if self.types[0] == _ARRAY else None
+
+    @property
+    def data(self) -> range:
+        return range(len(self._items)) if self.types[0] == _ARRAY else range(1)
+
+    @property
+    def parts(self) -> Any:
+        if self.types[0] == _ARRAY:
+            return _ArrayParts(self._items, self.types[1] == _STRING)
+        value = self._file.field(self.name)
+        return [value.encode()] if self.types[0] == _STRING else _ScalarParts(value)
+
+    def contents(self) -> Any:
+        return self._file.field(self.name)
+
+
+class _HeaderField:
+    """One of the header's numbers, which gguf-py lists among the fields (``GGUF.version``, ``GGUF.tensor_count``,
+    ``GGUF.kv_count``)."""
+
+    def __init__(self, name: str, value_type: int, value: int) -> None:
+        self.name, self.types, self._value = name, [value_type], value
+        self.data, self.parts = range(1), _ScalarParts(value)
+
+    def contents(self) -> int:
+        return self._value
+
+
+class _Tensor:
+    """A tensor of the file: its name from the fast parse; anything else from gguf-py's own reader."""
+
+    def __init__(self, reader: MetadataReader, index: int, name: str) -> None:
+        self._reader, self._index, self.name = reader, index, name
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._reader.full.tensors[self._index], attribute)
+
+
+class MetadataReader:
+    """A ``gguf.GGUFReader`` stand-in whose metadata costs one pass over the file's header."""
+
+    def __init__(self, path: Any, original: Any) -> None:
+        self._path, self._original = path, original
+        self._file = GgufFile(os.fspath(path))
+        tensor_count, kv_count = self._file.header_counts
+        header = {"GGUF.version": (_UINT32, self._file.version), "GGUF.tensor_count": (_UINT64, tensor_count),
+                  "GGUF.kv_count": (_UINT64, kv_count)}
+        self.fields: dict[str, Any] = {name: _HeaderField(name, value_type, value)
+                                       for name, (value_type, value) in header.items()}
+        self.fields.update((name, MetadataField(self._file, name)) for name in self._file.field_names())
+        self.tensors = [_Tensor(self, i, name) for i, name in enumerate(self._file.tensors)]
+
+    @cached_property
+    def full(self) -> Any:
+        """gguf-py's own reader of the file, made once, for the tensors' data."""
+        return self._original(self._path, "r")
 
 
 @contextmanager
@@ -43,7 +151,7 @@ def shared_gguf_readers() -> Iterator[None]:
         def shared(path: Any, mode: Any = "r") -> Any:
             key = (os.path.realpath(os.fspath(path)), mode)
             if key not in readers:
-                readers[key] = original(path, mode)
+                readers[key] = MetadataReader(path, original) if mode == "r" else original(path, mode)
             return readers[key]
 
         original_name_map = gguf.get_tensor_name_map
@@ -57,12 +165,42 @@ def shared_gguf_readers() -> Iterator[None]:
         # transformers imports both names from the module at each call
         patched: Any = gguf  # the module, its attributes swapped for the block
         patched.GGUFReader, patched.get_tensor_name_map = shared, shared_name_map
+        restore_checkpoint_reads = _share_metadata_reads()
         _depth = 1
         try:
             yield
         finally:
             _depth = 0
             patched.GGUFReader, patched.get_tensor_name_map = original, original_name_map
+            restore_checkpoint_reads()
+
+
+def _share_metadata_reads() -> Any:
+    """Swap transformers' ``load_gguf_checkpoint`` (wherever a module holds it) for one that reads each path's
+    metadata once; returns the function that swaps it back. Nothing to do where transformers is not loaded."""
+    module = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+    if module is None or not hasattr(module, "load_gguf_checkpoint"):
+        return lambda: None
+    original = module.load_gguf_checkpoint
+    answers: dict[str, Any] = {}
+
+    def shared(gguf_checkpoint_path: Any, return_tensors: bool = False, model_to_load: Any = None) -> Any:
+        if return_tensors:
+            return original(gguf_checkpoint_path, return_tensors=True, model_to_load=model_to_load)
+        key = os.path.realpath(os.fspath(gguf_checkpoint_path))
+        if key not in answers:
+            answers[key] = original(gguf_checkpoint_path, return_tensors=False)
+        return copy.deepcopy(answers[key])  # each caller may change its dictionaries
+
+    def swap(old: Any, new: Any) -> None:
+        for loaded in list(sys.modules.values()):
+            # the module's own names only: transformers' lazy modules import on a missed attribute
+            names = getattr(loaded, "__dict__", {})
+            if names.get("load_gguf_checkpoint") is old and str(names.get("__name__", "")).startswith("transformers"):
+                names["load_gguf_checkpoint"] = new
+
+    swap(original, shared)
+    return lambda: swap(shared, original)
 
 
 def metadata_value(reader: Any, name: str) -> Any:

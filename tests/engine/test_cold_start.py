@@ -32,28 +32,113 @@ def _open(path):
     return GGUFReader(path)
 
 
+@pytest.fixture
+def every_kind_gguf(tmp_path):
+    """A GGUF file with a field of each value type transformers reads: numbers, strings (one not ASCII), and
+    arrays of both."""
+    path = tmp_path / "kinds.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("llama.context_length", 4096)
+    writer.add_int32("test.negative", -3)
+    writer.add_float32("llama.rope.freq_base", 10000.5)
+    writer.add_bool("tokenizer.ggml.add_bos_token", False)
+    writer.add_string("general.name", "tiny-模型")
+    writer.add_array("tokenizer.ggml.tokens", ["<|endoftext|>", "Ġthe", "é", "模"])
+    writer.add_array("tokenizer.ggml.token_type", [3, 1, 1, 1])
+    writer.add_array("tokenizer.ggml.scores", [0.0, -1.5, -2.25, -3.0])
+    writer.add_tensor("token_embd.weight", np.arange(8, dtype=np.float32).reshape(2, 4))
+    writer.add_tensor("output.weight", np.ones((2, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def test_one_parse_per_file_within_the_block(tiny_gguf, monkeypatch):
-    parses = []
-    original = gguf.GGUFReader
+    """Within the block every open of a path is one reader over one fast parse; gguf-py's own reader is made
+    only when a tensor's data is asked for, and once."""
+    from engine import gguf_parse
+
+    parses, full_parses = [], []
+    original, fast = gguf.GGUFReader, gguf_parse.GgufFile
 
     class Counting(original):
+        def __init__(self, *args, **kwargs):
+            full_parses.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    class CountingFast(fast):
         def __init__(self, *args, **kwargs):
             parses.append(args[0])
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    monkeypatch.setattr(gguf_parse, "GgufFile", CountingFast)
     with shared_gguf_readers():
         first = _open(tiny_gguf)
         with shared_gguf_readers():  # nested, as a cold engine start's conversion is
             assert _open(str(tiny_gguf)) is first
         assert _open(tiny_gguf.parent / ".." / tiny_gguf.parent.name / tiny_gguf.name) is first  # one real path
         assert int(first.fields["test.value"].parts[-1][0]) == 7
-    assert len(parses) == 1
+        assert [t.name for t in first.tensors] == ["t"]
+        assert not full_parses  # names and metadata: the fast parse alone
+        assert first.tensors[0].data.tolist() == list(range(8))
+        assert first.tensors[0].tensor_type == gguf.GGMLQuantizationType.F32
+    assert len(parses) == 1 and len(full_parses) == 1
     assert gguf.GGUFReader is Counting  # restored
     assert _open(tiny_gguf) is not first  # outside a block, each open parses
     with pytest.raises(RuntimeError), shared_gguf_readers():
         raise RuntimeError("a failed conversion")
     assert gguf.GGUFReader is Counting
+
+
+def test_the_fast_reader_gives_transformers_the_values_gguf_py_gives(every_kind_gguf):
+    """Every field, read the way transformers reads it (``_gguf_parse_value`` over ``parts`` at ``data``) and by
+    ``contents()``, equals gguf-py's own reader's; so do the tensors' names."""
+    from transformers.integrations.ggml import _gguf_parse_value
+
+    real = gguf.GGUFReader(str(every_kind_gguf))
+    with shared_gguf_readers():
+        fast = _open(every_kind_gguf)
+
+    def as_transformers_reads(field):
+        return [_gguf_parse_value(field.parts[i], field.types) for i in field.data]
+
+    assert list(fast.fields) == list(real.fields)
+    for name, field in real.fields.items():
+        assert fast.fields[name].types == field.types, name
+        assert as_transformers_reads(fast.fields[name]) == as_transformers_reads(field), name
+        assert fast.fields[name].contents() == field.contents(), name
+    assert as_transformers_reads(fast.fields["general.name"]) == ["tiny-模型"]
+    assert [t.name for t in fast.tensors] == [t.name for t in real.tensors]
+
+
+def test_the_metadata_is_read_once_per_path_within_the_block(every_kind_gguf, monkeypatch):
+    """transformers reads a GGUF file's metadata once for the tokenizer and twice for the config; within the
+    block the first read answers the others, each caller getting its own copy, and the function is restored
+    after in every module that holds it."""
+    import transformers.configuration_utils as configuration_utils
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    reads = []
+    original = gguf_utils.load_gguf_checkpoint
+
+    def counting(path, return_tensors=False, model_to_load=None):
+        reads.append(return_tensors)
+        return {"config": {"model_type": "llama", "path": str(path)}}
+
+    for module in (gguf_utils, configuration_utils):
+        monkeypatch.setattr(module, "load_gguf_checkpoint", counting)
+    with shared_gguf_readers():
+        first = configuration_utils.load_gguf_checkpoint(str(every_kind_gguf), return_tensors=False)
+        first["config"]["model_type"] = "changed by its caller"
+        second = gguf_utils.load_gguf_checkpoint(every_kind_gguf)
+        assert second["config"]["model_type"] == "llama"
+        gguf_utils.load_gguf_checkpoint(every_kind_gguf, return_tensors=True)  # the weights: never shared
+    assert reads == [False, True]
+    assert gguf_utils.load_gguf_checkpoint is counting and configuration_utils.load_gguf_checkpoint is counting
+    assert original is not counting
 
 
 def test_one_tensor_name_map_per_architecture_within_the_block(monkeypatch):
