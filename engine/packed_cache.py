@@ -12,9 +12,11 @@ The files live in one directory per model contents and layout version (beside th
 made from the file, engine/gguf_metadata.py). A first start fills a staging directory; once the engine is
 ready a thread flushes every file to disk and renames the directory into place, so a later start either
 finds every file whole or does not find the directory. A start that dies first leaves its staging
-directory, which the next start removes. Each file is at most the size of the blocks it was packed from
-(Q8_0's fp16 scales become fp32: 36 bytes a block of 32 against 34), so the cache holds about the GGUF
-file's size once, and no file is larger than it.
+directory, which the next start removes. One start at a time keeps a model's files (a lock beside them,
+which the OS drops with a dead process): replicas started together on an empty cache would otherwise each
+write a whole copy, all but one of them thrown away; the others pack into memory that once. Each file is
+at most the size of the blocks it was packed from (Q8_0's fp16 scales become fp32: 36 bytes a block of 32
+against 34), so the cache holds about the GGUF file's size once, and no file is larger than it.
 
 Mapped weights are file pages: under memory pressure the OS may drop them and read them back on next use,
 as it does for llama.cpp's mapped model files. ``--no-packed-weights-cache`` packs into anonymous memory at
@@ -26,6 +28,8 @@ from __future__ import annotations
 import atexit
 import ctypes
 import errno
+import fcntl
+import glob
 import hashlib
 import json
 import logging
@@ -69,13 +73,16 @@ class PackedCache:
         self._commit: threading.Thread | None = None
         self._file_pages: set[int] = set()  # addresses of the maps ``fresh`` made over files
         self._given_up = False  # the disk refused a file: the rest is packed into memory, nothing kept
+        self._keeper: int | None = None  # the lock held while this start keeps the files (a descriptor)
 
     @classmethod
     def beside(cls, metadata_dir: Path) -> PackedCache:
         """The cache of the model whose config and tokenizer are kept in ``metadata_dir``."""
         directory = metadata_dir / f"packed-v{LAYOUT_VERSION}"
-        _remove_dead_staging(metadata_dir, directory.name)
-        return cls(directory)
+        cache = cls(directory)
+        if not directory.exists() and cache._keep(report=False):  # no start keeps it: staging here is dead
+            cache._release()
+        return cache
 
     def mapped(self, key: str, nbytes: int) -> torch.Tensor | None:
         """The projection packed under ``key`` at an earlier start, mapped; None where it was not kept (or
@@ -114,10 +121,12 @@ class PackedCache:
         shared, where the disk has room for it; else anonymous memory (nothing kept for it)."""
         if nbytes == 0 or self._given_up or self.directory.exists():  # a cache made by another start: kept as is
             return torch.empty(nbytes, dtype=torch.uint8)
+        if self._staging is None and not self._keep(report=True):
+            self._given_up = True
+            return torch.empty(nbytes, dtype=torch.uint8)
         path = None
         try:
             if self._staging is None:
-                self.directory.parent.mkdir(parents=True, exist_ok=True)
                 self._staging = Path(tempfile.mkdtemp(prefix=f".{self.directory.name}.{os.getpid()}.",
                                                       dir=self.directory.parent))
             path = self._staging / (hashlib.sha1(key.encode()).hexdigest()[:24] + ".packed")
@@ -153,12 +162,46 @@ class PackedCache:
                 _seal(out)
         return out
 
+    def _keep(self, report: bool) -> bool:
+        """Take the lock that lets this start keep the files (without waiting), and remove the staging
+        directories of starts that held it and died; False where a live start holds it or the directory
+        cannot be written (logged where ``report``)."""
+        if self._keeper is not None:
+            return True
+        try:
+            self.directory.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.directory.parent / f".keeping-{self.directory.name}.lock",
+                         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if report:
+                logger.warning("packed weights not kept for later starts (%s): packing into memory", exc)
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            if report:
+                logger.info("another start is keeping the packed weights in %s: this start packs into memory",
+                            self.directory)
+            return False
+        self._keeper = fd
+        for staging in self.directory.parent.glob(f".{glob.escape(self.directory.name)}.*.*"):
+            if staging.is_dir() and not staging.is_symlink():
+                shutil.rmtree(staging, ignore_errors=True)
+        return True
+
+    def _release(self) -> None:
+        if self._keeper is not None:
+            os.close(self._keeper)  # closing the descriptor drops the lock
+            self._keeper = None
+
     def commit_in_background(self) -> threading.Thread | None:
         """After the load: flush what this start packed to disk and publish it, on a thread (the engine
         serves meanwhile); an exiting process waits up to EXIT_WAIT_S for it."""
         if self._staging is None or self._given_up:
             if self._staging is not None:  # an incomplete set would be mapped as whole at later starts
                 shutil.rmtree(self._staging, ignore_errors=True)
+            self._release()
             return None
         logger.info("weights: %.2f GiB of packed projections being kept in %s for later starts "
                     "(--no-packed-weights-cache: nothing kept)", self.written_bytes / (1 << 30), self.directory)
@@ -194,6 +237,8 @@ class PackedCache:
                 logger.warning("packed weights not kept for later starts: %s", exc)
             shutil.rmtree(staging, ignore_errors=True)  # the maps keep their files' pages until they go
             return
+        finally:
+            self._release()
         logger.info("packed weights: %.2f GiB kept for later starts in %.1fs", self.written_bytes / (1 << 30),
                     time.monotonic() - started)
 
@@ -242,17 +287,3 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _remove_dead_staging(parent: Path, name: str) -> None:
-    """Staging directories left by starts whose process is gone (killed before publishing)."""
-    for staging in parent.glob(f".{name}.*.*"):
-        try:
-            pid = int(staging.name.split(".")[2])
-            os.kill(pid, 0)
-        except (ValueError, IndexError):
-            continue
-        except ProcessLookupError:
-            shutil.rmtree(staging, ignore_errors=True)
-        except PermissionError:
-            continue  # a live process of another user

@@ -1,6 +1,7 @@
 """The packed-weights cache (engine/packed_cache.py): a later start maps exactly the bytes the first start
 packed and answers the same; what is mapped is private; a full disk, a dead start's staging directory, a
-damaged manifest and two starts publishing at once each leave a working engine and a consistent cache."""
+damaged manifest, two starts on an empty cache and two publishing at once each leave a working engine and a
+consistent cache."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def test_nothing_is_published_before_the_commit_and_the_staging_goes_after(tmp_p
     assert PackedCache(tmp_path / "packed-v1").mapped("a", 4096) is None
     cache.commit_in_background()
     assert cache.wait(30)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["packed-v1"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["packed-v1"]
     assert PackedCache(tmp_path / "packed-v1").mapped("a", 4096) is not None
     assert PackedCache(tmp_path / "packed-v1").mapped("a", 8192) is None  # another size: not this entry
 
@@ -90,7 +91,7 @@ def test_a_full_disk_packs_into_memory_and_keeps_nothing(tmp_path, monkeypatch):
     out = cache.fresh("a", 4096)
     out.fill_(1)  # anonymous memory: writable, nothing behind it on disk
     assert cache.written_bytes == 0 and cache.commit_in_background() is None
-    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.stat().st_size]  # the empty lock file alone
 
 
 def test_a_damaged_manifest_or_file_is_packed_again(tmp_path):
@@ -115,22 +116,53 @@ def test_a_damaged_manifest_or_file_is_packed_again(tmp_path):
 
 
 def test_a_dead_starts_staging_is_removed_and_a_live_ones_kept(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True)
-    (tmp_path / f".packed-v{packed_cache.LAYOUT_VERSION}.{int(dead.stdout)}.abc").mkdir()
-    (tmp_path / f".packed-v{packed_cache.LAYOUT_VERSION}.{os.getpid()}.def").mkdir()
+    """A start keeping the files holds a lock, which the OS drops when its process dies: staging directories
+    are removed only where no live start holds it (a process id would not say, in a container whose every
+    server is process 1)."""
+    name = f"packed-v{packed_cache.LAYOUT_VERSION}"
+    dies_while_keeping = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+                          "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); os.mkdir(sys.argv[2]); os._exit(0)")
+    subprocess.run([sys.executable, "-c", dies_while_keeping, str(tmp_path / f".keeping-{name}.lock"),
+                    str(tmp_path / f".{name}.1.abc")], check=True)
+    live = PackedCache(tmp_path / name)
+    live.fresh("a", 4096).fill_(1)  # the dead start's lock is gone: this one keeps, and removed its staging
+    assert live.written_bytes == 4096
+    (tmp_path / f".{name}.1.def").mkdir()  # another dead start's, seen while the live one keeps its files
     PackedCache.beside(tmp_path)
-    assert [p.name for p in tmp_path.iterdir()] == [f".packed-v{packed_cache.LAYOUT_VERSION}.{os.getpid()}.def"]
+    assert live._staging is not None
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == sorted([f".{name}.1.def", live._staging.name])
 
 
-def test_two_starts_publishing_at_once_leave_one_whole_cache(tmp_path):
+def test_starts_on_an_empty_cache_at_once_write_one_copy(tmp_path):
+    """Replicas started together: one keeps the files, the others pack into memory and write nothing; the
+    next start maps the one copy."""
+    keeper, other = PackedCache(tmp_path / "packed-v1"), PackedCache(tmp_path / "packed-v1")
+    keeper.fresh("a", 4096).fill_(1)
+    other.fresh("a", 4096).fill_(2)  # anonymous memory, writable
+    assert keeper.written_bytes == 4096 and other.written_bytes == 0
+    assert other.commit_in_background() is None
+    keeper.commit_in_background()
+    assert keeper.wait(30)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["packed-v1"]
+    mapped = PackedCache(tmp_path / "packed-v1").mapped("a", 4096)
+    assert mapped is not None and bool((mapped == 1).all())
+    after = PackedCache(tmp_path / "packed-v2")  # the lock went with the publish: another model can keep its own
+    after.fresh("b", 4096)
+    assert after.written_bytes == 4096
+
+
+def test_two_starts_publishing_at_once_leave_one_whole_cache(tmp_path, monkeypatch):
+    """Where the lock does not hold (a file system without flock), two starts that both kept the files
+    publish one whole cache."""
+    monkeypatch.setattr(packed_cache.fcntl, "flock", lambda fd, how: None)
     caches = [PackedCache(tmp_path / "packed-v1") for _ in range(2)]
     for value, cache in enumerate(caches):
         cache.fresh("a", 4096).fill_(value + 1)
+    assert all(cache.written_bytes == 4096 for cache in caches)
     for cache in caches:
         cache.commit_in_background()
     assert all(cache.wait(30) for cache in caches)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["packed-v1"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["packed-v1"]
     mapped = PackedCache(tmp_path / "packed-v1").mapped("a", 4096)
     assert mapped is not None and int(mapped[0]) in (1, 2) and bool((mapped == mapped[0]).all())
 
