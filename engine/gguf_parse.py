@@ -3,7 +3,7 @@
 Reading a GGUF file's config and tokenizer through transformers opens it three times (the tokenizer,
 the config twice; a conversion of the weights once more), and each open builds a ``gguf.GGUFReader``:
 a numpy memory-map object for every element of every metadata array, ~2 s for the embedded model's
-49k-token vocabulary and merges, ~6 s for a 152k one. Then transformers parses every element of every
+49k-token vocabulary and merges. Then transformers parses every element of every
 array in Python again at each of the three reads. Within ``shared_gguf_readers()``:
 
 - every ``GGUFReader`` of a path is one ``MetadataReader``: the metadata from this project's own parse
