@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 LAYOUT_VERSION = 1
 MANIFEST = "manifest.json"
 _FILE_NAME = re.compile(r"[0-9a-f]{24}\.packed")  # what ``fresh`` names a file; nothing else is opened
+_LAYOUT_DIR = re.compile(r"packed-v[0-9]+")  # a kept directory of some layout version
 PROT_READ = 1  # <sys/mman.h>
 MADV_POPULATE_READ = 22  # <linux/mman.h>, Linux 5.14+: map the pages in now, in one call, without copying them
 EXIT_WAIT_S = 60.0  # how long an exiting process waits for its cache to reach the disk before giving it up
@@ -232,6 +233,7 @@ class PackedCache:
             _fsync(staging)
             os.rename(staging, self.directory)  # one step: a reader sees every file or none
             _fsync(self.directory.parent)
+            self._remove_other_layouts()
         except OSError as exc:  # another start published first (the target exists), or the disk failed
             if not self.directory.exists():
                 logger.warning("packed weights not kept for later starts: %s", exc)
@@ -241,6 +243,15 @@ class PackedCache:
             self._release()
         logger.info("packed weights: %.2f GiB kept for later starts in %.1fs", self.written_bytes / (1 << 30),
                     time.monotonic() - started)
+
+
+    def _remove_other_layouts(self) -> None:
+        """Files kept in an earlier layout, now that this one's are whole: no start of this version reads
+        them, and each is the model's size again. (A process still mapping them keeps their pages until
+        it exits.)"""
+        for other in self.directory.parent.glob("packed-v*"):
+            if other != self.directory and _LAYOUT_DIR.fullmatch(other.name) and not other.is_symlink():
+                shutil.rmtree(other, ignore_errors=True)
 
 
 def _finish(commit: threading.Thread) -> None:

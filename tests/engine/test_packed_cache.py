@@ -207,3 +207,19 @@ def test_the_first_starts_packed_files_are_sealed_read_only(tmp_path):
         "print('written', flush=True)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["3"] and done.returncode != 0, (done.stdout, done.stderr[-500:])
+
+
+def test_publishing_removes_the_files_of_other_layouts(tmp_path):
+    """A layout version's files are removed once the current layout's are whole (never before: a start that
+    dies while packing leaves the older files as they were)."""
+    old = tmp_path / "packed-v0"
+    old.mkdir()
+    (old / ("0" * 24 + ".packed")).write_bytes(b"x" * 4096)
+    (tmp_path / "packed-vault").mkdir()  # not a layout directory: left alone
+    cache = PackedCache(tmp_path / "packed-v1")
+    cache.fresh("a", 4096).fill_(1)
+    assert old.exists()
+    cache.commit_in_background()
+    assert cache.wait(30)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["packed-v1", "packed-vault"]
+
