@@ -327,7 +327,8 @@ def _stored_weights(ckpt: _Checkpoint, quantization: str, keep_packed: bool = Fa
         return None, None
     if quantization == "gguf" and in_place is not None:
         # read from the file as each projection is built, or mapped from where an earlier start packed them
-        return in_place.blocks(PackedCache.beside(ckpt.model_dir) if keep_packed else None), None
+        expected = gguf.stat().st_size if gguf is not None else 0  # the packed files hold about the file's size
+        return in_place.blocks(PackedCache.beside(ckpt.model_dir, expected) if keep_packed else None), None
     if in_place is not None:  # int8 / int4 made from a GGUF file's weights
         assert gguf is not None  # GGUF weights are read in place only from a GGUF file
         path = quant_cache.cache_path([gguf], quantization)

@@ -56,14 +56,20 @@ _FILE_NAME = re.compile(r"[0-9a-f]{24}\.packed")  # what ``fresh`` names a file;
 _LAYOUT_DIR = re.compile(r"packed-v[0-9]+")  # a kept directory of some layout version
 PROT_READ = 1  # <sys/mman.h>
 MADV_POPULATE_READ = 22  # <linux/mman.h>, Linux 5.14+: map the pages in now, in one call, without copying them
+# Kept files are not started where they would leave the disk with less than this free (logs, other
+# caches and the server's own downloads still need room); the weights are then packed into memory.
+DISK_LEFT_FREE = 1 << 30
 EXIT_WAIT_S = 60.0  # how long an exiting process waits for its cache to reach the disk before giving it up
 
 
 class PackedCache:
     """Where one model's packed projections are read from (``mapped``) or packed into (``fresh``)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, expected_bytes: int = 0) -> None:
+        """``expected_bytes``: about what the packed files will hold in all (the GGUF file's size), checked
+        against the disk's free space before the first file is reserved."""
         self.directory = directory
+        self.expected_bytes = expected_bytes
         self._manifest = _read_manifest(directory)  # key -> (file name, bytes); empty on a first start
         if not self._manifest and directory.exists():  # damaged, or of another layout: packed and kept anew
             shutil.rmtree(directory, ignore_errors=True)
@@ -77,10 +83,10 @@ class PackedCache:
         self._keeper: int | None = None  # the lock held while this start keeps the files (a descriptor)
 
     @classmethod
-    def beside(cls, metadata_dir: Path) -> PackedCache:
+    def beside(cls, metadata_dir: Path, expected_bytes: int = 0) -> PackedCache:
         """The cache of the model whose config and tokenizer are kept in ``metadata_dir``."""
         directory = metadata_dir / f"packed-v{LAYOUT_VERSION}"
-        cache = cls(directory)
+        cache = cls(directory, expected_bytes)
         if not directory.exists() and cache._keep(report=False):  # no start keeps it: staging here is dead
             cache._release()
         return cache
@@ -122,7 +128,7 @@ class PackedCache:
         shared, where the disk has room for it; else anonymous memory (nothing kept for it)."""
         if nbytes == 0 or self._given_up or self.directory.exists():  # a cache made by another start: kept as is
             return torch.empty(nbytes, dtype=torch.uint8)
-        if self._staging is None and not self._keep(report=True):
+        if self._staging is None and not (self._room_on_disk() and self._keep(report=True)):
             self._given_up = True
             return torch.empty(nbytes, dtype=torch.uint8)
         path = None
@@ -162,6 +168,20 @@ class PackedCache:
             if out.numel() and out.data_ptr() in self._file_pages:
                 _seal(out)
         return out
+
+    def _room_on_disk(self) -> bool:
+        """Whether the files fit with DISK_LEFT_FREE to spare (logged where they do not)."""
+        try:
+            self.directory.parent.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(self.directory.parent).free
+        except OSError:
+            return True  # unknown here: the reservation of each file still refuses a full disk
+        if free >= self.expected_bytes + DISK_LEFT_FREE:
+            return True
+        logger.warning("packed weights not kept for later starts: %.2f GiB free in %s, %.2f GiB needed and "
+                       "%.1f GiB left free; packing into memory", free / (1 << 30), self.directory.parent,
+                       self.expected_bytes / (1 << 30), DISK_LEFT_FREE / (1 << 30))
+        return False
 
     def _keep(self, report: bool) -> bool:
         """Take the lock that lets this start keep the files (without waiting), and remove the staging

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -222,4 +223,18 @@ def test_publishing_removes_the_files_of_other_layouts(tmp_path):
     cache.commit_in_background()
     assert cache.wait(30)
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["packed-v1", "packed-vault"]
+
+
+def test_a_disk_without_room_to_spare_keeps_nothing(tmp_path, monkeypatch, caplog):
+    """The files are not started where they would leave the disk with less than DISK_LEFT_FREE: the weights
+    are packed into memory and the log says how much room there was."""
+    free = packed_cache.DISK_LEFT_FREE + (1 << 20)
+    monkeypatch.setattr(packed_cache.shutil, "disk_usage", lambda path: SimpleNamespace(free=free))
+    tight = PackedCache(tmp_path / "packed-v1", expected_bytes=2 << 20)
+    tight.fresh("a", 4096).fill_(1)
+    assert tight.written_bytes == 0 and tight.commit_in_background() is None
+    assert "GiB free" in caplog.text
+    roomy = PackedCache(tmp_path / "packed-v1", expected_bytes=1 << 19)
+    roomy.fresh("a", 4096)
+    assert roomy.written_bytes == 4096
 
