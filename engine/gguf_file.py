@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,7 @@ class GgufFile:
         self._fields: dict[str, Any] = {}
         self._types: dict[str, int] = {}
         self._decoded: dict[str, list] = {}  # arrays decoded at their first use
+        self._decoding = threading.Lock()
         for _ in range(kv_count):
             key = self._string()
             (value_type,) = self._unpack("<I")
@@ -104,9 +106,10 @@ class GgufFile:
         """A metadata value: a number, a string, or a list (arrays are decoded at their first use)."""
         value = self._fields.get(name, default)
         if isinstance(value, _LazyArray):
-            if name not in self._decoded:
-                self._decoded[name] = self._decode_array(value)
-            value = self._decoded[name]
+            with self._decoding:  # the decoder moves the one cursor: one thread at a time
+                if name not in self._decoded:
+                    self._decoded[name] = self._decode_array(value)
+                value = self._decoded[name]
         return value
 
     def __contains__(self, name: str) -> bool:
@@ -200,7 +203,8 @@ class GgufFile:
 
     def _string(self) -> str:
         (length,) = self._unpack("<Q")
-        return self._read(length).decode("utf-8", errors="replace")
+        # invalid UTF-8 kept as surrogates, so that the bytes can be had back exactly (``raw_string``)
+        return self._read(length).decode("utf-8", errors="surrogateescape")
 
     def _value(self, value_type: int) -> Any:
         if value_type in _SCALARS:

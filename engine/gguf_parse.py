@@ -25,7 +25,7 @@ import copy
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cached_property
 from typing import Any
@@ -34,6 +34,7 @@ from engine.gguf_file import GgufFile
 
 _lock = threading.RLock()  # the patch is process-wide: one thread's blocks at a time
 _depth = 0
+_restore_reads: Callable[[], None] | None = None  # undoes the shared metadata reads at the outermost exit
 
 _UINT32, _STRING, _ARRAY, _UINT64 = 4, 8, 9, 10  # GGUF value types
 
@@ -84,10 +85,20 @@ class MetadataField:
         if self.types[0] == _ARRAY:
             return _ArrayParts(self._items, self.types[1] == _STRING)
         value = self._file.field(self.name)
-        return [value.encode()] if self.types[0] == _STRING else _ScalarParts(value)
+        return [_raw(value)] if self.types[0] == _STRING else _ScalarParts(value)
 
     def contents(self) -> Any:
-        return self._file.field(self.name)
+        """The value as gguf-py gives it: strings decoded strictly (a damaged one raises, as there), each
+        call a list of its own."""
+        if self.types[0] == _ARRAY:
+            return [item.decode() for item in self._items] if self.types[1] == _STRING else self._items.tolist()
+        value = self._file.field(self.name)
+        return _raw(value).decode() if self.types[0] == _STRING else value
+
+
+def _raw(text: str) -> bytes:
+    """A string of the fast parse as the file's bytes (it keeps invalid UTF-8 as surrogates)."""
+    return text.encode("utf-8", "surrogateescape")
 
 
 class _HeaderField:
@@ -109,7 +120,13 @@ class _Tensor:
         self._reader, self._index, self.name = reader, index, name
 
     def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("_"):  # this object's own (copy and pickle probe them before they are set)
+            raise AttributeError(attribute)
         return getattr(self._reader.full.tensors[self._index], attribute)
+
+
+class _NotServedHere(Exception):
+    """A file whose metadata this stand-in does not lay out: gguf-py's own reader reads it."""
 
 
 class MetadataReader:
@@ -118,6 +135,8 @@ class MetadataReader:
     def __init__(self, path: Any, original: Any) -> None:
         self._path, self._original = path, original
         self._file = GgufFile(os.fspath(path))
+        if any(types == [_ARRAY, _ARRAY] for types in map(self._file.field_types, self._file.field_names())):
+            raise _NotServedHere("an array of arrays")  # no model's metadata holds one: gguf-py reads it
         tensor_count, kv_count = self._file.header_counts
         header = {"GGUF.version": (_UINT32, self._file.version), "GGUF.tensor_count": (_UINT64, tensor_count),
                   "GGUF.kv_count": (_UINT64, kv_count)}
@@ -134,13 +153,15 @@ class MetadataReader:
 
 @contextmanager
 def shared_gguf_readers() -> Iterator[None]:
-    global _depth
+    global _depth, _restore_reads
     import gguf
 
     with _lock:
         if _depth:  # an enclosing block's readers serve
             _depth += 1
             try:
+                if _restore_reads is None:  # transformers loaded since the enclosing block began
+                    _restore_reads = _share_metadata_reads()
                 yield
             finally:
                 _depth -= 1
@@ -151,7 +172,10 @@ def shared_gguf_readers() -> Iterator[None]:
         def shared(path: Any, mode: Any = "r") -> Any:
             key = (os.path.realpath(os.fspath(path)), mode)
             if key not in readers:
-                readers[key] = MetadataReader(path, original) if mode == "r" else original(path, mode)
+                try:
+                    readers[key] = MetadataReader(path, original) if mode == "r" else original(path, mode)
+                except _NotServedHere:
+                    readers[key] = original(path, mode)
             return readers[key]
 
         original_name_map = gguf.get_tensor_name_map
@@ -162,34 +186,39 @@ def shared_gguf_readers() -> Iterator[None]:
                 name_maps[(arch, n_blocks)] = original_name_map(arch, n_blocks)
             return name_maps[(arch, n_blocks)]
 
-        # transformers imports both names from the module at each call
         patched: Any = gguf  # the module, its attributes swapped for the block
-        patched.GGUFReader, patched.get_tensor_name_map = shared, shared_name_map
-        restore_checkpoint_reads = _share_metadata_reads()
         _depth = 1
         try:
+            # transformers imports both names from the module at each call
+            patched.GGUFReader, patched.get_tensor_name_map = shared, shared_name_map
+            _restore_reads = _share_metadata_reads()
             yield
         finally:
             _depth = 0
             patched.GGUFReader, patched.get_tensor_name_map = original, original_name_map
-            restore_checkpoint_reads()
+            if _restore_reads is not None:
+                _restore_reads()
+                _restore_reads = None
 
 
-def _share_metadata_reads() -> Any:
-    """Swap transformers' ``load_gguf_checkpoint`` (wherever a module holds it) for one that reads each path's
-    metadata once; returns the function that swaps it back. Nothing to do where transformers is not loaded."""
+def _share_metadata_reads() -> Callable[[], None] | None:
+    """Swap transformers' ``load_gguf_checkpoint`` (wherever a module holds it) for one that reads each file's
+    metadata once; returns the function that swaps it back, or None where transformers is not loaded yet."""
     module = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
     if module is None or not hasattr(module, "load_gguf_checkpoint"):
-        return lambda: None
+        return None
     original = module.load_gguf_checkpoint
-    answers: dict[str, Any] = {}
+    answers: dict[tuple, Any] = {}
 
-    def shared(gguf_checkpoint_path: Any, return_tensors: bool = False, model_to_load: Any = None) -> Any:
-        if return_tensors:
-            return original(gguf_checkpoint_path, return_tensors=True, model_to_load=model_to_load)
-        key = os.path.realpath(os.fspath(gguf_checkpoint_path))
+    def shared(*args: Any, **kwargs: Any) -> Any:
+        path = args[0] if args else kwargs.get("gguf_checkpoint_path")
+        return_tensors = args[1] if len(args) > 1 else kwargs.get("return_tensors", False)
+        if return_tensors or path is None or len(args) > 2 or set(kwargs) - {"gguf_checkpoint_path", "return_tensors"}:
+            return original(*args, **kwargs)  # the weights, or a call this memo does not know: never shared
+        info = os.stat(path)
+        key = (os.path.realpath(os.fspath(path)), info.st_ino, info.st_size, info.st_mtime_ns)
         if key not in answers:
-            answers[key] = original(gguf_checkpoint_path, return_tensors=False)
+            answers[key] = original(path, return_tensors=False)
         return copy.deepcopy(answers[key])  # each caller may change its dictionaries
 
     def swap(old: Any, new: Any) -> None:

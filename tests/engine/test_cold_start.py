@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import struct
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import gguf
@@ -201,3 +203,49 @@ def test_a_failing_compile_says_why(tmp_path):
     with pytest.raises(RuntimeError, match="no such instruction"):
         build_library(str(cc), "-march=x86-64-v2", tmp_path / "kernels")
     assert not list((tmp_path / "kernels").glob("*.so"))
+
+
+def _gguf_string(data: bytes) -> bytes:
+    return struct.pack("<Q", len(data)) + data
+
+
+def _raw_gguf(path, fields):
+    """A GGUF v3 file of metadata alone, written byte by byte: ``fields`` is [(key, type code, value bytes)]."""
+    body = b"".join(_gguf_string(key.encode()) + struct.pack("<I", kind) + value for key, kind, value in fields)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(fields)) + body)
+    return path
+
+
+def test_a_string_that_is_not_utf8_is_refused_as_gguf_py_refuses_it(tmp_path):
+    """A damaged string is not rewritten into the kept metadata: transformers' read of it fails through the
+    stand-in as through gguf-py's reader, and so does ``contents()``."""
+    from transformers.integrations.ggml import _gguf_parse_value
+
+    path = _raw_gguf(tmp_path / "bad.gguf", [("general.name", 8, _gguf_string(b"bad\xff-name"))])
+    real = gguf.GGUFReader(str(path))
+    with shared_gguf_readers():
+        fast = _open(path)
+    for reader in (real, fast):
+        field = reader.fields["general.name"]
+        with pytest.raises(UnicodeDecodeError):
+            [_gguf_parse_value(field.parts[i], field.types) for i in field.data]
+    with pytest.raises(UnicodeDecodeError):
+        fast.fields["general.name"].contents()
+
+
+def test_metadata_reads_are_shared_from_a_nested_block_when_transformers_loads_inside(tmp_path, monkeypatch):
+    """An engine start enters the block before it first imports transformers; the conversion's nested block
+    then installs the shared reads, and the outermost exit removes them."""
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    original = gguf_utils.load_gguf_checkpoint
+    name = "transformers.modeling_gguf_pytorch_utils"
+    monkeypatch.delitem(sys.modules, name)
+    with shared_gguf_readers():
+        assert gguf_utils.load_gguf_checkpoint is original  # not loaded at the block's start
+        sys.modules[name] = gguf_utils  # "imported" now
+        with shared_gguf_readers():
+            assert gguf_utils.load_gguf_checkpoint is not original
+        assert gguf_utils.load_gguf_checkpoint is not original  # until the outermost exit
+    assert gguf_utils.load_gguf_checkpoint is original
