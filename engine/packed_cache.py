@@ -270,7 +270,8 @@ class PackedCache:
         them, and each is the model's size again. (A process still mapping them keeps their pages until
         it exits.)"""
         for other in self.directory.parent.glob("packed-v*"):
-            if other != self.directory and _LAYOUT_DIR.fullmatch(other.name) and not other.is_symlink():
+            if (_LAYOUT_DIR.fullmatch(other.name) and int(other.name[len("packed-v"):]) < LAYOUT_VERSION
+                    and not other.is_symlink()):  # a newer layout belongs to a newer server still running
                 shutil.rmtree(other, ignore_errors=True)
 
 

@@ -214,6 +214,7 @@ def test_publishing_removes_the_files_of_other_layouts(tmp_path):
     """A layout version's files are removed once the current layout's are whole (never before: a start that
     dies while packing leaves the older files as they were)."""
     old = tmp_path / "packed-v0"
+    (tmp_path / "packed-v9").mkdir()  # a newer server's: kept
     old.mkdir()
     (old / ("0" * 24 + ".packed")).write_bytes(b"x" * 4096)
     (tmp_path / "packed-vault").mkdir()  # not a layout directory: left alone
@@ -222,7 +223,7 @@ def test_publishing_removes_the_files_of_other_layouts(tmp_path):
     assert old.exists()
     cache.commit_in_background()
     assert cache.wait(30)
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["packed-v1", "packed-vault"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["packed-v1", "packed-v9", "packed-vault"]
 
 
 def test_a_disk_without_room_to_spare_keeps_nothing(tmp_path, monkeypatch, caplog):
