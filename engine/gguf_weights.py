@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from engine.checkpoint_names import EMBEDDING, HEAD, hf_name, is_linear
-from engine.gguf_file import GgufFile
+from engine.gguf_file import GgufFile, TensorInfo
 from engine.kernels import CpuKernels
 from engine.packed_cache import PackedCache
 from engine.quant.formats import QuantizedWeight
@@ -167,7 +167,7 @@ class GgufWeights:
             if hf == EMBEDDING and info.type_name in _TORCH_DEQUANTIZED:
                 total += 0 if rows_from_head else info.nbytes
             elif is_linear(hf) and info.type_name in BLOCK_TYPES:
-                total += info.nbytes * 36 // 34 if info.type_name == "Q8_0" else info.nbytes
+                total += _packed_size(info)
             else:
                 total += int(np.prod(info.shape, dtype=np.int64)) * dtype_size
         return total
@@ -175,6 +175,11 @@ class GgufWeights:
     def release_all(self) -> None:
         """Drop every page of the file from the process (after the load has read what it needs)."""
         self.file.release_all()
+
+    def packed_bytes(self) -> int:
+        """What the block-typed projections hold once packed (what a packed-weights cache writes)."""
+        return sum(_packed_size(self.file.tensors[g]) for hf, g in self.names.items()
+                   if is_linear(hf) and self.file.tensors[g].type_name in BLOCK_TYPES)
 
     def blocks(self, cache: PackedCache | None = None) -> BlockWeights:
         """The projections' blocks, packed through ``cache`` (mapped from an earlier start's files, or packed
@@ -268,6 +273,12 @@ class BlockWeights(Mapping[str, QuantizedWeight]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._names
+
+
+def _packed_size(info: TensorInfo) -> int:
+    """A block-typed projection's bytes in the packed layout: its size in the file, but for Q8_0, whose fp16
+    scales become fp32 (36 bytes a block of 32 against 34)."""
+    return info.nbytes * 36 // 34 if info.type_name == "Q8_0" else info.nbytes
 
 
 def pack_blocks(kind: str, blocks: torch.Tensor) -> PackedWeight:

@@ -110,20 +110,25 @@ def load(config: EngineConfig) -> Loaded:
         quantization = resolve_quantization(config.quantization, ckpt.gguf is not None, kernels, dtype, device)
         resolve_activations(config.linear_activations, quantization)  # refuses a bad pair before loading
         stored, cache_file = _stored_weights(ckpt, quantization, config.packed_weights_cache)
-    tokenizer = _tokenizer(config, ckpt)
-    model = _build_model(config, ckpt, tokenizer, dtype, device, quantization, stored, cache_file, weight_bytes)
-    max_model_len = _max_model_len(config, model, ckpt.hf_config)
-    name = config.served_model_name or (EMBEDDED_MODEL_NAME if config.model in (None, "", "embedded")
-                                        else ckpt.model_dir.name)
-    pooler = _make_pooler(task, name, ckpt.hf_config, head, pooler_config)
-    model_info = ModelInfo(name=name, path=str(ckpt.model_dir), model_type=ckpt.hf_config.model_type,
-                           max_model_len=max_model_len, vocab_size=model.embed.shape[0],
-                           dtype=str(dtype).removeprefix("torch."), device=str(device),
-                           chat_template_tools="tools" in (tokenizer.chat_template or ""),
-                           task=task, pooling_tasks=pooler.tasks, labels=_labels(ckpt.hf_config, pooler))
-    release_freed_memory()  # the load's transient copies (fp32 dequantized tensors, the file's pages) leave RSS
-    cost_model = pinned or _cost_model(model)
     packed_cache = stored.cache if isinstance(stored, BlockWeights) else None
+    try:
+        tokenizer = _tokenizer(config, ckpt)
+        model = _build_model(config, ckpt, tokenizer, dtype, device, quantization, stored, cache_file, weight_bytes)
+        max_model_len = _max_model_len(config, model, ckpt.hf_config)
+        name = config.served_model_name or (EMBEDDED_MODEL_NAME if config.model in (None, "", "embedded")
+                                            else ckpt.model_dir.name)
+        pooler = _make_pooler(task, name, ckpt.hf_config, head, pooler_config)
+        model_info = ModelInfo(name=name, path=str(ckpt.model_dir), model_type=ckpt.hf_config.model_type,
+                               max_model_len=max_model_len, vocab_size=model.embed.shape[0],
+                               dtype=str(dtype).removeprefix("torch."), device=str(device),
+                               chat_template_tools="tools" in (tokenizer.chat_template or ""),
+                               task=task, pooling_tasks=pooler.tasks, labels=_labels(ckpt.hf_config, pooler))
+        release_freed_memory()  # the load's transient copies (fp32 dequantized tensors, the file's pages) leave RSS
+        cost_model = pinned or _cost_model(model)
+    except BaseException:
+        if packed_cache is not None:  # its staged files and its lock, let go now rather than at exit
+            packed_cache.abandon()
+        raise
     if packed_cache is not None:
         if packed_cache.mapped_bytes:
             logger.info("weights: %.2f GiB of packed projections mapped from %s",
@@ -327,8 +332,8 @@ def _stored_weights(ckpt: _Checkpoint, quantization: str, keep_packed: bool = Fa
         return None, None
     if quantization == "gguf" and in_place is not None:
         # read from the file as each projection is built, or mapped from where an earlier start packed them
-        expected = gguf.stat().st_size if gguf is not None else 0  # the packed files hold about the file's size
-        return in_place.blocks(PackedCache.beside(ckpt.model_dir, expected) if keep_packed else None), None
+        cache = PackedCache.beside(ckpt.model_dir, in_place.packed_bytes()) if keep_packed else None
+        return in_place.blocks(cache), None
     if in_place is not None:  # int8 / int4 made from a GGUF file's weights
         assert gguf is not None  # GGUF weights are read in place only from a GGUF file
         path = quant_cache.cache_path([gguf], quantization)

@@ -79,7 +79,7 @@ class PackedCache:
         self.written_bytes = 0
         self._commit: threading.Thread | None = None
         self._file_pages: set[int] = set()  # addresses of the maps ``fresh`` made over files
-        self._given_up = False  # the disk refused a file: the rest is packed into memory, nothing kept
+        self._given_up = False  # nothing this start packs is kept (the rest goes into memory)
         self._keeper: int | None = None  # the lock held while this start keeps the files (a descriptor)
 
     @classmethod
@@ -126,9 +126,15 @@ class PackedCache:
     def fresh(self, key: str, nbytes: int) -> torch.Tensor:
         """Memory for the projection ``key`` to be packed into: a file of the staging directory, mapped
         shared, where the disk has room for it; else anonymous memory (nothing kept for it)."""
-        if nbytes == 0 or self._given_up or self.directory.exists():  # a cache made by another start: kept as is
+        if nbytes == 0 or self._given_up:
             return torch.empty(nbytes, dtype=torch.uint8)
-        if self._staging is None and not (self._room_on_disk() and self._keep(report=True)):
+        if self._manifest or self.directory.exists():
+            # Only a start that found no cache keeps one: where a cache was read (and a file of it proved
+            # unreadable, or the directory went while this start mapped it) or another start has since
+            # published one, what this start would write is part of a set, never to be published as whole.
+            self._given_up = True
+            return torch.empty(nbytes, dtype=torch.uint8)
+        if self._staging is None and not self._start_keeping():
             self._given_up = True
             return torch.empty(nbytes, dtype=torch.uint8)
         path = None
@@ -169,14 +175,33 @@ class PackedCache:
                 _seal(out)
         return out
 
+    def _start_keeping(self) -> bool:
+        """Whether this start keeps the files it packs: it holds the lock, no other start published them
+        while it was taken, and the disk has room."""
+        if not self._keep(report=True):
+            return False
+        if self.directory.exists() or not self._room_on_disk():  # published since the check in ``fresh``
+            self._release()
+            return False
+        return True
+
     def _room_on_disk(self) -> bool:
-        """Whether the files fit with DISK_LEFT_FREE to spare (logged where they do not)."""
+        """Whether the files fit with DISK_LEFT_FREE to spare, counting the files of older layouts (removed,
+        to make the room, where it is only there without them); logged where they do not fit."""
         try:
-            self.directory.parent.mkdir(parents=True, exist_ok=True)
             free = shutil.disk_usage(self.directory.parent).free
         except OSError:
             return True  # unknown here: the reservation of each file still refuses a full disk
-        if free >= self.expected_bytes + DISK_LEFT_FREE:
+        needed = self.expected_bytes + DISK_LEFT_FREE
+        if free >= needed:
+            return True
+        older = self._older_layouts()
+        older_bytes = sum(_tree_bytes(d) for d in older)
+        if free + older_bytes >= needed:
+            logger.info("packed weights of an older layout (%.2f GiB) removed to make room for this one's",
+                        older_bytes / (1 << 30))
+            for directory in older:
+                shutil.rmtree(directory, ignore_errors=True)
             return True
         logger.warning("packed weights not kept for later starts: %.2f GiB free in %s, %.2f GiB needed and "
                        "%.1f GiB left free; packing into memory", free / (1 << 30), self.directory.parent,
@@ -189,22 +214,33 @@ class PackedCache:
         cannot be written (logged where ``report``)."""
         if self._keeper is not None:
             return True
+        lock = self.directory.parent / f".keeping-{self.directory.name}.lock"
         try:
             self.directory.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.directory.parent / f".keeping-{self.directory.name}.lock",
-                         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            except PermissionError:  # made by another user of a shared cache: a lock needs only a read open
+                fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
             if report:
                 logger.warning("packed weights not kept for later starts (%s): packing into memory", exc)
             return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:
             os.close(fd)
             if report:
                 logger.info("another start is keeping the packed weights in %s: this start packs into memory",
                             self.directory)
             return False
+        except OSError as exc:
+            # No locks on this file system (some network ones): the files are kept unlocked, as two starts
+            # at once may; their publishes leave one whole set. Whose staging is dead is then unknown.
+            if report:
+                logger.warning("packed weights kept without a lock (%s): replicas starting together on this "
+                               "cache may each write a copy", exc)
+            self._keeper = fd
+            return True
         self._keeper = fd
         for staging in self.directory.parent.glob(f".{glob.escape(self.directory.name)}.*.*"):
             if staging.is_dir() and not staging.is_symlink():
@@ -215,6 +251,15 @@ class PackedCache:
         if self._keeper is not None:
             os.close(self._keeper)  # closing the descriptor drops the lock
             self._keeper = None
+
+    def abandon(self) -> None:
+        """After a load that failed: what this start packed is removed and the lock let go now, not at exit
+        (the process may go on, and start the model again)."""
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)  # the maps keep their files' pages until they go
+            self._staging = None
+        self._given_up = True
+        self._release()
 
     def commit_in_background(self) -> threading.Thread | None:
         """After the load: flush what this start packed to disk and publish it, on a thread (the engine
@@ -264,15 +309,19 @@ class PackedCache:
         logger.info("packed weights: %.2f GiB kept for later starts in %.1fs", self.written_bytes / (1 << 30),
                     time.monotonic() - started)
 
-
     def _remove_other_layouts(self) -> None:
         """Files kept in an earlier layout, now that this one's are whole: no start of this version reads
         them, and each is the model's size again. (A process still mapping them keeps their pages until
         it exits.)"""
-        for other in self.directory.parent.glob("packed-v*"):
-            if (_LAYOUT_DIR.fullmatch(other.name) and int(other.name[len("packed-v"):]) < LAYOUT_VERSION
-                    and not other.is_symlink()):  # a newer layout belongs to a newer server still running
-                shutil.rmtree(other, ignore_errors=True)
+        for other in self._older_layouts():
+            shutil.rmtree(other, ignore_errors=True)
+
+    def _older_layouts(self) -> list[Path]:
+        """Kept directories of layout versions before this one (a newer layout belongs to a newer server,
+        which may still be running)."""
+        return [other for other in self.directory.parent.glob("packed-v*")
+                if _LAYOUT_DIR.fullmatch(other.name) and int(other.name[len("packed-v"):]) < LAYOUT_VERSION
+                and not other.is_symlink()]
 
 
 def _finish(commit: threading.Thread) -> None:
@@ -297,6 +346,19 @@ def _read_manifest(directory: Path) -> dict[str, tuple[str, int]]:
         return out
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return {}
+
+
+def _tree_bytes(directory: Path) -> int:
+    """Bytes of the regular files directly in ``directory`` (a kept layout holds nothing deeper)."""
+    total = 0
+    for entry in directory.glob("*"):
+        try:
+            st = entry.lstat()
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            total += st.st_size
+    return total
 
 
 def _seal(data: torch.Tensor) -> None:

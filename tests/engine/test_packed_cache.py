@@ -47,6 +47,9 @@ def test_a_later_start_maps_the_bytes_the_first_packed_and_answers_the_same(tmp_
     monkeypatch.setenv("SPARK_CACHE_DIR", str(tmp_path))
     first = _engine()
     assert first.packed_cache is not None and first.packed_cache.written_bytes > 0
+    # the disk-room check was made for what the files hold (Q8_0's fp32 scales included), known before packing
+    expected, written = first.packed_cache.expected_bytes, first.packed_cache.written_bytes
+    assert written <= expected < written * 1.02, (expected, written)
     assert first.packed_cache.wait(60)
     second = _engine()
     assert second.packed_cache is not None
@@ -239,3 +242,124 @@ def test_a_disk_without_room_to_spare_keeps_nothing(tmp_path, monkeypatch, caplo
     roomy.fresh("a", 4096)
     assert roomy.written_bytes == 4096
 
+
+
+def _publish(directory, entries: dict[str, int]) -> None:
+    cache = PackedCache(directory)
+    for key, value in entries.items():
+        cache.fresh(key, 4096).fill_(value)
+    cache.commit_in_background()
+    assert cache.wait(30)
+
+
+def test_a_start_that_read_a_cache_never_keeps_a_part_of_one(tmp_path):
+    """The kept directory removed while a start maps it: the projections it still lacks are packed into
+    memory, and nothing is published (the set would lack the projections that were mapped)."""
+    directory = tmp_path / "packed-v1"
+    _publish(directory, {"a": 1, "b": 2})
+    reader = PackedCache(directory)
+    assert reader.mapped("a", 4096) is not None
+    packed_cache.shutil.rmtree(directory)
+    assert reader.mapped("b", 4096) is None
+    reader.fresh("b", 4096).fill_(3)
+    assert reader.written_bytes == 0 and reader.commit_in_background() is None
+    assert not directory.exists() and not list(tmp_path.glob(".packed-v1.*"))
+
+
+def test_a_cache_published_while_the_lock_was_taken_is_kept_as_is(tmp_path, monkeypatch):
+    directory = tmp_path / "packed-v1"
+    late = PackedCache(directory)
+    take_lock = late._keep
+
+    def another_start_publishes_first(report: bool) -> bool:
+        _publish(directory, {"a": 1})
+        return take_lock(report)
+
+    monkeypatch.setattr(late, "_keep", another_start_publishes_first)
+    late.fresh("a", 4096).fill_(2)
+    assert late.written_bytes == 0 and late.commit_in_background() is None
+    mapped = PackedCache(directory).mapped("a", 4096)
+    assert mapped is not None and bool((mapped == 1).all())
+    assert PackedCache(tmp_path / "packed-v1")._keep(report=False)  # the lock was let go
+
+
+def test_an_older_layouts_files_make_room_when_the_disk_has_none_without_them(tmp_path, monkeypatch):
+    old = tmp_path / "packed-v0"
+    old.mkdir()
+    (old / ("0" * 24 + ".packed")).write_bytes(b"x" * (2 << 20))
+    free = packed_cache.DISK_LEFT_FREE + (1 << 20)
+    monkeypatch.setattr(packed_cache.shutil, "disk_usage", lambda path: SimpleNamespace(free=free))
+    fits_with_the_old_files = PackedCache(tmp_path / "packed-v1", expected_bytes=2 << 20)
+    fits_with_the_old_files.fresh("a", 4096)
+    assert fits_with_the_old_files.written_bytes == 4096 and not old.exists()
+    fits_with_the_old_files.abandon()
+    old.mkdir()
+    (old / ("0" * 24 + ".packed")).write_bytes(b"x" * (1 << 20))
+    too_big = PackedCache(tmp_path / "packed-v1", expected_bytes=4 << 20)  # no room even without them: kept
+    too_big.fresh("a", 4096)
+    assert too_big.written_bytes == 0 and old.exists()
+
+
+def test_a_lock_file_made_by_another_user_is_opened_to_read(tmp_path, monkeypatch):
+    """In a cache shared between users the lock file may not be writable by this one: a lock needs only a
+    read open."""
+    lock = tmp_path / f".keeping-packed-v{packed_cache.LAYOUT_VERSION}.lock"
+    lock.touch()
+    real_open = os.open
+
+    def not_writable(path, flags, *args):
+        if os.fspath(path) == str(lock) and flags & os.O_RDWR:
+            raise PermissionError(errno.EACCES, "Permission denied", str(lock))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(packed_cache.os, "open", not_writable)
+    first = PackedCache.beside(tmp_path)
+    first.fresh("a", 4096)
+    assert first.written_bytes == 4096
+    second = PackedCache.beside(tmp_path)
+    second.fresh("a", 4096)
+    assert second.written_bytes == 0  # the read-open lock still holds the other start off
+
+
+def test_a_file_system_without_locks_keeps_the_files_unlocked(tmp_path, monkeypatch, caplog):
+    """Only a lock held by another start keeps this one from keeping the files; where the file system has no
+    locks at all they are kept, said in the log, and no staging directory is judged dead."""
+    def no_locks(fd, how):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(packed_cache.fcntl, "flock", no_locks)
+    other = tmp_path / f".packed-v{packed_cache.LAYOUT_VERSION}.7.abc"
+    other.mkdir()
+    cache = PackedCache.beside(tmp_path)
+    cache.fresh("a", 4096).fill_(4)
+    assert cache.written_bytes == 4096 and other.exists()
+    assert "without a lock" in caplog.text
+    cache.commit_in_background()
+    assert cache.wait(30)
+    mapped = PackedCache.beside(tmp_path).mapped("a", 4096)
+    assert mapped is not None and int(mapped[0]) == 4
+
+
+def test_a_failed_load_lets_go_of_its_staging_and_lock(tmp_path, monkeypatch):
+    if load_cpu_kernels() is None:
+        pytest.skip("no fused kernels here: nothing is packed by the kernels")
+    from engine import loader
+
+    monkeypatch.setenv("SPARK_CACHE_DIR", str(tmp_path))
+    failed = []
+
+    def fails_after_the_weights(model):
+        failed.append([p for p in tmp_path.rglob(".packed-v*") if p.is_dir()])  # the staging, while it is
+        raise RuntimeError("the load failed after the weights")
+
+    monkeypatch.setattr(loader, "_cost_model", fails_after_the_weights)
+    with pytest.raises(RuntimeError, match="after the weights"):
+        _engine()
+    assert failed and failed[0]  # the weights were being kept
+    assert not [p for p in tmp_path.rglob(".packed-v*") if p.is_dir()]  # no staging left
+    lock = next(tmp_path.rglob(".keeping-packed-v*.lock"))
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        packed_cache.fcntl.flock(fd, packed_cache.fcntl.LOCK_EX | packed_cache.fcntl.LOCK_NB)  # free
+    finally:
+        os.close(fd)
