@@ -28,7 +28,7 @@ from engine.kernels import CpuKernels
 from engine.packed_cache import PackedCache
 from engine.quant.formats import QuantizedWeight
 from engine.quant.gguf_blocks import BLOCK, decode_blocks
-from engine.quant.packing import TILE, PackedWeight
+from engine.quant.packing import TILE, PackedWeight, tile_group_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -276,9 +276,11 @@ class BlockWeights(Mapping[str, QuantizedWeight]):
 
 
 def _packed_size(info: TensorInfo) -> int:
-    """A block-typed projection's bytes in the packed layout: its size in the file, but for Q8_0, whose fp16
-    scales become fp32 (36 bytes a block of 32 against 34)."""
-    return info.nbytes * 36 // 34 if info.type_name == "Q8_0" else info.nbytes
+    """A block-typed projection's bytes in the packed layout: about its size in the file, its rows rounded
+    up to whole tiles and its scales widened (Q8_0: fp32 scales, 36 bytes a block of 32 against 34; Q4_0:
+    fp16 scales and mins, 20 against 18). Stacked projections (q/k/v, gate/up) pack at most this together."""
+    _, fmt = REPACK_KINDS[info.type_name]
+    return -(-info.shape[0] // TILE) * (info.shape[1] // BLOCK) * tile_group_bytes(fmt, BLOCK)
 
 
 def pack_blocks(kind: str, blocks: torch.Tensor) -> PackedWeight:

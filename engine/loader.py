@@ -125,15 +125,15 @@ def load(config: EngineConfig) -> Loaded:
                                task=task, pooling_tasks=pooler.tasks, labels=_labels(ckpt.hf_config, pooler))
         release_freed_memory()  # the load's transient copies (fp32 dequantized tensors, the file's pages) leave RSS
         cost_model = pinned or _cost_model(model)
+        if packed_cache is not None:
+            if packed_cache.mapped_bytes:
+                logger.info("weights: %.2f GiB of packed projections mapped from %s",
+                            packed_cache.mapped_bytes / (1 << 30), packed_cache.directory)
+            packed_cache.commit_in_background()  # what this start packed, to disk while the engine serves
     except BaseException:
         if packed_cache is not None:  # its staged files and its lock, let go now rather than at exit
             packed_cache.abandon()
         raise
-    if packed_cache is not None:
-        if packed_cache.mapped_bytes:
-            logger.info("weights: %.2f GiB of packed projections mapped from %s",
-                        packed_cache.mapped_bytes / (1 << 30), packed_cache.directory)
-        packed_cache.commit_in_background()  # what this start packed, to disk while the engine serves
     kv_prefault = kv_cache.prefault_in_background() if config.kv_cache_prefault else None
     return Loaded(model=model, tokenizer=tokenizer, kv_cache=kv_cache, kv_prefault=kv_prefault,
                   eos_token_ids=_eos_ids(tokenizer, ckpt.model_dir), hf_config=ckpt.hf_config,

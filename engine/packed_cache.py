@@ -14,9 +14,10 @@ ready a thread flushes every file to disk and renames the directory into place, 
 finds every file whole or does not find the directory. A start that dies first leaves its staging
 directory, which the next start removes. One start at a time keeps a model's files (a lock beside them,
 which the OS drops with a dead process): replicas started together on an empty cache would otherwise each
-write a whole copy, all but one of them thrown away; the others pack into memory that once. Each file is
-at most the size of the blocks it was packed from (Q8_0's fp16 scales become fp32: 36 bytes a block of 32
-against 34), so the cache holds about the GGUF file's size once, and no file is larger than it.
+write a whole copy, all but one of them thrown away; the others pack into memory that once. Where the file
+system has no locks, nothing is kept. Each file is about the size of the blocks it was packed from (Q8_0's
+fp16 scales become fp32, 36 bytes a block of 32 against 34; Q4_0 gains fp16 mins, 20 against 18), so the
+cache holds about the GGUF file's size once, and no file is larger than it.
 
 Mapped weights are file pages: under memory pressure the OS may drop them and read them back on next use,
 as it does for llama.cpp's mapped model files. ``--no-packed-weights-cache`` packs into anonymous memory at
@@ -186,8 +187,10 @@ class PackedCache:
         return True
 
     def _room_on_disk(self) -> bool:
-        """Whether the files fit with DISK_LEFT_FREE to spare, counting the files of older layouts (removed,
-        to make the room, where it is only there without them); logged where they do not fit."""
+        """Whether the files fit with DISK_LEFT_FREE to spare; logged where they do not. Where only older
+        layouts' files stand in the way they are removed first (before this start has published its own:
+        no start of this version reads them), and the room is measured again, as a process still mapping
+        them holds their blocks until it exits."""
         try:
             free = shutil.disk_usage(self.directory.parent).free
         except OSError:
@@ -196,13 +199,18 @@ class PackedCache:
         if free >= needed:
             return True
         older = self._older_layouts()
-        older_bytes = sum(_tree_bytes(d) for d in older)
-        if free + older_bytes >= needed:
+        older_bytes = sum(_dir_file_bytes(d) for d in older)
+        if older and free + older_bytes >= needed:
             logger.info("packed weights of an older layout (%.2f GiB) removed to make room for this one's",
                         older_bytes / (1 << 30))
             for directory in older:
                 shutil.rmtree(directory, ignore_errors=True)
-            return True
+            try:
+                free = shutil.disk_usage(self.directory.parent).free
+            except OSError:
+                return True
+            if free >= needed:
+                return True
         logger.warning("packed weights not kept for later starts: %.2f GiB free in %s, %.2f GiB needed and "
                        "%.1f GiB left free; packing into memory", free / (1 << 30), self.directory.parent,
                        self.expected_bytes / (1 << 30), DISK_LEFT_FREE / (1 << 30))
@@ -227,20 +235,17 @@ class PackedCache:
             return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as exc:
             os.close(fd)
-            if report:
+            if report and isinstance(exc, BlockingIOError):
                 logger.info("another start is keeping the packed weights in %s: this start packs into memory",
                             self.directory)
+            elif report:
+                # No locks here (some network file systems; NFS also refuses one on a read-only open):
+                # unlocked, no start could tell a dead start's staging from a live one's.
+                logger.warning("packed weights not kept for later starts: the cache directory cannot be "
+                               "locked (%s); packing into memory", exc)
             return False
-        except OSError as exc:
-            # No locks on this file system (some network ones): the files are kept unlocked, as two starts
-            # at once may; their publishes leave one whole set. Whose staging is dead is then unknown.
-            if report:
-                logger.warning("packed weights kept without a lock (%s): replicas starting together on this "
-                               "cache may each write a copy", exc)
-            self._keeper = fd
-            return True
         self._keeper = fd
         for staging in self.directory.parent.glob(f".{glob.escape(self.directory.name)}.*.*"):
             if staging.is_dir() and not staging.is_symlink():
@@ -255,6 +260,8 @@ class PackedCache:
     def abandon(self) -> None:
         """After a load that failed: what this start packed is removed and the lock let go now, not at exit
         (the process may go on, and start the model again)."""
+        if self._commit is not None:  # the files were whole and are being published: that thread owns them
+            return
         if self._staging is not None:
             shutil.rmtree(self._staging, ignore_errors=True)  # the maps keep their files' pages until they go
             self._staging = None
@@ -348,7 +355,7 @@ def _read_manifest(directory: Path) -> dict[str, tuple[str, int]]:
         return {}
 
 
-def _tree_bytes(directory: Path) -> int:
+def _dir_file_bytes(directory: Path) -> int:
     """Bytes of the regular files directly in ``directory`` (a kept layout holds nothing deeper)."""
     total = 0
     for entry in directory.glob("*"):

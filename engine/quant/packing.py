@@ -30,6 +30,15 @@ class PackedWeight:
         return FORMATS[self.fmt]
 
 
+def tile_group_bytes(fmt: str, group: int) -> int:
+    """Bytes of one tile's group of ``group`` inputs in the packed layout, as the kernels lay it out
+    (tile_group_bytes in engine/kernels/csrc/common.h): the codes, then the tile's scales (fp32, or fp16
+    scales and mins for u4)."""
+    if fmt == "bf16":
+        return group * TILE * 2
+    return (group * TILE // 2 if fmt == "u4" else group * TILE) + TILE * 4
+
+
 def packable(fmt: str, in_features: int, group: int) -> bool:
     if in_features % group:
         return False
