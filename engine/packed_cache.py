@@ -227,8 +227,11 @@ class PackedCache:
             self.directory.parent.mkdir(parents=True, exist_ok=True)
             try:
                 fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            except PermissionError:  # made by another user of a shared cache: a lock needs only a read open
-                fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+            except PermissionError as refused:  # made by another user of a shared cache: a read open locks too
+                try:
+                    fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+                except FileNotFoundError:  # no lock file, and no right to make one: the refusal says why
+                    raise refused from None
         except OSError as exc:
             if report:
                 logger.warning("packed weights not kept for later starts (%s): packing into memory", exc)

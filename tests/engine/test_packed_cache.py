@@ -336,6 +336,23 @@ def test_a_lock_file_made_by_another_user_is_opened_to_read(tmp_path, monkeypatc
     assert second.written_bytes == 0  # the read-open lock still holds the other start off
 
 
+def test_a_cache_directory_this_user_cannot_write_says_so(tmp_path, monkeypatch, caplog):
+    """No lock file and no right to make one: nothing kept, and the log names the refusal (not the missing
+    file that the read-only attempt found)."""
+    real_open = os.open
+
+    def read_only_directory(path, flags, *args):
+        if os.fspath(path).endswith(".lock") and flags & os.O_CREAT:
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(packed_cache.os, "open", read_only_directory)
+    cache = PackedCache.beside(tmp_path)
+    cache.fresh("a", 4096)
+    assert cache.written_bytes == 0
+    assert "Permission denied" in caplog.text and "No such file" not in caplog.text
+
+
 @pytest.mark.parametrize("error", [errno.ENOLCK, errno.EBADF])
 def test_a_cache_that_cannot_be_locked_keeps_nothing(tmp_path, monkeypatch, caplog, error):
     """Only a lock held by another start is contention; where the directory cannot be locked at all (no
