@@ -65,15 +65,15 @@ def main(argv: list[str] | None = None) -> int:
             mine = {name: best_of(lambda p=p: kern.linear(x, p), 7) for name, p in packs.items()}
             torch_best = min(fp32, bf16)
             macs = rows * n * k
-            rows_out.append({"shape": f"{n}x{k}", "rows": rows, "torch_bf16_gmacs": macs / bf16 / 1e9,
-                             **{f"{name}_gmacs": macs / t / 1e9 for name, t in mine.items()},
+            rates = {"torch bf16": macs / bf16 / 1e9, **{name: macs / t / 1e9 for name, t in mine.items()}}
+            rows_out.append({"shape": f"{n}x{k}", "rows": rows,
+                             **{f"{name.replace(' ', '_')}_gmacs": rate for name, rate in rates.items()},
                              "torch_fp32_ms": fp32 * 1e3, "torch_bf16_ms": bf16 * 1e3,
                              **{f"{name}_ms": t * 1e3 for name, t in mine.items()},
                              **{f"{name}_vs_torch": torch_best / t for name, t in mine.items()}})
             print(f"{n:>5}x{k:<5} {rows:>4} rows: torch fp32 {fp32 * 1e3:8.3f} ms, bf16 {bf16 * 1e3:8.3f} ms | "
                   + "  ".join(f"{name} {t * 1e3:8.3f} ({torch_best / t:4.2f}x)" for name, t in mine.items())
-                  + f" | G multiply-adds/s: torch bf16 {macs / bf16 / 1e9:.0f}, "
-                  + ", ".join(f"{name} {macs / t / 1e9:.0f}" for name, t in mine.items()))
+                  + " | G multiply-adds/s: " + ", ".join(f"{name} {rate:.0f}" for name, rate in rates.items()))
     print("(Nx): torch's faster linear over the kernel's time; over 1 the kernel wins")
     save("linear_vs_torch", {"cpu": cpu_model(), "torch_capability": torch.backends.cpu.get_cpu_capability(),
                              "kernel_paths": paths, "rows": rows_out})

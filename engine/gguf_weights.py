@@ -236,7 +236,7 @@ class BlockWeights(Mapping[str, QuantizedWeight]):
         rows, groups = sum(info.shape[0] for info in infos), infos[0].shape[1] // BLOCK
         tiles = -(-rows // TILE)
         code, fmt = REPACK_KINDS[kind]
-        nbytes = tiles * groups * kernels.packed_tile_group_bytes(fmt, BLOCK)
+        nbytes = _packed_nbytes(kind, rows, groups)
         key = f"{kind}:{fmt}:{rows}x{groups}:{'+'.join(names)}"
 
         def pack(out: torch.Tensor) -> None:
@@ -279,8 +279,13 @@ def _packed_size(info: TensorInfo) -> int:
     """A block-typed projection's bytes in the packed layout: about its size in the file, its rows rounded
     up to whole tiles and its scales widened (Q8_0: fp32 scales, 36 bytes a block of 32 against 34; Q4_0:
     fp16 scales and mins, 20 against 18). Stacked projections (q/k/v, gate/up) pack at most this together."""
-    _, fmt = REPACK_KINDS[info.type_name]
-    return -(-info.shape[0] // TILE) * (info.shape[1] // BLOCK) * tile_group_bytes(fmt, BLOCK)
+    return _packed_nbytes(info.type_name, info.shape[0], info.shape[1] // BLOCK)
+
+
+def _packed_nbytes(kind: str, rows: int, groups: int) -> int:
+    """Bytes of ``rows`` outputs of ``groups`` blocks of ``kind`` in the kernels' packed layout."""
+    _, fmt = REPACK_KINDS[kind]
+    return -(-rows // TILE) * groups * tile_group_bytes(fmt, BLOCK)
 
 
 def pack_blocks(kind: str, blocks: torch.Tensor) -> PackedWeight:

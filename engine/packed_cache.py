@@ -129,13 +129,10 @@ class PackedCache:
         shared, where the disk has room for it; else anonymous memory (nothing kept for it)."""
         if nbytes == 0 or self._given_up:
             return torch.empty(nbytes, dtype=torch.uint8)
-        if self._manifest or self.directory.exists():
-            # Only a start that found no cache keeps one: where a cache was read (and a file of it proved
-            # unreadable, or the directory went while this start mapped it) or another start has since
-            # published one, what this start would write is part of a set, never to be published as whole.
-            self._given_up = True
-            return torch.empty(nbytes, dtype=torch.uint8)
-        if self._staging is None and not self._start_keeping():
+        # Only a start that found no cache keeps one: where a cache was read (and a file of it proved
+        # unreadable, or the directory went while this start mapped it) or another start has since
+        # published one, what this start would write is part of a set, never to be published as whole.
+        if self._manifest or self.directory.exists() or (self._staging is None and not self._start_keeping()):
             self._given_up = True
             return torch.empty(nbytes, dtype=torch.uint8)
         path = None
@@ -191,12 +188,9 @@ class PackedCache:
         layouts' files stand in the way they are removed first (before this start has published its own:
         no start of this version reads them), and the room is measured again, as a process still mapping
         them holds their blocks until it exits."""
-        try:
-            free = shutil.disk_usage(self.directory.parent).free
-        except OSError:
-            return True  # unknown here: the reservation of each file still refuses a full disk
+        free = self._free_bytes()
         needed = self.expected_bytes + DISK_LEFT_FREE
-        if free >= needed:
+        if free is None or free >= needed:  # unknown: the reservation of each file still refuses a full disk
             return True
         older = self._older_layouts()
         older_bytes = sum(_dir_file_bytes(d) for d in older)
@@ -205,16 +199,20 @@ class PackedCache:
                         older_bytes / (1 << 30))
             for directory in older:
                 shutil.rmtree(directory, ignore_errors=True)
-            try:
-                free = shutil.disk_usage(self.directory.parent).free
-            except OSError:
-                return True
-            if free >= needed:
+            free = self._free_bytes()
+            if free is None or free >= needed:
                 return True
         logger.warning("packed weights not kept for later starts: %.2f GiB free in %s, %.2f GiB needed and "
                        "%.1f GiB left free; packing into memory", free / (1 << 30), self.directory.parent,
                        self.expected_bytes / (1 << 30), DISK_LEFT_FREE / (1 << 30))
         return False
+
+    def _free_bytes(self) -> int | None:
+        """The free bytes of the cache's disk; None where they cannot be read."""
+        try:
+            return shutil.disk_usage(self.directory.parent).free
+        except OSError:
+            return None
 
     def _keep(self, report: bool) -> bool:
         """Take the lock that lets this start keep the files (without waiting), and remove the staging
