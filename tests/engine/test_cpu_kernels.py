@@ -218,7 +218,6 @@ def test_decode_attention_takes_the_maximum_of_every_score(dtype, kern, top, sec
     torch.testing.assert_close(out[0].float(), want, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H, Hkv, D", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 64)])  # + one KV head for all
 # whole prompts; a chunk continuing a cached context (tiles of several lengths, ragged, over a block edge);
 # one long chunk (several query tiles per KV head, keys beyond one 32-key score pass); many short chunks
@@ -227,11 +226,12 @@ def test_decode_attention_takes_the_maximum_of_every_score(dtype, kern, top, sec
 @pytest.mark.parametrize("spans", [[(1, 1), (7, 7)], [(40, 100), (5, 5), (33, 301)], [(130, 130)],
                                    [(2, 1100)] * 40, [(32, 700)]])
 @pytest.mark.parametrize("block", [16, 32])
-# bf16 products on AVX512-BF16 dot products or on fp32 FMAs (the linears' path, chosen at start, picks both)
-@pytest.mark.parametrize("path", ["dot", "fma"])
+# bf16 products on AVX512-BF16 dot products or on fp32 FMAs (the linears' path, chosen at start, picks both);
+# fp32 caches have the one path
+@pytest.mark.parametrize("dtype, path", [(torch.bfloat16, "dot"), (torch.bfloat16, "fma"), (torch.float32, "dot")])
 def test_prefill_attention_is_causal_softmax_attention_over_paged_context(dtype, kern, H, Hkv, D, spans, block, path):
-    if path not in (kern.linear_paths or ("dot",)) or (path == "fma" and dtype != torch.bfloat16):
-        pytest.skip(f"no {path!r} path for {dtype} in this build")
+    if path not in (kern.linear_paths or ("dot",)):
+        pytest.skip(f"no {path!r} path in this build")
     with kern.on_linear_path(path) if kern.linear_paths else nullcontext():
         _check_prefill_attention(dtype, kern, H, Hkv, D, spans, block)
 
