@@ -166,7 +166,7 @@ class GgufWeights:
             info = self.file.tensors[gguf_name]
             if hf == EMBEDDING and info.type_name in _TORCH_DEQUANTIZED:
                 total += 0 if rows_from_head else info.nbytes
-            elif is_linear(hf) and info.type_name in BLOCK_TYPES:
+            elif self._is_packed(hf, info):
                 total += _packed_size(info)
             else:
                 total += int(np.prod(info.shape, dtype=np.int64)) * dtype_size
@@ -179,7 +179,12 @@ class GgufWeights:
     def packed_bytes(self) -> int:
         """What the block-typed projections hold once packed (what a packed-weights cache writes)."""
         return sum(_packed_size(self.file.tensors[g]) for hf, g in self.names.items()
-                   if is_linear(hf) and self.file.tensors[g].type_name in BLOCK_TYPES)
+                   if self._is_packed(hf, self.file.tensors[g]))
+
+    @staticmethod
+    def _is_packed(hf: str, info: TensorInfo) -> bool:
+        """A projection whose blocks the kernels pack (every other tensor is held otherwise)."""
+        return is_linear(hf) and info.type_name in BLOCK_TYPES
 
     def blocks(self, cache: PackedCache | None = None) -> BlockWeights:
         """The projections' blocks, packed through ``cache`` (mapped from an earlier start's files, or packed
