@@ -57,10 +57,12 @@ class Settings:
                                      "gguf for a GGUF model on a CPU with AVX512-BF16, else none",
                              choices=["auto", "none", "int8", "int4", "gguf"])
     linear_activations: str = _opt("bf16", "what 4-bit weights (int4, gguf Q4_0/Q4_1) multiply: bf16 activations "
-                                           "(exact products), or int8 per block of 32 as llama.cpp does: integer dot "
-                                           "products, faster prefill with AVX512-VNNI, less accurate "
+                                           "(exact products); int8 per block of 32 as llama.cpp does (integer dot "
+                                           "products, faster prefill with AVX512-VNNI, less accurate); or "
+                                           "int8-prompt: int8 on the prompt rows whose logits are not read, bf16 on "
+                                           "the rest, most of int8's prefill speed at close to bf16's accuracy "
                                            "(docs/performance.md)",
-                                   choices=["bf16", "int8"])
+                                   choices=["bf16", "int8", "int8-prompt"])
     max_model_len: int | None = _opt(None, "context length in tokens (default: the model's; more than the model's is "
                                            "refused at start)")
     max_num_seqs: int = _opt(64, "most sequences decoded together in one step")

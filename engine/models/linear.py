@@ -138,17 +138,23 @@ class PackedLinear:
         """Whether a batch of ``rows`` runs on the packed kernel (else on the oneDNN fallback)."""
         return self.fallback is None or self.max_kernel_rows is None or rows <= self.max_kernel_rows
 
-    def __call__(self, x: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
-        """y in x's dtype, or in fp32 (unrounded sums) when ``fp32_out`` and the kernel takes the batch."""
+    def __call__(self, x: torch.Tensor, fp32_out: bool = False, int8: bool | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """y in x's dtype, or in fp32 (unrounded sums) when ``fp32_out`` and the kernel takes the batch;
+        ``int8`` (4-bit weights) overrides ``int8_activations`` for this call; ``out`` (rows of x's dtype,
+        contiguous) receives y where given."""
         if not self.takes(x.shape[0]):
             assert self.fallback is not None
-            return self.fallback(x)
+            y = self.fallback(x)
+            return y if out is None else out.copy_(y)
         if x.stride(-1) != 1:
             x = x.contiguous()
         if x.dtype != torch.bfloat16 or x.shape[-1] != self.in_features:
             raise ValueError("packed linear takes bf16 rows of in_features")
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32 if fp32_out else torch.bfloat16)
-        self.kernels.linear_into(x, self.packed, self._bias_ptr, out, self.int8_activations)
+        if out is None or fp32_out:
+            out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32 if fp32_out else torch.bfloat16)
+        int8 = self.int8_activations if int8 is None else int8 and self.takes_int8_activations
+        self.kernels.linear_into(x, self.packed, self._bias_ptr, out, int8)
         return out
 
     @property
@@ -200,13 +206,20 @@ class ReferenceLinear:
     def takes(self, rows: int) -> bool:
         return True
 
-    def __call__(self, x: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
-        if self.int8_activations:
+    @property
+    def takes_int8_activations(self) -> bool:
+        return self.quantized.kind == "u4"
+
+    def __call__(self, x: torch.Tensor, fp32_out: bool = False, int8: bool | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.int8_activations if int8 is None else int8 and self.takes_int8_activations:
             y = linear_int8_activations(x, self.quantized)
             if self.bias is not None:
                 y = y + self.bias.float()
         else:
             y = F.linear(x.float(), self.w32, self.bias.float() if self.bias is not None else None)
+        if out is not None and not fp32_out:
+            return out.copy_(y)
         return y if fp32_out else y.to(x.dtype)
 
     @property

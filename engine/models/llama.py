@@ -64,6 +64,37 @@ class _LayerWeights:
         return self.qkv, self.o, self.gate_up, self.down
 
 
+# Fewer prompt rows than this in a step run exact with the rest: a split step reads every weight twice (once
+# per mode) and leaves the one-call layer loop, which a handful of rows does not repay. Long prompts' chunks
+# beside decoding streams are capped to a few dozen rows (Scheduler), and those must still split.
+PROMPT_INT8_MIN_ROWS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRows:
+    """A step's rows by activation mode: ``int8`` the prompt rows whose logits no one reads, ``exact`` the
+    rest (decode and draft rows, each prompt's logits rows). A prompt row only writes the KV cache, and the
+    answers reading a KV cache made on int8 activations move far less than answers computed on them
+    (``benchmarks/bench_int8_split``)."""
+
+    runs: tuple[tuple[int, int, bool], ...]  # (first row, end, int8): consecutive rows of one mode
+    num_rows: int
+
+    @classmethod
+    def of(cls, int8: torch.Tensor) -> PromptRows:
+        """From a bool per row."""
+        flags = int8.tolist()
+        starts = [0] + [i for i in range(1, len(flags)) if flags[i] != flags[i - 1]]
+        ends = starts[1:] + [len(flags)]
+        return cls(tuple((a, b, bool(flags[a])) for a, b in zip(starts, ends)), len(flags))
+
+    def project(self, linear: PackedLinear | ReferenceLinear, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.num_rows, linear.out_features, dtype=x.dtype)
+        for a, b, int8 in self.runs:  # x's and out's row ranges are contiguous views: nothing gathered
+            linear(x[a:b], int8=int8, out=out[a:b])
+        return out
+
+
 def _ascending(indices: torch.Tensor) -> bool:
     """Whether the row indices strictly increase (the runner's logits rows always do)."""
     return indices.dtype == torch.int64 and bool((indices[1:] > indices[:-1]).all())
@@ -159,6 +190,9 @@ class LlamaForCausalLM:
         # Every decoder layer in one C call where the layers are all the fused kernels' own work (see
         # _layers_in_one_call); tests that watch each projection's call turn it off.
         self.layers_in_one_call = True
+        # --linear-activations int8-prompt: 4-bit projections take int8 activations on the prompt rows that
+        # give no logits (they only write the KV cache) and exact ones on every other row (PromptRows)
+        self.prompt_int8_activations = self.builder.activations == "int8-prompt"
         # The last layer's o / MLP for the logits rows only (see keep_last_rows in cpu_forward.h).
         self.trim_last_layer = True
         self._layer_descs: ctypes.Array | None = None
@@ -285,8 +319,29 @@ class LlamaForCausalLM:
         return self._forward_torch(input_ids, positions, meta, cache, logits_indices, lora, hidden_indices)
 
     def _project(self, lora: LoraBatch | None, layer: int, group: str, linear: AnyLinear,
-                 x: torch.Tensor) -> torch.Tensor:
-        return linear(x) if lora is None else lora.project(layer, group, x)
+                 x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
+        if lora is not None:
+            return lora.project(layer, group, x)
+        if prompt_rows is not None and not isinstance(linear, Linear) and linear.takes_int8_activations:
+            return prompt_rows.project(linear, x)
+        return linear(x)
+
+    def _prompt_rows(self, num_rows: int, meta: AttentionMetadata, logits_indices: torch.Tensor,
+                     hidden_indices: torch.Tensor | None, lora: LoraBatch | None) -> PromptRows | None:
+        """The step's rows split by activation mode under int8-prompt; None when every row is exact (no
+        prompt row without logits) or the mode is off. Steps with adapters stay exact: their projections
+        run through the LoRA batch, which takes the base weights whole."""
+        if not self.prompt_int8_activations or not meta.prefills or lora is not None:
+            return None
+        int8 = torch.zeros(num_rows, dtype=torch.bool)
+        for span in meta.prefills:
+            int8[span.q_start:span.q_start + span.q_len] = True
+        int8[logits_indices] = False
+        if hidden_indices is not None:
+            int8[hidden_indices] = False
+        if int(int8.sum()) < PROMPT_INT8_MIN_ROWS:
+            return None
+        return PromptRows.of(int8)
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        cache: PagedKVCache, logits_indices: torch.Tensor, lora: LoraBatch | None,
@@ -302,7 +357,9 @@ class LlamaForCausalLM:
         act = torch.empty(T, self.intermediate, dtype=x.dtype, device=x.device)
         a = torch.empty(T, H * D, dtype=x.dtype, device=x.device)  # attention output, reused by every layer
         scratch = self._attention_scratch(nd * H * meta.decode_max_len) if nd else None
-        descs = (self._layers_as_described() if self.layers_in_one_call and lora is None
+        prompt_rows = self._prompt_rows(T, meta, logits_indices, hidden_indices, lora)
+        # the one-call loop takes one activation mode per projection: a split step goes call by call
+        descs = (self._layers_as_described() if self.layers_in_one_call and lora is None and prompt_rows is None
                  and (meta.prefill_spans is not None or not meta.prefills) else None)
         if descs is not None and self._one_call_max_rows >= T:
             kept = (logits_indices if self.trim_last_layer and hidden_indices is None and logits_indices.shape[0] < T
@@ -324,7 +381,7 @@ class LlamaForCausalLM:
             prefill = meta.prefill_spans, meta.prefill_block_tables
         kern.add_rms_norm(x, None, self.layers[0].input_norm, h, self.eps)
         for i, lw in enumerate(self.layers):
-            qkv = self._project(lora, i, "qkv", lw.qkv, h)
+            qkv = self._project(lora, i, "qkv", lw.qkv, h, prompt_rows)
             if lw.q_norm is not None:
                 self._norm_heads(qkv, lw)
             layer_kv = cache.kv[i]
@@ -339,9 +396,9 @@ class LlamaForCausalLM:
                 q = qkv[:, : H * D].view(T, H, D)
                 new_kv = qkv[:, H * D:].view(T, 2 * Hkv, D).transpose(0, 1)
                 prefill_attention(q, new_kv, layer_kv, meta.prefills, a.view(T, H, D))
-            kern.add_rms_norm(x, self._project(lora, i, "o", lw.o, a), lw.post_norm, h, self.eps)
-            kern.silu_mul(self._project(lora, i, "gate_up", lw.gate_up, h), act)
-            down = self._project(lora, i, "down", lw.down, act)
+            kern.add_rms_norm(x, self._project(lora, i, "o", lw.o, a, prompt_rows), lw.post_norm, h, self.eps)
+            kern.silu_mul(self._project(lora, i, "gate_up", lw.gate_up, h, prompt_rows), act)
+            down = self._project(lora, i, "down", lw.down, act, prompt_rows)
             if i + 1 < self.num_layers:
                 kern.add_rms_norm(x, down, self.layers[i + 1].input_norm, h, self.eps)
         return self._with_hidden(x, down, logits_indices, greedy_bans, hidden_indices)

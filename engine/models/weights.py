@@ -42,7 +42,10 @@ _CPU = torch.device("cpu")
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "gguf")
-ACTIVATION_CHOICES = ("bf16", "int8")
+# bf16: exact products; int8: int8 blocks on every row of a 4-bit projection (llama.cpp's arithmetic);
+# int8-prompt: int8 on the prompt rows whose logits no one reads (they only write the KV cache), exact on
+# decode rows and on the rows that give logits, where nearly all of int8's divergence arises
+ACTIVATION_CHOICES = ("bf16", "int8", "int8-prompt")
 _INT8_PROBE_ROWS = 64  # a prefill-sized batch: where compute, not the weight stream, bounds a linear
 _QUANTIZERS: dict[str, Callable[[torch.Tensor], QuantizedWeight]] = {"int8": quantize_int8, "int4": quantize_int4}
 _ROW_PROBES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -97,8 +100,8 @@ def resolve_quantization(mode: str, is_gguf: bool, kernels: CpuKernels | None, d
 def resolve_activations(mode: str, quantization: str) -> str:
     if mode not in ACTIVATION_CHOICES:
         raise ValueError(f"--linear-activations must be one of {', '.join(ACTIVATION_CHOICES)}, not {mode!r}")
-    if mode == "int8" and quantization not in ("int4", "gguf"):
-        raise ValueError("--linear-activations int8 applies to 4-bit weights: use --quantization int4 or gguf "
+    if mode != "bf16" and quantization not in ("int4", "gguf"):
+        raise ValueError(f"--linear-activations {mode} applies to 4-bit weights: use --quantization int4 or gguf "
                          f"(resolved --quantization: {quantization})")
     return mode
 
@@ -364,6 +367,9 @@ class LinearBuilder:
         for lin in four_bit:
             lin.int8_activations = use_int8
         head = f"4-bit weights take {self.activations} activations (--linear-activations"
+        if self.activations == "int8-prompt":
+            head = ("4-bit weights take int8 activations on prompt rows without logits, bf16 on the others "
+                    "(--linear-activations int8-prompt")
         kernels = four_bit[0].kernels
         if not (kernels.int8_activations_fast and kernels.linear_isa == 2):
             # portable C: timing a prefill-sized batch there would cost seconds of start-up

@@ -13,6 +13,7 @@ import torch
 from engine.config import EngineConfig
 from engine.kernels import load_cpu_kernels
 from engine.llm_engine import LLMEngine
+from engine.models import llama
 from engine.models.linear import PackedLinear, ReferenceLinear
 from engine.models.weights import attach_two_term_fallbacks, resolve_quantization
 from engine.request import GenerationRequest, TokensPrompt
@@ -168,6 +169,40 @@ def test_int8_activations_compute_their_reference_in_the_model(monkeypatch):
     out = run_all(engine, [chat("f", "What is the capital of France?", max_tokens=12, temperature=0)])["f"]
     assert len(seen) >= 4 * len(engine.model.layers)  # every layer's four projections, at least once
     assert max(seen) < 1e-5, max(seen)
+    assert "Paris" in text_of(out)
+
+
+def test_int8_prompt_activations_split_each_prompt_step_by_row(monkeypatch):
+    """--linear-activations int8-prompt: in a step that prefills a prompt, each 4-bit projection takes its
+    prompt rows on int8 activations and the row that gives the logits on exact ones, each equal to its
+    reference; decode steps run exact alone; the answer is still right."""
+    engine = _gguf("int8-prompt")
+    assert not any(lw.down.int8_activations for lw in engine.model.layers)  # nothing int8 by default
+    engine.model.layers_in_one_call = False  # decode steps through PackedLinear.__call__ too, to be watched
+    monkeypatch.setattr(llama, "PROMPT_INT8_MIN_ROWS", 1)  # a short prompt split too
+    calls: list[tuple[bool | None, int]] = []
+    errors = []
+    kernel_call = PackedLinear.__call__
+
+    def checked(self, x, fp32_out=False, int8=None, out=None):
+        y = kernel_call(self, x, fp32_out=True, int8=int8)
+        if self.takes_int8_activations:
+            calls.append((int8, x.shape[0]))
+            want = ReferenceLinear(self.quantized, self.bias)(x, fp32_out=True, int8=bool(int8))
+            errors.append(float(((y - want).abs() / (want.abs().amax(dim=1, keepdim=True) + 1.0)).max()))
+        y = y if fp32_out else y.to(x.dtype)
+        return y if out is None else out.copy_(y)
+
+    monkeypatch.setattr(PackedLinear, "__call__", checked)
+    request = chat("f", "What is the capital of France?", max_tokens=6, temperature=0)
+    prompt_len = len(engine.encode_prompt(request.prompt))
+    out = run_all(engine, [request])["f"]
+    per_step = 4 * len(engine.model.layers)  # the 4-bit projections of one step, each called once
+    prefill = calls[:2 * per_step]  # each projection twice: its prompt rows, then its logits row
+    assert {c for c in prefill[0::2]} == {(True, prompt_len - 1)}
+    assert {c for c in prefill[1::2]} == {(False, 1)}
+    assert {int8 for int8, _ in calls[2 * per_step:]} == {None}  # decode steps: exact, the usual call
+    assert max(errors) < 1e-5, max(errors)
     assert "Paris" in text_of(out)
 
 
