@@ -27,7 +27,7 @@ class EngineConfig:
     max_waiting: int = 1024
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     quantization: str = "auto"  # auto | none | int8 | int4 | gguf (engine/models/weights.py)
-    linear_activations: str = "bf16"  # bf16 | int8: what 4-bit weights multiply (engine/models/weights.py)
+    linear_activations: str = "bf16"  # bf16 | int8 | int8-prompt: what 4-bit weights multiply (models/weights.py)
     native_kernels: bool = True  # CPU: fused C kernels between the linears (compiled at first use)
     # time the kernel probes again instead of reading an earlier start's results (engine/models/tuning.py)
     remeasure_kernels: bool = False

@@ -151,8 +151,10 @@ class PackedLinear:
             x = x.contiguous()
         if x.dtype != torch.bfloat16 or x.shape[-1] != self.in_features:
             raise ValueError("packed linear takes bf16 rows of in_features")
-        if out is None or fp32_out:
+        if out is None:
             out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32 if fp32_out else torch.bfloat16)
+        elif fp32_out or out.dtype != torch.bfloat16 or out.shape != (x.shape[0], self.out_features):
+            raise ValueError("out takes bf16 rows of out_features, one per row of x")
         int8 = self.int8_activations if int8 is None else int8 and self.takes_int8_activations
         self.kernels.linear_into(x, self.packed, self._bias_ptr, out, int8)
         return out

@@ -64,12 +64,6 @@ class _LayerWeights:
         return self.qkv, self.o, self.gate_up, self.down
 
 
-# Fewer prompt rows than this in a step run exact with the rest: a split step reads every weight twice (once
-# per mode) and leaves the one-call layer loop, which a handful of rows does not repay. Long prompts' chunks
-# beside decoding streams are capped to a few dozen rows (Scheduler), and those must still split.
-PROMPT_INT8_MIN_ROWS = 16
-
-
 @dataclass(frozen=True, slots=True)
 class PromptRows:
     """A step's rows by activation mode: ``int8`` the prompt rows whose logits no one reads, ``exact`` the
@@ -77,21 +71,26 @@ class PromptRows:
     answers reading a KV cache made on int8 activations move far less than answers computed on them
     (``benchmarks/bench_int8_split``)."""
 
-    runs: tuple[tuple[int, int, bool], ...]  # (first row, end, int8): consecutive rows of one mode
+    int8_runs: tuple[tuple[int, int], ...]  # (first row, end): each prompt chunk's rows without logits
+    exact: torch.Tensor  # every other row's index: decode and draft rows, rows whose output is read
     num_rows: int
 
     @classmethod
     def of(cls, int8: torch.Tensor) -> PromptRows:
         """From a bool per row."""
         flags = int8.tolist()
-        starts = [0] + [i for i in range(1, len(flags)) if flags[i] != flags[i - 1]]
-        ends = starts[1:] + [len(flags)]
-        return cls(tuple((a, b, bool(flags[a])) for a, b in zip(starts, ends)), len(flags))
+        starts = [i for i, on in enumerate(flags) if on and (i == 0 or not flags[i - 1])]
+        ends = [i + 1 for i, on in enumerate(flags) if on and (i + 1 == len(flags) or not flags[i + 1])]
+        return cls(tuple(zip(starts, ends)), (~int8).nonzero().flatten(), len(flags))
 
     def project(self, linear: PackedLinear | ReferenceLinear, x: torch.Tensor) -> torch.Tensor:
+        """The prompt rows run by run, read and written in place (long contiguous blocks); the other rows,
+        few and scattered, gathered into one call: a pass over the weights per prompt chunk and one more."""
         out = torch.empty(self.num_rows, linear.out_features, dtype=x.dtype)
-        for a, b, int8 in self.runs:  # x's and out's row ranges are contiguous views: nothing gathered
-            linear(x[a:b], int8=int8, out=out[a:b])
+        for a, b in self.int8_runs:
+            linear(x[a:b], int8=True, out=out[a:b])
+        if self.exact.numel():
+            out.index_copy_(0, self.exact, linear(x.index_select(0, self.exact), int8=False))
         return out
 
 
@@ -329,8 +328,10 @@ class LlamaForCausalLM:
     def _prompt_rows(self, num_rows: int, meta: AttentionMetadata, logits_indices: torch.Tensor,
                      hidden_indices: torch.Tensor | None, lora: LoraBatch | None) -> PromptRows | None:
         """The step's rows split by activation mode under int8-prompt; None when every row is exact (no
-        prompt row without logits) or the mode is off. Steps with adapters stay exact: their projections
-        run through the LoRA batch, which takes the base weights whole."""
+        prompt row without logits) or the mode is off. A row's mode depends on that row alone (a prompt row
+        whose output is not read), never on the step around it, so a seeded answer does not change with
+        what it was batched with or how its prompt was chunked or cached. Steps with adapters stay exact:
+        their projections run through the LoRA batch, which takes the base weights whole."""
         if not self.prompt_int8_activations or not meta.prefills or lora is not None:
             return None
         int8 = torch.zeros(num_rows, dtype=torch.bool)
@@ -339,7 +340,7 @@ class LlamaForCausalLM:
         int8[logits_indices] = False
         if hidden_indices is not None:
             int8[hidden_indices] = False
-        if int(int8.sum()) < PROMPT_INT8_MIN_ROWS:
+        if not bool(int8.any()):
             return None
         return PromptRows.of(int8)
 

@@ -16,6 +16,10 @@ And what 4-bit weights (int4, GGUF Q4_0 / Q4_1) multiply (``--linear-activations
          the rate with AVX512-VNNI, ~1.2-1.4x faster prefill and large batches, at a measured cost in
          accuracy (the README's table, level with int8 weights), which is why it is a choice and not
          the default. The start-up log gives both modes' time at 64 rows.
+  int8-prompt: int8 on the prompt rows whose output no one reads (they only write the KV cache), bf16 on
+         every other row (decode and draft rows, logits, prompt-logprob and pooled rows): most of int8's
+         prefill speed at a small part of its divergence (benchmarks/bench_int8_split.py). Steps with
+         adapters run bf16 throughout.
 """
 
 from __future__ import annotations
@@ -331,7 +335,7 @@ class LinearBuilder:
         # (the one-off matrix, the head, keeps its kernel: logits of a few rows a step)
         if not layers or self.reference:
             return ""
-        if layers[0].int8_activations:
+        if self.activations != "bf16":
             return "no oneDNN fallback with int8 activations; "  # it would compute with bf16 ones
         if not _has_matrix_unit():
             # Without AMX tiles oneDNN's bf16 matmul runs on the same AVX512-BF16 dot products as the packed
@@ -359,7 +363,8 @@ class LinearBuilder:
         return f"two-term bf16 oneDNN above {rows} rows; "
 
     def _choose_activations(self, packed: list[PackedLinear]) -> str:
-        """Sets the 4-bit linears' activation mode (int8 or bf16); returns a phrase for the log."""
+        """Sets the 4-bit linears' activation mode (int8, or bf16 where int8-prompt picks by row in the model's
+        forward); returns a phrase for the log."""
         four_bit = [lin for lin in packed if lin.takes_int8_activations]
         if not four_bit:
             return "activations bf16"

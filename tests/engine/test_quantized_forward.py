@@ -13,7 +13,6 @@ import torch
 from engine.config import EngineConfig
 from engine.kernels import load_cpu_kernels
 from engine.llm_engine import LLMEngine
-from engine.models import llama
 from engine.models.linear import PackedLinear, ReferenceLinear
 from engine.models.weights import attach_two_term_fallbacks, resolve_quantization
 from engine.request import GenerationRequest, TokensPrompt
@@ -179,7 +178,6 @@ def test_int8_prompt_activations_split_each_prompt_step_by_row(monkeypatch):
     engine = _gguf("int8-prompt")
     assert not any(lw.down.int8_activations for lw in engine.model.layers)  # nothing int8 by default
     engine.model.layers_in_one_call = False  # decode steps through PackedLinear.__call__ too, to be watched
-    monkeypatch.setattr(llama, "PROMPT_INT8_MIN_ROWS", 1)  # a short prompt split too
     calls: list[tuple[bool | None, int]] = []
     errors = []
     kernel_call = PackedLinear.__call__
