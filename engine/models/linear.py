@@ -202,7 +202,7 @@ class ReferenceLinear:
         self.quantized = quantized
         self.w32 = quantized.dequantize()
         self.bias = bias
-        self.int8_activations = int8_activations and quantized.kind == "u4"
+        self.int8_activations = int8_activations and self.takes_int8_activations
         self.out_features, self.in_features = quantized.shape
 
     def takes(self, rows: int) -> bool:
@@ -220,9 +220,11 @@ class ReferenceLinear:
                 y = y + self.bias.float()
         else:
             y = F.linear(x.float(), self.w32, self.bias.float() if self.bias is not None else None)
-        if out is not None and not fp32_out:
-            return out.copy_(y)
-        return y if fp32_out else y.to(x.dtype)
+        if out is None:
+            return y if fp32_out else y.to(x.dtype)
+        if fp32_out or out.shape != y.shape:
+            raise ValueError("out takes rows of out_features in x's dtype, one per row of x")
+        return out.copy_(y)
 
     @property
     def weight(self) -> torch.Tensor:

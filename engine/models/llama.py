@@ -66,8 +66,8 @@ class _LayerWeights:
 
 @dataclass(frozen=True, slots=True)
 class PromptRows:
-    """A step's rows by activation mode: ``int8`` the prompt rows whose logits no one reads, ``exact`` the
-    rest (decode and draft rows, each prompt's logits rows). A prompt row only writes the KV cache, and the
+    """A step's rows by activation mode: ``int8_runs`` the prompt rows whose output no one reads, ``exact``
+    the rest (decode and draft rows, logits and pooled rows). A prompt row only writes the KV cache, and the
     answers reading a KV cache made on int8 activations move far less than answers computed on them
     (``benchmarks/bench_int8_split``)."""
 

@@ -371,10 +371,11 @@ class LinearBuilder:
         use_int8 = self.activations == "int8"
         for lin in four_bit:
             lin.int8_activations = use_int8
-        head = f"4-bit weights take {self.activations} activations (--linear-activations"
         if self.activations == "int8-prompt":
             head = ("4-bit weights take int8 activations on prompt rows without logits, bf16 on the others "
                     "(--linear-activations int8-prompt")
+        else:
+            head = f"4-bit weights take {self.activations} activations (--linear-activations"
         kernels = four_bit[0].kernels
         if not (kernels.int8_activations_fast and kernels.linear_isa == 2):
             # portable C: timing a prefill-sized batch there would cost seconds of start-up
