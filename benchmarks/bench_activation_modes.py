@@ -3,10 +3,11 @@
     python -m benchmarks.bench_activation_modes [--model FILE.gguf] [--loads 4x1000+16,8x200+32]
                                                 [--modes bf16,int8-prompt,int8]
 
-Each load is N prompts of P random tokens with O tokens out each (``NxP+O``), all submitted at once, sampled
-at temperature 0.7 with ignore_eos; the prefix cache is off, so every prompt is computed. Each mode gets a fresh
-engine (4-bit weights: ``--quantization gguf``), a short warm-up answer, then the loads in order. A profiling
-aid with no bar: the time of each load per mode, and its speed-up over the first mode.
+Each load is N distinct synthetic prompts of P tokens with O tokens out each (``NxP+O``), all submitted at
+once, sampled at temperature 0.7 with ignore_eos; the prefix cache is off, so every prompt is computed. Each
+mode gets a fresh engine (4-bit weights: ``--quantization gguf``), its KV pool resident and a short warm-up
+answer, then the loads in order, on the same prompts as every other mode. A profiling aid with no bar: the
+time of each load per mode, and its speed-up over the first mode.
 """
 
 from __future__ import annotations
@@ -15,29 +16,17 @@ import argparse
 import gc
 import time
 
-import torch
-
 from benchmarks.bench_kernels import cpu_model
-from benchmarks.common import save
+from benchmarks.common import save, token_requests, wait_for_kv_pool
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.request import GenerationRequest, TokensPrompt
-from engine.sampling_params import SamplingParams
+from engine.request import GenerationRequest
 
 
 def parse_load(text: str) -> tuple[int, int, int]:
     count, rest = text.split("x")
     prompt, out = rest.split("+")
     return int(count), int(prompt), int(out)
-
-
-def requests(tag: str, count: int, prompt: int, out: int, generator: torch.Generator) -> list[GenerationRequest]:
-    def tokens() -> list[int]:
-        return torch.randint(100, 40000, (prompt,), generator=generator).tolist()
-
-    return [GenerationRequest(f"{tag}{i}", TokensPrompt(tokens()),
-                              SamplingParams(max_tokens=out, temperature=0.7, ignore_eos=True, seed=i))
-            for i in range(count)]
 
 
 def run(engine: LLMEngine, batch: list[GenerationRequest]) -> float:
@@ -61,9 +50,14 @@ def main() -> None:
     for mode in modes:
         engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", quantization="gguf",
                                         linear_activations=mode, enable_prefix_caching=False))
-        generator = torch.Generator().manual_seed(0)  # the same prompts for every mode
-        run(engine, requests("warm-up", 1, 100, 4, generator))
-        times[mode] = [run(engine, requests(f"{i}-", *load, generator)) for i, load in enumerate(loads)]
+        wait_for_kv_pool(engine)
+        run(engine, token_requests("warm-up", 1, 100, 4, first=10_000))
+        first = 0  # each load's prompts distinct from the others'
+        times[mode] = []
+        for i, (count, prompt, out) in enumerate(loads):
+            times[mode].append(run(engine, token_requests(f"load{i}", count, prompt, out, first=first,
+                                                          temperature=0.7, seed=0)))
+            first += count
         del engine
         gc.collect()
     print(f"CPU: {cpu_model()}; model: {args.model or 'embedded'}")
