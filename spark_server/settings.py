@@ -60,7 +60,7 @@ class Settings:
                                            "(exact products); int8 per block of 32 as llama.cpp does (integer dot "
                                            "products, faster prefill with AVX512-VNNI, less accurate); or "
                                            "int8-prompt: int8 on the prompt rows whose logits are not read, bf16 on "
-                                           "the rest, most of int8's prefill speed at close to bf16's accuracy "
+                                           "the rest, faster prefill than bf16 at close to its accuracy "
                                            "(docs/performance.md)",
                                    choices=["bf16", "int8", "int8-prompt"])
     max_model_len: int | None = _opt(None, "context length in tokens (default: the model's; more than the model's is "

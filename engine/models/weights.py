@@ -17,8 +17,8 @@ And what 4-bit weights (int4, GGUF Q4_0 / Q4_1) multiply (``--linear-activations
          accuracy (the README's table, level with int8 weights), which is why it is a choice and not
          the default. The start-up log gives both modes' time at 64 rows.
   int8-prompt: int8 on the prompt rows whose output no one reads (they only write the KV cache), bf16 on
-         every other row (decode and draft rows, logits, prompt-logprob and pooled rows): most of int8's
-         prefill speed at a small part of its divergence (benchmarks/bench_int8_split.py). Steps with
+         every other row (decode and draft rows, logits, prompt-logprob and pooled rows): about half of
+         int8's prefill gain at a small part of its divergence (benchmarks/bench_int8_split.py). Steps with
          adapters run bf16 throughout.
 """
 
