@@ -27,7 +27,7 @@ from engine.kernels.signatures import (
 if TYPE_CHECKING:
     from engine.quant.packing import PackedWeight
 
-ABI_VERSION = 15  # target.c's SPARK_KERNELS_ABI_VERSION: a library built from other sources is refused
+ABI_VERSION = 16  # target.c's SPARK_KERNELS_ABI_VERSION: a library built from other sources is refused
 FAST_PATHS = LINEAR_PATHS[:2]  # the linears' fast paths, by enum spark_linear_path value ("dot", "fma")
 LINEAR_PATH_NAMES = {"dot": "AVX512-BF16 dot products", "fma": "fp32 FMAs"}  # for logs and tables
 
@@ -56,6 +56,9 @@ class CpuKernels:
             for dtype, suffix in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
                 self._fns[(name, dtype)] = fns[f"{name}_{suffix}"]
         self._linear = fns["spark_linear"]
+        self._linear_rows = fns["spark_linear_rows"]
+        self._linear_rows_fast = fns["spark_linear_rows_fast"]
+        self._takes_int8_rows: dict[int, bool] = {}
         self._linear_many = fns["spark_linear_many"]
         self._forward_layers = fns["spark_forward_layers"]
         self._read_sum = fns["spark_read_sum"]
@@ -140,12 +143,14 @@ class CpuKernels:
 
     def linear(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None, portable: bool = False,
-               int8_activations: bool = False, path: str | None = None) -> torch.Tensor:
+               int8_activations: bool = False, path: str | None = None,
+               int8_rows: torch.Tensor | None = None) -> torch.Tensor:
         """y = x @ W^T (+ bias) over a packed weight (engine/quant/packing.py); x bf16 [M, K] with unit
         column stride; y bf16 (or fp32 when ``out`` is fp32). ``path``: this call's fast path (default
         ``linear_path``); ``portable`` forces the plain-C one.
         ``int8_activations`` (4-bit weights only; ignored for others): x's code term is taken in int8 per
-        block of 32 inputs, as llama.cpp computes these formats (engine/quant/activations.py)."""
+        block of 32 inputs, as llama.cpp computes these formats (engine/quant/activations.py); with
+        ``int8_rows``, on the flagged rows alone (``linear_into``)."""
         m, k = x.shape
         if x.dtype != torch.bfloat16 or x.stride(1) != 1 or k != weight.in_features:
             raise ValueError("linear kernel takes bf16 rows of in_features with unit stride")
@@ -154,18 +159,39 @@ class CpuKernels:
         if bias is not None and bias.dtype != torch.float32:
             raise ValueError("linear kernel bias must be fp32")
         self.linear_into(x, weight, bias.data_ptr() if bias is not None else None, out, int8_activations, portable,
-                         path)
+                         path, int8_rows)
         return out
 
     def linear_into(self, x: torch.Tensor, weight: PackedWeight, bias_ptr: int | None, out: torch.Tensor,
-                    int8_activations: bool, portable: bool = False, path: str | None = None) -> None:
+                    int8_activations: bool, portable: bool = False, path: str | None = None,
+                    int8_rows: torch.Tensor | None = None) -> None:
         """``linear`` for callers that have checked x (bf16, unit column stride, in_features wide) and made
         ``out``: the engine's per-projection path, where each check costs a measurable share of a decode step.
-        ``path``: this call's path (default ``linear_path``); ``portable`` overrides it with the plain-C one."""
-        self._linear(weight.fmt_code, x.data_ptr(), x.shape[0], weight.in_features, x.stride(0), weight.data.data_ptr(),
-                     weight.out_features, weight.group, bias_ptr, out.data_ptr(), out.stride(0),
-                     int(out.dtype == torch.float32), int(int8_activations),
-                     self.path_code("portable" if portable else path), self.num_threads)
+        ``path``: this call's path (default ``linear_path``); ``portable`` overrides it with the plain-C one.
+        ``int8_rows`` (uint8 per row of x, contiguous; with ``int8_activations``): only the flagged rows take
+        int8 activations, the others the exact path, in one pass (where ``takes_int8_rows``)."""
+        path_code = self.path_code("portable" if portable else path)
+        if int8_rows is None:
+            self._linear(weight.fmt_code, x.data_ptr(), x.shape[0], weight.in_features, x.stride(0),
+                         weight.data.data_ptr(), weight.out_features, weight.group, bias_ptr, out.data_ptr(),
+                         out.stride(0), int(out.dtype == torch.float32), int(int8_activations), path_code,
+                         self.num_threads)
+            return
+        if int8_rows.dtype != torch.uint8 or not int8_rows.is_contiguous() or int8_rows.shape != (x.shape[0],):
+            raise ValueError("int8_rows takes one contiguous uint8 flag per row of x")
+        self._linear_rows(weight.fmt_code, x.data_ptr(), x.shape[0], weight.in_features, x.stride(0),
+                          weight.data.data_ptr(), weight.out_features, weight.group, bias_ptr, out.data_ptr(),
+                          out.stride(0), int(out.dtype == torch.float32), int(int8_activations), int8_rows.data_ptr(),
+                          path_code, self.num_threads)
+
+    def takes_int8_rows(self, path: str | None = None) -> bool:
+        """Whether a call with a mode per row (``int8_rows``) runs on ``path`` (default ``linear_path``) here:
+        the VNNI int8 tiles beside the AVX512-BF16 dot tiles, on the dot path."""
+        code = self.path_code(path)
+        known = self._takes_int8_rows.get(code)
+        if known is None:  # asked per projection per step: the library's answer kept by path
+            known = self._takes_int8_rows[code] = bool(self._linear_rows_fast(code))
+        return known
 
     def linear_calls(self, calls: list[tuple[torch.Tensor, PackedWeight, torch.Tensor]],
                      int8_activations: bool = False) -> torch.Tensor:

@@ -46,7 +46,7 @@ class ForwardStep(ctypes.Structure):
         "kv", "kv_layer_stride", "num_slots", "block_size",
         "decodes", "decode_block_tables", "decode_max_blocks", "decode_context_lens", "decode_max_len", "scratch",
         "prefill_spans", "num_spans", "prefill_block_tables", "prefill_max_blocks", "trim_last_layer", "kept_rows",
-        "num_kept")] + [
+        "num_kept", "row_int8")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
@@ -78,6 +78,8 @@ SIGNATURES: dict[str, Signature] = {
     **_both_dtypes("lora_expand", None, [P, I64, I64, P, P, I64, P, I64, P, I64, I64, INT]),
     # linear.h
     "spark_linear": (INT, [INT, P, I64, I64, I64, P, I64, I64, P, P, I64, INT, INT, INT, INT]),
+    "spark_linear_rows": (INT, [INT, P, I64, I64, I64, P, I64, I64, P, P, I64, INT, INT, P, INT, INT]),
+    "spark_linear_rows_fast": (INT, [INT]),
     "spark_linear_many": (INT, [I64, P, INT, INT]),
     "spark_linear_paths": (INT, []),
     "spark_linear_isa": (INT, []),
@@ -107,8 +109,8 @@ SIGNATURES: dict[str, Signature] = {
 # bound with an errcheck that raises on anything but SPARK_OK.
 RETURNS_STATUS = frozenset({
     "decode_attention_bf16", "decode_attention_f32", "prefill_attention_bf16", "prefill_attention_f32",
-    "spark_linear", "spark_linear_many", "spark_forward_layers", "sample_rows", "spark_greedy_head_bounds",
-    "spark_repack_gguf_blocks", "spark_packed_rows_f32",
+    "spark_linear", "spark_linear_rows", "spark_linear_many", "spark_forward_layers", "sample_rows",
+    "spark_greedy_head_bounds", "spark_repack_gguf_blocks", "spark_packed_rows_f32",
     "spark_greedy_head_from_packed"})
 
 # The public headers SIGNATURES covers (bench.h is the benchmarks' own: benchmarks/kernel_bench.py)

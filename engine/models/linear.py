@@ -139,10 +139,11 @@ class PackedLinear:
         return self.fallback is None or self.max_kernel_rows is None or rows <= self.max_kernel_rows
 
     def __call__(self, x: torch.Tensor, fp32_out: bool = False, int8: bool | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, int8_rows: torch.Tensor | None = None) -> torch.Tensor:
         """y in x's dtype, or in fp32 (unrounded sums) when ``fp32_out`` and the kernel takes the batch;
         ``int8`` (4-bit weights) overrides ``int8_activations`` for this call; ``out`` (rows of x's dtype,
-        contiguous) receives y where given."""
+        contiguous) receives y where given. ``int8_rows`` (uint8 per row, where ``takes_int8_rows``): the
+        flagged rows take int8 activations and the others exact ones, in one pass over the weight."""
         if not self.takes(x.shape[0]):
             assert self.fallback is not None
             y = self.fallback(x)
@@ -155,6 +156,11 @@ class PackedLinear:
             out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32 if fp32_out else torch.bfloat16)
         elif fp32_out or out.dtype != torch.bfloat16 or out.shape != (x.shape[0], self.out_features):
             raise ValueError("out takes bf16 rows of out_features, one per row of x")
+        if int8_rows is not None:
+            if not self.takes_int8_rows:
+                raise ValueError("this linear takes no mode per row (4-bit weights on the dot path only)")
+            self.kernels.linear_into(x, self.packed, self._bias_ptr, out, True, int8_rows=int8_rows)
+            return out
         int8 = self.int8_activations if int8 is None else int8 and self.takes_int8_activations
         self.kernels.linear_into(x, self.packed, self._bias_ptr, out, int8)
         return out
@@ -170,6 +176,12 @@ class PackedLinear:
     @property
     def takes_int8_activations(self) -> bool:
         return self.packed.fmt == "u4"
+
+    @property
+    def takes_int8_rows(self) -> bool:
+        """Whether a call may give each row its own activation mode (``int8_rows``): 4-bit weights where the
+        kernels' int8 and dot tiles run side by side (CpuKernels.takes_int8_rows)."""
+        return self.takes_int8_activations and self.kernels.takes_int8_rows()
 
     @property
     def weight(self) -> torch.Tensor:
@@ -212,19 +224,30 @@ class ReferenceLinear:
     def takes_int8_activations(self) -> bool:
         return self.quantized.kind == "u4"
 
+    @property
+    def takes_int8_rows(self) -> bool:
+        return self.takes_int8_activations
+
     def __call__(self, x: torch.Tensor, fp32_out: bool = False, int8: bool | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-        if self.int8_activations if int8 is None else int8 and self.takes_int8_activations:
-            y = linear_int8_activations(x, self.quantized)
-            if self.bias is not None:
-                y = y + self.bias.float()
+                 out: torch.Tensor | None = None, int8_rows: torch.Tensor | None = None) -> torch.Tensor:
+        if int8_rows is not None:  # each row as a call of its own mode computes it
+            if not self.takes_int8_rows:
+                raise ValueError("this linear takes no mode per row (4-bit weights only)")
+            y = torch.where(int8_rows.bool()[:, None], self._y32(x, True), self._y32(x, False))
         else:
-            y = F.linear(x.float(), self.w32, self.bias.float() if self.bias is not None else None)
+            y = self._y32(x, self.int8_activations if int8 is None else int8 and self.takes_int8_activations)
         if out is None:
             return y if fp32_out else y.to(x.dtype)
         if fp32_out or out.shape != y.shape:
             raise ValueError("out takes rows of out_features in x's dtype, one per row of x")
         return out.copy_(y)
+
+    def _y32(self, x: torch.Tensor, int8: bool) -> torch.Tensor:
+        """x @ W^T (+ bias) in fp32, x taken in int8 blocks where ``int8``."""
+        if int8:
+            y = linear_int8_activations(x, self.quantized)
+            return y + self.bias.float() if self.bias is not None else y
+        return F.linear(x.float(), self.w32, self.bias.float() if self.bias is not None else None)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -74,6 +74,7 @@ class PromptRows:
     int8_runs: tuple[tuple[int, int], ...]  # (first row, end): each prompt chunk's rows without logits
     exact: torch.Tensor  # every other row's index: decode and draft rows, rows whose output is read
     num_rows: int
+    flags: torch.Tensor  # uint8 per row, 1 on the int8 rows: what a call with a mode per row takes
 
     @classmethod
     def of(cls, int8: torch.Tensor) -> PromptRows:
@@ -81,11 +82,15 @@ class PromptRows:
         flags = int8.tolist()
         starts = [i for i, on in enumerate(flags) if on and (i == 0 or not flags[i - 1])]
         ends = [i + 1 for i, on in enumerate(flags) if on and (i + 1 == len(flags) or not flags[i + 1])]
-        return cls(tuple(zip(starts, ends)), (~int8).nonzero().flatten(), len(flags))
+        return cls(tuple(zip(starts, ends)), (~int8).nonzero().flatten(), len(flags), int8.to(torch.uint8))
 
     def project(self, linear: PackedLinear | ReferenceLinear, x: torch.Tensor) -> torch.Tensor:
-        """The prompt rows run by run, read and written in place (long contiguous blocks); the other rows,
-        few and scattered, gathered into one call: a pass over the weights per prompt chunk and one more."""
+        """One call with a mode per row where the linear takes it (one pass over the weights, as an
+        unsplit step's); else the prompt rows run by run, read and written in place (long contiguous
+        blocks), and the other rows, few and scattered, gathered into one call: a pass over the weights per
+        prompt chunk and one more."""
+        if linear.takes_int8_rows:
+            return linear(x, int8_rows=self.flags)
         out = torch.empty(self.num_rows, linear.out_features, dtype=x.dtype)
         for a, b in self.int8_runs:
             linear(x[a:b], int8=True, out=out[a:b])
@@ -222,7 +227,7 @@ class LlamaForCausalLM:
             objects += (lw.input_norm, lw.post_norm, lw.q_norm)
             for lin in lw.linears():
                 objects += (lin, getattr(lin, "packed", None), getattr(lin, "fallback", None))
-                settings += (getattr(lin, "max_kernel_rows", None) or 0, getattr(lin, "int8_activations", 0))
+                settings += (getattr(lin, "max_kernel_rows", None) or 0, self._int8_mode(lin))
         state = tuple(map(id, objects)) + tuple(settings)  # ids stay unique: ``objects`` is kept alive below
         if state != self._described[1]:
             self._layer_descs, self._one_call_max_rows = self._describe_layers()
@@ -245,12 +250,20 @@ class LlamaForCausalLM:
             assert isinstance(lin, PackedLinear)  # checked above for every projection
             packed = lin.packed
             return LinearDesc(packed.fmt_code, packed.data.data_ptr(), packed.out_features, packed.in_features,
-                              packed.group, lin.bias_pointer, int(lin.int8_activations))
+                              packed.group, lin.bias_pointer, self._int8_mode(lin))
 
         descs = (LayerDesc * self.num_layers)(*[
             LayerDesc(lw.input_norm.data_ptr(), lw.post_norm.data_ptr(), describe(lw.qkv), describe(lw.o),
                       describe(lw.gate_up), describe(lw.down)) for lw in self.layers])
         return descs, min(limits, default=math.inf)
+
+    def _int8_mode(self, lin: AnyLinear) -> int:
+        """A projection's activation mode in the one-call loop (cpu_forward.h's descriptor): 0 exact, 1 int8
+        on every row, 2 int8 on the rows each step flags (int8-prompt, where the kernels take a mode per
+        row on the path in use; read again with the descriptors, as the path is chosen at start)."""
+        if self.prompt_int8_activations and isinstance(lin, PackedLinear) and lin.takes_int8_rows:
+            return 2
+        return int(getattr(lin, "int8_activations", False))
 
     def projections(self) -> list[dict[str, Linear | PackedLinear | ReferenceLinear]]:
         """Per layer, each LoRA-targetable projection group (qkv, o, gate_up, down)."""
@@ -359,13 +372,17 @@ class LlamaForCausalLM:
         a = torch.empty(T, H * D, dtype=x.dtype, device=x.device)  # attention output, reused by every layer
         scratch = self._attention_scratch(nd * H * meta.decode_max_len) if nd else None
         prompt_rows = self._prompt_rows(T, meta, logits_indices, hidden_indices, lora)
-        # the one-call loop takes one activation mode per projection: a split step goes call by call
-        descs = (self._layers_as_described() if self.layers_in_one_call and lora is None and prompt_rows is None
+        # the one-call loop takes a split step where its descriptors give the 4-bit projections a mode per row
+        # (_int8_mode); else a split step goes call by call
+        descs = (self._layers_as_described() if self.layers_in_one_call and lora is None
                  and (meta.prefill_spans is not None or not meta.prefills) else None)
+        if prompt_rows is not None and descs is not None and not self._one_call_takes_int8_rows():
+            descs = None
         if descs is not None and self._one_call_max_rows >= T:
             kept = (logits_indices if self.trim_last_layer and hidden_indices is None and logits_indices.shape[0] < T
                     and _ascending(logits_indices) else None)  # decode-only steps: every row is a logits row
-            down = self._layers_in_one_call(descs, x, h, a, act, positions, meta, cache, scratch, kept)
+            int8_rows = prompt_rows.flags.clone() if prompt_rows is not None else None  # the loop moves kept rows'
+            down = self._layers_in_one_call(descs, x, h, a, act, positions, meta, cache, scratch, kept, int8_rows)
             if kept is not None:  # x and down hold the logits rows, in order, at the front
                 n = kept.shape[0]
                 x, down, logits_indices = x[:n], down[:n], torch.arange(n)
@@ -434,12 +451,14 @@ class LlamaForCausalLM:
 
     def _layers_in_one_call(self, descs: ctypes.Array, x: torch.Tensor, h: torch.Tensor, attn: torch.Tensor,
                             act: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache,
-                            scratch: torch.Tensor | None, kept: torch.Tensor | None = None) -> torch.Tensor:
+                            scratch: torch.Tensor | None, kept: torch.Tensor | None = None,
+                            int8_rows: torch.Tensor | None = None) -> torch.Tensor:
         """_forward_fused's layer loop as one C call (engine/kernels/cpu_forward.h: the same kernels in the
         same order), with its buffers: h, attn [T, H*D] and act [T, intermediate]. x is updated in place;
         returns the last layer's down projection. Given ``kept`` (ascending row indices), the last layer's
         output projection and MLP run for those rows only: afterwards x's first len(kept) rows are theirs,
-        and so are the returned rows."""
+        and so are the returned rows. ``int8_rows`` (uint8 per row; the loop reorders it with the kept rows):
+        the rows that take int8 activations in the projections described with a mode per row."""
         assert self.kernels is not None
         T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -469,8 +488,16 @@ class LlamaForCausalLM:
         if kept is not None:
             kept = kept.contiguous()  # alive until the call returns
             step.trim_last_layer, step.kept_rows, step.num_kept = 1, kept.data_ptr(), kept.shape[0]
+        if int8_rows is not None:
+            step.row_int8 = int8_rows.data_ptr()
         self.kernels.forward_layers(descs, step)
         return proj
+
+    def _one_call_takes_int8_rows(self) -> bool:
+        """Whether the one-call loop's descriptors give the 4-bit projections a mode per row (so a step split
+        by PromptRows may run there)."""
+        return all(self._int8_mode(lin) == 2 for lw in self.layers for lin in lw.linears()
+                   if isinstance(lin, PackedLinear) and lin.takes_int8_activations)
 
     def _norm_heads(self, qkv: torch.Tensor, lw: _LayerWeights) -> None:
         """Qwen3: RMSNorm over each head of q and of k (before RoPE), in place in the fused qkv rows."""

@@ -73,7 +73,9 @@ class MeasuredRates:
     """What the packed linears reached at start on this machine (LinearBuilder.tune)."""
 
     stream_bytes_per_s: float  # one-row passes over every packed weight: bound by memory
-    batch_macs_per_s: float  # _INT8_PROBE_ROWS rows through the largest layer projection: bound by arithmetic
+    # _INT8_PROBE_ROWS rows through the largest layer projection, in the prompt rows' activation mode: bound
+    # by arithmetic (the scheduler's unit is a prompt token's linears)
+    batch_macs_per_s: float
     weight_bytes: int  # what a one-row pass streams: every packed weight, once
 
 
@@ -281,7 +283,9 @@ class LinearBuilder:
         total = sum(lin.packed.data.numel() for lin in packed)  # bytes: the packed weights are uint8
         gbps, read_gbps = _stream_rate(packed, total)
         layers, _ = _split_repeated(packed)
-        batch_macs = _batch_rate(max(layers or packed, key=lambda lin: lin.out_features * lin.in_features))
+        largest = max(layers or packed, key=lambda lin: lin.out_features * lin.in_features)
+        batch_macs = _batch_rate(largest, largest.int8_activations or (self.activations == "int8-prompt"
+                                                                        and largest.takes_int8_activations))
         self.rates = MeasuredRates(gbps * 1e9, batch_macs, total)
         tail = (f"{path}; {activations}; {quantized_fallback}one-row pass {gbps:.1f} GB/s = "
                 f"{100 * gbps / read_gbps:.0f}% of a plain read ({read_gbps:.1f} GB/s); {_INT8_PROBE_ROWS} rows "
@@ -496,10 +500,11 @@ def _activation_times(lin: PackedLinear) -> tuple[float, float]:
     return times[0], times[1]
 
 
-def _batch_rate(lin: PackedLinear) -> float:
-    """Multiply-adds a second of one prefill-sized batch through ``lin`` on the kernel that runs it."""
+def _batch_rate(lin: PackedLinear, int8: bool) -> float:
+    """Multiply-adds a second of one prefill-sized batch through ``lin`` on the kernel that runs it, its
+    activations in int8 where ``int8`` (prompt rows under --linear-activations int8 and int8-prompt)."""
     x = torch.randn(_INT8_PROBE_ROWS, lin.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    seconds = _best_time(lambda: lin.kernels.linear(x, lin.packed, lin._bias32, int8_activations=lin.int8_activations),
+    seconds = _best_time(lambda: lin.kernels.linear(x, lin.packed, lin._bias32, int8_activations=int8),
                          reps=_RATE_REPS)
     return _INT8_PROBE_ROWS * lin.in_features * lin.out_features / seconds
 

@@ -38,11 +38,14 @@ class _BothPaths:
         self.model = engine.model
         self.one_call_steps: list[tuple[int, int, int]] = []  # (tokens, decodes, prefill chunks)
         self.last_layer_rows: list[tuple[int, int]] = []  # (tokens, rows the last layer's o / MLP ran for)
+        self.per_row_steps: list[tuple[int, int]] = []  # the same, of steps that flagged rows for int8
         forward, one_call = self.model.forward, self.model.kernels.forward_layers
 
         def forward_layers(layers, step):
             self.one_call_steps.append((step.tokens, step.decodes, step.num_spans))
             self.last_layer_rows.append((step.tokens, step.num_kept if step.trim_last_layer else step.tokens))
+            if step.row_int8:
+                self.per_row_steps.append(self.last_layer_rows[-1])
             one_call(layers, step)
 
         def both(input_ids, positions, meta, cache, logits_indices, lora=None, greedy_bans=None):
@@ -97,6 +100,24 @@ def test_the_one_call_loop_equals_the_per_kernel_loop_on_four_bit_blocks(gguf_en
     # the last layer's o / MLP ran for the logits rows alone (the decodes and each prompt's last row; the
     # per-kernel loop runs them for every row, and the logits stayed equal)
     assert any(0 < kept < tokens for tokens, kept in both.last_layer_rows)
+
+
+def test_the_one_call_loop_takes_a_mode_per_row_as_the_per_kernel_loop_does(monkeypatch):
+    """--linear-activations int8-prompt: a step whose prompt rows take int8 activations and whose other rows
+    (decodes, each prompt's logits row) take exact ones stays in the one-call loop where the kernels take a
+    mode per row, and computes what the per-kernel loop computes, bit for bit: the flags follow the rows
+    the last layer keeps."""
+    with kernels_for_every_batch():
+        engine = LLMEngine(EngineConfig(device="cpu", dtype="bfloat16", quantization="gguf", max_num_seqs=8,
+                                        max_num_batched_tokens=64, kv_cache_space_gib=0.25,
+                                        linear_activations="int8-prompt"))
+    if not engine.model.layers[0].down.takes_int8_rows:
+        pytest.skip("no mode per row on this build's path (it needs the VNNI int8 and AVX512-BF16 dot tiles)")
+    both = _BothPaths(engine, monkeypatch)
+    _staggered(engine, "rows")
+    steps = both.per_row_steps
+    assert any(0 < kept < tokens for tokens, kept in steps)  # flagged steps whose last layer kept a few rows
+    assert len(steps) < len(both.one_call_steps)  # decode-only steps flag nothing
 
 
 @pytest.mark.parametrize("path", ["dot", "fma"])

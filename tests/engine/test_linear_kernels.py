@@ -14,7 +14,7 @@ from functools import partial
 import pytest
 import torch
 
-from engine.kernels import load_cpu_kernels
+from engine.kernels import KernelUnsupported, load_cpu_kernels
 from engine.models import weights as weights_module
 from engine.models.linear import Linear, PackedLinear, TwoTermBf16Linear, _mkldnn_packing_available
 from engine.models.weights import attach_two_term_fallbacks
@@ -146,6 +146,52 @@ def test_int8_activations_equal_their_reference(group: int, portable: bool) -> N
         # the mode is not ignored: bf16 activations give measurably different sums
         plain = kernels.linear(x, packed, bias, torch.empty(m, n), portable=portable)
         assert (plain - want).abs().max() > 10 * _tolerance(x, q.dequantize()).max(), (m, k, n)
+
+
+def _row_modes(m: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Flags per row: none, all, alternating, a lone exact row inside int8 runs (a prompt chunk's logits
+    row), an exact run across the 64-row chunk's edge, and a random draw."""
+    rows = torch.arange(m)
+    lone = torch.ones(m, dtype=torch.bool)
+    lone[m // 2] = False
+    modes = [torch.zeros(m, dtype=torch.bool), torch.ones(m, dtype=torch.bool), rows % 2 == 0, lone,
+             (rows < 60) | (rows >= 67), torch.rand(m, generator=gen) < 0.5]
+    return [mode.to(torch.uint8) for mode in modes]
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_a_mode_per_row_gives_each_row_its_own_modes_sums(group: int) -> None:
+    """--linear-activations int8-prompt: in one call, the flagged rows take int8 activations and the others
+    exact ones, each row equal to its own mode's reference and measurably apart from the other mode's."""
+    if not kernels.takes_int8_rows():
+        pytest.skip("no mode per row on this build's path (it needs the VNNI int8 and AVX512-BF16 dot tiles)")
+    gen = torch.Generator().manual_seed(31)
+    for m, k, n in SHAPES + [(130, 128, 48)]:
+        if k % group:
+            continue
+        q = quantize_int4(torch.randn(n, k, generator=gen) * 0.05, group=group)
+        packed = pack_quantized(q)
+        x = (torch.randn(m, k, generator=gen) * 2).to(torch.bfloat16)
+        bias = torch.randn(n, generator=gen)
+        want_int8, want_exact = linear_int8_activations(x, q) + bias, _reference(x, q.dequantize(), bias)
+        tolerance = _tolerance(x, q.dequantize())
+        for flags in _row_modes(m, gen):
+            on = flags.bool()[:, None]
+            got = kernels.linear(x, packed, bias, torch.empty(m, n), int8_activations=True, int8_rows=flags)
+            assert ((got - torch.where(on, want_int8, want_exact)).abs() <= tolerance).all(), (m, k, n, flags)
+            apart = (torch.where(on, want_exact, want_int8) - got).abs().amax(dim=1)
+            assert (apart > 10 * tolerance.amax(dim=1)).all(), (m, k, n, flags)  # no row took the other mode
+
+
+def test_a_mode_per_row_is_refused_where_the_kernels_have_none() -> None:
+    gen = torch.Generator().manual_seed(37)
+    q = quantize_int4(torch.randn(16, 64, generator=gen) * 0.05)
+    x = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
+    with pytest.raises(KernelUnsupported):
+        kernels.linear(x, pack_quantized(q), portable=True, int8_activations=True,
+                       int8_rows=torch.ones(4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="one contiguous uint8 flag per row"):
+        kernels.linear(x, pack_quantized(q), int8_activations=True, int8_rows=torch.ones(3, dtype=torch.uint8))
 
 
 def test_int8_activation_codes_round_like_the_kernels() -> None:

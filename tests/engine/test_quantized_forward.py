@@ -171,22 +171,30 @@ def test_int8_activations_compute_their_reference_in_the_model(monkeypatch):
     assert "Paris" in text_of(out)
 
 
-def test_int8_prompt_activations_split_each_prompt_step_by_row(monkeypatch):
+@pytest.mark.parametrize("per_row", [True, False], ids=["one-call-per-row", "runs-and-gathered"])
+def test_int8_prompt_activations_split_each_prompt_step_by_row(monkeypatch, per_row):
     """--linear-activations int8-prompt: in a step that prefills a prompt, each 4-bit projection takes its
     prompt rows on int8 activations and the row that gives the logits on exact ones, each equal to its
-    reference; decode steps run exact alone; the answer is still right."""
+    reference; decode steps run exact alone; the answer is still right. Where the kernels take a mode per
+    row, in one call; elsewhere the prompt rows in one call and the logits row in another."""
     engine = _gguf("int8-prompt")
     assert not any(lw.down.int8_activations for lw in engine.model.layers)  # nothing int8 by default
+    if per_row and not engine.model.layers[0].down.takes_int8_rows:
+        pytest.skip("no mode per row on this build's path (it needs the VNNI int8 and AVX512-BF16 dot tiles)")
+    if not per_row:
+        monkeypatch.setattr(PackedLinear, "takes_int8_rows", False)
     engine.model.layers_in_one_call = False  # decode steps through PackedLinear.__call__ too, to be watched
-    calls: list[tuple[bool | None, int]] = []
+    calls: list[tuple[bool | None, int, tuple[int, ...] | None]] = []
     errors = []
     kernel_call = PackedLinear.__call__
 
-    def checked(self, x, fp32_out=False, int8=None, out=None):
-        y = kernel_call(self, x, fp32_out=True, int8=int8)
+    def checked(self, x, fp32_out=False, int8=None, out=None, int8_rows=None):
+        y = kernel_call(self, x, fp32_out=True, int8=int8, int8_rows=int8_rows)
         if self.takes_int8_activations:
-            calls.append((int8, x.shape[0]))
-            want = ReferenceLinear(self.quantized, self.bias)(x, fp32_out=True, int8=bool(int8))
+            calls.append((int8, x.shape[0], tuple(int8_rows.tolist()) if int8_rows is not None else None))
+            reference = ReferenceLinear(self.quantized, self.bias)
+            want = (reference(x, fp32_out=True, int8_rows=int8_rows) if int8_rows is not None
+                    else reference(x, fp32_out=True, int8=bool(int8)))
             errors.append(float(((y - want).abs() / (want.abs().amax(dim=1, keepdim=True) + 1.0)).max()))
         y = y if fp32_out else y.to(x.dtype)
         return y if out is None else out.copy_(y)
@@ -196,10 +204,14 @@ def test_int8_prompt_activations_split_each_prompt_step_by_row(monkeypatch):
     prompt_len = len(engine.encode_prompt(request.prompt))
     out = run_all(engine, [request])["f"]
     per_step = 4 * len(engine.model.layers)  # the 4-bit projections of one step, each called once
-    prefill = calls[:2 * per_step]  # each projection twice: its prompt rows, then its logits row
-    assert {c for c in prefill[0::2]} == {(True, prompt_len - 1)}
-    assert {c for c in prefill[1::2]} == {(False, 1)}
-    assert {int8 for int8, _ in calls[2 * per_step:]} == {None}  # decode steps: exact, the usual call
+    if per_row:  # each projection once, its prompt rows flagged and its logits row not
+        prefill, decodes = calls[:per_step], calls[per_step:]
+        assert set(prefill) == {(None, prompt_len, (1,) * (prompt_len - 1) + (0,))}
+    else:  # each projection twice: its prompt rows, then its logits row
+        prefill, decodes = calls[:2 * per_step], calls[2 * per_step:]
+        assert set(prefill[0::2]) == {(True, prompt_len - 1, None)}
+        assert set(prefill[1::2]) == {(False, 1, None)}
+    assert {(int8, rows) for int8, _, rows in decodes} == {(None, None)}  # decode steps: exact, the usual call
     assert max(errors) < 1e-5, max(errors)
     assert "Paris" in text_of(out)
 

@@ -39,6 +39,9 @@ struct spark_forward_step {
     /* with trim_last_layer, the last layer's work after attention runs for the num_kept rows of kept_rows
      * alone (the logits rows, ascending; keep_last_rows) */
     int64_t trim_last_layer, kept_rows, num_kept;
+    /* uint8 per row, or 0: the rows that take int8 activations in the linears whose descriptor asks for a
+     * mode per row (int8_activations 2); kept rows' flags move with them (keep_last_rows) */
+    int64_t row_int8;
     float eps, scale;
 };
 

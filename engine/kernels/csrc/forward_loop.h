@@ -10,12 +10,16 @@
 #include "layer_ops.h"
 #include "linear.h"
 
-static inline int forward_linear(const struct spark_linear_desc *l, int64_t x, int64_t rows, int64_t y, int path,
-                                 unsigned skip, int num_threads) {
+/* A descriptor's int8_activations: 0 exact, 1 int8 on every row, 2 int8 on the step's flagged rows
+ * (row_int8; every row exact where the step flags none). */
+static inline int forward_linear(const struct spark_linear_desc *l, int64_t x, int64_t rows, int64_t y,
+                                 const uint8_t *row_int8, int path, unsigned skip, int num_threads) {
     if (skip & SPARK_SKIP_LINEARS) return SPARK_OK;
-    return spark_linear((int)l->fmt, (const uint16_t *)(intptr_t)x, rows, l->in_features, l->in_features,
+    const int per_row = l->int8_activations == 2;
+    const int act_int8 = per_row ? row_int8 != NULL : l->int8_activations != 0;
+    return spark_linear_rows((int)l->fmt, (const uint16_t *)(intptr_t)x, rows, l->in_features, l->in_features,
                  (const uint8_t *)(intptr_t)l->weight, l->out_features, l->group, (const float *)(intptr_t)l->bias,
-                 (void *)(intptr_t)y, l->out_features, 0, (int)l->int8_activations, path, num_threads);
+                 (void *)(intptr_t)y, l->out_features, 0, act_int8, per_row ? row_int8 : NULL, path, num_threads);
 }
 
 #define PTR(type, v) ((type)(intptr_t)(v))
@@ -29,10 +33,12 @@ static inline int forward_linear(const struct spark_linear_desc *l, int64_t x, i
 static inline int64_t keep_last_rows(const struct spark_forward_step *s, uint16_t *x, uint16_t *attn) {
     if (!s->trim_last_layer || s->num_kept >= s->tokens) return s->tokens;
     const int64_t *kept = PTR(const int64_t *, s->kept_rows), width = s->num_heads * s->head_dim;
+    uint8_t *row_int8 = PTR(uint8_t *, s->row_int8);
     for (int64_t k = 0; k < s->num_kept; k++)
         if (kept[k] != k) {
             memcpy(x + k * s->hidden, x + kept[k] * s->hidden, (size_t)s->hidden * sizeof(uint16_t));
             memcpy(attn + k * width, attn + kept[k] * width, (size_t)width * sizeof(uint16_t));
+            if (row_int8) row_int8[k] = row_int8[kept[k]];
         }
     return s->num_kept;
 }
@@ -46,13 +52,14 @@ static inline __attribute__((always_inline)) int forward_layers_skipping(const s
     int status = SPARK_OK;
     const int64_t rows = s->tokens, H = s->num_heads, Hkv = s->num_kv_heads, D = s->head_dim;
     uint16_t *x = PTR(uint16_t *, s->x), *h = PTR(uint16_t *, s->h);
+    const uint8_t *row_int8 = PTR(const uint8_t *, s->row_int8);
     if (!(skip & SPARK_SKIP_ELEMENTWISE))
         add_rms_norm_bf16(x, NULL, PTR(const uint16_t *, layers[0].input_norm), h, rows, s->hidden, s->eps,
                           num_threads);
     for (int64_t i = 0; i < num_layers; i++) {
         const struct spark_layer_desc *lw = layers + i;
         uint16_t *layer_kv = PTR(uint16_t *, s->kv) + i * s->kv_layer_stride;
-        if ((status = forward_linear(&lw->qkv, s->h, rows, s->qkv, path, skip, num_threads))) return status;
+        if ((status = forward_linear(&lw->qkv, s->h, rows, s->qkv, row_int8, path, skip, num_threads))) return status;
         if (!(skip & SPARK_SKIP_ELEMENTWISE))
             rope_cache_write_bf16(PTR(uint16_t *, s->qkv), PTR(const int64_t *, s->positions),
                                   PTR(const uint16_t *, s->cos), PTR(const uint16_t *, s->sin_signed), layer_kv,
@@ -73,15 +80,16 @@ static inline __attribute__((always_inline)) int forward_layers_skipping(const s
             return status;
         const int64_t n = i + 1 == num_layers ? keep_last_rows(s, x, PTR(uint16_t *, s->attn)) : rows;
         if (n == 0) break;
-        if ((status = forward_linear(&lw->o, s->attn, n, s->proj, path, skip, num_threads))) return status;
+        if ((status = forward_linear(&lw->o, s->attn, n, s->proj, row_int8, path, skip, num_threads))) return status;
         if (!(skip & SPARK_SKIP_ELEMENTWISE))
             add_rms_norm_bf16(x, PTR(const uint16_t *, s->proj), PTR(const uint16_t *, lw->post_norm), h, n,
                               s->hidden, s->eps, num_threads);
-        if ((status = forward_linear(&lw->gate_up, s->h, n, s->gate_up, path, skip, num_threads))) return status;
+        if ((status = forward_linear(&lw->gate_up, s->h, n, s->gate_up, row_int8, path, skip, num_threads)))
+            return status;
         if (!(skip & SPARK_SKIP_ELEMENTWISE))
             silu_mul_bf16(PTR(const uint16_t *, s->gate_up), PTR(uint16_t *, s->act), n, s->intermediate,
                           num_threads);
-        if ((status = forward_linear(&lw->down, s->act, n, s->proj, path, skip, num_threads))) return status;
+        if ((status = forward_linear(&lw->down, s->act, n, s->proj, row_int8, path, skip, num_threads))) return status;
         if (i + 1 < num_layers && !(skip & SPARK_SKIP_ELEMENTWISE))
             add_rms_norm_bf16(x, PTR(const uint16_t *, s->proj), PTR(const uint16_t *, layers[i + 1].input_norm), h, n,
                               s->hidden, s->eps, num_threads);

@@ -804,6 +804,21 @@ static void tiles_q8_fast(int NT, const int8_t *xq, const float *xs, int64_t r0,
 
 #include "linear_fma.inc" /* a part of this file: the fp32 FMA tiles (AVX-512F) */
 
+/* Where row r's int8 codes go: xq for every row of a uniform int8 call, only the flagged rows' of a mixed
+ * one (the others take the exact path); NULL when the call takes no int8 activations. */
+static inline int8_t *row_q8(int8_t *xq, const uint8_t *row_int8, int64_t r) {
+    return row_int8 == NULL || row_int8[r] ? xq : NULL;
+}
+
+int spark_linear_rows_fast(int path) {
+#if defined(LINEAR_Q8_FAST) && LINEAR_ISA == 2
+    return path == SPARK_PATH_DOT;
+#else
+    (void)path;
+    return 0;
+#endif
+}
+
 /* Whether row r of M needs prepare_row: every row, except on the FMA path, which reads a row's u4 group
  * sums only where it folds them (fma_row_folds_sums; int8 activations do not run there). */
 static inline int row_needs_prep(int fma, int64_t r, int64_t M) {
@@ -814,25 +829,58 @@ static inline int row_needs_prep(int fma, int64_t r, int64_t M) {
     return 1;
 }
 
+#if defined(LINEAR_Q8_FAST) && LINEAR_ISA == 2
+/* Rows [c0, c1) of a linear whose rows each take their own activations (row_int8), against the tiles
+ * t and t + 1 (or t alone, nt = 1): each run of rows of one mode in turn, while the tiles are hot in cache,
+ * so a chunk that mixes the modes costs one pass over the weights, as a uniform one does. */
+static void mixed_rows_tiles(int nt, const uint8_t *row_int8, const uint16_t *x, const int8_t *xq, const float *xs,
+                             int64_t c0, int64_t c1, int64_t K, int64_t ldx, const uint8_t *tile0, int64_t tile_bytes,
+                             int64_t G, const float *sums, const float *bias, int64_t n0, int64_t N, void *y,
+                             int64_t ldy, int y_f32, struct lookahead next) {
+    const struct lookahead none = {NULL, 0, 0, 1};
+    struct lookahead ask = next; /* the next tiles asked for once, by the first run whose pass can ask */
+    for (int64_t s0 = c0, s1; s0 < c1; s0 = s1) {
+        const int q = row_int8[s0] != 0;
+        for (s1 = s0 + 1; s1 < c1 && (row_int8[s1] != 0) == q; s1++) {
+        }
+        if (q) {
+            tiles_q8_fast(nt, xq, xs, s0, s1, K, tile0, tile_bytes, G, sums, bias, n0, N, y, ldy, y_f32, ask);
+            ask = none;
+        } else if (nt == 2 && s1 - s0 >= PAIR_ROWS) {
+            tile_pair_fast(WFMT_U4, x, s0, s1, K, ldx, tile0, tile0 + tile_bytes, G, sums, bias, n0, N, y, ldy,
+                           y_f32, ask);
+            ask = none;
+        } else {
+            for (int i = 0; i < nt; i++)
+                tile_fast(WFMT_U4, x, s0, s1, K, ldx, tile0 + i * tile_bytes, G, sums, bias, n0 + i * TILE_N, N, y,
+                          ldy, y_f32);
+        }
+    }
+}
+#endif
+
 /* y = x @ W^T (+ bias) for one packed weight. x: bf16 [M, K] with row stride ldx; y: [M, N] bf16
  * (or fp32 when y_f32) with row stride ldy. K must be a multiple of G, and G of 32 (u4) or 2.
- * act_int8 (u4 weights only): x is quantized to int8 per block of 32 first (see quantize_row_q8). */
-int spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
-                 int64_t G, const float *bias, void *y, int64_t ldy, int y_f32, int act_int8, int path,
-                 int num_threads) {
+ * act_int8 (u4 weights only): x is quantized to int8 per block of 32 first (see quantize_row_q8); with
+ * row_int8 (a flag per row), only the flagged rows are, the others take the exact path in the same pass. */
+int spark_linear_rows(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
+                      int64_t G, const float *bias, void *y, int64_t ldy, int y_f32, int act_int8,
+                      const uint8_t *row_int8, int path, int num_threads) {
     if (path != SPARK_PATH_PORTABLE && !(spark_linear_paths() >> path & 1)) return SPARK_ERR_UNSUPPORTED;
     const int portable = path == SPARK_PATH_PORTABLE;
     (void)portable; /* the portable build has no other path */
     /* No rows (a step whose prompt chunks all end short of their last token asks the head for no logits):
      * nothing to compute, and the FMA path's panel width would be 0. */
     if (M <= 0 || N <= 0) return SPARK_OK;
+    act_int8 = act_int8 && fmt == WFMT_U4;
+    const int mixed = act_int8 && row_int8 != NULL;
+    if (mixed && !spark_linear_rows_fast(path)) return SPARK_ERR_UNSUPPORTED;
     const int64_t tiles = (N + TILE_N - 1) / TILE_N;
     const int64_t tile_bytes = (K / G) * tile_group_bytes(fmt, G);
     const uint8_t *w_end = w + tiles * tile_bytes;
     (void)w_end; /* read by the AVX-512 paths' lookahead only */
     float *sums = NULL, *xs = NULL, *xf = NULL;
     int8_t *xq = NULL;
-    act_int8 = act_int8 && fmt == WFMT_U4;
     if (fmt == WFMT_U4) {
         sums = (float *)malloc((size_t)(M * (K / G)) * sizeof(float));
         if (!sums) return SPARK_ERR_NOMEM;
@@ -869,7 +917,7 @@ int spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx, 
      * barrier's worth of time is more than a few rows take, and decode steps call this ~120 times). */
     const int prep_here = M <= 4;
     for (int64_t r = 0; (sums || xq) && prep_here && r < M; r++)
-        if (row_needs_prep(xf != NULL, r, M)) prepare_row(x, r, ldx, K, G, sums, xq, xs);
+        if (row_needs_prep(xf != NULL, r, M)) prepare_row(x, r, ldx, K, G, sums, row_q8(xq, row_int8, r), xs);
 #if defined(LINEAR_FMA)
     const int64_t P = FMA_PANEL_WIDTH(M), panels = xf ? (M + P - 1) / P : 0;
     for (int64_t p = 0; prep_here && p < panels; p++) widen_panel(x, p, M, ldx, K, P, xf);
@@ -883,7 +931,7 @@ int spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx, 
     if ((sums || xq) && !prep_here) {
 #pragma omp for schedule(static) nowait
         for (int64_t r = 0; r < M; r++)
-            if (row_needs_prep(xf != NULL, r, M)) prepare_row(x, r, ldx, K, G, sums, xq, xs);
+            if (row_needs_prep(xf != NULL, r, M)) prepare_row(x, r, ldx, K, G, sums, row_q8(xq, row_int8, r), xs);
     }
 #if defined(LINEAR_FMA)
     if (panels && !prep_here) {
@@ -904,6 +952,19 @@ int spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx, 
      * of a c=32 run's samples in libgomp's wait with static, ~7% guided, on a KVM Xeon. */
     for (int64_t c0 = 0; c0 < M; c0 += ROW_CHUNK) {
         const int64_t c1 = c0 + ROW_CHUNK < M ? c0 + ROW_CHUNK : M;
+#if defined(LINEAR_Q8_FAST) && LINEAR_ISA == 2
+        if (mixed) {
+            const int64_t pairs = tiles / 2;
+#pragma omp for schedule(guided)
+            for (int64_t t2 = 0; t2 < pairs + tiles % 2; t2++) {
+                const int64_t t = 2 * t2;
+                mixed_rows_tiles(t + 1 < tiles ? 2 : 1, row_int8, x, xq, xs, c0, c1, K, ldx, w + t * tile_bytes,
+                                 tile_bytes, G, sums, bias, t * TILE_N, N, y, ldy, y_f32,
+                                 lookahead_of(w + (t + 2) * tile_bytes, 2 * tile_bytes, w_end));
+            }
+            continue;
+        }
+#endif
         if (act_int8) {
 #if defined(LINEAR_Q8_FAST)
             if (!portable) {
@@ -980,6 +1041,12 @@ int spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx, 
     free(xs);
     free(xf);
     return SPARK_OK;
+}
+
+int spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
+                 int64_t G, const float *bias, void *y, int64_t ldy, int y_f32, int act_int8, int path,
+                 int num_threads) {
+    return spark_linear_rows(fmt, x, M, K, ldx, w, N, G, bias, y, ldy, y_f32, act_int8, NULL, path, num_threads);
 }
 
 /* Several linears back to back in one call: `count` descriptors of 13 int64 each, spark_linear's

@@ -15,6 +15,18 @@ int spark_linear(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx, 
                  int64_t G, const float *bias, void *y, int64_t ldy, int y_f32, int act_int8, int path,
                  int num_threads);
 
+/* spark_linear with a mode per row: where act_int8 (u4 weights) and row_int8 is given, row r takes int8
+ * activations when row_int8[r] is nonzero and the exact path otherwise, each against the same tiles in one pass
+ * over the weights. Returns SPARK_OK, SPARK_ERR_NOMEM, or SPARK_ERR_UNSUPPORTED (as spark_linear, and for a mode per
+ * row where spark_linear_rows_fast(path) is 0). */
+int spark_linear_rows(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
+                      int64_t G, const float *bias, void *y, int64_t ldy, int y_f32, int act_int8,
+                      const uint8_t *row_int8, int path, int num_threads);
+
+/* Whether spark_linear_rows takes a mode per row on `path` here: the AVX512-VNNI int8 tiles and the
+ * AVX512-BF16 dot tiles, on the dot path (the fp32 FMA path's exact rows would round otherwise). */
+int spark_linear_rows_fast(int path);
+
 /* count linears back to back: 13 int64 each, spark_linear's arguments in order (pointers as integers) less
  * path and num_threads. Returns SPARK_OK, or the first failing linear's status. */
 int spark_linear_many(int64_t count, const int64_t *desc, int path, int num_threads);
