@@ -179,6 +179,8 @@ class CpuKernels:
             return
         if int8_rows.dtype != torch.uint8 or not int8_rows.is_contiguous() or int8_rows.shape != (x.shape[0],):
             raise ValueError("int8_rows takes one contiguous uint8 flag per row of x")
+        if not int8_activations or weight.fmt != "u4":
+            raise ValueError("int8_rows applies to int8 activations against 4-bit weights")
         self._linear_rows(weight.fmt_code, x.data_ptr(), x.shape[0], weight.in_features, x.stride(0),
                           weight.data.data_ptr(), weight.out_features, weight.group, bias_ptr, out.data_ptr(),
                           out.stride(0), int(out.dtype == torch.float32), int(int8_activations), int8_rows.data_ptr(),

@@ -197,7 +197,7 @@ class LlamaForCausalLM:
         # --linear-activations int8-prompt: 4-bit projections take int8 activations on the prompt rows that
         # give no logits (they only write the KV cache) and exact ones on every other row (PromptRows)
         self.prompt_int8_activations = self.builder.activations == "int8-prompt"
-        # The last layer's o / MLP for the logits rows only (see keep_last_rows in cpu_forward.h).
+        # The last layer's o / MLP for the logits rows only (see keep_last_rows in engine/kernels/csrc/forward_loop.h).
         self.trim_last_layer = True
         self._layer_descs: ctypes.Array | None = None
         self._one_call_max_rows = 0.0
@@ -223,11 +223,12 @@ class LlamaForCausalLM:
         and attach fallbacks after load; a stale descriptor would run the old weights)."""
         objects: list[object] = []
         settings: list[int] = []
+        per_row = self._per_row_int8()
         for lw in self.layers:
             objects += (lw.input_norm, lw.post_norm, lw.q_norm)
             for lin in lw.linears():
                 objects += (lin, getattr(lin, "packed", None), getattr(lin, "fallback", None))
-                settings += (getattr(lin, "max_kernel_rows", None) or 0, self._int8_mode(lin))
+                settings += (getattr(lin, "max_kernel_rows", None) or 0, self._int8_mode(lin, per_row))
         state = tuple(map(id, objects)) + tuple(settings)  # ids stay unique: ``objects`` is kept alive below
         if state != self._described[1]:
             self._layer_descs, self._one_call_max_rows = self._describe_layers()
@@ -235,7 +236,7 @@ class LlamaForCausalLM:
         return self._layer_descs
 
     def _describe_layers(self) -> tuple[ctypes.Array | None, float]:
-        """The layers' weights as cpu_forward.h's descriptors, and the most rows every projection's packed
+        """The layers' weights as forward.h's descriptors, and the most rows every projection's packed
         kernel takes (above it some go to oneDNN); None where some layer needs Python between the kernels
         (dense or reference linears, Qwen3's head norms, fp32)."""
         linears = [lin for lw in self.layers for lin in lw.linears()]
@@ -245,23 +246,29 @@ class LlamaForCausalLM:
             return None, 0
         limits = [lin.max_kernel_rows for lin in packed_linears
                   if lin.fallback is not None and lin.max_kernel_rows is not None]
+        per_row = self._per_row_int8()
 
         def describe(lin: AnyLinear) -> LinearDesc:
             assert isinstance(lin, PackedLinear)  # checked above for every projection
             packed = lin.packed
             return LinearDesc(packed.fmt_code, packed.data.data_ptr(), packed.out_features, packed.in_features,
-                              packed.group, lin.bias_pointer, self._int8_mode(lin))
+                              packed.group, lin.bias_pointer, self._int8_mode(lin, per_row))
 
         descs = (LayerDesc * self.num_layers)(*[
             LayerDesc(lw.input_norm.data_ptr(), lw.post_norm.data_ptr(), describe(lw.qkv), describe(lw.o),
                       describe(lw.gate_up), describe(lw.down)) for lw in self.layers])
         return descs, min(limits, default=math.inf)
 
-    def _int8_mode(self, lin: AnyLinear) -> int:
-        """A projection's activation mode in the one-call loop (cpu_forward.h's descriptor): 0 exact, 1 int8
-        on every row, 2 int8 on the rows each step flags (int8-prompt, where the kernels take a mode per
-        row on the path in use; read again with the descriptors, as the path is chosen at start)."""
-        if self.prompt_int8_activations and isinstance(lin, PackedLinear) and lin.takes_int8_rows:
+    def _per_row_int8(self) -> bool:
+        """Whether the 4-bit projections take a mode per row in this process: int8-prompt, on kernels that
+        take one on the path in use (read with the descriptors, as the path is chosen at start)."""
+        return self.prompt_int8_activations and self.kernels is not None and self.kernels.takes_int8_rows()
+
+    @staticmethod
+    def _int8_mode(lin: AnyLinear, per_row: bool) -> int:
+        """A projection's activation mode in the one-call loop (forward.h's descriptor): 0 exact, 1 int8
+        on every row, 2 int8 on the rows each step flags (given ``per_row``, 4-bit weights)."""
+        if per_row and isinstance(lin, PackedLinear) and lin.takes_int8_activations:
             return 2
         return int(getattr(lin, "int8_activations", False))
 
@@ -342,8 +349,8 @@ class LlamaForCausalLM:
                      hidden_indices: torch.Tensor | None, lora: LoraBatch | None) -> PromptRows | None:
         """The step's rows split by activation mode under int8-prompt; None when every row is exact (no
         prompt row without logits) or the mode is off. A row's mode depends on that row alone (a prompt row
-        whose output is not read), never on the step around it, so a seeded answer does not change with
-        what it was batched with or how its prompt was chunked or cached. Steps with adapters stay exact:
+        whose output is not read), never on the step around it: not on what it was batched with, nor on
+        how its prompt was chunked or whether a prefix of the same prompt was cached. Steps with adapters stay exact:
         their projections run through the LoRA batch, which takes the base weights whole."""
         if not self.prompt_int8_activations or not meta.prefills or lora is not None:
             return None
@@ -376,12 +383,12 @@ class LlamaForCausalLM:
         # (_int8_mode); else a split step goes call by call
         descs = (self._layers_as_described() if self.layers_in_one_call and lora is None
                  and (meta.prefill_spans is not None or not meta.prefills) else None)
-        if prompt_rows is not None and descs is not None and not self._one_call_takes_int8_rows():
+        if prompt_rows is not None and descs is not None and not self._per_row_int8():
             descs = None
         if descs is not None and self._one_call_max_rows >= T:
             kept = (logits_indices if self.trim_last_layer and hidden_indices is None and logits_indices.shape[0] < T
                     and _ascending(logits_indices) else None)  # decode-only steps: every row is a logits row
-            int8_rows = prompt_rows.flags.clone() if prompt_rows is not None else None  # the loop moves kept rows'
+            int8_rows = prompt_rows.flags if prompt_rows is not None else None
             down = self._layers_in_one_call(descs, x, h, a, act, positions, meta, cache, scratch, kept, int8_rows)
             if kept is not None:  # x and down hold the logits rows, in order, at the front
                 n = kept.shape[0]
@@ -453,12 +460,12 @@ class LlamaForCausalLM:
                             act: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: PagedKVCache,
                             scratch: torch.Tensor | None, kept: torch.Tensor | None = None,
                             int8_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """_forward_fused's layer loop as one C call (engine/kernels/cpu_forward.h: the same kernels in the
+        """_forward_fused's layer loop as one C call (engine/kernels/csrc/forward_loop.h: the same kernels in the
         same order), with its buffers: h, attn [T, H*D] and act [T, intermediate]. x is updated in place;
         returns the last layer's down projection. Given ``kept`` (ascending row indices), the last layer's
         output projection and MLP run for those rows only: afterwards x's first len(kept) rows are theirs,
-        and so are the returned rows. ``int8_rows`` (uint8 per row; the loop reorders it with the kept rows):
-        the rows that take int8 activations in the projections described with a mode per row."""
+        and so are the returned rows. ``int8_rows`` (uint8 per row, read only): the rows that take int8
+        activations in the projections described with a mode per row."""
         assert self.kernels is not None
         T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -492,12 +499,6 @@ class LlamaForCausalLM:
             step.row_int8 = int8_rows.data_ptr()
         self.kernels.forward_layers(descs, step)
         return proj
-
-    def _one_call_takes_int8_rows(self) -> bool:
-        """Whether the one-call loop's descriptors give the 4-bit projections a mode per row (so a step split
-        by PromptRows may run there)."""
-        return all(self._int8_mode(lin) == 2 for lw in self.layers for lin in lw.linears()
-                   if isinstance(lin, PackedLinear) and lin.takes_int8_activations)
 
     def _norm_heads(self, qkv: torch.Tensor, lw: _LayerWeights) -> None:
         """Qwen3: RMSNorm over each head of q and of k (before RoPE), in place in the fused qkv rows."""

@@ -5,6 +5,8 @@ fused kernels' own work (reference linears swapped in, a oneDNN fallback for lar
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -44,9 +46,12 @@ class _BothPaths:
         def forward_layers(layers, step):
             self.one_call_steps.append((step.tokens, step.decodes, step.num_spans))
             self.last_layer_rows.append((step.tokens, step.num_kept if step.trim_last_layer else step.tokens))
-            if step.row_int8:
-                self.per_row_steps.append(self.last_layer_rows[-1])
+            flags = ctypes.string_at(step.row_int8, step.tokens) if step.row_int8 else None
             one_call(layers, step)
+            if flags is not None:
+                self.per_row_steps.append(self.last_layer_rows[-1])
+                # the step is read only: a profiling harness replays it (benchmarks/bench_layers_ab.py)
+                assert ctypes.string_at(step.row_int8, step.tokens) == flags, "the loop wrote the step's flags"
 
         def both(input_ids, positions, meta, cache, logits_indices, lora=None, greedy_bans=None):
             self.model.layers_in_one_call = False

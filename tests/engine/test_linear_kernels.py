@@ -181,6 +181,11 @@ def test_a_mode_per_row_gives_each_row_its_own_modes_sums(group: int) -> None:
             assert ((got - torch.where(on, want_int8, want_exact)).abs() <= tolerance).all(), (m, k, n, flags)
             apart = (torch.where(on, want_exact, want_int8) - got).abs().amax(dim=1)
             assert (apart > 10 * tolerance.amax(dim=1)).all(), (m, k, n, flags)  # no row took the other mode
+            # bf16 out, no bias: the same sums, rounded once
+            rounded = kernels.linear(x, packed, int8_activations=True, int8_rows=flags)
+            assert rounded.dtype == torch.bfloat16
+            assert torch.equal(rounded, (got - bias).to(torch.bfloat16)) or \
+                ((rounded.float() - (got - bias)).abs() <= (got - bias).abs() / 128 + tolerance).all(), (m, k, n)
 
 
 def test_a_mode_per_row_is_refused_where_the_kernels_have_none() -> None:
@@ -192,6 +197,8 @@ def test_a_mode_per_row_is_refused_where_the_kernels_have_none() -> None:
                        int8_rows=torch.ones(4, dtype=torch.uint8))
     with pytest.raises(ValueError, match="one contiguous uint8 flag per row"):
         kernels.linear(x, pack_quantized(q), int8_activations=True, int8_rows=torch.ones(3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="applies to int8 activations against 4-bit weights"):
+        kernels.linear(x, pack_quantized(q), int8_rows=torch.ones(4, dtype=torch.uint8))  # int8 activations off
 
 
 def test_int8_activation_codes_round_like_the_kernels() -> None:

@@ -40,7 +40,7 @@ struct spark_forward_step {
      * alone (the logits rows, ascending; keep_last_rows) */
     int64_t trim_last_layer, kept_rows, num_kept;
     /* uint8 per row, or 0: the rows that take int8 activations in the linears whose descriptor asks for a
-     * mode per row (int8_activations 2); kept rows' flags move with them (keep_last_rows) */
+     * mode per row (int8_activations 2); the kept rows' flags follow them into the last layer */
     int64_t row_int8;
     float eps, scale;
 };
@@ -54,8 +54,8 @@ enum spark_forward_skip {
     SPARK_SKIP_ELEMENTWISE = 8, /* the norms, RoPE with the KV cache write, SiLU */
 };
 
-/* Every decoder layer of a bf16 forward, the linears on `path` (enum spark_linear_path). Returns SPARK_OK or
- * the first failing kernel's status. */
+/* Every decoder layer of a bf16 forward, the linears on `path` (enum spark_linear_path). Returns SPARK_OK,
+ * SPARK_ERR_NOMEM, or the first failing kernel's status. */
 int spark_forward_layers(const struct spark_layer_desc *layers, int64_t num_layers,
                          const struct spark_forward_step *s, int path, int num_threads);
 

@@ -4,6 +4,7 @@
 #ifndef SPARK_FORWARD_LOOP_H
 #define SPARK_FORWARD_LOOP_H
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "forward.h"
@@ -33,26 +34,23 @@ static inline int forward_linear(const struct spark_linear_desc *l, int64_t x, i
 static inline int64_t keep_last_rows(const struct spark_forward_step *s, uint16_t *x, uint16_t *attn) {
     if (!s->trim_last_layer || s->num_kept >= s->tokens) return s->tokens;
     const int64_t *kept = PTR(const int64_t *, s->kept_rows), width = s->num_heads * s->head_dim;
-    uint8_t *row_int8 = PTR(uint8_t *, s->row_int8);
     for (int64_t k = 0; k < s->num_kept; k++)
         if (kept[k] != k) {
             memcpy(x + k * s->hidden, x + kept[k] * s->hidden, (size_t)s->hidden * sizeof(uint16_t));
             memcpy(attn + k * width, attn + kept[k] * width, (size_t)width * sizeof(uint16_t));
-            if (row_int8) row_int8[k] = row_int8[kept[k]];
         }
     return s->num_kept;
 }
 
-/* spark_forward_layers with the groups in `skip` (enum spark_forward_skip) left out. Always inlined, so the
- * production entry point's skip = 0 drops every test. */
-static inline __attribute__((always_inline)) int forward_layers_skipping(const struct spark_layer_desc *layers,
-                                                                         int64_t num_layers,
-                                                                         const struct spark_forward_step *s, int path,
-                                                                         unsigned skip, int num_threads) {
+/* The layer loop; row_int8: the step's flags, kept_int8: the kept rows' (the last layer's after
+ * keep_last_rows). */
+static inline __attribute__((always_inline)) int layers_loop(const struct spark_layer_desc *layers, int64_t num_layers,
+                                                             const struct spark_forward_step *s, int path,
+                                                             unsigned skip, int num_threads, const uint8_t *row_int8,
+                                                             const uint8_t *kept_int8) {
     int status = SPARK_OK;
     const int64_t rows = s->tokens, H = s->num_heads, Hkv = s->num_kv_heads, D = s->head_dim;
     uint16_t *x = PTR(uint16_t *, s->x), *h = PTR(uint16_t *, s->h);
-    const uint8_t *row_int8 = PTR(const uint8_t *, s->row_int8);
     if (!(skip & SPARK_SKIP_ELEMENTWISE))
         add_rms_norm_bf16(x, NULL, PTR(const uint16_t *, layers[0].input_norm), h, rows, s->hidden, s->eps,
                           num_threads);
@@ -80,6 +78,7 @@ static inline __attribute__((always_inline)) int forward_layers_skipping(const s
             return status;
         const int64_t n = i + 1 == num_layers ? keep_last_rows(s, x, PTR(uint16_t *, s->attn)) : rows;
         if (n == 0) break;
+        if (i + 1 == num_layers) row_int8 = kept_int8;
         if ((status = forward_linear(&lw->o, s->attn, n, s->proj, row_int8, path, skip, num_threads))) return status;
         if (!(skip & SPARK_SKIP_ELEMENTWISE))
             add_rms_norm_bf16(x, PTR(const uint16_t *, s->proj), PTR(const uint16_t *, lw->post_norm), h, n,
@@ -95,6 +94,26 @@ static inline __attribute__((always_inline)) int forward_layers_skipping(const s
                               s->hidden, s->eps, num_threads);
     }
     return SPARK_OK;
+}
+
+/* spark_forward_layers with the groups in `skip` (enum spark_forward_skip) left out. Always inlined, so the
+ * production entry point's skip = 0 drops every test. The step is read, never written: where the last layer
+ * keeps a few rows, their flags are gathered into a buffer of this call's own (a profiling harness replays
+ * one step several times). */
+static inline __attribute__((always_inline)) int forward_layers_skipping(const struct spark_layer_desc *layers,
+                                                                         int64_t num_layers,
+                                                                         const struct spark_forward_step *s, int path,
+                                                                         unsigned skip, int num_threads) {
+    const uint8_t *row_int8 = PTR(const uint8_t *, s->row_int8);
+    if (!row_int8 || !s->trim_last_layer || s->num_kept >= s->tokens)
+        return layers_loop(layers, num_layers, s, path, skip, num_threads, row_int8, row_int8);
+    const int64_t *kept = PTR(const int64_t *, s->kept_rows);
+    uint8_t *kept_int8 = (uint8_t *)malloc((size_t)(s->num_kept > 0 ? s->num_kept : 1));
+    if (!kept_int8) return SPARK_ERR_NOMEM;
+    for (int64_t k = 0; k < s->num_kept; k++) kept_int8[k] = row_int8[kept[k]];
+    const int status = layers_loop(layers, num_layers, s, path, skip, num_threads, row_int8, kept_int8);
+    free(kept_int8);
+    return status;
 }
 
 #undef PTR

@@ -23,8 +23,9 @@ int spark_linear_rows(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t 
                       int64_t G, const float *bias, void *y, int64_t ldy, int y_f32, int act_int8,
                       const uint8_t *row_int8, int path, int num_threads);
 
-/* Whether spark_linear_rows takes a mode per row on `path` here: the AVX512-VNNI int8 tiles and the
- * AVX512-BF16 dot tiles, on the dot path (the fp32 FMA path's exact rows would round otherwise). */
+/* Whether spark_linear_rows takes a mode per row on `path` here: the AVX512-VNNI int8 tiles beside the
+ * AVX512-BF16 dot tiles, on the dot path only (a mixed call runs its exact rows on the dot tiles, so on the
+ * fp32 FMA path, chosen at start where it is faster, they would leave that path). */
 int spark_linear_rows_fast(int path);
 
 /* count linears back to back: 13 int64 each, spark_linear's arguments in order (pointers as integers) less
