@@ -261,7 +261,7 @@ def _cost_model(model: LlamaForCausalLM) -> CostModel:
     kernels' rates were (engine/models/tuning.py caches them), else the default figures."""
     return CostModel(attention_cost_per_key=model.attention_cost_per_key(),
                      decode_cost_per_key=model.decode_cost_per_key(), decode_step_cost=model.decode_step_cost(),
-                     measured=model.decode_costs_measured)
+                     decode_row_cost=model.decode_row_cost(), measured=model.decode_costs_measured)
 
 
 def _make_pooler(task: str, name: str, hf_config: Any, head: tuple[torch.Tensor, torch.Tensor | None] | None,

@@ -263,8 +263,8 @@ class Scheduler:
         draft row costs far less than a sequence's first row at the batch sizes where a long prompt is
         capped, and counting each as one row shrinks the prompt's chunks until greedy streams' token gaps
         grow past the 3x-median limit instead."""
-        k = self.decode_cost_per_key
-        return self.decode_step_cost + sum(1 + k * seq.num_computed_tokens for seq in self.running
+        k, row = self.decode_cost_per_key, self.cost_model.decode_row_cost
+        return self.decode_step_cost + sum(row + k * seq.num_computed_tokens for seq in self.running
                                            if seq.num_uncomputed_tokens == 1)
 
     def _prefill_limit(self, seq: Sequence, budget: int, prefill_budget: float, capped: bool) -> int:

@@ -72,7 +72,8 @@ class Settings:
                                                  "decoding streams cost a step x long prompts pending^2) "
                                                  "tokens per step, keeping token gaps even (0: no cap)")
     scheduler_cost_model: str | None = _opt(None, "the scheduler's cost model pinned, step=S,decode_key=D,"
-                                                  "attention_key=A (numbers >= 0, in one prompt token's linears), so "
+                                                  "attention_key=A[,decode_row=R] (numbers >= 0, in one prompt "
+                                                  "token's linears), so "
                                                   "replicas on one hardware class schedule alike; default: measured "
                                                   "at start (the start-up line gives the measured figures in this "
                                                   "form)")

@@ -279,9 +279,23 @@ class LlamaForCausalLM:
     def attention_cost_per_key(self) -> float:
         """A prompt token's attention over one earlier key, as a fraction of its linears' cost: the
         multiply-adds of q.k and p.v over every head and layer against those of every projection (the
-        head aside: a prompt's rows skip it). SmolLM2-135M: 1 / 3,072, so at 2,000 keys a prompt token's
-        attention costs 65% more on top of its linears."""
-        return 2 * self.num_heads * self.head_dim / self._layer_macs()
+        head aside: a prompt's rows skip it), times exact_row_cost (attention runs on bf16 whatever the
+        linears' activations). SmolLM2-135M: 1 / 3,072, so at 2,000 keys a prompt token's attention costs 65%
+        more on top of its exact linears."""
+        return 2 * self.num_heads * self.head_dim / self._layer_macs() * self.exact_row_cost()
+
+    def exact_row_cost(self) -> float:
+        """A row's linears on exact activations as a multiple of a prompt token's (the scheduler's unit): the
+        ratio of the two batch rates measured at start where prompt rows take int8 activations, else 1."""
+        rates = self.builder.rates
+        if rates is None or not rates.exact_batch_macs_per_s:
+            return 1.0
+        return rates.batch_macs_per_s / rates.exact_batch_macs_per_s
+
+    def decode_row_cost(self) -> float:
+        """A decoding row's own linears, in prompt tokens' (exact_row_cost where decode rows stay exact
+        while prompt rows take int8: --linear-activations int8-prompt; 1 otherwise)."""
+        return self.exact_row_cost() if self.prompt_int8_activations else 1.0
 
     def _layer_macs(self) -> int:
         """Multiply-adds of one token through one layer's projections."""

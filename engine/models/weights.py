@@ -77,6 +77,8 @@ class MeasuredRates:
     # by arithmetic (the scheduler's unit is a prompt token's linears)
     batch_macs_per_s: float
     weight_bytes: int  # what a one-row pass streams: every packed weight, once
+    # the same batch on exact activations, where the prompt rows' rate above is int8's (else None)
+    exact_batch_macs_per_s: float | None = None
 
 
 def resolve_quantization(mode: str, is_gguf: bool, kernels: CpuKernels | None, dtype: torch.dtype,
@@ -284,9 +286,11 @@ class LinearBuilder:
         gbps, read_gbps = _stream_rate(packed, total)
         layers, _ = _split_repeated(packed)
         largest = max(layers or packed, key=lambda lin: lin.out_features * lin.in_features)
-        batch_macs = _batch_rate(largest, largest.int8_activations or (self.activations == "int8-prompt"
-                                                                        and largest.takes_int8_activations))
-        self.rates = MeasuredRates(gbps * 1e9, batch_macs, total)
+        prompt_int8 = largest.int8_activations or (self.activations == "int8-prompt"
+                                                   and largest.takes_int8_activations)
+        batch_macs = _batch_rate(largest, prompt_int8)
+        exact_macs = _batch_rate(largest, False) if prompt_int8 else None
+        self.rates = MeasuredRates(gbps * 1e9, batch_macs, total, exact_macs)
         tail = (f"{path}; {activations}; {quantized_fallback}one-row pass {gbps:.1f} GB/s = "
                 f"{100 * gbps / read_gbps:.0f}% of a plain read ({read_gbps:.1f} GB/s); {_INT8_PROBE_ROWS} rows "
                 f"{batch_macs / 1e9:.0f} G multiply-adds/s")
@@ -294,6 +298,7 @@ class LinearBuilder:
         results = {"linear_path": packed[0].kernels.linear_path, "repeated_rows": repeated_rows,
                    "single_rows": single_rows, "quantized_fallback_rows": self._fallback_rows,
                    "stream_bytes_per_s": self.rates.stream_bytes_per_s, "batch_macs_per_s": batch_macs,
+                   "exact_batch_macs_per_s": exact_macs,
                    "weight_bytes": total, "summary": tail}
         return summary, results
 
@@ -326,7 +331,9 @@ class LinearBuilder:
         if known["quantized_fallback_rows"] is not None:
             layers, _ = _split_repeated([lin for lin in packed if not lin.dense and lin.fallback is None])
             attach_two_term_fallbacks(layers, int(known["quantized_fallback_rows"]))
-        self.rates = MeasuredRates(float(known["stream_bytes_per_s"]), float(known["batch_macs_per_s"]), total)
+        exact = known["exact_batch_macs_per_s"]
+        self.rates = MeasuredRates(float(known["stream_bytes_per_s"]), float(known["batch_macs_per_s"]), total,
+                                   float(exact) if exact is not None else None)
         return (f"linears: {len(packed)} packed ({self._describe(packed, with_fallback, total)}; {known['summary']} "
                 "(measured at an earlier start on this CPU; --remeasure-kernels times them again)")
 

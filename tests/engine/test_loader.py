@@ -59,7 +59,18 @@ def test_a_pinned_cost_model_reaches_the_scheduler_unchanged(tiny, caplog):
     assert CostModel.parse(costs.describe()) == costs  # the start-up line's figures pin as they read
 
 
+def test_a_decode_row_cost_pins_and_reads_back_only_where_it_is_not_one():
+    """``decode_row`` is optional (a decoding row's linears, in prompt tokens'): the default form stays the
+    three figures, and a model with another row cost describes and pins it."""
+    plain = CostModel.parse("step=7.1,decode_key=0.004,attention_key=0.01")
+    assert plain.decode_row_cost == 1.0 and "decode_row" not in plain.describe()
+    rows = CostModel.parse("step=7.1,decode_key=0.004,attention_key=0.01,decode_row=1.4")
+    assert rows.decode_row_cost == 1.4 and CostModel.parse(rows.describe()) == rows
+
+
 @pytest.mark.parametrize("value", ["step=7.1", "step=1,decode_key=x,attention_key=0", "fast",
+                                   "step=1,decode_key=0,attention_key=0,decode_row=-1",
+                                   "decode_row=1.4",
                                    "step=-1,decode_key=0,attention_key=0", "step=nan,decode_key=0,attention_key=0",
                                    "step=1,step=2,decode_key=0,attention_key=0"])
 def test_a_bad_cost_model_is_refused_naming_the_flag(tiny, value):

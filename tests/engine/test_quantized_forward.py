@@ -214,6 +214,10 @@ def test_int8_prompt_activations_split_each_prompt_step_by_row(monkeypatch, per_
     assert {(int8, rows) for int8, _, rows in decodes} == {(None, None)}  # decode steps: exact, the usual call
     assert max(errors) < 1e-5, max(errors)
     assert "Paris" in text_of(out)
+    # the scheduler's unit is a prompt row on int8: a decoding row, exact, costs the measured ratio of the rates
+    rates, costs = engine.model.builder.rates, engine.scheduler.cost_model
+    assert rates is not None and rates.exact_batch_macs_per_s
+    assert costs.decode_row_cost == pytest.approx(rates.batch_macs_per_s / rates.exact_batch_macs_per_s)
 
 
 def test_gguf_answers_a_factual_question(gguf_engine):

@@ -151,6 +151,20 @@ def test_the_long_prompt_cap_counts_each_decoding_streams_context():
         assert sum(n for _, n in batch.prefills) == int(LONG_PREFILL_SHARE * (step + 8 * (1 + per_key * context)))
 
 
+def test_the_long_prompt_cap_counts_each_decoding_row_at_its_own_cost():
+    """Where decode rows run exact and prompt rows int8 (--linear-activations int8-prompt), a decoding row
+    costs decode_row_cost prompt tokens, and the cap beside the streams grows with it."""
+    for row in (1.0, 1.4):
+        scheduler = Scheduler(BlockManager(num_blocks=512, block_size=16), max_num_seqs=64,
+                              max_num_batched_tokens=256, long_prefill_token_threshold=4,
+                              cost_model=CostModel(decode_step_cost=7.0, decode_row_cost=row))
+        _decoding(scheduler, 8)
+        scheduler.add(_seq(list(range(5000, 5200))))  # long: over 256 / 2
+        batch = scheduler.schedule()
+        assert len(batch.decodes) == 8
+        assert sum(n for _, n in batch.prefills) == int(LONG_PREFILL_SHARE * (7.0 + 8 * row))
+
+
 def test_the_long_prompt_cap_counts_each_chunks_attention():
     """Under the cap a chunk costs its tokens plus their attention over the keys before them (per key, a
     fraction of a token's linears, from the model's sizes): a long prompt's chunks shrink as its context
