@@ -55,8 +55,7 @@ class CpuKernels:
                      "prefill_attention"):
             for dtype, suffix in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
                 self._fns[(name, dtype)] = fns[f"{name}_{suffix}"]
-        self._linear = fns["spark_linear"]
-        self._linear_rows = fns["spark_linear_rows"]
+        self._linear_rows = fns["spark_linear_rows"]  # spark_linear is spark_linear_rows without flags
         self._linear_rows_fast = fns["spark_linear_rows_fast"]
         self._takes_int8_rows: dict[int, bool] = {}
         self._linear_many = fns["spark_linear_many"]
@@ -170,21 +169,16 @@ class CpuKernels:
         ``path``: this call's path (default ``linear_path``); ``portable`` overrides it with the plain-C one.
         ``int8_rows`` (uint8 per row of x, contiguous; with ``int8_activations``): only the flagged rows take
         int8 activations, the others the exact path, in one pass (where ``takes_int8_rows``)."""
-        path_code = self.path_code("portable" if portable else path)
-        if int8_rows is None:
-            self._linear(weight.fmt_code, x.data_ptr(), x.shape[0], weight.in_features, x.stride(0),
-                         weight.data.data_ptr(), weight.out_features, weight.group, bias_ptr, out.data_ptr(),
-                         out.stride(0), int(out.dtype == torch.float32), int(int8_activations), path_code,
-                         self.num_threads)
-            return
-        if int8_rows.dtype != torch.uint8 or not int8_rows.is_contiguous() or int8_rows.shape != (x.shape[0],):
-            raise ValueError("int8_rows takes one contiguous uint8 flag per row of x")
-        if not int8_activations or weight.fmt != "u4":
-            raise ValueError("int8_rows applies to int8 activations against 4-bit weights")
+        if int8_rows is not None:
+            if int8_rows.dtype != torch.uint8 or not int8_rows.is_contiguous() or int8_rows.shape != (x.shape[0],):
+                raise ValueError("int8_rows takes one contiguous uint8 flag per row of x")
+            if not int8_activations or weight.fmt != "u4":
+                raise ValueError("int8_rows applies to int8 activations against 4-bit weights")
         self._linear_rows(weight.fmt_code, x.data_ptr(), x.shape[0], weight.in_features, x.stride(0),
                           weight.data.data_ptr(), weight.out_features, weight.group, bias_ptr, out.data_ptr(),
-                          out.stride(0), int(out.dtype == torch.float32), int(int8_activations), int8_rows.data_ptr(),
-                          path_code, self.num_threads)
+                          out.stride(0), int(out.dtype == torch.float32), int(int8_activations),
+                          int8_rows.data_ptr() if int8_rows is not None else None,
+                          self.path_code("portable" if portable else path), self.num_threads)
 
     def takes_int8_rows(self, path: str | None = None) -> bool:
         """Whether a call with a mode per row (``int8_rows``) runs on ``path`` (default ``linear_path``) here:

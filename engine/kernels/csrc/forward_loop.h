@@ -31,8 +31,12 @@ static inline int forward_linear(const struct spark_linear_desc *l, int64_t x, i
  * a prefill chunk's rows other than its last (none at all for a chunk that does not end its prompt)
  * need no o / MLP there. The rows that stay get the same kernels on fewer rows; the others skip ~1/36 of
  * a prompt row's linears (o, gate_up and down of one layer of 30, for SmolLM2). */
+static inline int trims_last_layer(const struct spark_forward_step *s) {
+    return s->trim_last_layer && s->num_kept < s->tokens;
+}
+
 static inline int64_t keep_last_rows(const struct spark_forward_step *s, uint16_t *x, uint16_t *attn) {
-    if (!s->trim_last_layer || s->num_kept >= s->tokens) return s->tokens;
+    if (!trims_last_layer(s)) return s->tokens;
     const int64_t *kept = PTR(const int64_t *, s->kept_rows), width = s->num_heads * s->head_dim;
     for (int64_t k = 0; k < s->num_kept; k++)
         if (kept[k] != k) {
@@ -105,7 +109,7 @@ static inline __attribute__((always_inline)) int forward_layers_skipping(const s
                                                                          const struct spark_forward_step *s, int path,
                                                                          unsigned skip, int num_threads) {
     const uint8_t *row_int8 = PTR(const uint8_t *, s->row_int8);
-    if (!row_int8 || !s->trim_last_layer || s->num_kept >= s->tokens)
+    if (!row_int8 || !trims_last_layer(s))
         return layers_loop(layers, num_layers, s, path, skip, num_threads, row_int8, row_int8);
     const int64_t *kept = PTR(const int64_t *, s->kept_rows);
     uint8_t *kept_int8 = (uint8_t *)malloc((size_t)(s->num_kept > 0 ? s->num_kept : 1));
