@@ -81,13 +81,16 @@ class BlockManager:
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 
-    def commit_full_blocks(self, seq: Sequence, old_num_computed: int) -> None:
-        """Register the blocks that became full of computed tokens so later requests can reuse them."""
+    def commit_full_blocks(self, seq: Sequence, old_num_computed: int, shareable_tokens: int | None = None) -> None:
+        """Register the blocks that became full of computed tokens so later requests can reuse them; with
+        ``shareable_tokens``, only blocks within that many leading tokens (the rest stay the sequence's own)."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
         first = old_num_computed // bs
         last = seq.num_computed_tokens // bs
+        if shareable_tokens is not None:
+            last = min(last, shareable_tokens // bs)
         for i in range(first, last):
             block = seq.block_table[i]
             if self.block_hash[block] is not None:

@@ -21,7 +21,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from engine.errors import LoraUnavailableError
 from engine.kernels import CpuKernels
 from engine.models import layout
 from engine.models.linear import Linear
+
+if TYPE_CHECKING:
+    from engine.models.llama import PromptRows
 
 logger = logging.getLogger(__name__)
 
@@ -180,14 +183,16 @@ class LoraBatch:
             one = (col_slot[None, :] == token_slots[:, None]).to(manager.dtype)  # [T, S*r]
             self.masks = {g: one.repeat(1, len(ms)) if len(ms) > 1 else one for g, ms in GROUPS.items()}
 
-    def project(self, layer: int, group: str, x: torch.Tensor) -> torch.Tensor:
+    def project(self, layer: int, group: str, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
         """The group's base projection of ``x`` plus each token's own low-rank update.
 
         One matmul over [W_base; A_stack] gives the base output and x @ A^T together; then each token
-        applies its own slot's B (fused CPU kernel), or all slots' block-diagonal B under a mask."""
+        applies its own slot's B (fused CPU kernel), or all slots' block-diagonal B under a mask. A packed
+        4-bit base takes each row in its own activation mode (``prompt_rows``, --linear-activations
+        int8-prompt), as it would in a step without adapters: a row's mode never depends on its batch."""
         m = self.manager
         fused, b, n = m.fused[layer][group]
-        y = fused(x)
+        y = fused(x, prompt_rows) if isinstance(fused, _BaseThenA) else fused(x)
         if m.kernels is not None:
             out = torch.empty(y.shape[0], n, dtype=y.dtype, device=y.device)
             m.kernels.lora_expand(y, n, out, self.token_slots, m.b_compact[layer][group], m.out_sizes[group],
@@ -204,8 +209,12 @@ class _BaseThenA:
         self.base = base
         self.a = a
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.base(x), self.a(x)], dim=1)
+    def __call__(self, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
+        if prompt_rows is not None and getattr(self.base, "takes_int8_activations", False):
+            base = prompt_rows.project(self.base, x)
+        else:
+            base = self.base(x)
+        return torch.cat([base, self.a(x)], dim=1)
 
 
 class LoraManager:

@@ -131,7 +131,8 @@ class ModelRunner:
                 gather = torch.tensor(self._slots(seq.block_table, 0, ctx), dtype=torch.long, device=self.device)
                 q_pos = torch.arange(start, ctx, device=self.device)
                 mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]
-            spans.append(PrefillSpan(q_start, n, ctx, gather, mask))
+            spans.append(PrefillSpan(q_start, n, ctx, gather, mask,
+                                     kv_only_rows=max(0, min(n, seq.num_prompt_tokens - 1 - start))))
             if seq.pooling is not None:
                 first, count = seq.pooling.span(start, n, len(seq.token_ids))
                 if count:

@@ -292,6 +292,12 @@ class LlamaForCausalLM:
             return 1.0
         return rates.batch_macs_per_s / rates.exact_batch_macs_per_s
 
+    def shares_prompt_rows_only(self) -> bool:
+        """Whether a row's KV follows its role (int8-prompt: a prompt's leading rows on int8, every row whose
+        output is read exact), so KV written by an answer's rows, or a prompt's last row, differs from what a
+        later prompt holding those tokens computes for them cold, and must not be shared with it."""
+        return self.prompt_int8_activations
+
     def decode_row_cost(self) -> float:
         """A decoding row's own linears, in prompt tokens' (exact_row_cost where decode rows stay exact
         while prompt rows take int8: --linear-activations int8-prompt; 1 otherwise)."""
@@ -354,23 +360,25 @@ class LlamaForCausalLM:
     def _project(self, lora: LoraBatch | None, layer: int, group: str, linear: AnyLinear,
                  x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
         if lora is not None:
-            return lora.project(layer, group, x)
+            return lora.project(layer, group, x, prompt_rows)
         if prompt_rows is not None and not isinstance(linear, Linear) and linear.takes_int8_activations:
             return prompt_rows.project(linear, x)
         return linear(x)
 
     def _prompt_rows(self, num_rows: int, meta: AttentionMetadata, logits_indices: torch.Tensor,
-                     hidden_indices: torch.Tensor | None, lora: LoraBatch | None) -> PromptRows | None:
+                     hidden_indices: torch.Tensor | None) -> PromptRows | None:
         """The step's rows split by activation mode under int8-prompt; None when every row is exact (no
         prompt row without logits) or the mode is off. A row's mode depends on that row alone (a prompt row
-        whose output is not read), never on the step around it: not on what it was batched with, nor on
-        how its prompt was chunked or whether a prefix of the same prompt was cached. Steps with adapters stay exact:
-        their projections run through the LoRA batch, which takes the base weights whole."""
-        if not self.prompt_int8_activations or not meta.prefills or lora is not None:
+        before the prompt's last token, whose output is not read), never on the step around it: not on what
+        it was batched with (adapters' rows included: the LoRA batch takes the modes to the base weights), nor
+        on how its prompt was chunked, whether a prefix of the same prompt was cached, or whether the
+        sequence is recomputed after a preemption (its outputs then stay exact, as they were decoded)."""
+        if not self.prompt_int8_activations or not meta.prefills:
             return None
         int8 = torch.zeros(num_rows, dtype=torch.bool)
         for span in meta.prefills:
-            int8[span.q_start:span.q_start + span.q_len] = True
+            rows = span.q_len if span.kv_only_rows is None else span.kv_only_rows
+            int8[span.q_start:span.q_start + rows] = True
         int8[logits_indices] = False
         if hidden_indices is not None:
             int8[hidden_indices] = False
@@ -392,7 +400,7 @@ class LlamaForCausalLM:
         act = torch.empty(T, self.intermediate, dtype=x.dtype, device=x.device)
         a = torch.empty(T, H * D, dtype=x.dtype, device=x.device)  # attention output, reused by every layer
         scratch = self._attention_scratch(nd * H * meta.decode_max_len) if nd else None
-        prompt_rows = self._prompt_rows(T, meta, logits_indices, hidden_indices, lora)
+        prompt_rows = self._prompt_rows(T, meta, logits_indices, hidden_indices)
         # the one-call loop takes a split step where its descriptors give the 4-bit projections a mode per row
         # (_int8_mode); else a split step goes call by call
         descs = (self._layers_as_described() if self.layers_in_one_call and lora is None

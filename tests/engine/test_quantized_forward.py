@@ -220,6 +220,62 @@ def test_int8_prompt_activations_split_each_prompt_step_by_row(monkeypatch, per_
     assert costs.decode_row_cost == pytest.approx(rates.batch_macs_per_s / rates.exact_batch_macs_per_s)
 
 
+def _logprob_bits(outs) -> list[tuple[int, float]]:
+    return [(lp.token_id, lp.logprob) for lp in _logprobs_of(outs)]
+
+
+def test_int8_prompt_a_next_turn_over_a_cached_answer_equals_a_cold_start():
+    """Under int8-prompt an answer's rows are computed exact and a prompt's rows on int8, so the KV of an
+    answer is not what a next turn holding it computes cold. The cache shares only a prompt's own leading
+    blocks: the next turn answers bit for bit as it would on a server that never saw the first turn (with
+    the answer's blocks shared, its logprobs move by ~0.1 nat)."""
+    warm = _gguf("int8-prompt")
+    first = chat("first", "Tell me a short story about a lighthouse keeper.", max_tokens=40, temperature=0)
+    answer = tokens_of(run_all(warm, [first])["first"])
+    ids = warm.encode_prompt(first.prompt) + answer + warm.encode_prompt(chat("x", "And then?").prompt)
+
+    def next_turn() -> GenerationRequest:
+        return GenerationRequest("next", TokensPrompt(ids), SamplingParams(max_tokens=8, temperature=0, logprobs=True))
+
+    over_cache = run_all(warm, [next_turn()])["next"]
+    assert over_cache[-1].num_cached_tokens > 0  # the first turn's prompt came from the cache
+    cold = run_all(_gguf("int8-prompt"), [next_turn()])["next"]
+    assert cold[-1].num_cached_tokens == 0
+    assert _logprob_bits(over_cache) == _logprob_bits(cold)
+
+
+def test_int8_prompt_a_recomputed_sequence_keeps_its_outputs_exact(monkeypatch):
+    """After a preemption a sequence's prompt and outputs are prefilled again: its prompt's leading rows on
+    int8 as before, its outputs (decoded exact) exact again, so the preemption another request caused
+    does not move its KV's arithmetic."""
+    from engine.models.llama import LlamaForCausalLM
+
+    engine = _gguf("int8-prompt")
+    flags: list[list[int]] = []
+    prompt_rows = LlamaForCausalLM._prompt_rows
+
+    def recorded(self, *args, **kwargs):
+        rows = prompt_rows(self, *args, **kwargs)
+        flags.append(rows.flags.tolist() if rows is not None else [])
+        return rows
+
+    monkeypatch.setattr(LlamaForCausalLM, "_prompt_rows", recorded)
+    engine.add_request(chat("p", "Name three rivers of Europe.", max_tokens=16, temperature=0))
+    seq = engine.requests["p"][0]
+    while seq.num_output_tokens < 5:
+        engine.step()
+    engine.scheduler._preempt(seq)
+    flags.clear()
+    total = len(seq.token_ids)
+    engine.step()  # the recompute, whole in one step, after the prompt's blocks the cache kept
+    prompt, cached = seq.num_prompt_tokens, seq.num_cached_tokens
+    assert 0 < cached < prompt - 1
+    assert flags[0] == [1] * (prompt - 1 - cached) + [0] * (total - prompt + 1)
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.num_output_tokens == 16
+
+
 def test_gguf_answers_a_factual_question(gguf_engine):
     out = run_all(gguf_engine, [chat("f", "What is the capital of France?", max_tokens=12, temperature=0)])["f"]
     assert "Paris" in text_of(out)

@@ -77,6 +77,25 @@ def _seq(tokens, salt=""):
                     _Detok(), 1000, cache_salt=salt)
 
 
+def test_block_manager_shares_only_the_blocks_within_the_shareable_tokens():
+    """Where a row's KV follows its role (int8-prompt), an answer's blocks stay its sequence's own: a later
+    prompt holding the same tokens finds only the blocks within the prompt's leading rows."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = _seq(list(range(14)))  # a 6-token prompt and 8 tokens of answer
+    bm.append_slots(a, 14)
+    a.num_computed_tokens = 6
+    bm.commit_full_blocks(a, 0, shareable_tokens=5)
+    a.num_computed_tokens = 14
+    bm.commit_full_blocks(a, 6, shareable_tokens=5)
+    b = _seq(list(range(14)) + [99])
+    bm.allocate_cached_prefix(b)
+    assert b.num_cached_tokens == 4 and b.block_table == a.block_table[:1]
+    c = _seq(list(range(14)))
+    bm.commit_full_blocks(a, 0)  # without the limit, every full block is shared
+    bm.allocate_cached_prefix(c)
+    assert c.num_cached_tokens == 12
+
+
 def test_block_manager_prefix_reuse_and_release():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = _seq(list(range(10)))
