@@ -55,10 +55,20 @@ LONG_FILES = (
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """LONG_FILES first, in their order; every other file after them in collection order (a stable sort: the
-    tests of each file keep their order)."""
+    """LONG_FILES first, in their order; every other file after them in collection order; within a file, its
+    tests marked ``last_in_module`` after the others, whatever order the tests were named or collected in (a
+    stable sort: the rest keep their order, and a file's tests stay together, so its module fixtures start
+    once)."""
     rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(LONG_FILES)))
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(_file_of(item), i)
+    items.sort(key=lambda item: (rank.get(_file_of(item), len(LONG_FILES)), first_seen[_file_of(item)],
+                                 item.get_closest_marker("last_in_module") is not None))
+
+
+def _file_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
 
 
 def free_port() -> int:

@@ -348,8 +348,10 @@ def running_on(url: dict) -> dict[str, float]:
     return {k: counter(url[k], "vllm:num_requests_running") for k in ("a", "b")}
 
 
+@pytest.mark.last_in_module
 def test_a_replica_killed_mid_stream(fleet):
-    """Last in this module: it leaves one replica dead. Sessions streaming on it end with an error frame
+    """Last in this module (the mark sees to it, whatever order the tests are named in): it leaves one
+    replica dead. Sessions streaming on it end with an error frame
     (or finish); none hangs; sessions started afterwards are answered by the survivor; the front end's
     /health names the dead replica.
 
