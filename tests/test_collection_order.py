@@ -24,6 +24,6 @@ def test_a_last_in_module_test_runs_after_its_files_others_and_files_stay_togeth
         _Item(f"{LONG_FILES[0]}::test_long"),
     ]
     items = list(named)
-    pytest_collection_modifyitems(items)  # type: ignore[arg-type]
+    pytest_collection_modifyitems(items)
     assert [i.nodeid for i in items] == [named[4].nodeid, named[1].nodeid, named[3].nodeid, named[0].nodeid,
                                          named[2].nodeid]
