@@ -30,9 +30,9 @@ class PrefillSpan:
     # prefill (AttentionMetadata.prefill_spans set: it walks block tables instead)
     gather: torch.Tensor | None  # [context_len] cache slots
     mask: torch.Tensor | None  # [q_len, context_len] bool, None when plain causal
-    # the chunk's leading rows at positions before its prompt's last token (None: every row): a first pass
-    # reads no output of them, they only write the KV cache; after a preemption the recomputed outputs
-    # and the prompt's last token come after them
+    # the chunk's leading rows within its sequence's kv_only_prefix (None: every row): a first pass reads no
+    # output of them, they only write the KV cache; the prompt's last token, and after a preemption the
+    # recomputed outputs, come after them
     kv_only_rows: int | None = None
 
 

@@ -3,6 +3,13 @@
 A full block is addressed by a hash chained over every token before it (and the sequence's cache
 salt, so different LoRA adapters never share KV). Freed blocks keep their hash and sit in an LRU
 free list: a later request with the same prefix revives them; allocation reuses the oldest first.
+
+Where a row's KV follows its role (``kv_follows_row_role``: under int8-prompt a prompt's leading rows
+take int8 activations, and a prompt's last row and its answer's rows exact ones), a block that holds any
+row past its sequence's ``kv_only_prefix`` is addressed by that role too: how many of its rows lie within
+the prefix. So an answer's blocks serve only a sequence that computes those positions the same way (its own
+recompute after a preemption, a sibling of the same prompt), never a later prompt that holds the answer's
+tokens as prompt rows: a cache hit gives the bits a cold start computes, whoever asked before.
 """
 
 from __future__ import annotations
@@ -13,10 +20,12 @@ from engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 kv_follows_row_role: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.kv_follows_row_role = kv_follows_row_role
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
@@ -38,8 +47,15 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _chain_hash(self, prev: int | None, tokens: list[int], salt: str) -> int:
-        return hash((prev if prev is not None else salt, tuple(tokens)))
+    def _block_hash(self, seq: Sequence, i: int, prev: int | None) -> int:
+        """Block i's address: chained over the tokens before it, and its rows' roles where they matter."""
+        bs = self.block_size
+        key = (prev if prev is not None else seq.cache_salt, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+        if self.kv_follows_row_role:
+            kv_only_rows = seq.kv_only_prefix - i * bs
+            if kv_only_rows < bs:  # some row past the prefix: the block is its role's
+                return hash((*key, max(0, kv_only_rows)))
+        return hash(key)
 
     def allocate_cached_prefix(self, seq: Sequence) -> None:
         """Give a sequence with no blocks the cached blocks of its longest seen prefix."""
@@ -52,7 +68,7 @@ class BlockManager:
         num_full = (len(seq.token_ids) - 1) // bs
         prev: int | None = None
         for i in range(num_full):
-            h = self._chain_hash(prev, seq.token_ids[i * bs:(i + 1) * bs], seq.cache_salt)
+            h = self._block_hash(seq, i, prev)
             block = self.hash_to_block.get(h)
             if block is None:
                 break
@@ -81,22 +97,19 @@ class BlockManager:
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 
-    def commit_full_blocks(self, seq: Sequence, old_num_computed: int, shareable_tokens: int | None = None) -> None:
-        """Register the blocks that became full of computed tokens so later requests can reuse them; with
-        ``shareable_tokens``, only blocks within that many leading tokens (the rest stay the sequence's own)."""
+    def commit_full_blocks(self, seq: Sequence, old_num_computed: int) -> None:
+        """Register the blocks that became full of computed tokens so later requests can reuse them."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
         first = old_num_computed // bs
         last = seq.num_computed_tokens // bs
-        if shareable_tokens is not None:
-            last = min(last, shareable_tokens // bs)
         for i in range(first, last):
             block = seq.block_table[i]
             if self.block_hash[block] is not None:
                 continue
             prev = self.block_hash[seq.block_table[i - 1]] if i > 0 else None
-            h = self._chain_hash(prev, seq.token_ids[i * bs:(i + 1) * bs], seq.cache_salt)
+            h = self._block_hash(seq, i, prev)
             self.block_hash[block] = h
             self.hash_to_block.setdefault(h, block)
 

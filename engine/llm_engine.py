@@ -103,14 +103,14 @@ class EngineCore:
     def _build_step(self, loaded: Loaded) -> None:
         """Block manager, LoRA slots, scheduler, runner and speculator: what a step runs on."""
         config = self.config
-        self.block_manager = BlockManager(loaded.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(loaded.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          kv_follows_row_role=self.model.kv_follows_row_role())
         self.lora_manager = (LoraManager(loaded.hf_config, config.max_loras, config.max_lora_rank, self.dtype,
                                          self.device, self.model.projections(), self.model.kernels)
                              if config.max_loras > 0 else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold, self.lora_manager, loaded.cost_model)
         self.runner = ModelRunner(self.model, loaded.kv_cache, self.lora_manager)
-        self._shares_prompt_rows_only = self.model.shares_prompt_rows_only()
         self._argmax = self.model.kernels.argmax if self.model.kernels is not None else None  # greedy picks
         self._draw = self.model.kernels.sample if self.model.kernels is not None else None  # random draws
         self.runner.greedy_eos_token_ids = self.eos_token_ids  # plain-argmax steps may pick in the model
@@ -419,11 +419,7 @@ class EngineCore:
     def _advance(self, seq: Sequence, n: int) -> None:
         old = seq.num_computed_tokens
         seq.num_computed_tokens += n
-        # Where a row's KV follows its role (int8-prompt), a later prompt that holds this sequence's answer
-        # computes those tokens as prompt rows: it shares only the blocks of the prompt's leading rows, so a
-        # cache hit gives the bits a cold start computes, whoever asked before.
-        shareable = seq.num_prompt_tokens - 1 if self._shares_prompt_rows_only else None
-        self.block_manager.commit_full_blocks(seq, old, shareable)
+        self.block_manager.commit_full_blocks(seq, old)
 
     def _process_token(self, seq: Sequence, token: int) -> RequestOutput:
         p = seq.params

@@ -132,7 +132,7 @@ class ModelRunner:
                 q_pos = torch.arange(start, ctx, device=self.device)
                 mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos[:, None]
             spans.append(PrefillSpan(q_start, n, ctx, gather, mask,
-                                     kv_only_rows=max(0, min(n, seq.num_prompt_tokens - 1 - start))))
+                                     kv_only_rows=max(0, min(n, seq.kv_only_prefix - start))))
             if seq.pooling is not None:
                 first, count = seq.pooling.span(start, n, len(seq.token_ids))
                 if count:

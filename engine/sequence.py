@@ -101,6 +101,12 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def kv_only_prefix(self) -> int:
+        """The leading positions whose rows, computed in a first pass, only write the KV cache (nothing reads
+        their output): the prompt less its last token; none where the prompt's logprobs are read."""
+        return 0 if self.params.prompt_logprobs is not None else self.num_prompt_tokens - 1
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 

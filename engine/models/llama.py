@@ -292,11 +292,13 @@ class LlamaForCausalLM:
             return 1.0
         return rates.batch_macs_per_s / rates.exact_batch_macs_per_s
 
-    def shares_prompt_rows_only(self) -> bool:
-        """Whether a row's KV follows its role (int8-prompt: a prompt's leading rows on int8, every row whose
-        output is read exact), so KV written by an answer's rows, or a prompt's last row, differs from what a
-        later prompt holding those tokens computes for them cold, and must not be shared with it."""
-        return self.prompt_int8_activations
+    def kv_follows_row_role(self) -> bool:
+        """Whether a row's KV follows its role: under int8-prompt a prompt's leading rows take int8 and every
+        row whose output is read is exact, so the KV of an answer's rows, or of a prompt's last row, differs
+        from what a prompt holding those tokens at those positions computes for them. Only where some
+        projection runs a prompt row on int8 (4-bit weights on the fused kernels)."""
+        return (self.prompt_int8_activations and self.kernels is not None
+                and any(getattr(lin, "takes_int8_activations", False) for lw in self.layers for lin in lw.linears()))
 
     def decode_row_cost(self) -> float:
         """A decoding row's own linears, in prompt tokens' (exact_row_cost where decode rows stay exact

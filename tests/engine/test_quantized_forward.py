@@ -224,33 +224,43 @@ def _logprob_bits(outs) -> list[tuple[int, float]]:
     return [(lp.token_id, lp.logprob) for lp in _logprobs_of(outs)]
 
 
-def test_int8_prompt_a_next_turn_over_a_cached_answer_equals_a_cold_start():
-    """Under int8-prompt an answer's rows are computed exact and a prompt's rows on int8, so the KV of an
-    answer is not what a next turn holding it computes cold. The cache shares only a prompt's own leading
-    blocks: the next turn answers bit for bit as it would on a server that never saw the first turn (with
-    the answer's blocks shared, its logprobs move by ~0.1 nat)."""
+@pytest.mark.parametrize("whole_blocks", [False, True], ids=["prompt-ends-mid-block", "prompt-fills-its-blocks"])
+def test_int8_prompt_a_next_turn_over_a_cached_answer_equals_a_cold_start(whole_blocks):
+    """Under int8-prompt an answer's rows, and a prompt's last row, are computed exact, and a later prompt
+    holding them computes them on int8, so their KV is not what a next turn computes cold. The cache keys
+    such blocks by their rows' roles: the next turn reads only the first turn's blocks of prompt rows, and
+    answers bit for bit as it would on a server that never saw the first turn (with the answer's blocks
+    shared, its logprobs moved by ~0.1 nat). A prompt that fills its last block puts its last row, exact,
+    in a block of its own prompt: that block is not shared either."""
     warm = _gguf("int8-prompt")
-    first = chat("first", "Tell me a short story about a lighthouse keeper.", max_tokens=40, temperature=0)
+    prompt = warm.encode_prompt(chat("x", "Tell me a short story about a lighthouse keeper.").prompt)
+    bs = warm.block_manager.block_size
+    if whole_blocks:
+        prompt = prompt[:len(prompt) // bs * bs]
+    assert (len(prompt) % bs == 0) == whole_blocks
+    first = GenerationRequest("first", TokensPrompt(prompt), SamplingParams(max_tokens=40, temperature=0))
     answer = tokens_of(run_all(warm, [first])["first"])
-    ids = warm.encode_prompt(first.prompt) + answer + warm.encode_prompt(chat("x", "And then?").prompt)
+    ids = prompt + answer + warm.encode_prompt(chat("x", "And then?").prompt)
 
     def next_turn() -> GenerationRequest:
         return GenerationRequest("next", TokensPrompt(ids), SamplingParams(max_tokens=8, temperature=0, logprobs=True))
 
     over_cache = run_all(warm, [next_turn()])["next"]
-    assert over_cache[-1].num_cached_tokens > 0  # the first turn's prompt came from the cache
+    assert over_cache[-1].num_cached_tokens == (len(prompt) - 1) // bs * bs  # the first turn's prompt rows
     cold = run_all(_gguf("int8-prompt"), [next_turn()])["next"]
     assert cold[-1].num_cached_tokens == 0
     assert _logprob_bits(over_cache) == _logprob_bits(cold)
 
 
-def test_int8_prompt_a_recomputed_sequence_keeps_its_outputs_exact(monkeypatch):
-    """After a preemption a sequence's prompt and outputs are prefilled again: its prompt's leading rows on
-    int8 as before, its outputs (decoded exact) exact again, so the preemption another request caused
-    does not move its KV's arithmetic."""
+@pytest.fixture(scope="module")
+def int8_prompt_engine() -> LLMEngine:
+    return _gguf("int8-prompt")
+
+
+def _record_row_modes(monkeypatch) -> list[list[int]]:
+    """Each forward's int8 flags per row ([] where every row is exact), as the model derives them."""
     from engine.models.llama import LlamaForCausalLM
 
-    engine = _gguf("int8-prompt")
     flags: list[list[int]] = []
     prompt_rows = LlamaForCausalLM._prompt_rows
 
@@ -260,17 +270,36 @@ def test_int8_prompt_a_recomputed_sequence_keeps_its_outputs_exact(monkeypatch):
         return rows
 
     monkeypatch.setattr(LlamaForCausalLM, "_prompt_rows", recorded)
+    return flags
+
+
+def test_int8_prompt_rows_of_a_prompt_whose_logprobs_are_read_are_all_exact(int8_prompt_engine, monkeypatch):
+    """Every prompt row of a request that reads its prompt's logprobs is exact, in each of its samples: the
+    second sample reuses the first's blocks or computes them itself (when they were evicted), the same way."""
+    flags = _record_row_modes(monkeypatch)
+    out = run_all(int8_prompt_engine, [chat("pl", "Name three rivers of Europe.", max_tokens=2, temperature=0.7, n=2,
+                                            prompt_logprobs=1)])["pl"]
+    assert out and flags and all(not f for f in flags)
+
+
+def test_int8_prompt_a_recomputed_sequence_keeps_its_outputs_exact(int8_prompt_engine, monkeypatch):
+    """After a preemption whose blocks were then evicted, a sequence's prompt and outputs are prefilled again:
+    its prompt's leading rows on int8 as before, its outputs (decoded exact) exact again, so the preemption
+    another request caused does not change its rows' activation modes."""
+    engine = int8_prompt_engine
+    flags = _record_row_modes(monkeypatch)
     engine.add_request(chat("p", "Name three rivers of Europe.", max_tokens=16, temperature=0))
     seq = engine.requests["p"][0]
     while seq.num_output_tokens < 5:
         engine.step()
     engine.scheduler._preempt(seq)
+    engine.block_manager.hash_to_block.clear()  # its blocks reused by others meanwhile
     flags.clear()
     total = len(seq.token_ids)
-    engine.step()  # the recompute, whole in one step, after the prompt's blocks the cache kept
-    prompt, cached = seq.num_prompt_tokens, seq.num_cached_tokens
-    assert 0 < cached < prompt - 1
-    assert flags[0] == [1] * (prompt - 1 - cached) + [0] * (total - prompt + 1)
+    engine.step()  # the recompute, whole in one step
+    prompt = seq.num_prompt_tokens
+    assert seq.num_cached_tokens == 0
+    assert flags[0] == [1] * (prompt - 1) + [0] * (total - prompt + 1)
     while engine.has_unfinished():
         engine.step()
     assert seq.num_output_tokens == 16

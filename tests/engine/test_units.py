@@ -77,23 +77,27 @@ def _seq(tokens, salt=""):
                     _Detok(), 1000, cache_salt=salt)
 
 
-def test_block_manager_shares_only_the_blocks_within_the_shareable_tokens():
-    """Where a row's KV follows its role (int8-prompt), an answer's blocks stay its sequence's own: a later
-    prompt holding the same tokens finds only the blocks within the prompt's leading rows."""
-    bm = BlockManager(num_blocks=8, block_size=4)
-    a = _seq(list(range(14)))  # a 6-token prompt and 8 tokens of answer
+@pytest.mark.parametrize("by_role", [True, False], ids=["kv-follows-row-role", "default"])
+def test_block_manager_keys_an_answers_blocks_by_their_rows_role(by_role):
+    """Where a row's KV follows its role (int8-prompt), an answer's blocks serve only a sequence that computes
+    those positions the same way (its own recompute), never a later prompt holding the answer's tokens."""
+    bm = BlockManager(num_blocks=8, block_size=4, kv_follows_row_role=by_role)
+    a = _seq(list(range(6)))  # a 6-token prompt, then 8 tokens of answer
+    a.token_ids += list(range(6, 14))
     bm.append_slots(a, 14)
-    a.num_computed_tokens = 6
-    bm.commit_full_blocks(a, 0, shareable_tokens=5)
     a.num_computed_tokens = 14
-    bm.commit_full_blocks(a, 6, shareable_tokens=5)
-    b = _seq(list(range(14)) + [99])
-    bm.allocate_cached_prefix(b)
-    assert b.num_cached_tokens == 4 and b.block_table == a.block_table[:1]
-    c = _seq(list(range(14)))
-    bm.commit_full_blocks(a, 0)  # without the limit, every full block is shared
-    bm.allocate_cached_prefix(c)
-    assert c.num_cached_tokens == 12
+    bm.commit_full_blocks(a, 0)
+    next_turn = _seq(list(range(14)) + [99])
+    bm.allocate_cached_prefix(next_turn)
+    assert next_turn.num_cached_tokens == (4 if by_role else 12)  # by role: the prompt's first block alone
+    bm.free(next_turn)
+    bm.free(a)
+    a.block_table, a.num_computed_tokens = [], 0
+    bm.allocate_cached_prefix(a)  # a recompute after a preemption revives its own blocks
+    assert a.num_cached_tokens == 12
+    first_block_only = _seq(list(range(6)))  # the same prompt: its first block is all prompt rows
+    bm.allocate_cached_prefix(first_block_only)
+    assert first_block_only.num_cached_tokens == 4
 
 
 def test_block_manager_prefix_reuse_and_release():

@@ -1,6 +1,10 @@
 """Adapters beside --linear-activations int8-prompt: a step that carries an adapter's rows gives every
 row the activation mode it has in a step without adapters (a prompt's leading rows on int8, rows whose
-output is read exact), so whether an adapter shares a step never moves another request's arithmetic."""
+output is read exact), so whether an adapter shares a step never changes another request's modes.
+
+The modes, not the bits, are what is checked: an exact row's last bits can follow its place in the step
+on the 4-bit kernels (a pass of one to three rows splits each row's sums over more chains than a pass of
+four or more), with adapters in the step or not."""
 
 from __future__ import annotations
 
