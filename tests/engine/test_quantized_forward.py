@@ -224,34 +224,6 @@ def _logprob_bits(outs) -> list[tuple[int, float]]:
     return [(lp.token_id, lp.logprob) for lp in _logprobs_of(outs)]
 
 
-@pytest.mark.parametrize("whole_blocks", [False, True], ids=["prompt-ends-mid-block", "prompt-fills-its-blocks"])
-def test_int8_prompt_a_next_turn_over_a_cached_answer_equals_a_cold_start(whole_blocks):
-    """Under int8-prompt an answer's rows, and a prompt's last row, are computed exact, and a later prompt
-    holding them computes them on int8, so their KV is not what a next turn computes cold. The cache keys
-    such blocks by their rows' roles: the next turn reads only the first turn's blocks of prompt rows, and
-    answers bit for bit as it would on a server that never saw the first turn (with the answer's blocks
-    shared, its logprobs moved by ~0.1 nat). A prompt that fills its last block puts its last row, exact,
-    in a block of its own prompt: that block is not shared either."""
-    warm = _gguf("int8-prompt")
-    prompt = warm.encode_prompt(chat("x", "Tell me a short story about a lighthouse keeper.").prompt)
-    bs = warm.block_manager.block_size
-    if whole_blocks:
-        prompt = prompt[:len(prompt) // bs * bs]
-    assert (len(prompt) % bs == 0) == whole_blocks
-    first = GenerationRequest("first", TokensPrompt(prompt), SamplingParams(max_tokens=40, temperature=0))
-    answer = tokens_of(run_all(warm, [first])["first"])
-    ids = prompt + answer + warm.encode_prompt(chat("x", "And then?").prompt)
-
-    def next_turn() -> GenerationRequest:
-        return GenerationRequest("next", TokensPrompt(ids), SamplingParams(max_tokens=8, temperature=0, logprobs=True))
-
-    over_cache = run_all(warm, [next_turn()])["next"]
-    assert over_cache[-1].num_cached_tokens == (len(prompt) - 1) // bs * bs  # the first turn's prompt rows
-    cold = run_all(_gguf("int8-prompt"), [next_turn()])["next"]
-    assert cold[-1].num_cached_tokens == 0
-    assert _logprob_bits(over_cache) == _logprob_bits(cold)
-
-
 @pytest.fixture(scope="module")
 def int8_prompt_engine() -> LLMEngine:
     return _gguf("int8-prompt")
@@ -271,6 +243,36 @@ def _record_row_modes(monkeypatch) -> list[list[int]]:
 
     monkeypatch.setattr(LlamaForCausalLM, "_prompt_rows", recorded)
     return flags
+
+
+@pytest.mark.parametrize("whole_blocks", [False, True], ids=["prompt-ends-mid-block", "prompt-fills-its-blocks"])
+def test_int8_prompt_a_next_turn_over_a_cached_answer_equals_a_cold_start(int8_prompt_engine, whole_blocks):
+    """Under int8-prompt an answer's rows, and a prompt's last row, are computed exact, and a later prompt
+    holding them computes them on int8, so their KV is not what a next turn computes cold. The cache keys
+    such blocks by their rows' roles: the next turn reads only the first turn's blocks of prompt rows, and
+    answers bit for bit as it would on a server that never saw the first turn (with the answer's blocks
+    shared, its logprobs moved by ~0.1 nat). A prompt that fills its last block puts its last row, exact,
+    in a block of its own prompt: that block is not shared either."""
+    warm = int8_prompt_engine
+    warm.block_manager.hash_to_block.clear()  # an empty prefix cache, as on a fresh server
+    prompt = warm.encode_prompt(chat("x", "Tell me a short story about a lighthouse keeper.").prompt)
+    bs = warm.block_manager.block_size
+    if whole_blocks:
+        prompt = prompt[:len(prompt) // bs * bs]
+    assert (len(prompt) % bs == 0) == whole_blocks
+    first = GenerationRequest("first", TokensPrompt(prompt), SamplingParams(max_tokens=40, temperature=0))
+    answer = tokens_of(run_all(warm, [first])["first"])
+    ids = prompt + answer + warm.encode_prompt(chat("x", "And then?").prompt)
+
+    def next_turn() -> GenerationRequest:
+        return GenerationRequest("next", TokensPrompt(ids), SamplingParams(max_tokens=8, temperature=0, logprobs=True))
+
+    over_cache = run_all(warm, [next_turn()])["next"]
+    assert over_cache[-1].num_cached_tokens == (len(prompt) - 1) // bs * bs  # the first turn's prompt rows
+    warm.block_manager.hash_to_block.clear()  # the same server, its cache emptied: a cold start
+    cold = run_all(warm, [next_turn()])["next"]
+    assert cold[-1].num_cached_tokens == 0
+    assert _logprob_bits(over_cache) == _logprob_bits(cold)
 
 
 def test_int8_prompt_rows_of_a_prompt_whose_logprobs_are_read_are_all_exact(int8_prompt_engine, monkeypatch):
