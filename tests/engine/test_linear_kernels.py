@@ -82,6 +82,30 @@ def test_kernel_equals_dequantize_then_matmul(kind: str, path: str) -> None:
         _check_kernel_against_reference(kind, portable)
 
 
+@pytest.mark.parametrize("path", ["dot", "portable", pytest.param("fma", marks=pytest.mark.xfail(
+    strict=True, reason="the fp32 FMA path's panel width follows the call's row count (docs/kernels.md)"))])
+@pytest.mark.parametrize("kind", ["bf16", "i8", "i8-groups", "u4"])
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kind: str, path: str) -> None:
+    """A row's output bits are the same whatever rows share its call and wherever it sits among them, so a
+    request's answer never changes with the requests batched beside it: one row alone (four tiles a pass),
+    two to seven (two-tile passes of that many rows), 8- and 4-row passes and what they leave, 7 tiles (a
+    two-tile pass leaves one, a four-tile pass three). Before each pass added a row's products in one
+    order, a row of a 1-3-row pass split its sums over several chains, and a seeded answer of the embedded
+    model changed with the requests beside it by its third token."""
+    portable = path == "portable"
+    gen = torch.Generator().manual_seed(17)
+    with nullcontext() if portable else linear_path(path):
+        for n, with_bias in [(99, False), (32, True), (16, False)]:
+            packed, _ = _weights(kind, n, 576, gen)
+            bias = torch.randn(n, generator=gen) if with_bias else None
+            x = torch.randn(23, 576, generator=gen).to(torch.bfloat16)
+            every = kernels.linear(x, packed, bias, torch.empty(23, n), portable=portable)
+            for start, m in [(0, 1), (5, 1), (22, 1), (0, 2), (3, 3), (1, 4), (2, 5), (0, 7), (9, 8), (4, 12),
+                             (0, 13), (7, 16)]:
+                part = kernels.linear(x[start:start + m], packed, bias, torch.empty(m, n), portable=portable)
+                assert torch.equal(part, every[start:start + m]), (kind, n, start, m)
+
+
 @pytest.mark.parametrize("path", ["dot", "fma", "portable"])
 @pytest.mark.parametrize("kind", ["bf16", "i8"])
 def test_an_odd_count_of_input_pairs(kind: str, path: str) -> None:

@@ -307,6 +307,24 @@ def test_int8_prompt_a_recomputed_sequence_keeps_its_outputs_exact(int8_prompt_e
     assert seq.num_output_tokens == 16
 
 
+def test_a_seeded_answer_is_the_same_alone_and_beside_other_requests(gguf_engine):
+    """On the GGUF blocks and the kernels' fast path (the default configuration) a seeded sampled answer is
+    the same, to the last bit of each logprob, alone and with one to three other requests in its steps: every
+    kernel pass adds a row's products in one order, whatever rows share its call. Before, rows in passes of
+    one to three split their sums over more chains, and this answer changed by its third token."""
+    def seeded(rid: str) -> GenerationRequest:
+        return chat(rid, "Write a short poem about the sea.", max_tokens=24, temperature=0.7, seed=7, logprobs=True)
+
+    others = [chat(f"o{i}", q, max_tokens=24, temperature=0.7, seed=i)
+              for i, q in enumerate(["Name a fruit.", "Tell me about Paris.", "What is 2+2?"])]
+    gguf_engine.block_manager.hash_to_block.clear()
+    alone = _logprob_bits(run_all(gguf_engine, [seeded("alone")])["alone"])
+    for k in range(1, 4):
+        gguf_engine.block_manager.hash_to_block.clear()  # each run computes its prompt, as the first did
+        together = run_all(gguf_engine, [seeded(f"with{k}")] + others[:k])[f"with{k}"]
+        assert _logprob_bits(together) == alone, k
+
+
 def test_gguf_answers_a_factual_question(gguf_engine):
     out = run_all(gguf_engine, [chat("f", "What is the capital of France?", max_tokens=12, temperature=0)])["f"]
     assert "Paris" in text_of(out)

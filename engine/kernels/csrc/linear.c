@@ -351,9 +351,15 @@ static inline __m512bh pair_row(int fmt, const uint8_t *blk, int64_t j) {
 }
 
 /* RB rows of x against one tile: accumulators stay in registers for the whole K. RB is a compile-time
- * constant at each call (always_inline), so the row loops unroll. With few rows, each row's sum is
- * split over CH independent chains so the dot products' latency does not serialise the stream. */
-#define CHAINS(RB) ((RB) >= 4 ? 1 : (RB) >= 2 ? 2 : 4)
+ * constant at each call (always_inline), so the row loops unroll.
+ *
+ * Every pass of this path adds a row's products in one order: per tile and group, one chain through the
+ * pair-rows in order, folded into the running sum with the group's scale (and min). So a row's output
+ * bits never depend on how many rows its call has or where the row sits in it, and a request's answer
+ * does not change with the requests that share its steps. Passes of few rows keep their dot products'
+ * latency hidden with several tiles at once (tiles_one_row, the two-tile passes) instead of splitting a
+ * row's sum over several chains, which added the products in another order for one to three rows. */
+#define CHAINS(RB) 1
 static inline __attribute__((always_inline)) void tile_rows_avx512(
     const int RB, int fmt, const uint16_t *x, int64_t r0, int64_t K, int64_t ldx, const uint8_t *tile, int64_t G,
     const float *sums, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32, const int ASK,
@@ -554,6 +560,110 @@ static void tile_rows_ahead(int fmt, const uint16_t *x, int64_t r0, int64_t r1, 
 #undef AHEAD_CALL
 }
 
+/* One row against NT consecutive tiles (a stride of tile_bytes apart): NT independent chains hide the dot
+ * products' latency, each tile's sum in the one order of every other pass. `next` (ASK): the lines of the
+ * tiles after these, a share per group (u4) or per 32 inputs. */
+static inline __attribute__((always_inline)) void tiles_one_row(
+    const int NT, const int FMT, const int ASK, const uint16_t *x, int64_t r, int64_t K, int64_t ldx,
+    const uint8_t *tile0, int64_t tile_bytes, int64_t G, const float *sums, const float *bias, int64_t n0,
+    int64_t N, void *y, int64_t ldy, int y_f32, const struct lookahead *next) {
+    const int64_t groups = K / G, gbytes = tile_group_bytes(FMT, G);
+    const uint16_t *xr = x + r * ldx;
+    __m512 acc[4], part[4];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+    const __m512i nibble_bf16 = nibble_bf16_table();
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t k0 = g * G;
+        if (ASK && FMT == WFMT_U4) prefetch_share(next, g);
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) part[t] = _mm512_setzero_ps();
+        if (FMT == WFMT_U4) {
+            for (int64_t b = 0; b < G / 32; b++) {
+                const int64_t kb = k0 + b * 32;
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; c++) {
+                    const __m512bh xlo = pair_bcast(xr, kb + 2 * c), xhi = pair_bcast(xr, kb + 2 * (c + 8));
+#pragma GCC unroll 4
+                    for (int t = 0; t < NT; t++) {
+                        const uint8_t *codes = tile0 + t * tile_bytes + g * gbytes + b * 256;
+                        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + c * 32)));
+                        part[t] = _mm512_dpbf16_ps(part[t], xlo, (__m512bh)_mm512_permutexvar_epi16(v, nibble_bf16));
+                        part[t] = _mm512_dpbf16_ps(
+                            part[t], xhi, (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), nibble_bf16));
+                    }
+                }
+            }
+        } else {
+            for (int64_t j = 0; j < G / 2; j++) {
+                if (ASK && (j & 15) == 0) prefetch_share(next, (k0 + 2 * j) / 32);
+                const __m512bh xb = pair_bcast(xr, k0 + 2 * j);
+#pragma GCC unroll 4
+                for (int t = 0; t < NT; t++)
+                    part[t] = _mm512_dpbf16_ps(part[t], xb, pair_row(FMT, tile0 + t * tile_bytes + g * gbytes, j));
+            }
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            const uint8_t *blk = tile0 + t * tile_bytes + g * gbytes;
+            if (FMT == WFMT_BF16) {
+                acc[t] = _mm512_add_ps(acc[t], part[t]);
+            } else if (FMT == WFMT_U4) {
+                const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + G * TILE_N / 2)));
+                const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + G * TILE_N / 2 + 32)));
+                acc[t] = _mm512_fmadd_ps(part[t], d, acc[t]);
+                acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * groups + g]), acc[t]);
+            } else {
+                acc[t] = _mm512_fmadd_ps(part[t], _mm512_loadu_ps((const float *)(blk + G * TILE_N)), acc[t]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) store_acc(acc[t], bias, n0 + t * TILE_N, N, y, ldy, r, y_f32);
+}
+
+#define ONE_ROW_TILES 4 /* the most tiles a one-row pass takes (four chains hide the dot products' latency) */
+
+/* How many tiles each one-row pass takes (2 to ONE_ROW_TILES): the fewest tiles on the busiest thread,
+ * then the most tiles a pass. Four at a time left a 576-output projection's 36 tiles in 9 passes, 5 and 4
+ * on two threads; three at a time are 6 and 6. */
+static int64_t one_row_tiles(int64_t tiles, int threads) {
+    int64_t best = ONE_ROW_TILES, best_load = INT64_MAX;
+    for (int64_t nt = ONE_ROW_TILES; nt >= 2; nt--) {
+        const int64_t passes = (tiles + nt - 1) / nt, load = (passes + threads - 1) / threads * nt;
+        if (load < best_load) best = nt, best_load = load;
+    }
+    return best;
+}
+
+/* Each row of [r0, r1) (a few) against tiles [t0, t0 + count) of w, count <= ONE_ROW_TILES, in one pass,
+ * asking for the lines after them as the pass goes (not for bf16, which streams at memory's pace already). */
+static void rows_over_tiles(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_t K, int64_t ldx,
+                            const uint8_t *tile0, int64_t tile_bytes, int64_t count, int64_t G, const float *sums,
+                            const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32,
+                            struct lookahead next) {
+    next.parts = lookahead_shares(fmt, K, G) * (r1 - r0);
+    for (int64_t r = r0; r < r1; r++, next.part += lookahead_shares(fmt, K, G)) {
+#define ONE_ROW_CALL(NT, FMT, ASK) \
+    tiles_one_row(NT, FMT, ASK, x, r, K, ldx, tile0, tile_bytes, G, sums, bias, n0, N, y, ldy, y_f32, &next)
+#define ONE_ROW_FORMATS(NT)                \
+    if (fmt == WFMT_U4)                    \
+        ONE_ROW_CALL(NT, WFMT_U4, 1);      \
+    else if (fmt == WFMT_I8)               \
+        ONE_ROW_CALL(NT, WFMT_I8, 1);      \
+    else                                   \
+        ONE_ROW_CALL(NT, WFMT_BF16, 0);
+        switch (count) {
+        case 4: ONE_ROW_FORMATS(4) break;
+        case 3: ONE_ROW_FORMATS(3) break;
+        case 2: ONE_ROW_FORMATS(2) break;
+        default: ONE_ROW_FORMATS(1) break;
+        }
+#undef ONE_ROW_FORMATS
+#undef ONE_ROW_CALL
+    }
+}
+
 /* bf16 and i8: the same two-tile pass; pair-row j of both tiles against each row's input pair. The
  * order of additions per output is the one-tile pass's (CH = 1 from 4 rows up), so results match it.
  * 8 rows a pass where there are 8 (AMD EPYC, interleaved A/B against the one-tile pass or 4 rows):
@@ -614,32 +724,49 @@ static inline __attribute__((always_inline)) void tile_pair_rows_dense(
     }
 }
 
-/* Two tiles, rows [r0, r1): PAIR_ROWS at a time, the rest one tile at a time; `next`: the lines to prefetch
- * over the two-tile passes (the rest asks for none). */
+/* Two tiles, rows [r0, r1): 2 x PAIR_ROWS at a time (u4 and bf16: then PAIR_ROWS), the rest in one last two-tile
+ * pass of fewer rows, so every row's sums take the one order; `next`: the lines to prefetch over the passes. */
 static void tile_pair_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_t K, int64_t ldx,
                            const uint8_t *tile0, const uint8_t *tile1, int64_t G, const float *sums, const float *bias,
                            int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32, struct lookahead next) {
     const int64_t shares = lookahead_shares(fmt, K, G), rows = r1 - r0;
+    const int64_t fours = fmt == WFMT_I8 ? 0 : rows % (2 * PAIR_ROWS) / PAIR_ROWS;
+    const int64_t rest = rows - rows / (2 * PAIR_ROWS) * 2 * PAIR_ROWS - fours * PAIR_ROWS;
+    next.parts = (rows / (2 * PAIR_ROWS) + fours + (rest > 0)) * shares;
     int64_t r = r0;
     if (fmt == WFMT_U4) {
         /* 8 rows where there are 8: each unpacked code vector feeds twice as many products (+2-3% at 8-256
          * rows on AMD EPYC; 16 accumulators still fit the registers) */
-        next.parts = (rows / (2 * PAIR_ROWS) + rows % (2 * PAIR_ROWS) / PAIR_ROWS) * shares;
         for (; r + 2 * PAIR_ROWS <= r1; r += 2 * PAIR_ROWS, next.part += shares)
             tile_pair_rows_u4(2 * PAIR_ROWS, x, r, K, ldx, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, next);
         for (; r + PAIR_ROWS <= r1; r += PAIR_ROWS, next.part += shares)
             tile_pair_rows_u4(PAIR_ROWS, x, r, K, ldx, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, next);
-    } else {
-        next.parts = (rows / (2 * PAIR_ROWS) + (fmt == WFMT_BF16 ? rows % (2 * PAIR_ROWS) / PAIR_ROWS : 0)) * shares;
-        for (; r + 2 * PAIR_ROWS <= r1; r += 2 * PAIR_ROWS, next.part += shares)
-            tile_pair_rows_dense(2 * PAIR_ROWS, fmt, x, r, K, ldx, tile0, tile1, G, bias, n0, N, y, ldy, y_f32, next);
-        for (; fmt == WFMT_BF16 && r + PAIR_ROWS <= r1; r += PAIR_ROWS, next.part += shares)
-            tile_pair_rows_dense(PAIR_ROWS, fmt, x, r, K, ldx, tile0, tile1, G, bias, n0, N, y, ldy, y_f32, next);
+#define U4_REST(RB) tile_pair_rows_u4(RB, x, r, K, ldx, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, next)
+        switch (r1 - r) {
+        case 3: U4_REST(3); break;
+        case 2: U4_REST(2); break;
+        case 1: U4_REST(1); break;
+        default: break;
+        }
+#undef U4_REST
+        return;
     }
-    if (r < r1) {
-        tile_fast(fmt, x, r, r1, K, ldx, tile0, G, sums, bias, n0, N, y, ldy, y_f32);
-        tile_fast(fmt, x, r, r1, K, ldx, tile1, G, sums, bias, n0 + TILE_N, N, y, ldy, y_f32);
+    for (; r + 2 * PAIR_ROWS <= r1; r += 2 * PAIR_ROWS, next.part += shares)
+        tile_pair_rows_dense(2 * PAIR_ROWS, fmt, x, r, K, ldx, tile0, tile1, G, bias, n0, N, y, ldy, y_f32, next);
+    for (; fmt == WFMT_BF16 && r + PAIR_ROWS <= r1; r += PAIR_ROWS, next.part += shares)
+        tile_pair_rows_dense(PAIR_ROWS, fmt, x, r, K, ldx, tile0, tile1, G, bias, n0, N, y, ldy, y_f32, next);
+#define DENSE_REST(RB) tile_pair_rows_dense(RB, fmt, x, r, K, ldx, tile0, tile1, G, bias, n0, N, y, ldy, y_f32, next)
+    switch (r1 - r) {
+    case 7: DENSE_REST(7); break;
+    case 6: DENSE_REST(6); break;
+    case 5: DENSE_REST(5); break;
+    case 4: DENSE_REST(4); break;
+    case 3: DENSE_REST(3); break;
+    case 2: DENSE_REST(2); break;
+    case 1: DENSE_REST(1); break;
+    default: break;
     }
+#undef DENSE_REST
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
@@ -846,7 +973,7 @@ static void mixed_rows_tiles(int nt, const uint8_t *row_int8, const uint16_t *x,
         if (q) {
             tiles_q8_fast(nt, xq, xs, s0, s1, K, tile0, tile_bytes, G, sums, bias, n0, N, y, ldy, y_f32, ask);
             ask = none;
-        } else if (nt == 2 && s1 - s0 >= PAIR_ROWS) {
+        } else if (nt == 2) {
             tile_pair_fast(WFMT_U4, x, s0, s1, K, ldx, tile0, tile0 + tile_bytes, G, sums, bias, n0, N, y, ldy,
                            y_f32, ask);
             ask = none;
@@ -1004,17 +1131,35 @@ int spark_linear_rows(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t 
         }
 #endif
 #if LINEAR_ISA == 2
-        if (!portable && c1 - c0 >= (fmt == WFMT_I8 ? 2 * PAIR_ROWS : PAIR_ROWS) && tiles >= 2) {
-            const int64_t pairs = tiles / 2;
+        /* Two tiles a pass for rows in numbers, ONE_ROW_TILES tiles a pass for a row alone (a call of one row,
+         * or the one row the two-tile passes would leave: a two-tile pass of one row keeps only two chains);
+         * both keep each row's one order. */
+        if (!portable && tiles >= 2) {
+            const int64_t rest = fmt == WFMT_I8 ? (c1 - c0) % (2 * PAIR_ROWS) : (c1 - c0) % PAIR_ROWS;
+            const int64_t p1 = rest == 1 ? c1 - 1 : c1; /* the two-tile passes' rows: [c0, p1) */
+            if (p1 > c0) {
+                const int64_t pairs = tiles / 2;
 #pragma omp for schedule(guided)
-            for (int64_t t2 = 0; t2 < pairs + tiles % 2; t2++) {
-                const int64_t t = 2 * t2;
-                if (t + 1 < tiles)
-                    tile_pair_fast(fmt, x, c0, c1, K, ldx, w + t * tile_bytes, w + (t + 1) * tile_bytes, G, sums,
-                                   bias, t * TILE_N, N, y, ldy, y_f32,
-                                   lookahead_of(w + (t + 2) * tile_bytes, 2 * tile_bytes, w_end));
-                else
-                    tile_fast(fmt, x, c0, c1, K, ldx, w + t * tile_bytes, G, sums, bias, t * TILE_N, N, y, ldy, y_f32);
+                for (int64_t t2 = 0; t2 < pairs + tiles % 2; t2++) {
+                    const int64_t t = 2 * t2;
+                    if (t + 1 < tiles)
+                        tile_pair_fast(fmt, x, c0, p1, K, ldx, w + t * tile_bytes, w + (t + 1) * tile_bytes, G,
+                                       sums, bias, t * TILE_N, N, y, ldy, y_f32,
+                                       lookahead_of(w + (t + 2) * tile_bytes, 2 * tile_bytes, w_end));
+                    else
+                        tile_fast(fmt, x, c0, p1, K, ldx, w + t * tile_bytes, G, sums, bias, t * TILE_N, N, y, ldy,
+                                  y_f32);
+                }
+            }
+            if (p1 < c1) {
+                const int64_t nt = one_row_tiles(tiles, threads > 0 ? threads : 1), units = (tiles + nt - 1) / nt;
+#pragma omp for schedule(guided)
+                for (int64_t u = 0; u < units; u++) {
+                    const int64_t t = u * nt, count = tiles - t < nt ? tiles - t : nt;
+                    rows_over_tiles(fmt, x, p1, c1, K, ldx, w + t * tile_bytes, tile_bytes, count, G, sums, bias,
+                                    t * TILE_N, N, y, ldy, y_f32,
+                                    lookahead_of(w + (t + count) * tile_bytes, count * tile_bytes, w_end));
+                }
             }
             continue;
         }
