@@ -95,13 +95,16 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kind: str, path: st
     portable = path == "portable"
     gen = torch.Generator().manual_seed(17)
     with nullcontext() if portable else linear_path(path):
-        for n, with_bias in [(99, False), (32, True), (16, False)]:
+        # 7 tiles, 2 (with a bias), 1, and 13 (one-row passes of 4, 4, 4 and 1 on two threads)
+        for n, with_bias in [(99, False), (32, True), (16, False), (208, False)]:
             packed, _ = _weights(kind, n, 576, gen)
             bias = torch.randn(n, generator=gen) if with_bias else None
-            x = torch.randn(23, 576, generator=gen).to(torch.bfloat16)
-            every = kernels.linear(x, packed, bias, torch.empty(23, n), portable=portable)
-            for start, m in [(0, 1), (5, 1), (22, 1), (0, 2), (3, 3), (1, 4), (2, 5), (0, 7), (9, 8), (4, 12),
-                             (0, 13), (7, 16)]:
+            x = torch.randn(70, 576, generator=gen).to(torch.bfloat16)
+            every = kernels.linear(x, packed, bias, torch.empty(70, n), portable=portable)
+            # one row; two to seven; 8- and 4-row passes and one row left (9, 13, 17); a 64-row chunk and
+            # a lone row after it (65)
+            for start, m in [(0, 1), (5, 1), (69, 1), (0, 2), (3, 3), (1, 4), (2, 5), (0, 7), (9, 8), (3, 9),
+                             (4, 12), (0, 13), (7, 16), (1, 17), (0, 65), (5, 65)]:
                 part = kernels.linear(x[start:start + m], packed, bias, torch.empty(m, n), portable=portable)
                 assert torch.equal(part, every[start:start + m]), (kind, n, start, m)
 
@@ -198,10 +201,13 @@ def test_a_mode_per_row_gives_each_row_its_own_modes_sums(group: int) -> None:
     for m, k, n, q, packed, x, bias in _int4_cases(SHAPES + [(130, 128, 48)], group, gen):
         want_int8, want_exact = linear_int8_activations(x, q) + bias, _reference(x, q.dequantize(), bias)
         tolerance = _tolerance(x, q.dequantize())
+        every_exact = kernels.linear(x, packed, bias, torch.empty(m, n))
         for flags in _row_modes(m, gen):
             on = flags.bool()[:, None]
             got = kernels.linear(x, packed, bias, torch.empty(m, n), int8_activations=True, int8_rows=flags)
             assert ((got - torch.where(on, want_int8, want_exact)).abs() <= tolerance).all(), (m, k, n, flags)
+            # an exact row's bits are those of a call where every row is exact (one order of sums per row)
+            assert torch.equal(got[~flags.bool()], every_exact[~flags.bool()]), (m, k, n, flags)
             apart = (torch.where(on, want_exact, want_int8) - got).abs().amax(dim=1)
             assert (apart > 10 * tolerance.amax(dim=1)).all(), (m, k, n, flags)  # no row took the other mode
             # bf16 out, no bias: the same sums, rounded once

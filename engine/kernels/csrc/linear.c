@@ -34,8 +34,8 @@
 
 #define ROWS_PER_PASS 8 /* rows of x per pass over a tile's weights (register-resident accumulators) */
 #define ROW_CHUNK 64    /* rows of x kept hot in cache while every tile streams past them */
-/* With at least this many rows (i8: twice as many): two tiles per pass, 2 x PAIR_ROWS rows at a time where
- * there are that many, then PAIR_ROWS (each broadcast input feeds both tiles; 8 or 16 accumulator chains).
+/* From two rows up: two tiles per pass, 2 x PAIR_ROWS rows at a time where there are that many, then PAIR_ROWS
+ * (u4 and bf16), then the rest (each broadcast input feeds both tiles; 8 or 16 accumulator chains).
  * On a 2-core AMD EPYC 4 rows took the u4 kernel from ~300 to ~340 GFLOP/s at 16-256 rows, and
  * from ~260 to ~320 at 4 rows; 8 rows added 2-3% (u4), 19-44% (bf16), 14-22% (i8). */
 #define PAIR_ROWS 4
@@ -537,9 +537,10 @@ static void tile_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_
 #undef ROWS_CALL
 }
 
-/* One or two rows against one 4-bit or int8 tile, asking for the next tile's lines as the pass goes (`next`),
- * a share at a time (lookahead_shares). With the weights streaming from memory, the model's projections (AMD EPYC): 4-bit
- * 1.15-1.20x at one row, 1.08-1.12x at two; int8 and Q8_0 1.12-1.27x. From three rows on it ran 2-3%
+/* One or two rows against one 4-bit or int8 tile (now only where a weight has a single tile: more tiles take
+ * tiles_one_row or the two-tile passes), asking for the next tile's lines as the pass goes (`next`), a share
+ * at a time (lookahead_shares). With the weights streaming from memory, the model's projections (AMD EPYC):
+ * 4-bit 1.15-1.20x at one row, 1.08-1.12x at two; int8 and Q8_0 1.12-1.27x. From three rows on it ran 2-3%
  * slower, and those keep tile_fast; so did bf16 (7-11%), which streams at memory's pace already. */
 static void tile_rows_ahead(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_t K, int64_t ldx,
                             const uint8_t *tile, int64_t G, const float *sums, const float *bias, int64_t n0,
@@ -665,13 +666,14 @@ static void rows_over_tiles(int fmt, const uint16_t *x, int64_t r0, int64_t r1, 
 }
 
 /* bf16 and i8: the same two-tile pass; pair-row j of both tiles against each row's input pair. The
- * order of additions per output is the one-tile pass's (CH = 1 from 4 rows up), so results match it.
+ * order of additions per output is the one-tile pass's (CHAINS), so results match it.
  * 8 rows a pass where there are 8 (AMD EPYC, interleaved A/B against the one-tile pass or 4 rows):
  *   bf16: +19-44% at 8-256 rows over 4 rows a pass. Two bf16 tiles of 576 inputs are 36 KB, over L1,
  *         so each pass re-reads them from L2; 8 rows a pass halves that. 4 rows take what is left.
  *   i8:   widening int8 codes to bf16 costs five instructions per pair-row; 4 rows a pass lost to the
  *         one-tile pass (~340 -> ~260 GFLOP/s), 8 gain 14-22% at 8-64 rows (the Q8_0 head of the
- *         embedded model), so i8 leaves fewer than 8 rows to the one-tile pass. */
+ *         embedded model), so i8 leaves 4-7 rows to the one-tile pass (two or three: the two-tile pass, for
+ *         its chains). */
 static inline __attribute__((always_inline)) void tile_pair_rows_dense(
     const int RB, int fmt, const uint16_t *x, int64_t r0, int64_t K, int64_t ldx, const uint8_t *tile0,
     const uint8_t *tile1, int64_t G, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32,
@@ -732,7 +734,8 @@ static void tile_pair_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, i
     const int64_t shares = lookahead_shares(fmt, K, G), rows = r1 - r0;
     const int64_t fours = fmt == WFMT_I8 ? 0 : rows % (2 * PAIR_ROWS) / PAIR_ROWS;
     const int64_t rest = rows - rows / (2 * PAIR_ROWS) * 2 * PAIR_ROWS - fours * PAIR_ROWS;
-    next.parts = (rows / (2 * PAIR_ROWS) + fours + (rest > 0)) * shares;
+    next.parts = (rows / (2 * PAIR_ROWS) + fours + (rest > 0 && rest < PAIR_ROWS)) * shares;
+    if (next.parts == 0) next.base = NULL, next.parts = 1; /* no two-tile pass: nothing asked */
     int64_t r = r0;
     if (fmt == WFMT_U4) {
         /* 8 rows where there are 8: each unpacked code vector feeds twice as many products (+2-3% at 8-256
@@ -755,12 +758,13 @@ static void tile_pair_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, i
         tile_pair_rows_dense(2 * PAIR_ROWS, fmt, x, r, K, ldx, tile0, tile1, G, bias, n0, N, y, ldy, y_f32, next);
     for (; fmt == WFMT_BF16 && r + PAIR_ROWS <= r1; r += PAIR_ROWS, next.part += shares)
         tile_pair_rows_dense(PAIR_ROWS, fmt, x, r, K, ldx, tile0, tile1, G, bias, n0, N, y, ldy, y_f32, next);
+    if (r1 - r >= PAIR_ROWS) { /* i8's 4-7: the one-tile pass, one chain a row from 4 rows (see above) */
+        tile_fast(fmt, x, r, r1, K, ldx, tile0, G, sums, bias, n0, N, y, ldy, y_f32);
+        tile_fast(fmt, x, r, r1, K, ldx, tile1, G, sums, bias, n0 + TILE_N, N, y, ldy, y_f32);
+        return;
+    }
 #define DENSE_REST(RB) tile_pair_rows_dense(RB, fmt, x, r, K, ldx, tile0, tile1, G, bias, n0, N, y, ldy, y_f32, next)
     switch (r1 - r) {
-    case 7: DENSE_REST(7); break;
-    case 6: DENSE_REST(6); break;
-    case 5: DENSE_REST(5); break;
-    case 4: DENSE_REST(4); break;
     case 3: DENSE_REST(3); break;
     case 2: DENSE_REST(2); break;
     case 1: DENSE_REST(1); break;
