@@ -210,10 +210,7 @@ class _BaseThenA:
         self.a = a
 
     def __call__(self, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
-        if prompt_rows is not None and getattr(self.base, "takes_int8_activations", False):
-            base = prompt_rows.project(self.base, x)
-        else:
-            base = self.base(x)
+        base = prompt_rows.project(self.base, x) if prompt_rows is not None else self.base(x)
         return torch.cat([base, self.a(x)], dim=1)
 
 

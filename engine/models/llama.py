@@ -84,11 +84,13 @@ class PromptRows:
         ends = [i + 1 for i, on in enumerate(flags) if on and (i + 1 == len(flags) or not flags[i + 1])]
         return cls(tuple(zip(starts, ends)), (~int8).nonzero().flatten(), len(flags), int8.to(torch.uint8))
 
-    def project(self, linear: PackedLinear | ReferenceLinear, x: torch.Tensor) -> torch.Tensor:
+    def project(self, linear: AnyLinear, x: torch.Tensor) -> torch.Tensor:
         """One call with a mode per row where the linear takes it (one pass over the weights, as an
         unsplit step's); else the prompt rows run by run, read and written in place (long contiguous
         blocks), and the other rows, few and scattered, gathered into one call: a pass over the weights per
-        prompt chunk and one more."""
+        prompt chunk and one more. A linear that takes no int8 activations (dense weights) runs whole."""
+        if isinstance(linear, Linear) or not linear.takes_int8_activations:
+            return linear(x)
         if linear.takes_int8_rows:
             return linear(x, int8_rows=self.flags)
         out = torch.empty(self.num_rows, linear.out_features, dtype=x.dtype)
@@ -363,9 +365,7 @@ class LlamaForCausalLM:
                  x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
         if lora is not None:
             return lora.project(layer, group, x, prompt_rows)
-        if prompt_rows is not None and not isinstance(linear, Linear) and linear.takes_int8_activations:
-            return prompt_rows.project(linear, x)
-        return linear(x)
+        return prompt_rows.project(linear, x) if prompt_rows is not None else linear(x)
 
     def _prompt_rows(self, num_rows: int, meta: AttentionMetadata, logits_indices: torch.Tensor,
                      hidden_indices: torch.Tensor | None) -> PromptRows | None:

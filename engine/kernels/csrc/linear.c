@@ -359,15 +359,13 @@ static inline __m512bh pair_row(int fmt, const uint8_t *blk, int64_t j) {
  * does not change with the requests that share its steps. Passes of few rows keep their dot products'
  * latency hidden with several tiles at once (tiles_one_row, the two-tile passes) instead of splitting a
  * row's sum over several chains, which added the products in another order for one to three rows. */
-#define CHAINS(RB) 1
 static inline __attribute__((always_inline)) void tile_rows_avx512(
     const int RB, int fmt, const uint16_t *x, int64_t r0, int64_t K, int64_t ldx, const uint8_t *tile, int64_t G,
     const float *sums, const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32, const int ASK,
     const struct lookahead *next) {
-    const int CH = CHAINS(RB);
     const int64_t groups = K / G, gbytes = tile_group_bytes(fmt, G);
     const uint16_t *xr[ROWS_PER_PASS];
-    __m512 acc[ROWS_PER_PASS], part[ROWS_PER_PASS][4];
+    __m512 acc[ROWS_PER_PASS], part[ROWS_PER_PASS];
 #pragma GCC unroll 8
     for (int r = 0; r < RB; r++) {
         xr[r] = x + (r0 + r) * ldx;
@@ -379,69 +377,46 @@ static inline __attribute__((always_inline)) void tile_rows_avx512(
         const int64_t k0 = g * G;
         if (ASK && fmt == WFMT_U4) prefetch_share(next, g); /* (the others, a share per 32 inputs below) */
 #pragma GCC unroll 8
-        for (int r = 0; r < RB; r++)
-#pragma GCC unroll 4
-            for (int c = 0; c < CH; c++) part[r][c] = _mm512_setzero_ps();
+        for (int r = 0; r < RB; r++) part[r] = _mm512_setzero_ps();
         if (fmt == WFMT_BF16 || fmt == WFMT_I8) {
-            const int64_t pairs = G / 2;
-            int64_t j = 0;
-            for (; j + CH <= pairs; j += CH) {
-                if (ASK && (j & 15) == 0) prefetch_share(next, (k0 + 2 * j) / 32);
-#pragma GCC unroll 4
-                for (int c = 0; c < CH; c++) {
-                    const __m512bh w = pair_row(fmt, blk, j + c);
-#pragma GCC unroll 8
-                    for (int r = 0; r < RB; r++)
-                        part[r][c] = _mm512_dpbf16_ps(part[r][c], pair_bcast(xr[r], k0 + 2 * (j + c)), w);
-                }
-            }
-            for (; j < pairs; j++) { /* an odd tail of pairs when CH > 1 */
+            for (int64_t j = 0; j < G / 2; j++) {
                 if (ASK && (j & 15) == 0) prefetch_share(next, (k0 + 2 * j) / 32);
                 const __m512bh w = pair_row(fmt, blk, j);
 #pragma GCC unroll 8
-                for (int r = 0; r < RB; r++) part[r][0] = _mm512_dpbf16_ps(part[r][0], pair_bcast(xr[r], k0 + 2 * j), w);
+                for (int r = 0; r < RB; r++) part[r] = _mm512_dpbf16_ps(part[r], pair_bcast(xr[r], k0 + 2 * j), w);
             }
         } else { /* WFMT_U4 */
             for (int64_t b = 0; b < G / 32; b++) {
                 const uint8_t *codes = blk + b * 256;
                 const int64_t kb = k0 + b * 32;
-                /* unrolled whole: each chunk's chain index (2c mod CH) is then a constant and the chains
-                 * stay in registers (unrolled by 2, one row's four chains lived in memory: 1.24-1.27x on
-                 * one row, 1.05x on two or three, AMD EPYC, the same sums in the same order) */
 #pragma GCC unroll 8
                 for (int c = 0; c < 8; c++) {
                     const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + c * 32)));
                     const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(v, nibble_bf16);
                     const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), nibble_bf16);
-                    const int cl = (2 * c) % CH, chi = (2 * c + 1) % CH;
 #pragma GCC unroll 8
                     for (int r = 0; r < RB; r++) {
-                        part[r][cl] = _mm512_dpbf16_ps(part[r][cl], pair_bcast(xr[r], kb + 2 * c), lo);
-                        part[r][chi] = _mm512_dpbf16_ps(part[r][chi], pair_bcast(xr[r], kb + 2 * (c + 8)), hi);
+                        part[r] = _mm512_dpbf16_ps(part[r], pair_bcast(xr[r], kb + 2 * c), lo);
+                        part[r] = _mm512_dpbf16_ps(part[r], pair_bcast(xr[r], kb + 2 * (c + 8)), hi);
                     }
                 }
             }
         }
-#pragma GCC unroll 8
-        for (int r = 0; r < RB; r++) {
-#pragma GCC unroll 4
-            for (int c = 1; c < CH; c++) part[r][0] = _mm512_add_ps(part[r][0], part[r][c]);
-        }
         if (fmt == WFMT_BF16) {
 #pragma GCC unroll 8
-            for (int r = 0; r < RB; r++) acc[r] = _mm512_add_ps(acc[r], part[r][0]);
+            for (int r = 0; r < RB; r++) acc[r] = _mm512_add_ps(acc[r], part[r]);
         } else if (fmt == WFMT_U4) {
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + G * TILE_N / 2)));
             const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + G * TILE_N / 2 + 32)));
 #pragma GCC unroll 8
             for (int r = 0; r < RB; r++) {
-                acc[r] = _mm512_fmadd_ps(part[r][0], d, acc[r]);
+                acc[r] = _mm512_fmadd_ps(part[r], d, acc[r]);
                 acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[(r0 + r) * groups + g]), acc[r]);
             }
         } else {
             const __m512 d = _mm512_loadu_ps((const float *)(blk + G * TILE_N));
 #pragma GCC unroll 8
-            for (int r = 0; r < RB; r++) acc[r] = _mm512_fmadd_ps(part[r][0], d, acc[r]);
+            for (int r = 0; r < RB; r++) acc[r] = _mm512_fmadd_ps(part[r], d, acc[r]);
         }
     }
 #pragma GCC unroll 8
@@ -637,36 +612,33 @@ static int64_t one_row_tiles(int64_t tiles, int threads) {
     return best;
 }
 
-/* Each row of [r0, r1) (a few) against tiles [t0, t0 + count) of w, count <= ONE_ROW_TILES, in one pass,
- * asking for the lines after them as the pass goes (not for bf16, which streams at memory's pace already). */
-static void rows_over_tiles(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_t K, int64_t ldx,
-                            const uint8_t *tile0, int64_t tile_bytes, int64_t count, int64_t G, const float *sums,
-                            const float *bias, int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32,
-                            struct lookahead next) {
-    next.parts = lookahead_shares(fmt, K, G) * (r1 - r0);
-    for (int64_t r = r0; r < r1; r++, next.part += lookahead_shares(fmt, K, G)) {
+/* Row r against tiles [t0, t0 + count) of w, count <= ONE_ROW_TILES, in one pass, asking for the lines after
+ * them as the pass goes (not for bf16, which streams at memory's pace already). */
+static void row_over_tiles(int fmt, const uint16_t *x, int64_t r, int64_t K, int64_t ldx, const uint8_t *tile0,
+                           int64_t tile_bytes, int64_t count, int64_t G, const float *sums, const float *bias,
+                           int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32, struct lookahead next) {
+    next.parts = lookahead_shares(fmt, K, G);
 #define ONE_ROW_CALL(NT, FMT, ASK) \
     tiles_one_row(NT, FMT, ASK, x, r, K, ldx, tile0, tile_bytes, G, sums, bias, n0, N, y, ldy, y_f32, &next)
-#define ONE_ROW_FORMATS(NT)                \
-    if (fmt == WFMT_U4)                    \
-        ONE_ROW_CALL(NT, WFMT_U4, 1);      \
-    else if (fmt == WFMT_I8)               \
-        ONE_ROW_CALL(NT, WFMT_I8, 1);      \
-    else                                   \
+#define ONE_ROW_FORMATS(NT)            \
+    if (fmt == WFMT_U4)                \
+        ONE_ROW_CALL(NT, WFMT_U4, 1);  \
+    else if (fmt == WFMT_I8)           \
+        ONE_ROW_CALL(NT, WFMT_I8, 1);  \
+    else                               \
         ONE_ROW_CALL(NT, WFMT_BF16, 0);
-        switch (count) {
-        case 4: ONE_ROW_FORMATS(4) break;
-        case 3: ONE_ROW_FORMATS(3) break;
-        case 2: ONE_ROW_FORMATS(2) break;
-        default: ONE_ROW_FORMATS(1) break;
-        }
+    switch (count) {
+    case 4: ONE_ROW_FORMATS(4) break;
+    case 3: ONE_ROW_FORMATS(3) break;
+    case 2: ONE_ROW_FORMATS(2) break;
+    default: ONE_ROW_FORMATS(1) break;
+    }
 #undef ONE_ROW_FORMATS
 #undef ONE_ROW_CALL
-    }
 }
 
 /* bf16 and i8: the same two-tile pass; pair-row j of both tiles against each row's input pair. The
- * order of additions per output is the one-tile pass's (CHAINS), so results match it.
+ * order of additions per output is the one-tile pass's, so results match it.
  * 8 rows a pass where there are 8 (AMD EPYC, interleaved A/B against the one-tile pass or 4 rows):
  *   bf16: +19-44% at 8-256 rows over 4 rows a pass. Two bf16 tiles of 576 inputs are 36 KB, over L1,
  *         so each pass re-reads them from L2; 8 rows a pass halves that. 4 rows take what is left.
@@ -726,8 +698,18 @@ static inline __attribute__((always_inline)) void tile_pair_rows_dense(
     }
 }
 
-/* Two tiles, rows [r0, r1): 2 x PAIR_ROWS at a time (u4 and bf16: then PAIR_ROWS), the rest in one last two-tile
- * pass of fewer rows, so every row's sums take the one order; `next`: the lines to prefetch over the passes. */
+/* The one to three rows left after the passes of PAIR_ROWS or more, in one pass of that many (CALL(RB)). */
+#define PAIR_REST(CALL)          \
+    switch (r1 - r) {            \
+    case 3: CALL(3); break;      \
+    case 2: CALL(2); break;      \
+    case 1: CALL(1); break;      \
+    default: break;              \
+    }
+
+/* Two tiles, rows [r0, r1): 2 x PAIR_ROWS at a time (u4 and bf16: then PAIR_ROWS), then the rest: one last
+ * two-tile pass of one to three rows, or i8's four to seven in one-tile passes, so every row's sums take the
+ * one order; `next`: the lines to prefetch over the two-tile passes. */
 static void tile_pair_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, int64_t K, int64_t ldx,
                            const uint8_t *tile0, const uint8_t *tile1, int64_t G, const float *sums, const float *bias,
                            int64_t n0, int64_t N, void *y, int64_t ldy, int y_f32, struct lookahead next) {
@@ -745,12 +727,7 @@ static void tile_pair_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, i
         for (; r + PAIR_ROWS <= r1; r += PAIR_ROWS, next.part += shares)
             tile_pair_rows_u4(PAIR_ROWS, x, r, K, ldx, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, next);
 #define U4_REST(RB) tile_pair_rows_u4(RB, x, r, K, ldx, tile0, tile1, G, sums, bias, n0, N, y, ldy, y_f32, next)
-        switch (r1 - r) {
-        case 3: U4_REST(3); break;
-        case 2: U4_REST(2); break;
-        case 1: U4_REST(1); break;
-        default: break;
-        }
+        PAIR_REST(U4_REST);
 #undef U4_REST
         return;
     }
@@ -764,14 +741,10 @@ static void tile_pair_fast(int fmt, const uint16_t *x, int64_t r0, int64_t r1, i
         return;
     }
 #define DENSE_REST(RB) tile_pair_rows_dense(RB, fmt, x, r, K, ldx, tile0, tile1, G, bias, n0, N, y, ldy, y_f32, next)
-    switch (r1 - r) {
-    case 3: DENSE_REST(3); break;
-    case 2: DENSE_REST(2); break;
-    case 1: DENSE_REST(1); break;
-    default: break;
-    }
+    PAIR_REST(DENSE_REST);
 #undef DENSE_REST
 }
+#undef PAIR_REST
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define LINEAR_Q8_FAST 1
@@ -1160,9 +1133,8 @@ int spark_linear_rows(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t 
 #pragma omp for schedule(guided)
                 for (int64_t u = 0; u < units; u++) {
                     const int64_t t = u * nt, count = tiles - t < nt ? tiles - t : nt;
-                    rows_over_tiles(fmt, x, p1, c1, K, ldx, w + t * tile_bytes, tile_bytes, count, G, sums, bias,
-                                    t * TILE_N, N, y, ldy, y_f32,
-                                    lookahead_of(w + (t + count) * tile_bytes, count * tile_bytes, w_end));
+                    row_over_tiles(fmt, x, p1, K, ldx, w + t * tile_bytes, tile_bytes, count, G, sums, bias, t * TILE_N,
+                                   N, y, ldy, y_f32, lookahead_of(w + (t + count) * tile_bytes, count * tile_bytes, w_end));
                 }
             }
             continue;
