@@ -82,14 +82,14 @@ def test_kernel_equals_dequantize_then_matmul(kind: str, path: str) -> None:
         _check_kernel_against_reference(kind, portable)
 
 
-@pytest.mark.parametrize("path", ["dot", "portable", pytest.param("fma", marks=pytest.mark.xfail(
-    strict=True, reason="the fp32 FMA path's panel width follows the call's row count (docs/kernels.md)"))])
+@pytest.mark.parametrize("path", ["dot", "fma", "portable"])
 @pytest.mark.parametrize("kind", ["bf16", "i8", "i8-groups", "u4"])
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kind: str, path: str) -> None:
     """A row's output bits are the same whatever rows share its call and wherever it sits among them, so a
     request's answer never changes with the requests batched beside it: one row alone (four tiles a pass),
     two to seven (two-tile passes of that many rows), 8- and 4-row passes and what they leave, 7 tiles (a
-    two-tile pass leaves one, a four-tile pass three). Before each pass added a row's products in one
+    two-tile pass leaves one, a four-tile pass three); on `fma` also 16-row passes and the widened passes
+    of 32 rows and more. Before each pass added a row's products in one
     order, a row of a 1-3-row pass split its sums over several chains, and a seeded answer of the embedded
     model changed with the requests beside it by its third token."""
     portable = path == "portable"

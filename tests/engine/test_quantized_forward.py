@@ -7,6 +7,8 @@ token for token, a forward whose linears dequantize the same blocks to fp32 and 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -307,25 +309,29 @@ def test_int8_prompt_a_recomputed_sequence_keeps_its_outputs_exact(int8_prompt_e
     assert seq.num_output_tokens == 16
 
 
-def test_a_seeded_answer_is_the_same_alone_and_beside_other_requests(gguf_engine):
-    """On the GGUF blocks and the kernels' fast path (the default configuration) a seeded sampled answer is
-    the same, to the last bit of each logprob, alone and with one to three other requests in its steps: every
-    kernel pass adds a row's products in one order, whatever rows share its call. Before, rows in passes of
-    one to three split their sums over more chains, and this answer changed by its third token."""
-    if kernels.linear_path not in ("dot", None):
-        pytest.skip(f"start-up chose the {kernels.linear_path!r} path: its sums follow the row count (docs/kernels.md)")
+@pytest.mark.parametrize("path", ["chosen", "fma"])
+def test_a_seeded_answer_is_the_same_alone_and_beside_other_requests(gguf_engine, path):
+    """On the GGUF blocks a seeded sampled answer is the same, to the last bit of each logprob, alone and with
+    one to three other requests in its steps, on the path start-up chose (the `dot` path on CPUs with
+    AVX512-BF16) and on the fp32 FMA path (chosen where `vdpbf16ps` issues slowly): every kernel pass adds a
+    row's products in one order, whatever rows share its call. Before, rows in passes of one to three split
+    their sums over more chains (and 16-row FMA passes multiplied dequantized weights), and this answer
+    changed by its third token."""
+    if path == "fma" and "fma" not in kernels.linear_paths:
+        pytest.skip(f"this build has no fma path (it has: {kernels.linear_paths})")
 
     def seeded(rid: str) -> GenerationRequest:
         return chat(rid, "Write a short poem about the sea.", max_tokens=24, temperature=0.7, seed=7, logprobs=True)
 
     others = [chat(f"o{i}", q, max_tokens=24, temperature=0.7, seed=i)
               for i, q in enumerate(["Name a fruit.", "Tell me about Paris.", "What is 2+2?"])]
-    gguf_engine.block_manager.hash_to_block.clear()
-    alone = _logprob_bits(run_all(gguf_engine, [seeded("alone")])["alone"])
-    for k in range(1, 4):
-        gguf_engine.block_manager.hash_to_block.clear()  # each run computes its prompt, as the first did
-        together = run_all(gguf_engine, [seeded(f"with{k}")] + others[:k])[f"with{k}"]
-        assert _logprob_bits(together) == alone, k
+    with kernels.on_linear_path(path) if path != "chosen" else nullcontext():
+        gguf_engine.block_manager.hash_to_block.clear()
+        alone = _logprob_bits(run_all(gguf_engine, [seeded("alone")])["alone"])
+        for k in range(1, 4):
+            gguf_engine.block_manager.hash_to_block.clear()  # each run computes its prompt, as the first did
+            together = run_all(gguf_engine, [seeded(f"with{k}")] + others[:k])[f"with{k}"]
+            assert _logprob_bits(together) == alone, k
 
 
 def test_gguf_answers_a_factual_question(gguf_engine):

@@ -303,6 +303,20 @@ static void tile_generic_q8(const int8_t *xq, const float *xs, int64_t r0, int64
     }
 }
 
+#define ONE_ROW_TILES 4 /* the most tiles a one-row pass takes (four chains hide the dot products' or FMAs' latency) */
+
+/* How many tiles each one-row pass takes (2 to ONE_ROW_TILES): the fewest tiles on the busiest thread,
+ * then the most tiles a pass. Four at a time left a 576-output projection's 36 tiles in 9 passes, 5 and 4
+ * on two threads; three at a time are 6 and 6. */
+static inline int64_t one_row_tiles(int64_t tiles, int threads) {
+    int64_t best = ONE_ROW_TILES, best_load = INT64_MAX;
+    for (int64_t nt = ONE_ROW_TILES; nt >= 2; nt--) {
+        const int64_t passes = (tiles + nt - 1) / nt, load = (passes + threads - 1) / threads * nt;
+        if (load < best_load) best = nt, best_load = load;
+    }
+    return best;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 /* A tile's 16 outputs of row r (+ bias), the lanes past N left alone: the AVX-512 tiles' store (the BF16
  * dot products' and linear_fma.inc's). bf16 outputs round to nearest even: vcvtneps2bf16 where the build
@@ -596,20 +610,6 @@ static inline __attribute__((always_inline)) void tiles_one_row(
     }
 #pragma GCC unroll 4
     for (int t = 0; t < NT; t++) store_acc(acc[t], bias, n0 + t * TILE_N, N, y, ldy, r, y_f32);
-}
-
-#define ONE_ROW_TILES 4 /* the most tiles a one-row pass takes (four chains hide the dot products' latency) */
-
-/* How many tiles each one-row pass takes (2 to ONE_ROW_TILES): the fewest tiles on the busiest thread,
- * then the most tiles a pass. Four at a time left a 576-output projection's 36 tiles in 9 passes, 5 and 4
- * on two threads; three at a time are 6 and 6. */
-static int64_t one_row_tiles(int64_t tiles, int threads) {
-    int64_t best = ONE_ROW_TILES, best_load = INT64_MAX;
-    for (int64_t nt = ONE_ROW_TILES; nt >= 2; nt--) {
-        const int64_t passes = (tiles + nt - 1) / nt, load = (passes + threads - 1) / threads * nt;
-        if (load < best_load) best = nt, best_load = load;
-    }
-    return best;
 }
 
 /* Row r against tiles [t0, t0 + count) of w, count <= ONE_ROW_TILES, in one pass, asking for the lines after
@@ -923,16 +923,6 @@ int spark_linear_rows_fast(int path) {
 #endif
 }
 
-/* Whether row r of M needs prepare_row: every row, except on the FMA path, which reads a row's u4 group
- * sums only where it folds them (fma_row_folds_sums; int8 activations do not run there). */
-static inline int row_needs_prep(int fma, int64_t r, int64_t M) {
-#if defined(LINEAR_FMA)
-    if (fma) return fma_row_folds_sums(r, M);
-#endif
-    (void)fma, (void)r, (void)M;
-    return 1;
-}
-
 #if defined(LINEAR_Q8_FAST) && LINEAR_ISA == 2
 /* Rows [c0, c1) of a linear whose rows each take their own activations (row_int8), against the tiles
  * t and t + 1 (or t alone, nt = 1): each run of rows of one mode in turn, while the tiles are hot in cache,
@@ -1021,7 +1011,7 @@ int spark_linear_rows(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t 
      * barrier's worth of time is more than a few rows take, and decode steps call this ~120 times). */
     const int prep_here = M <= 4;
     for (int64_t r = 0; (sums || xq) && prep_here && r < M; r++)
-        if (row_needs_prep(xf != NULL, r, M)) prepare_row(x, r, ldx, K, G, sums, row_q8(xq, row_int8, r), xs);
+        prepare_row(x, r, ldx, K, G, sums, row_q8(xq, row_int8, r), xs);
 #if defined(LINEAR_FMA)
     const int64_t P = FMA_PANEL_WIDTH(M), panels = xf ? (M + P - 1) / P : 0;
     for (int64_t p = 0; prep_here && p < panels; p++) widen_panel(x, p, M, ldx, K, P, xf);
@@ -1035,7 +1025,7 @@ int spark_linear_rows(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t 
     if ((sums || xq) && !prep_here) {
 #pragma omp for schedule(static) nowait
         for (int64_t r = 0; r < M; r++)
-            if (row_needs_prep(xf != NULL, r, M)) prepare_row(x, r, ldx, K, G, sums, row_q8(xq, row_int8, r), xs);
+            prepare_row(x, r, ldx, K, G, sums, row_q8(xq, row_int8, r), xs);
     }
 #if defined(LINEAR_FMA)
     if (panels && !prep_here) {
@@ -1097,12 +1087,22 @@ int spark_linear_rows(int fmt, const uint16_t *x, int64_t M, int64_t K, int64_t 
         }
 #endif
 #if defined(LINEAR_FMA)
+        if (xf && c1 - c0 <= FMA_FEW_ROWS) {
+            const int64_t nt = one_row_tiles(tiles, threads > 0 ? threads : 1), units = (tiles + nt - 1) / nt;
+#pragma omp for schedule(guided)
+            for (int64_t u = 0; u < units; u++) {
+                const int64_t t = u * nt, count = tiles - t < nt ? tiles - t : nt;
+                few_rows_fma(fmt, xf, P, c0, c1, K, w + t * tile_bytes, tile_bytes, count, G, sums, bias, t * TILE_N,
+                             N, y, ldy, y_f32);
+            }
+            continue;
+        }
         if (xf) {
 #pragma omp for schedule(guided)
             for (int64_t t2 = 0; t2 < (tiles + 1) / 2; t2++) {
                 const int64_t t = 2 * t2;
-                tiles_fma(fmt, xf, P, c0, c1, K, w + t * tile_bytes, t + 1 < tiles ? w + (t + 1) * tile_bytes : NULL, G,
-                          sums, bias, t * TILE_N, N, y, ldy, y_f32);
+                tiles_fma(fmt, xf, P, c0, c1, K, w + t * tile_bytes, tile_bytes, t + 1 < tiles ? 2 : 1, G, sums, bias,
+                          t * TILE_N, N, y, ldy, y_f32);
             }
             continue;
         }
