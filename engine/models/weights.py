@@ -1,7 +1,8 @@
 """Which weights and which linear kernel each projection runs on (``--quantization``).
 
   none:  the model's weights in its dtype. On a CPU with AVX512-BF16, bf16 projections are also packed
-         for the engine's kernels, used for batches up to a row count measured at start (oneDNN above).
+         for the engine's kernels, used at every batch size unless oneDNN measures clearly faster above
+         some row count at start (AMX tiles): then for batches up to that count (oneDNN above).
   int8:  per-channel int8, rounded by GPTQ against each linear's inputs measured on text the model
          samples itself (engine/quant/gptq.py, calibration.py); once at load, then cached on disk.
   int4:  4-bit groups of 32 with fp16 scale and min, quantized once at load and cached on disk.
@@ -57,7 +58,12 @@ _ROW_PROBES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # differently from the packed kernels (both within fp32 noise of the weights' meaning): taken only
 # where it is clearly faster, up to a prefill chunk's rows.
 _QUANTIZED_ROW_PROBES = (1, 4, 16, 64, 256, 512)
-_QUANTIZED_FALLBACK_MARGIN = 1.25
+# A oneDNN fallback (for bf16 weights, or the two-term one for quantized weights) is taken above a row count
+# only where it is this much faster: it rounds a row otherwise than the packed kernels, so past the switch a
+# row's bits depend on how many rows share its step, and a request's answer on the requests beside it.
+# Without AMX tiles oneDNN's bf16 matmul runs on the kernels' own dot products and measured level with them
+# from 32 rows up: a narrower margin let a busy moment's timing pick a switch point.
+_FALLBACK_MARGIN = 1.25
 _PATH_PROBE_ROWS = (1, 8, 32)
 _RATE_REPS = 7  # passes each rate takes the best of (MeasuredRates: the one-row pass is ~2 ms here)
 _PATH_MARGIN = 1.05
@@ -273,11 +279,11 @@ class LinearBuilder:
             # head: 49,152 x 576, memory-bound up to more rows than a layer's) gets its own.
             repeated, single = _split_repeated(with_fallback)
             if repeated:
-                repeated_rows = _kernel_row_limit(max(repeated, key=lambda lin: lin.out_features * lin.in_features))
+                repeated_rows = _dense_kernel_rows(max(repeated, key=lambda lin: lin.out_features * lin.in_features))
                 for lin in repeated:
                     lin.max_kernel_rows = repeated_rows
             for lin in single:
-                lin.max_kernel_rows = _kernel_row_limit(lin)
+                lin.max_kernel_rows = _dense_kernel_rows(lin)
                 single_rows.append(lin.max_kernel_rows)
         activations = self._choose_activations(packed)
         self._fallback_rows: int | None = None
@@ -306,7 +312,12 @@ class LinearBuilder:
     def _describe(packed: list[PackedLinear], with_fallback: list[PackedLinear], total: int) -> str:
         sources = sorted({lin.source for lin in packed})
         limits = sorted({lin.max_kernel_rows for lin in with_fallback if lin.max_kernel_rows is not None})
-        limit = f", up to {' / '.join(map(str, limits))} rows (oneDNN above)" if with_fallback else ""
+        if limits:
+            limit = f", up to {' / '.join(map(str, limits))} rows (oneDNN above)"
+        elif with_fallback:
+            limit = f", at every batch (oneDNN not {_FALLBACK_MARGIN}x faster up to {_ROW_PROBES[-1]} rows)"
+        else:
+            limit = ""
         return f"{', '.join(sources)}; {total / 1e6:.0f} MB){limit}"
 
     def _apply_measured(self, packed: list[PackedLinear], known: dict) -> str:
@@ -319,12 +330,12 @@ class LinearBuilder:
             kern.set_linear_path(known["linear_path"])
         with_fallback = [lin for lin in packed if lin.fallback is not None]
         repeated, single = _split_repeated(with_fallback)
-        if len(single) != len(known["single_rows"]) or (repeated and known["repeated_rows"] is None):
+        if len(single) != len(known["single_rows"]):
             raise ValueError("other fallbacks")
         for lin in repeated:
-            lin.max_kernel_rows = int(known["repeated_rows"])
+            lin.max_kernel_rows = _stored_rows(known["repeated_rows"])
         for lin, rows in zip(single, known["single_rows"]):
-            lin.max_kernel_rows = int(rows)
+            lin.max_kernel_rows = _stored_rows(rows)
         for lin in packed:
             if lin.takes_int8_activations:
                 lin.int8_activations = self.activations == "int8"
@@ -364,11 +375,11 @@ class LinearBuilder:
         largest = _QUANTIZED_ROW_PROBES[-1]
         # One quick look at the largest batch first: where the packed kernels hold there, nothing smaller is
         # worth probing.
-        if _kernel_row_limit(probe, fallback, (largest,), _QUANTIZED_FALLBACK_MARGIN, rounds=1) == largest:
-            return f"no oneDNN fallback (two-term bf16 not {_QUANTIZED_FALLBACK_MARGIN}x faster at {largest} rows); "
-        rows = _kernel_row_limit(probe, fallback, _QUANTIZED_ROW_PROBES, _QUANTIZED_FALLBACK_MARGIN)
+        if _kernel_row_limit(probe, fallback, (largest,), _FALLBACK_MARGIN, rounds=1) == largest:
+            return f"no oneDNN fallback (two-term bf16 not {_FALLBACK_MARGIN}x faster at {largest} rows); "
+        rows = _kernel_row_limit(probe, fallback, _QUANTIZED_ROW_PROBES, _FALLBACK_MARGIN)
         if rows >= largest:
-            return f"no oneDNN fallback (two-term bf16 not {_QUANTIZED_FALLBACK_MARGIN}x faster up to {rows} rows); "
+            return f"no oneDNN fallback (two-term bf16 not {_FALLBACK_MARGIN}x faster up to {rows} rows); "
         attach_two_term_fallbacks(layers, rows, {id(probe): fallback})
         self._fallback_rows = rows
         return f"two-term bf16 oneDNN above {rows} rows; "
@@ -498,6 +509,18 @@ def _kernel_row_limit(lin: PackedLinear, fallback: Callable[[torch.Tensor], torc
             break
         limit = rows
     return limit
+
+
+def _dense_kernel_rows(lin: PackedLinear) -> int | None:
+    """Up to how many rows a bf16 linear runs on the packed kernel (oneDNN above); None: at every batch, where
+    oneDNN is not _FALLBACK_MARGIN faster at any probed size (at the largest probe both are bound by the
+    same arithmetic, so a larger batch would not change the answer)."""
+    rows = _kernel_row_limit(lin, margin=_FALLBACK_MARGIN)
+    return None if rows >= _ROW_PROBES[-1] else rows
+
+
+def _stored_rows(rows: int | None) -> int | None:
+    return int(rows) if rows is not None else None
 
 
 def _activation_times(lin: PackedLinear) -> tuple[float, float]:

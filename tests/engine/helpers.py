@@ -42,12 +42,11 @@ def text_of(outs: list[RequestOutput]) -> str:
 
 @contextmanager
 def kernels_for_every_batch() -> Iterator[None]:
-    """Engines built inside keep their linears on the packed kernels at every batch size they probe: the
+    """Engines built inside keep their linears on the packed kernels at every batch size: the
     start-up probe that, on a CPU with AMX tiles, hands large batches to a two-term oneDNN matmul sees no
-    matrix unit, and bf16 weights keep the kernels up to the largest probed row count instead of the one
-    their timing against oneDNN gives (which a busy machine can bring down to a few rows, taking a
-    prefill chunk out of the one-call loop). For tests of the kernels themselves, which must run the same
-    code on every machine."""
+    matrix unit, and bf16 weights keep the kernels at every batch (their probe holds to the largest size)
+    instead of the limit their timing against oneDNN gives on a CPU where oneDNN is clearly faster. For
+    tests of the kernels themselves, which must run the same code on every machine."""
     from engine.models import weights
 
     with pytest.MonkeyPatch.context() as patch:

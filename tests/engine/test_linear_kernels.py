@@ -409,6 +409,55 @@ def test_start_up_probe_decides_the_quantized_fallback(monkeypatch, measured_lim
         assert probed == [(512,)]  # the quick look sufficed
 
 
+@pytest.mark.parametrize("measured_limit", [64, 256])
+def test_bf16_weights_keep_the_kernels_at_every_batch_unless_onednn_is_clearly_faster(monkeypatch,
+                                                                                       measured_limit: int) -> None:
+    """bf16 weights switch to oneDNN above a row count only where it measured _FALLBACK_MARGIN faster there
+    (AMX tiles); where the kernels hold to the largest probe (oneDNN on the same dot products, as here) they
+    run every batch, so no row's bits change with the number of rows in its step. The choice survives the
+    tuning cache: a warm start reads "every batch" back as such, not as the largest probe."""
+    if not _mkldnn_packing_available(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("torch without oneDNN bf16 weight packing")
+    margins = []
+
+    def measured(lin, fallback=None, probes=weights_module._ROW_PROBES, margin=1.05, rounds=3):
+        margins.append(margin)
+        return max((rows for rows in probes if rows <= measured_limit), default=0)
+
+    monkeypatch.setattr(weights_module, "_kernel_row_limit", measured)
+
+    def build() -> tuple[weights_module.LinearBuilder, list[PackedLinear]]:
+        builder = weights_module.LinearBuilder("none", torch.bfloat16, torch.device("cpu"), kernels)
+        gen = torch.Generator().manual_seed(4)
+        layers = [builder.build([f"l{i}"], [torch.randn(64, 128, generator=gen)], None) for i in range(3)]
+        return builder, layers
+
+    saved: dict = {}
+    builder, layers = build()
+
+    class Cache:  # the tuning cache's interface, in memory
+        def load(self):
+            return saved or None
+
+        def save(self, results):
+            saved.update(results)
+
+    summary = builder.tune(Cache())  # type: ignore[arg-type]
+    assert margins and set(margins) == {weights_module._FALLBACK_MARGIN}
+    for start in ("cold", "warm"):
+        if measured_limit == 64:
+            assert all(lin.max_kernel_rows == 64 and lin.takes(64) and not lin.takes(65) for lin in layers), start
+            assert "up to 64 rows (oneDNN above)" in summary
+        else:
+            assert all(lin.max_kernel_rows is None and lin.takes(100_000) for lin in layers), start
+            assert "at every batch" in summary
+        margins.clear()
+        builder, layers = build()
+        summary = builder.tune(Cache())  # type: ignore[arg-type]
+        assert not margins  # read back, not probed
+        assert "measured at an earlier start" in summary
+
+
 def test_no_fallback_probe_without_a_matrix_unit(monkeypatch) -> None:
     """Without AMX the probe is skipped (oneDNN's bf16 matmul runs on the same dot products there)."""
     monkeypatch.setattr(weights_module, "_has_matrix_unit", lambda: False)
@@ -485,10 +534,11 @@ def test_the_path_probe_stops_early_only_on_a_wide_lead(monkeypatch) -> None:
 @pytest.mark.parametrize("inputs", [256, 288])  # whole dequantized ranges of 128 inputs, and a ragged last one
 @pytest.mark.parametrize("kind", ["bf16", "i8", "i8-groups", "u4"])
 def test_fma_rows_give_the_same_bits_in_any_batch(kind: str, inputs: int) -> None:
-    """The FMA path dequantizes a tile once (128 inputs at a time) when several 16-row passes share it,
-    and in registers for a lone 16-row pass; both sum the same products in the same order. So a row's
-    output does not depend on how many rows came with it: 80 or 32 rows at once (dequantized once),
-    16 at a time (not), bit for bit."""
+    """The FMA path widens a tile's codes once (128 inputs at a time, a group's sums carried from one range
+    to the next where the group is longer) when several 16-row passes share it, and in registers for a lone
+    16-row pass; both sum the same products in the same order and fold each group alike. So a row's output
+    does not depend on how many rows came with it: 80 or 32 rows at once (widened once), 16 at a time (not),
+    bit for bit."""
     with linear_path("fma"):
         gen = torch.Generator().manual_seed(21)
         packed, _ = _weights(kind, 48, inputs, gen)
