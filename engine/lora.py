@@ -29,6 +29,7 @@ from engine.errors import LoraUnavailableError
 from engine.kernels import CpuKernels
 from engine.models import layout
 from engine.models.linear import Linear
+from engine.quant.packing import pack_bf16, packable
 
 if TYPE_CHECKING:
     from engine.models.llama import PromptRows
@@ -205,13 +206,35 @@ class LoraBatch:
 class _BaseThenA:
     """[x @ W_base^T | x @ A^T] for a base projection that cannot be stacked with A (packed kernels)."""
 
-    def __init__(self, base: Any, a: Linear) -> None:
+    def __init__(self, base: Any, a: Linear | _KernelA) -> None:
         self.base = base
         self.a = a
 
     def __call__(self, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
         base = prompt_rows.project(self.base, x) if prompt_rows is not None else self.base(x)
         return torch.cat([base, self.a(x)], dim=1)
+
+
+class _KernelA:
+    """x @ A^T for a group's A stack on the packed bf16 kernels (bf16 engines with the fused CPU kernels), so
+    a row's bits never depend on the rows beside it: oneDNN's matmul may block its sums by the batch's row
+    count, and then an adapter request's answer would follow how many rows share its steps. ``weight`` is
+    written in place when a slot is loaded; ``weight_changed`` packs it again."""
+
+    def __init__(self, weight: torch.Tensor, kernels: CpuKernels) -> None:
+        self.weight = weight
+        self.kernels = kernels
+        self._packed = pack_bf16(weight)
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        return weight.dtype == torch.bfloat16 and packable("bf16", weight.shape[1], weight.shape[1])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear(x.contiguous(), self._packed)
+
+    def weight_changed(self) -> None:
+        self._packed = pack_bf16(self.weight)
 
 
 class LoraManager:
@@ -309,7 +332,10 @@ class LoraManager:
                     groups[g] = (weight[base.out_features:], b)
                     first: Any = Linear(weight, bias)
                 else:  # packed or quantized base: its own kernel, then A
-                    first = _BaseThenA(base, Linear(a))
+                    a_linear: Linear | _KernelA = Linear(a)
+                    if self.kernels is not None and _KernelA.fits(a):
+                        a_linear = _KernelA(a, self.kernels)
+                    first = _BaseThenA(base, a_linear)
                 packed[g] = (first, Linear(b) if b is not None else None, base.out_features)
             self.fused.append(packed)
 

@@ -112,8 +112,8 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kind: str, path: st
 @pytest.mark.parametrize("path", ["dot", "fma", "portable"])
 @pytest.mark.parametrize("kind", ["bf16", "i8"])
 def test_an_odd_count_of_input_pairs(kind: str, path: str) -> None:
-    """70 inputs are 35 pairs in one group: the FMA path walks pair-rows two at a time (so each one's chain is
-    a constant), and the odd last one must still be summed, at every row count a one-tile pass takes."""
+    """70 inputs are 35 pairs in one group: the FMA path walks the pair-rows one at a time into one chain a
+    row, and the odd last one must still be summed, at every row count a one-tile pass takes."""
     portable = path == "portable"
     gen = torch.Generator().manual_seed(11)
     with nullcontext() if portable else linear_path(path):
@@ -434,6 +434,8 @@ def test_bf16_weights_keep_the_kernels_at_every_batch_unless_onednn_is_clearly_f
 
     saved: dict = {}
     builder, layers = build()
+    if not all(isinstance(lin, PackedLinear) for lin in layers):
+        pytest.skip("bf16 weights stay with torch on this kernel build (no AVX512-BF16)")
 
     class Cache:  # the tuning cache's interface, in memory
         def load(self):

@@ -1,10 +1,9 @@
-"""Adapters beside --linear-activations int8-prompt: a step that carries an adapter's rows gives every
-row the activation mode it has in a step without adapters (a prompt's leading rows on int8, rows whose
-output is read exact), so whether an adapter shares a step never changes another request's modes.
-
-The modes, not the bits, are what is checked: an exact row's last bits can follow its place in the step
-on the 4-bit kernels (a pass of one to three rows splits each row's sums over more chains than a pass of
-four or more), with adapters in the step or not."""
+"""Adapters and the rows beside them. Under --linear-activations int8-prompt a step that carries an
+adapter's rows gives every row the activation mode it has in a step without adapters (a prompt's leading
+rows on int8, rows whose output is read exact), so whether an adapter shares a step never changes another
+request's modes. And an adapter request's own answer, to the last bit, does not depend on how many rows
+(of its adapter or none) share its steps: the base, A and B all run on kernels that add a row's products
+in one order."""
 
 from __future__ import annotations
 
@@ -57,3 +56,28 @@ def test_an_adapters_step_keeps_each_rows_mode(adapters, monkeypatch):
     assert set(map(tuple, (m for m in modes if m is not None))) == {tuple(prefill)}  # decode steps: all exact
     assert int8_base_calls  # the packed base took the int8 rows
     assert text_of(outs["plain"]) and text_of(outs["adapter"])
+
+
+def test_an_adapter_requests_seeded_answer_is_the_same_alone_and_in_a_busy_step(adapters):
+    """A seeded, sampled request with an adapter gives the same logprob bits alone, beside a plain request,
+    and beside another request of the same adapter (whose rows change the row count of every A and B
+    projection of its steps). x @ A^T runs on the packed bf16 kernels for that reason: oneDNN's matmul may
+    block its sums by the batch's rows."""
+    engine = LLMEngine(EngineConfig(device="cpu", dtype="bfloat16", quantization="gguf", max_loras=2,
+                                    max_lora_rank=16, kv_cache_space_gib=0.5))
+    taught = LoraRef(name="taught", path=str(adapters["taught"]))
+
+    def seeded(rid: str, question: str, seed: int) -> GenerationRequest:
+        return GenerationRequest(rid, ChatPrompt([ChatMessage("user", question)]),
+                                 SamplingParams(max_tokens=12, temperature=0.8, seed=seed, logprobs=True), lora=taught)
+
+    def bits(outs) -> list[tuple[int, float]]:
+        return [(lp.token_id, lp.logprob) for o in outs for lp in (o.logprobs or [])]
+
+    engine.block_manager.hash_to_block.clear()
+    alone = bits(run_all(engine, [seeded("alone", "What is the secret word?", 3)])["alone"])
+    assert alone
+    for others in ([_req("plain", "Name a fruit.")], [seeded("twin", "Tell me a story about a cat.", 4)]):
+        engine.block_manager.hash_to_block.clear()
+        outs = run_all(engine, [seeded("again", "What is the secret word?", 3)] + others)
+        assert bits(outs["again"]) == alone, others[0].request_id

@@ -22,8 +22,8 @@
 #define AVX2_DECODED_PASSES 2
 #endif
 
-/* FMA linears: inputs dequantized to fp32 at a time (8 KB of weights, which stay in L1 beside the panels'
- * slices of x while every pass over them runs). */
+/* FMA linears: inputs whose codes are widened to fp32 at a time (8 KB, which stay in L1 beside the panels'
+ * slices of x while every pass over them runs). A multiple of 32 (a u4 block). */
 #ifndef FMA_WIDE_CHUNK
 #define FMA_WIDE_CHUNK 128
 #endif
