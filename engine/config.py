@@ -31,6 +31,9 @@ class EngineConfig:
     native_kernels: bool = True  # CPU: fused C kernels between the linears (compiled at first use)
     # time the kernel probes again instead of reading an earlier start's results (engine/models/tuning.py)
     remeasure_kernels: bool = False
+    # every batch on the packed kernels, never oneDNN's large-batch matmuls (which round a row by its batch;
+    # start-up takes them only where they measure 1.25x faster, CPUs with AMX tiles): engine/models/weights.py
+    batch_invariant: bool = False
     max_loras: int = 0  # resident LoRA adapter slots (0: LoRA off)
     max_lora_rank: int = 16
     max_logprobs: int = 20  # most logprobs a request may ask for (top_logprobs, prompt_logprobs)

@@ -185,7 +185,8 @@ def _build_model(config: EngineConfig, ckpt: _Checkpoint, tokenizer: Any, dtype:
         logger.info("int8: rounding each linear against its calibrated inputs (GPTQ), once")
     building = time.monotonic()
     model = ckpt.model_cls(hf_model, dtype, device, config.native_kernels, quantization, stored,
-                           linear_activations=config.linear_activations, hessians=hessians,
+                           linear_activations=config.linear_activations, batch_invariant=config.batch_invariant,
+                           hessians=hessians,
                            dense_source=dense_source, show_progress=weight_bytes > _LONG_LOAD_BYTES,
                            tuning=_tuning(config, ckpt, quantization, dtype, device))
     if hessians is not None:
@@ -400,7 +401,8 @@ def _tuning(config: EngineConfig, ckpt: _Checkpoint, quantization: str, dtype: t
                                                           or [Path(ckpt.model_dir) / "config.json"])
     cache_dir = default_cache_dir()
     identity = ",".join(content_digest(p, cache_dir) for p in sources)
-    settings = f"{quantization}/{config.linear_activations}/{dtype}"
+    settings = f"{quantization}/{config.linear_activations}/{dtype}" + ("/batch-invariant" if config.batch_invariant
+                                                                        else "")
     return tuning_cache(cache_dir, identity, torch.get_num_threads(), settings, config.remeasure_kernels)
 
 

@@ -172,6 +172,11 @@ class Settings:
     remeasure_kernels: bool = _opt(False, "time the linear kernels' probes again (kernel path, oneDNN row limits, "
                                           "the cost model's rates) instead of reading the results an earlier "
                                           "start kept for this model, CPU and kernel build")
+    batch_invariant: bool = _opt(False, "keep every batch on the engine's own linear kernels, whose result for a "
+                                        "row does not depend on the rows beside it, even where oneDNN's matmul "
+                                        "measures faster for large batches (CPUs with AMX tiles, where it is "
+                                        "otherwise taken): a seeded request then answers the same alone and in "
+                                        "a busy batch on every CPU, at that prefill speed")
     max_logprobs: int = _opt(20, "most logprobs a request may ask for (top_logprobs, logprobs, prompt_logprobs)")
     max_logprob_entries: int = _opt(1_000_000, "most logprob entries one request's answers may hold: (prompt tokens "
                                                "x (prompt_logprobs + 1) + max_tokens x (top_logprobs + 1)) x n, "
@@ -309,7 +314,8 @@ class Settings:
             enable_prefix_caching=self.enable_prefix_caching, max_waiting=self.max_waiting,
             max_stop_strings=self.max_stop_strings, max_stop_chars=self.max_stop_chars,
             num_threads=self.num_threads, native_kernels=self.native_kernels,
-            remeasure_kernels=self.remeasure_kernels, max_loras=self.max_loras if self.lora_enabled else 0,
+            remeasure_kernels=self.remeasure_kernels, batch_invariant=self.batch_invariant,
+            max_loras=self.max_loras if self.lora_enabled else 0,
             max_lora_rank=self.max_lora_rank, num_speculative_tokens=self.num_speculative_tokens,
             prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
             constraint_budget=self.constraint_budget(),

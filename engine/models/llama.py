@@ -118,6 +118,7 @@ class LlamaForCausalLM:
                  native_kernels: bool = True, quantization: str = "none",
                  stored: dict[str, QuantizedWeight] | None = None, reference: bool = False,
                  linear_activations: str = "bf16", hessians: dict[str, torch.Tensor] | None = None,
+                 batch_invariant: bool = False,
                  dense_source: Callable[[str], torch.Tensor] | None = None, show_progress: bool = False,
                  tuning: TuningCache | None = None) -> None:
         """``quantization`` is a resolved ``--quantization`` mode (engine/models/weights.py); ``stored`` its
@@ -142,7 +143,7 @@ class LlamaForCausalLM:
                 kernels.num_threads = torch.get_num_threads()  # the engine has set its thread count by now
                 self.kernels = kernels
         self.builder = LinearBuilder(quantization, dtype, device, self.kernels, stored, reference, linear_activations,
-                                     hessians, dense_source)
+                                     hessians, dense_source, batch_invariant)
 
         def w(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(device=device, dtype=dtype).contiguous()

@@ -127,8 +127,10 @@ class LinearBuilder:
     def __init__(self, mode: str, dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None,
                  stored: Mapping[str, QuantizedWeight] | None = None, reference: bool = False,
                  activations: str = "bf16", hessians: dict[str, torch.Tensor] | None = None,
-                 dense_source: Callable[[str], torch.Tensor] | None = None) -> None:
+                 dense_source: Callable[[str], torch.Tensor] | None = None, batch_invariant: bool = False) -> None:
         self.mode = mode
+        # --batch-invariant: no oneDNN fallback at any batch, however much faster it measures
+        self.batch_invariant = batch_invariant
         self.activations = resolve_activations(activations, mode)
         self.dtype = dtype
         self.device = device
@@ -279,11 +281,12 @@ class LinearBuilder:
             # head: 49,152 x 576, memory-bound up to more rows than a layer's) gets its own.
             repeated, single = _split_repeated(with_fallback)
             if repeated:
-                repeated_rows = _dense_kernel_rows(max(repeated, key=lambda lin: lin.out_features * lin.in_features))
+                largest_layer = max(repeated, key=lambda lin: lin.out_features * lin.in_features)
+                repeated_rows = self._dense_kernel_rows(largest_layer)
                 for lin in repeated:
                     lin.max_kernel_rows = repeated_rows
             for lin in single:
-                lin.max_kernel_rows = _dense_kernel_rows(lin)
+                lin.max_kernel_rows = self._dense_kernel_rows(lin)
                 single_rows.append(lin.max_kernel_rows)
         activations = self._choose_activations(packed)
         self._fallback_rows: int | None = None
@@ -308,12 +311,13 @@ class LinearBuilder:
                    "weight_bytes": total, "summary": tail}
         return summary, results
 
-    @staticmethod
-    def _describe(packed: list[PackedLinear], with_fallback: list[PackedLinear], total: int) -> str:
+    def _describe(self, packed: list[PackedLinear], with_fallback: list[PackedLinear], total: int) -> str:
         sources = sorted({lin.source for lin in packed})
         limits = sorted({lin.max_kernel_rows for lin in with_fallback if lin.max_kernel_rows is not None})
         if limits:
             limit = f", up to {' / '.join(map(str, limits))} rows (oneDNN above)"
+        elif with_fallback and self.batch_invariant:
+            limit = ", at every batch (--batch-invariant)"
         elif with_fallback:
             limit = f", at every batch (oneDNN not {_FALLBACK_MARGIN}x faster up to {_ROW_PROBES[-1]} rows)"
         else:
@@ -348,6 +352,9 @@ class LinearBuilder:
         return (f"linears: {len(packed)} packed ({self._describe(packed, with_fallback, total)}; {known['summary']} "
                 "(measured at an earlier start on this CPU; --remeasure-kernels times them again)")
 
+    def _dense_kernel_rows(self, lin: PackedLinear) -> int | None:
+        return None if self.batch_invariant else _dense_kernel_rows(lin)
+
     def _attach_quantized_fallbacks(self, packed: list[PackedLinear]) -> str:
         """Where oneDNN's bf16 matmul (AMX tiles) beats the packed kernels at large batches by a clear
         margin even at twice the work, the layers' quantized projections get a two-term bf16 fallback
@@ -359,6 +366,8 @@ class LinearBuilder:
             return ""
         if self.activations != "bf16":
             return "no oneDNN fallback with int8 activations; "  # it would compute with bf16 ones
+        if self.batch_invariant:
+            return "no oneDNN fallback (--batch-invariant); "
         if not _has_matrix_unit():
             # Without AMX tiles oneDNN's bf16 matmul runs on the same AVX512-BF16 dot products as the packed
             # kernels: at twice the work it measured 1.8x slower at every size (AMD EPYC), so no probe. On an

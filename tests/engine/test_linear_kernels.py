@@ -460,6 +460,37 @@ def test_bf16_weights_keep_the_kernels_at_every_batch_unless_onednn_is_clearly_f
         assert "measured at an earlier start" in summary
 
 
+@pytest.mark.parametrize("mode", ["int4", "none"])
+def test_batch_invariant_attaches_no_fallback_where_onednn_would_win(monkeypatch, mode: str) -> None:
+    """--batch-invariant: even where oneDNN is a matrix unit's (AMX) and would measure faster, no batch leaves
+    the packed kernels, for quantized weights (the two-term fallback) and bf16 weights alike; nothing is
+    probed for it."""
+    if not _mkldnn_packing_available(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("torch without oneDNN bf16 weight packing")
+    monkeypatch.setattr(weights_module, "_has_matrix_unit", lambda: True)
+    monkeypatch.setattr(weights_module, "_kernel_row_limit", lambda *a, **k: pytest.fail("probed"))
+    builder = weights_module.LinearBuilder(mode, torch.bfloat16, torch.device("cpu"), kernels, batch_invariant=True)
+    gen = torch.Generator().manual_seed(2)
+    layers = [builder.build([f"l{i}"], [torch.randn(64, 128, generator=gen)], None) for i in range(3)]
+    if not all(isinstance(lin, PackedLinear) for lin in layers):
+        pytest.skip("bf16 weights stay with torch on this kernel build (no AVX512-BF16)")
+    summary = builder.tune()
+    assert all(lin.takes(100_000) for lin in layers)
+    assert "--batch-invariant" in summary
+
+
+def test_batch_invariant_reaches_the_weights_from_the_command_line() -> None:
+    from dataclasses import replace
+
+    from engine.llm_engine import LLMEngine
+    from spark_server.settings import Settings
+
+    config = Settings(batch_invariant=True).engine_config()
+    assert config.batch_invariant
+    engine = LLMEngine(replace(config, kv_cache_space_gib=0.25))
+    assert engine.model.builder.batch_invariant
+
+
 def test_no_fallback_probe_without_a_matrix_unit(monkeypatch) -> None:
     """Without AMX the probe is skipped (oneDNN's bf16 matmul runs on the same dot products there)."""
     monkeypatch.setattr(weights_module, "_has_matrix_unit", lambda: False)
