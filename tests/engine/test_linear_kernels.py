@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from functools import partial
+from typing import Any
 
 import pytest
 import torch
@@ -426,7 +427,7 @@ def test_bf16_weights_keep_the_kernels_at_every_batch_unless_onednn_is_clearly_f
 
     monkeypatch.setattr(weights_module, "_kernel_row_limit", measured)
 
-    def build() -> tuple[weights_module.LinearBuilder, list[PackedLinear]]:
+    def build() -> tuple[weights_module.LinearBuilder, list[Any]]:
         builder = weights_module.LinearBuilder("none", torch.bfloat16, torch.device("cpu"), kernels)
         gen = torch.Generator().manual_seed(4)
         layers = [builder.build([f"l{i}"], [torch.randn(64, 128, generator=gen)], None) for i in range(3)]
