@@ -43,6 +43,9 @@ class ProtocolOptions:
     responses_store_max_mb: float
     model_aliases: tuple[str, ...] = ()  # further names of the served model (vLLM's --served-model-name list)
     return_tokens_as_token_ids: bool = False  # vLLM's flag: logprobs name tokens "token_id:<id>"
+    # the OpenAI-compatible endpoints' defaults for knobs a request leaves out (--generation-config: the
+    # model's recommendation, spark_server/sampling_defaults.py), in the engine's knob names
+    openai_sampling_defaults: tuple[tuple[str, float | int], ...] = ()
 
 
 class Tokenizer:

@@ -172,6 +172,10 @@ class _Context:
     logprobs: bool = False
     reasoning: thinking.ReasoningParser | None = None  # --reasoning-parser: the thinking is its own item
     reasoning_state: thinking.State = "undecided"  # where the answer begins (the prompt's end)
+    # the sampling the answer runs with, as the response object echoes it (a knob the body leaves out
+    # shows the default that applied: OpenAI's, or the model's recommendation under --generation-config)
+    temperature: float = 1.0
+    top_p: float = 1.0
     created: int = field(default_factory=now)
     sequence: itertools.count = field(default_factory=itertools.count)
 
@@ -297,7 +301,8 @@ class Responses(Handler[_Context]):
         if parser is not None:  # after the constraint is set: it then starts after the thinking
             state = await thinking.prepare(serving.engine, parser, req)
         ctx = _Context(rid, model, body, TokenNames(serving.tokenizer, False), items, history,
-                       store if keep else None, tool_plan if tool_plan.parse else None, logprobs, parser, state)
+                       store if keep else None, tool_plan if tool_plan.parse else None, logprobs, parser, state,
+                       req.params.temperature, req.params.top_p)
         headers = {"X-Ignored-Parameters": ",".join(ignored)} if ignored else {}
         return Plan([req], bool(body.get("stream")), body, headers=headers, context=ctx)
 
@@ -335,11 +340,11 @@ def _response(ctx: _Context, status: str, output: list[dict[str, Any]], usage: d
         "previous_response_id": b.get("previous_response_id"),
         "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
         "service_tier": b.get("service_tier") or "default", "store": ctx.store is not None,
-        "temperature": 1.0 if b.get("temperature") is None else b["temperature"], "text": text,
+        "temperature": ctx.temperature, "text": text,
         "tool_choice": b.get("tool_choice") or "auto",
         "tools": [{"type": "function", "description": None, "parameters": None, "strict": None, **t}
                   for t in b.get("tools") or []],
-        "top_logprobs": b.get("top_logprobs") or 0, "top_p": 1.0 if b.get("top_p") is None else b["top_p"],
+        "top_logprobs": b.get("top_logprobs") or 0, "top_p": ctx.top_p,
         "truncation": b.get("truncation") or "disabled", "usage": usage, "user": b.get("user"),
         "safety_identifier": b.get("safety_identifier"), "prompt_cache_key": b.get("prompt_cache_key"),
         "metadata": b.get("metadata") or {},

@@ -19,7 +19,7 @@ may be ``CONTEXT``: the served model's whole context (``max_model_len``), given 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,11 +139,14 @@ def default(protocol: str, name: str, endpoint: str | None = None) -> Any:
 
 
 def sampling_kwargs(protocol: str, source: dict[str, Any] | None, *, endpoint: str | None = None,
-                    context: int | None = None) -> dict[str, Any]:
+                    context: int | None = None, server_defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The engine knobs a protocol's sampling object sets, with that protocol's (or ``endpoint``'s)
     defaults for the rest; knobs it neither sets nor has a default for are left out (the engine's default
-    applies). ``context``: the served model's context, for a default that is ``CONTEXT``."""
+    applies). ``context``: the served model's context, for a default that is ``CONTEXT``.
+    ``server_defaults`` (engine knob names): the server's defaults, which come before the protocol's (vLLM's
+    order: the request's value, the server's default, OpenAI's)."""
     source = source or {}
+    server_defaults = server_defaults or {}
     out: dict[str, Any] = {}
     for knob in TABLE:
         names = knob.fields.get(protocol)
@@ -154,6 +157,8 @@ def sampling_kwargs(protocol: str, source: dict[str, Any] | None, *, endpoint: s
             if source.get(name) is not None:
                 value = source[name]
                 break
+        if value is None:
+            value = server_defaults.get(knob.name)
         if value is None:
             value = _default(knob, protocol, endpoint)
             if value is CONTEXT:

@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.cost_model import CostModel
 from engine.device import resolve_device, resolve_dtype
 from engine.file_identity import content_digest
+from engine.generation_config import recommended_sampling_or_none
 from engine.gguf_file import GgufFile
 from engine.gguf_metadata import resolve_served_model
 from engine.gguf_parse import shared_gguf_readers
@@ -122,7 +123,8 @@ def load(config: EngineConfig) -> Loaded:
                                max_model_len=max_model_len, vocab_size=model.embed.shape[0],
                                dtype=str(dtype).removeprefix("torch."), device=str(device),
                                chat_template_tools="tools" in (tokenizer.chat_template or ""),
-                               task=task, pooling_tasks=pooler.tasks, labels=_labels(ckpt.hf_config, pooler))
+                               task=task, pooling_tasks=pooler.tasks, labels=_labels(ckpt.hf_config, pooler),
+                               recommended_sampling=tuple(recommended_sampling_or_none(ckpt.model_dir).items()))
         release_freed_memory()  # the load's transient copies (fp32 dequantized tensors, the file's pages) leave RSS
         cost_model = pinned or _cost_model(model)
         if packed_cache is not None:

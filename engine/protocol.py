@@ -27,6 +27,8 @@ class ModelInfo:
     task: str = "generate"
     pooling_tasks: tuple[str, ...] = ()
     labels: tuple[str, ...] = ()
+    # the sampling its generation_config.json recommends, in the engine's knob names (engine/generation_config.py)
+    recommended_sampling: tuple[tuple[str, float | int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

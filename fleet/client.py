@@ -35,6 +35,7 @@ from engine.errors import (
     LoraUnavailableError,
     RequestTimeoutError,
 )
+from engine.generation_config import recommended_sampling_or_none
 from engine.pooling import PoolingOutput, PoolingRequest
 from engine.prompts import PromptEncoder, read_chat_template
 from engine.protocol import EngineLimits, EngineStats, ModelInfo
@@ -166,7 +167,8 @@ class RemoteEngine:
         self.model_info = ModelInfo(name=name, path=f"remote:{','.join(b.url for b in self.backends)}",
                                     model_type="remote", max_model_len=max_len, vocab_size=len(self.tokenizer),
                                     dtype="remote", device="remote",
-                                    chat_template_tools="tools" in (self.tokenizer.chat_template or ""))
+                                    chat_template_tools="tools" in (self.tokenizer.chat_template or ""),
+                                    recommended_sampling=tuple(recommended_sampling_or_none(self.tokenizer_dir).items()))
         self.prompts = PromptEncoder(self.tokenizer, max_len, len(self.tokenizer))
         self.limits = EngineLimits()
         self.finished_listeners: list[Callable[[RequestOutput], None]] = []

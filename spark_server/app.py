@@ -36,6 +36,7 @@ from spark_server.health import health
 from spark_server.limits import BodySizeLimit
 from spark_server.metrics import Metrics, RequestCounter, metrics_endpoint, note_in_request_context
 from spark_server.playground import PlaygroundConfig, check, playground, sign
+from spark_server.sampling_defaults import openai_sampling_defaults
 from spark_server.settings import Settings
 from spark_server.shutdown import DrainGuard
 from spark_server.spark_endpoints import SPARK_HTTP_PATH, SPARK_WS_PATH, HandshakeRules, SparkEndpoints
@@ -96,7 +97,10 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
     if taken:
         raise ValueError(f"--lora {taken[0]}: names starting with {' or '.join(RESERVED_PREFIXES)} are the "
                          "server's own; choose another")
-    options = protocol_options(settings, protocol_overrides)
+    defaults = openai_sampling_defaults(settings.generation_config, settings.override_generation_config,
+                                        engine.model_info)
+    options = protocol_options(settings, {**(protocol_overrides or {}),
+                                          "openai_sampling_defaults": tuple(defaults.items())})
     resolver = attach_lora(settings, engine)
 
     @contextlib.asynccontextmanager

@@ -451,14 +451,6 @@ TABLE: dict[str, Rule] = {
     "kv_transfer_config": _ign("no disaggregated prefill: one server holds its KV cache", sample="{}"),
     "worker_cls": _one("the built-in worker", NO_CODE, accepted=("auto", ""), convert=as_text, sample="auto"),
     "worker_extension_cls": _one("no worker extension", NO_CODE, accepted=("",), convert=as_text, sample=""),
-    # --- sampling defaults
-    "generation_config": ByValue(sample="vllm", cases={
-        "vllm": Honoured(how="each protocol's documented sampling defaults apply")},
-        otherwise=Ignored(why="the model's generation_config.json is not read for sampling defaults: each "
-                              "protocol's documented defaults apply (as --generation-config vllm)")),
-    "override_generation_config": Only(accepted=({},), convert=as_json, how="no server-wide sampling defaults",
-                                       refused="server-wide sampling defaults are not supported: send them in "
-                                               "each request", sample="{}"),
     "enable_sleep_mode": _sw_ign("the model stays loaded (no sleep mode)"),
     "calculate_kv_scales": _sw_ign("the KV cache is kept in the model's dtype (no fp8 scales)"),
     "additional_config": _ign("no platform plugins here", sample="{}"),
@@ -707,7 +699,8 @@ def markdown() -> str:
         "with the reason; a value this server cannot honour stops the start with a message naming the flag.",
         "",
         "Flags with the same name as one of this server's own (`--host`, `--port`, `--model`, `--dtype`, "
-        "`--max-model-len`, `--api-key`, `--lora-modules`, `--served-model-name`, ...) are that setting; "
+        "`--max-model-len`, `--api-key`, `--lora-modules`, `--served-model-name`, `--generation-config`, "
+        "`--override-generation-config`, ...) are that setting; "
         "`spark-server serve --help` lists them. This page is generated from `spark_server/launch_compat.py` "
         "(`python -m spark_server.launch_compat > docs/launch-flags.md`).",
         "",

@@ -14,12 +14,15 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.constraint_budget import ConstraintBudget
 from engine.cost_model import CostModel
+from engine.generation_config import recommended_sampling
 from spark_server import launch_compat
+from spark_server.sampling_defaults import parse_override
 
 ENV_PREFIX = "SPARK_"
 _CONSTRAINT = ConstraintBudget()  # structured output's limits keep their defaults there
@@ -194,6 +197,15 @@ class Settings:
                              "name; transcription is refused (docs/pooling.md)",
                      choices=["auto", "generate", "embedding", "embed", "classify", "score", "reward",
                               "transcription"])
+    generation_config: str = _opt("auto", "the sampling defaults of the OpenAI-compatible endpoints (chat, "
+                                          "completions, responses), as vLLM's flag: auto: what the model's "
+                                          "generation_config.json recommends (temperature, top_p, top_k, min_p, the "
+                                          "penalties, max_new_tokens), for the knobs a request leaves out; vllm: "
+                                          "OpenAI's own defaults; or a directory holding a generation_config.json. "
+                                          "The other protocols keep their documented defaults")
+    override_generation_config: str | None = _opt(None, "vLLM's JSON object of sampling defaults laid over "
+                                                        "--generation-config's, e.g. '{\"temperature\": 0.5}' (the "
+                                                        "same knobs, transformers' names)")
     override_pooler_config: str | None = _opt(None, "vLLM's JSON pooler settings: pooling_type (LAST, the default; "
                                                     "MEAN, CLS or ALL), normalize (embeddings, default true), softmax "
                                                     "(the head's activation, default true)")
@@ -259,6 +271,15 @@ class Settings:
             raise ValueError("--max-seqs-per-request must be at least 1")
         if self.scheduler_cost_model is not None:
             CostModel.parse(self.scheduler_cost_model)  # refused at start, naming the flag
+        parse_override(self.override_generation_config)  # likewise, before the model loads
+        if self.generation_config not in ("auto", "vllm"):
+            if not (Path(self.generation_config) / "generation_config.json").is_file():
+                raise ValueError(f"--generation-config {self.generation_config}: auto, vllm, or a directory holding "
+                                 "a generation_config.json")
+            try:
+                recommended_sampling(self.generation_config)
+            except ValueError as exc:
+                raise ValueError(f"--generation-config: {exc}") from None
 
     @property
     def lora_enabled(self) -> bool:

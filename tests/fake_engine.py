@@ -89,13 +89,15 @@ class FakeEngine:
     labels: tuple[str, ...] = ()
     matryoshka: bool = False
     pooling_requests: list[PoolingRequest] = field(default_factory=list)
+    recommended_sampling: tuple[tuple[str, float | int], ...] = ()  # the model's generation_config.json's
 
     def __post_init__(self) -> None:
         self.tokenizer = shared_tokenizer()
         self.model_info = ModelInfo(name=FAKE_MODEL, path="/fake/model", model_type="llama",
                                     max_model_len=self.max_model_len, vocab_size=len(self.tokenizer),
                                     dtype="bfloat16", device="cpu", task=self.task,
-                                    pooling_tasks=served_tasks(self.task, len(self.labels)), labels=self.labels)
+                                    pooling_tasks=served_tasks(self.task, len(self.labels)), labels=self.labels,
+                                    recommended_sampling=self.recommended_sampling)
 
     # ---- lifecycle and introspection -----------------------------------------------------------
 

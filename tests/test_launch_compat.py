@@ -101,7 +101,8 @@ def config_example() -> str:
 OWN_SAMPLES = {"host": "0.0.0.0", "model": "embedded", "tokenizer": "tokenizer-dir", "api_key": "token-abc123",
                "lora_modules": "sql=/adapters/sql", "chat_template": "{{ messages }}", "ssl_keyfile": "key.pem",
                "ssl_certfile": "cert.pem", "max_model_len": "2048", "seed": "0", "max_num_batched_tokens": "512",
-               "max_num_seqs": "16", "served_model_name": "smol", "allowed_origins": '["*"]'}
+               "max_num_seqs": "16", "served_model_name": "smol", "allowed_origins": '["*"]',
+               "override_generation_config": '{"temperature": 0.5}'}
 
 
 def _simple_default(raw: str | None) -> str | None:
@@ -236,7 +237,7 @@ def test_every_foreign_flag_of_the_documents_is_in_the_table():
     (["--device", "tpu"], "--device"),
     (["--quantization", "awq"], "--quantization"),
     (["--load-format", "dummy"], "--load-format"),
-    (["--override-generation-config", '{"temperature": 0.5}'], "--override-generation-config"),
+    (["--override-generation-config", '{"temprature": 0.5}'], "--override-generation-config"),
     (["--middleware", "mypkg.Auth"], "--middleware"),
     (["--ssl-cert-reqs", "2"], "--ssl-cert-reqs"),
 ])
@@ -306,7 +307,7 @@ def test_a_vllm_launch_line_starts_the_server_and_it_answers(tmp_path):
     assert first == ["--dtype", "auto", "--api-key", "token-abc123"]
     port = free_port()
     ignored = ["--gpu-memory-utilization", "--trust-remote-code", "--swap-space", "--kv-cache-dtype",
-               "--distributed-executor-backend", "--generation-config", "--max-num-partial-prefills"]
+               "--distributed-executor-backend", "--max-num-partial-prefills"]
     argv = ["embedded", *first, "--config", str(config), "--port", str(port),
             "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1", "--gpu-memory-utilization", "0.9",
             "--enable-chunked-prefill", "--trust-remote-code", "--disable-log-requests", "--enable-lora",

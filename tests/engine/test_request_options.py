@@ -102,3 +102,22 @@ def test_max_logprobs_bounds_what_a_request_may_ask(llm_engine):
     assert err.value.parameter == "top_logprobs"
     with pytest.raises(InvalidRequestError, match="allowed_token_ids"):
         llm_engine.check_params(SamplingParams(allowed_token_ids=[10**9]))
+
+
+def test_the_models_recommended_sampling_is_read_from_its_directory(tmp_path):
+    """The served model's generation_config.json recommendation reaches ModelInfo (the server applies it to
+    the OpenAI-compatible endpoints: tests/protocol/test_generation_config.py); a file it cannot read leaves
+    the model served, without a recommendation."""
+    import json
+
+    from tests.tiny_checkpoints import save_tiny_llama
+
+    model = save_tiny_llama(tmp_path / "tiny")
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.6, "top_p": 0.9,
+                                                              "top_k": 50}))
+    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", kv_cache_space_gib=0.25))
+    assert dict(engine.model_info.recommended_sampling) == {"temperature": 0.6, "top_p": 0.9}
+    (model / "generation_config.json").write_text(json.dumps({**config, "temperature": "warm"}))
+    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", kv_cache_space_gib=0.25))
+    assert engine.model_info.recommended_sampling == ()
