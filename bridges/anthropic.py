@@ -225,7 +225,11 @@ class Messages(Handler[AnthropicContext]):
         if tool_plan.parse and tool_body.get("tool_choice") == "auto" and not ctx.options.enable_auto_tool_choice:
             raise BridgeError(400, 'tool_choice "auto" needs the server to run with --enable-auto-tool-choice',
                               param="tool_choice")
-        kw = sampling_kwargs("anthropic", body)
+        # vLLM's /v1/messages is its chat endpoint underneath: the model's recommended sampling applies alike
+        kw = sampling_kwargs("anthropic", body, server_defaults=dict(ctx.options.openai_sampling_defaults))
+        cap = ctx.options.openai_max_tokens_cap
+        if cap is not None and kw.get("max_tokens", cap) > cap:
+            kw["max_tokens"] = cap
         stops = list(kw.get("stop", []))
         one_call = tool_plan.parse and tool_plan.constraint is None and tool_body.get("parallel_tool_calls") is False
         hermes = isinstance(tool_plan.format, tool_formats.ToolFormat) and tool_plan.format.name == "hermes"

@@ -46,6 +46,7 @@ class ProtocolOptions:
     # the OpenAI-compatible endpoints' defaults for knobs a request leaves out (--generation-config: the
     # model's recommendation, spark_server/sampling_defaults.py), in the engine's knob names
     openai_sampling_defaults: tuple[tuple[str, float | int], ...] = ()
+    openai_max_tokens_cap: int | None = None  # vLLM's override_max_tokens: no request's max_tokens above it
 
 
 class Tokenizer:

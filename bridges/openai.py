@@ -78,8 +78,13 @@ def sampling_params(ctx: ServingContext, body: dict[str, Any], endpoint: str, lo
                     top_logprobs: int) -> SamplingParams:
     """The body's sampling fields through the one table; what the table cannot say (best_of, the
     tokenizer-dependent bad_words, -1 truncation) is settled here."""
-    kw = sampling_kwargs("openai", body, endpoint=endpoint, context=ctx.model.max_model_len,
-                         server_defaults=dict(ctx.options.openai_sampling_defaults))
+    defaults = dict(ctx.options.openai_sampling_defaults)
+    if endpoint == "completions":
+        defaults.pop("max_tokens", None)  # vLLM: a completions body's max_tokens defaults to 16 whatever the model says
+    kw = sampling_kwargs("openai", body, endpoint=endpoint, context=ctx.model.max_model_len, server_defaults=defaults)
+    cap = ctx.options.openai_max_tokens_cap
+    if cap is not None and kw.get("max_tokens", cap) > cap:
+        kw["max_tokens"] = cap
     n = kw.get("n", 1)
     best_of = body.get("best_of")
     if best_of is not None:

@@ -28,10 +28,11 @@ NOT_EXPRESSIBLE: dict[str, str] = {
 # SamplingParams fields outside the table, spelled below: (logprobs, top_logprobs) as completions'
 # ``logprobs`` count, the constraint as its OpenAI / vLLM field.
 OUTSIDE_TABLE = ("logprobs", "top_logprobs", "constraint")
-# Knobs sent even at their default: vLLM and SGLang take a knob the body leaves out from the model's
-# generation_config, and max_tokens' OpenAI default differs per endpoint; naming them keeps the answer
-# the one the front end asked for.
-ALWAYS_SENT = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# Knobs sent even at their default: vLLM, SGLang and this server's replicas take a knob the body leaves out
+# from the model's generation_config (the penalties too), and max_tokens' OpenAI default differs per
+# endpoint; naming them keeps the answer the one the front end asked for, its defaults applied once.
+ALWAYS_SENT = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+               "frequency_penalty")
 # Knobs sent together as OpenAI's ``logit_bias``, the one token-level field vLLM, SGLang and this server
 # all read: each banned id as BAN_BIAS (this server's replicas read -100 as a ban; vLLM and SGLang add it,
 # which leaves the token out in practice), then the request's other biases. (bad_words_token_ids, the

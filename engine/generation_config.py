@@ -5,8 +5,9 @@ repetition_penalty 1.05). vLLM takes those values as the defaults of its OpenAI-
 (``--generation-config auto``, its default); this module reads them in the engine's knob names, and the
 server decides where they apply (spark_server/sampling_defaults.py).
 
-Only the knobs vLLM reads are taken, and only where the file's value differs from transformers' own default
-(what ``GenerationConfig.to_diff_dict`` keeps): a file that spells out ``top_k: 50`` recommends nothing.
+Only the knobs vLLM reads are taken: every one the file spells out (transformers 5 keeps each value a file
+sets, as vLLM on it reads them; files written by transformers 4 hold only values that differ from its
+defaults). ``do_sample`` is not read: vLLM samples whenever the temperature is above 0.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ FILE = "generation_config.json"
 KNOBS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
          "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
          "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens"}
-# transformers' GenerationConfig defaults for those it has (a value equal to one is not a recommendation)
-_TRANSFORMERS_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 
 
 def knob_value(name: str, value: Any) -> float | int:
@@ -52,7 +51,8 @@ def recommended_sampling_or_none(directory: str | Path) -> dict[str, float | int
 def recommended_sampling(directory: str | Path) -> dict[str, float | int]:
     """The knobs ``directory``'s generation_config.json recommends, in the engine's names; {} where there is
     no such file or it recommends none. ValueError for a file that is not JSON or a value that is not a
-    number (a model whose recommendation cannot be read should not be served as if it had none)."""
+    number (the loader logs it and serves the model without a recommendation; a --generation-config
+    directory's is refused at start)."""
     path = Path(directory) / FILE
     try:
         text = path.read_text()
@@ -67,7 +67,7 @@ def recommended_sampling(directory: str | Path) -> dict[str, float | int]:
     out: dict[str, float | int] = {}
     for name, knob in KNOBS.items():
         value = data.get(name)
-        if value is None or (name in _TRANSFORMERS_DEFAULTS and value == _TRANSFORMERS_DEFAULTS[name]):
+        if value is None:
             continue
         try:
             out[knob] = knob_value(name, value)

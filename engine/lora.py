@@ -2,15 +2,17 @@
 own adapter's low-rank update (punica / S-LoRA / LoRAX style), never merged into the base weights.
 
 Per layer, adapters are stacked per projection group (qkv, o, gate_up, down):
-    A  [G * S * r, in]     the A matrices of the group's G projections for all S slots, fused under
-                           the base weight: one matmul over [W_base; A] gives x @ W^T and x @ A^T
+    A  [G * S * r, in]     the A matrices of the group's G projections for all S slots. Under a dense base
+                           weight it is fused: one matmul over [W_base; A] gives x @ W^T and x @ A^T. Beside
+                           a packed base (the engine's kernels) it runs after it, on the packed bf16 kernels
+                           where the engine is bf16 (``_KernelA``: a row's bits never follow its batch)
     B  with the fused CPU kernels: per projection [S, r, out]; each token applies only its own
        slot's B (engine/kernels, ``lora_expand``), so only adapters in use are read.
        Without them: [out, G * S * r], block-diagonal (slot s of projection g writes only g's
        rows), and out += ((x @ A^T) * mask) @ B^T, where mask [T, G*S*r] keeps each token's own
        slot's columns (none for base-model tokens).
-The matmuls use the same (on CPU bf16: oneDNN-prepacked) Linear as the base projections, repacked
-when an adapter is written into a slot.
+The dense matmuls use the same (on CPU bf16: oneDNN-prepacked) Linear as the base projections; every
+packed or prepacked copy is made again when an adapter is written into a slot.
 """
 
 from __future__ import annotations
@@ -340,8 +342,9 @@ class LoraManager:
             self.fused.append(packed)
 
     def _refresh(self) -> None:
-        """After a slot's rows were written in place: the Linears that keep a prepacked copy of their
-        weight (oneDNN, bf16) pack it again; plain ones read the written tensors as they are."""
+        """After a slot's rows were written in place: the linears that keep a packed copy of their weight
+        (oneDNN's for bf16, the kernels' for ``_KernelA``) pack it again; plain ones read the written tensors
+        as they are."""
         for packed in self.fused:
             for first, b, _ in packed.values():
                 (first.a if isinstance(first, _BaseThenA) else first).weight_changed()

@@ -100,7 +100,8 @@ def build_app(settings: Settings, engine: EngineClient, owns_engine: bool = True
     defaults = openai_sampling_defaults(settings.generation_config, settings.override_generation_config,
                                         engine.model_info)
     options = protocol_options(settings, {**(protocol_overrides or {}),
-                                          "openai_sampling_defaults": tuple(defaults.items())})
+                                          "openai_sampling_defaults": tuple(defaults.knobs.items()),
+                                          "openai_max_tokens_cap": defaults.max_tokens_cap})
     resolver = attach_lora(settings, engine)
 
     @contextlib.asynccontextmanager

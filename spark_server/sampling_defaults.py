@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.generation_config import KNOBS, knob_value, recommended_sampling
 
@@ -22,9 +23,16 @@ logger = logging.getLogger(__name__)
 _NAMES = {**KNOBS, **{knob: knob for knob in KNOBS.values()}}
 
 
-def parse_override(text: str | None) -> dict[str, float | int]:
-    """--override-generation-config's JSON object in the engine's knob names; ValueError naming the key
-    that is not one of the knobs (vLLM drops it without a word; here the start is refused)."""
+# transformers' generation settings that are no sampling default here: accepted in an override and named in the
+# start-up log as ignored (vLLM reads none of them either; do_sample: it samples whenever temperature > 0)
+NOT_SAMPLING_DEFAULTS = frozenset({"do_sample", "bos_token_id", "eos_token_id", "pad_token_id",
+                                   "decoder_start_token_id", "transformers_version", "_from_model_config"})
+
+
+def parse_override(text: str | None) -> dict[str, float | int | None]:
+    """--override-generation-config's JSON object in the engine's knob names (None: the knob's recommendation
+    dropped, as vLLM reads a null); ValueError naming a key that is not one of the knobs (vLLM drops it
+    without a word; here the start is refused)."""
     if not text:
         return {}
     try:
@@ -33,37 +41,77 @@ def parse_override(text: str | None) -> dict[str, float | int]:
         raise ValueError(f"--override-generation-config: not JSON ({exc})") from None
     if not isinstance(data, dict):
         raise ValueError("--override-generation-config: expected a JSON object of sampling knobs")
-    out: dict[str, float | int] = {}
+    out: dict[str, float | int | None] = {}
     for name, value in data.items():
+        if name in NOT_SAMPLING_DEFAULTS:
+            continue
         knob = _NAMES.get(name)
         if knob is None:
             raise ValueError(f"--override-generation-config: {name!r} is not a sampling default this server "
                              f"takes (one of: {', '.join(KNOBS)})")
         try:
-            out[knob] = knob_value(name, value)
+            out[knob] = None if value is None else knob_value(name, value)
         except ValueError as exc:
             raise ValueError(f"--override-generation-config: {exc}") from None
     return out
 
 
-def openai_sampling_defaults(generation_config: str, override: str | None, model: ModelInfo) -> dict[str, float | int]:
+def _checked(knobs: dict[str, float | int], source: str, strict: bool) -> dict[str, float | int]:
+    """The knobs the engine takes as they are: one it refuses (out of its range) stops the start when the
+    operator gave it (``strict``), and is logged and left out when the model's file did."""
+    from engine.errors import InvalidRequestError
+    from engine.sampling_params import SamplingParams
+
+    kept: dict[str, float | int] = {}
+    for knob, value in knobs.items():
+        try:
+            one: dict[str, Any] = {knob: value}
+            SamplingParams(**one)
+        except InvalidRequestError as exc:
+            if strict:
+                raise ValueError(f"{source}: {exc}") from None
+            logger.warning("%s: %s: not used", source, exc)
+            continue
+        kept[knob] = value
+    return kept
+
+
+@dataclass(frozen=True)
+class OpenAIDefaults:
+    """What --generation-config and --override-generation-config settle for the OpenAI-compatible endpoints."""
+
+    knobs: dict[str, float | int]  # a knob a request leaves out takes this (the engine's names)
+    # vLLM's override_max_tokens: a cap on every request's max_tokens, its own value included. A directory's
+    # max_new_tokens (with the override laid over it), or under auto / vllm the override's alone.
+    max_tokens_cap: int | None = None
+
+
+def openai_sampling_defaults(generation_config: str, override: str | None, model: ModelInfo) -> OpenAIDefaults:
     """The defaults the OpenAI-compatible endpoints give a knob a request leaves out, logged once where they
-    are not OpenAI's own (as vLLM warns at start)."""
+    are not OpenAI's own (as vLLM warns at start). ValueError for an override the engine would refuse."""
+    laid = parse_override(override)
+    ignored = sorted(NOT_SAMPLING_DEFAULTS & set(json.loads(override))) if override else []
+    if ignored:
+        logger.warning("--override-generation-config: %s ignored: no sampling default (temperature > 0 samples)",
+                       ", ".join(ignored))
     if generation_config == "vllm":
         base: dict[str, float | int] = {}
         source = ""
     elif generation_config == "auto":
-        base = dict(model.recommended_sampling)
+        base = _checked(dict(model.recommended_sampling), "the model's generation_config.json", strict=False)
         source = "the model's generation_config.json"
     else:  # a directory (Settings checked that it holds the file)
-        directory = Path(generation_config)
-        base = recommended_sampling(directory)
-        source = str(directory / "generation_config.json")
-    merged = base | parse_override(override)
+        source = str(Path(generation_config) / "generation_config.json")
+        base = _checked(recommended_sampling(generation_config), source, strict=True)
+    given = {k: v for k, v in laid.items() if v is not None}
+    merged = {k: v for k, v in base.items() if k not in laid} | _checked(given, "--override-generation-config",
+                                                                          strict=True)
+    in_dir = generation_config not in ("auto", "vllm")
+    cap = merged.get("max_tokens") if in_dir else given.get("max_tokens")
     if merged:
-        given = " and ".join(s for s in (source if base else "", "--override-generation-config" if override else "")
-                             if s)
-        logger.warning("sampling defaults of the OpenAI-compatible endpoints from %s: %s (a request's own values "
-                       "win; --generation-config vllm keeps OpenAI's)", given,
-                       ", ".join(f"{k}={v}" for k, v in merged.items()))
-    return merged
+        sources = " and ".join(s for s in (source if base else "", "--override-generation-config" if given else "")
+                               if s)
+        capped = f"; every request's max_tokens at most {cap}" if cap is not None else ""
+        logger.warning("sampling defaults of the OpenAI-compatible endpoints from %s: %s (for the knobs a request "
+                       "leaves out%s)", sources, ", ".join(f"{k}={v}" for k, v in merged.items()), capped)
+    return OpenAIDefaults(merged, int(cap) if cap is not None else None)

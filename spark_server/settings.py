@@ -179,7 +179,9 @@ class Settings:
                                         "row does not depend on the rows beside it, even where oneDNN's matmul "
                                         "measures faster for large batches (CPUs with AMX tiles, where it is "
                                         "otherwise taken): a seeded request then answers the same alone and in "
-                                        "a busy batch on every CPU, at that prefill speed")
+                                        "a busy batch, at the kernels' prefill speed. It covers the linears the "
+                                        "kernels run: quantized weights (GGUF, int8, int4), and bf16 weights on "
+                                        "CPUs with AVX512-BF16 (elsewhere bf16 and fp32 weights run on torch)")
     max_logprobs: int = _opt(20, "most logprobs a request may ask for (top_logprobs, logprobs, prompt_logprobs)")
     max_logprob_entries: int = _opt(1_000_000, "most logprob entries one request's answers may hold: (prompt tokens "
                                                "x (prompt_logprobs + 1) + max_tokens x (top_logprobs + 1)) x n, "
@@ -198,7 +200,8 @@ class Settings:
                      choices=["auto", "generate", "embedding", "embed", "classify", "score", "reward",
                               "transcription"])
     generation_config: str = _opt("auto", "the sampling defaults of the OpenAI-compatible endpoints (chat, "
-                                          "completions, responses), as vLLM's flag: auto: what the model's "
+                                          "completions, responses, Anthropic messages), as vLLM's flag: auto: what "
+                                          "the model's "
                                           "generation_config.json recommends (temperature, top_p, top_k, min_p, the "
                                           "penalties, max_new_tokens), for the knobs a request leaves out; vllm: "
                                           "OpenAI's own defaults; or a directory holding a generation_config.json. "
@@ -418,6 +421,8 @@ def _convert(name: str, kind: type, value: Any) -> Any:
         if text in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"{name}: expected a boolean, got {value!r}")
+    if kind is str and isinstance(value, dict | list):  # a config file's mapping for a JSON setting (as vLLM's)
+        return json.dumps(value)
     try:
         return kind(value)
     except (TypeError, ValueError):

@@ -231,7 +231,8 @@ class LlamaForCausalLM:
             objects += (lw.input_norm, lw.post_norm, lw.q_norm)
             for lin in lw.linears():
                 objects += (lin, getattr(lin, "packed", None), getattr(lin, "fallback", None))
-                settings += (getattr(lin, "max_kernel_rows", None) or 0, self._int8_mode(lin, per_row))
+                rows = getattr(lin, "max_kernel_rows", None)
+                settings += (-1 if rows is None else rows, self._int8_mode(lin, per_row))
         state = tuple(map(id, objects)) + tuple(settings)  # ids stay unique: ``objects`` is kept alive below
         if state != self._described[1]:
             self._layer_descs, self._one_call_max_rows = self._describe_layers()

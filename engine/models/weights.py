@@ -314,8 +314,10 @@ class LinearBuilder:
     def _describe(self, packed: list[PackedLinear], with_fallback: list[PackedLinear], total: int) -> str:
         sources = sorted({lin.source for lin in packed})
         limits = sorted({lin.max_kernel_rows for lin in with_fallback if lin.max_kernel_rows is not None})
+        unlimited = any(lin.max_kernel_rows is None for lin in with_fallback)
         if limits:
-            limit = f", up to {' / '.join(map(str, limits))} rows (oneDNN above)"
+            rest = ", the others at every batch" if unlimited else ""
+            limit = f", up to {' / '.join(map(str, limits))} rows (oneDNN above){rest}"
         elif with_fallback and self.batch_invariant:
             limit = ", at every batch (--batch-invariant)"
         elif with_fallback:

@@ -117,7 +117,7 @@ def test_the_models_recommended_sampling_is_read_from_its_directory(tmp_path):
     (model / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.6, "top_p": 0.9,
                                                               "top_k": 50}))
     engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", kv_cache_space_gib=0.25))
-    assert dict(engine.model_info.recommended_sampling) == {"temperature": 0.6, "top_p": 0.9}
+    assert dict(engine.model_info.recommended_sampling) == {"temperature": 0.6, "top_p": 0.9, "top_k": 50}
     (model / "generation_config.json").write_text(json.dumps({**config, "temperature": "warm"}))
     engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", kv_cache_space_gib=0.25))
     assert engine.model_info.recommended_sampling == ()

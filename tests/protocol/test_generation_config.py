@@ -91,15 +91,61 @@ def test_an_override_lays_over_the_recommendation(tmp_path):
         Settings(override_generation_config='{"temprature": 0.5}')
     with pytest.raises(ValueError, match="top_k: expected an integer"):
         Settings(override_generation_config='{"top_k": 2.5}')
+    # out of the engine's range: refused at start, not per request
+    with pytest.raises(ValueError, match="top_p"), served(override_generation_config='{"top_p": 0}'):
+        pass
 
 
-def test_a_directory_of_its_own(tmp_path):
-    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 50, "do_sample": True}))
-    with served(generation_config=str(tmp_path)) as (server, client):
-        client.chat.completions.create(model=server.engine.model_info.name, max_tokens=3,
+def test_an_override_null_drops_a_recommendation_and_its_max_new_tokens_caps():
+    """As vLLM: null leaves a knob to OpenAI's default, do_sample is read by no one (logged), and under
+    auto the override's max_new_tokens caps every request's max_tokens."""
+    override = json.dumps({"top_k": None, "do_sample": True, "max_new_tokens": 5})
+    with served(override_generation_config=override) as (server, client):
+        client.chat.completions.create(model=server.engine.model_info.name, max_tokens=40,
                                        messages=[{"role": "user", "content": "Hi"}])
         p = _last(server)
-        assert (p.temperature, p.top_p, p.top_k) == (0.6, 1.0, 0)  # top_k 50 is transformers' own default
+        assert (p.temperature, p.top_k, p.max_tokens) == (0.7, 0, 5)
+
+
+def test_completions_keep_their_max_tokens_default_and_anthropic_messages_take_the_rest():
+    """vLLM's completions default max_tokens is 16 whatever the model recommends; its /v1/messages is its chat
+    endpoint underneath, so the recommendation applies there too."""
+    engine = FakeEngine(recommended_sampling=(*QWEN_LIKE, ("max_tokens", 512)))
+    with fake_server_with(Settings(port=free_port()), engine) as server:
+        client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none")
+        client.completions.create(model=engine.model_info.name, prompt="Once")
+        assert _last(server).max_tokens == 16 and _last(server).temperature == 0.7
+        client.chat.completions.create(model=engine.model_info.name, messages=[{"role": "user", "content": "Hi"}])
+        assert _last(server).max_tokens == 512
+        import anthropic
+
+        claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="none")
+        claude.messages.create(model=engine.model_info.name, max_tokens=8,
+                               messages=[{"role": "user", "content": "Hi"}])
+        p = _last(server)
+        assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.7, 0.8, 20, 8)
+
+
+def test_a_config_files_mapping_is_taken_as_vllms_yaml_takes_it(tmp_path):
+    config = tmp_path / "server.yaml"
+    config.write_text("override-generation-config:\n  temperature: 0.4\n  max_new_tokens: 12\n")
+    from spark_server.settings import resolve
+
+    settings = resolve({"config": str(config)}, environ={})
+    assert json.loads(settings.override_generation_config) == {"temperature": 0.4, "max_new_tokens": 12}
+
+
+def test_a_directory_of_its_own_whose_max_new_tokens_caps_every_request(tmp_path):
+    """A directory's file replaces the model's (every value it spells out, top_k 50 too, as vLLM on
+    transformers 5 reads it), and its max_new_tokens caps a request's own max_tokens, as vLLM's
+    override_max_tokens does."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 50, "do_sample": True,
+                                                                 "max_new_tokens": 9}))
+    with served(generation_config=str(tmp_path)) as (server, client):
+        client.chat.completions.create(model=server.engine.model_info.name, max_tokens=30,
+                                       messages=[{"role": "user", "content": "Hi"}])
+        p = _last(server)
+        assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.6, 1.0, 50, 9)
     with pytest.raises(ValueError, match="--generation-config"):
         Settings(generation_config=str(tmp_path / "missing"))
 
@@ -110,7 +156,7 @@ def test_reading_a_generation_config(tmp_path):
         "bos_token_id": 1, "eos_token_id": [2, 3], "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
         "repetition_penalty": 1.05, "max_new_tokens": 512, "min_p": None}))
     assert recommended_sampling(tmp_path) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
-                                              "repetition_penalty": 1.05, "max_tokens": 512}
+                                              "repetition_penalty": 1.05, "max_tokens": 512}  # no do_sample
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
     with pytest.raises(ValueError, match="temperature: expected a number"):
         recommended_sampling(tmp_path)

@@ -121,7 +121,7 @@ def test_the_fleet_body_lowers_back_to_the_same_params(fake_server, p):
 def test_defaults_are_left_out_but_for_the_knobs_backends_would_fill_themselves():
     body = openai_fields(SamplingParams())
     assert body == {"max_tokens": 256, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-                    "repetition_penalty": 1.0}
+                    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 def test_a_leading_section_is_refused_naming_its_field():
