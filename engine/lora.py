@@ -229,8 +229,11 @@ class _KernelA:
         self._packed = pack_bf16(weight)
 
     @staticmethod
-    def fits(weight: torch.Tensor) -> bool:
-        return weight.dtype == torch.bfloat16 and packable("bf16", weight.shape[1], weight.shape[1])
+    def fits(weight: torch.Tensor, kernels: CpuKernels) -> bool:
+        """bf16 A stacks where the kernels multiply bf16 weights at speed (AVX512-BF16, as the base's own bf16
+        packing requires: elsewhere they would run on plain C, and oneDNN serves)."""
+        return (kernels.linear_isa == 2 and weight.dtype == torch.bfloat16
+                and packable("bf16", weight.shape[1], weight.shape[1]))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear(x.contiguous(), self._packed)
@@ -335,7 +338,7 @@ class LoraManager:
                     first: Any = Linear(weight, bias)
                 else:  # packed or quantized base: its own kernel, then A
                     a_linear: Linear | _KernelA = Linear(a)
-                    if self.kernels is not None and _KernelA.fits(a):
+                    if self.kernels is not None and _KernelA.fits(a, self.kernels):
                         a_linear = _KernelA(a, self.kernels)
                     first = _BaseThenA(base, a_linear)
                 packed[g] = (first, Linear(b) if b is not None else None, base.out_features)
