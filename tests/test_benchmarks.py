@@ -1,7 +1,7 @@
 """The benchmarks as pass/fail checks (`make test-slow`): each exits non-zero when it misses its bar. The
 profiling aids without a bar get a quick run so they do not rot: in `make test-slow` the two that start a
 benchmark process and measure the machine's peaks first (seconds each before any load runs), in the default
-suite the one that runs in-process."""
+suite the one that runs in-process and the two-builds comparison on a tiny shape."""
 
 from __future__ import annotations
 
@@ -92,3 +92,17 @@ def test_the_layers_ab_leaves_the_loads_answers_as_they_are(monkeypatch):
     assert answers("ab") == plain
     assert ab.sampled["prefill"] >= 1 and ab.sampled["decode"] >= 1
     assert all(build.seconds[kind] > 0 for build in builds for kind in ("prefill", "decode"))
+
+
+def test_two_builds_side_by_side_runs_and_compares_bits(tmp_path):
+    """bench_linear_builds on one build against itself: it runs, and says the bits are the same."""
+    from engine.kernels import installed_state, lib_dir, load_cpu_kernels
+
+    if load_cpu_kernels() is None or installed_state()[0] != "current":
+        pytest.skip("no current kernel library build here")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_linear_builds", str(lib_dir()), str(lib_dir()),
+                           "--kinds", "u4,bf16", "--rows", "1,17", "--shapes", "48,64"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if "same bits:" in line]
+    assert len(lines) == 4 and all(line.endswith("same bits: True") for line in lines), proc.stdout
