@@ -334,6 +334,31 @@ def test_a_seeded_answer_is_the_same_alone_and_beside_other_requests(gguf_engine
             assert _logprob_bits(together) == alone, k
 
 
+def test_a_greedy_answer_through_the_greedy_head_is_the_same_alone_and_beside_other_requests(gguf_engine,
+                                                                                           monkeypatch):
+    """Greedy requests without logprobs take their tokens from the greedy head (an int8 pass with a bound,
+    then the candidates' exact logits): its picks are the exact argmax, so they cannot follow the batch
+    either. Checked with requests whose picks go through it (no logprobs asked)."""
+    kern = gguf_engine.model.kernels
+    if kern is None or not kern.greedy_head_fast:
+        pytest.skip("no greedy head on this build (the head runs as a plain linear)")
+    bounds = kern.greedy_head_bounds
+    passes = []
+    monkeypatch.setattr(kern, "greedy_head_bounds", lambda *a, **k: passes.append(1) or bounds(*a, **k))
+
+    def greedy(rid: str) -> GenerationRequest:
+        return chat(rid, "Write a short poem about the sea.", max_tokens=32, temperature=0)
+
+    others = [chat(f"g{i}", q, max_tokens=32, temperature=0.7, seed=i)
+              for i, q in enumerate(["Name a fruit.", "Tell me about Paris.", "What is 2+2?"])]
+    gguf_engine.block_manager.hash_to_block.clear()
+    alone = tokens_of(run_all(gguf_engine, [greedy("alone")])["alone"])
+    for k in range(1, 4):
+        gguf_engine.block_manager.hash_to_block.clear()
+        assert tokens_of(run_all(gguf_engine, [greedy(f"with{k}")] + others[:k])[f"with{k}"]) == alone, k
+    assert passes  # the picks went through the greedy head
+
+
 def test_gguf_answers_a_factual_question(gguf_engine):
     out = run_all(gguf_engine, [chat("f", "What is the capital of France?", max_tokens=12, temperature=0)])["f"]
     assert "Paris" in text_of(out)
