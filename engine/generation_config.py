@@ -38,6 +38,17 @@ def knob_value(name: str, value: Any) -> float | int:
     return float(value)
 
 
+def json_object(text: str, where: str) -> dict[str, Any]:
+    """``text`` as a JSON object; ValueError naming ``where`` (a file or a flag) otherwise."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{where}: not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a JSON object")
+    return data
+
+
 def recommended_sampling_or_none(directory: str | Path) -> dict[str, float | int]:
     """``recommended_sampling``, with a file that cannot be read logged and taken as recommending nothing
     (the model still serves; the protocols' own defaults apply)."""
@@ -58,12 +69,7 @@ def recommended_sampling(directory: str | Path) -> dict[str, float | int]:
         text = path.read_text()
     except (FileNotFoundError, NotADirectoryError):
         return {}
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
+    data = json_object(text, str(path))
     out: dict[str, float | int] = {}
     for name, knob in KNOBS.items():
         value = data.get(name)

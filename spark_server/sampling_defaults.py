@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.generation_config import KNOBS, knob_value, recommended_sampling
+from engine.generation_config import KNOBS, json_object, knob_value, recommended_sampling
 
 if TYPE_CHECKING:  # the settings import this module, and parsing the command line loads no torch
     from engine.protocol import ModelInfo
@@ -35,12 +35,7 @@ def parse_override(text: str | None) -> dict[str, float | int | None]:
     without a word; here the start is refused)."""
     if not text:
         return {}
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"--override-generation-config: not JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError("--override-generation-config: expected a JSON object of sampling knobs")
+    data = json_object(text, "--override-generation-config")
     out: dict[str, float | int | None] = {}
     for name, value in data.items():
         if name in NOT_SAMPLING_DEFAULTS:
