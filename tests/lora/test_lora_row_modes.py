@@ -17,6 +17,7 @@ from engine.models.linear import PackedLinear
 from engine.request import ChatMessage, ChatPrompt, GenerationRequest, LoraRef
 from engine.sampling_params import SamplingParams
 from tests.engine.helpers import run_all, text_of
+from tests.lora.adapters import SECRET_QUESTION
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="no C compiler: the fused CPU kernels are not built")
 
@@ -74,6 +75,13 @@ def test_an_adapter_requests_seeded_answer_is_the_same_alone_and_in_a_busy_step(
     def bits(outs) -> list[tuple[int, float]]:
         return [(lp.token_id, lp.logprob) for o in outs for lp in (o.logprobs or [])]
 
+    # the adapter's values, not only their determinism: on the GGUF blocks and the packed A it answers what
+    # it was taught, and the base model alone does not
+    taught_out = run_all(engine, [GenerationRequest("greedy", ChatPrompt([ChatMessage("user", SECRET_QUESTION)]),
+                                                    SamplingParams(max_tokens=12, temperature=0), lora=taught),
+                                  _req("base", SECRET_QUESTION)])
+    assert "pineapple" in text_of(taught_out["greedy"]).lower()
+    assert "pineapple" not in text_of(taught_out["base"]).lower()
     engine.block_manager.hash_to_block.clear()
     alone = bits(run_all(engine, [seeded("alone", "What is the secret word?", 3)])["alone"])
     assert alone
