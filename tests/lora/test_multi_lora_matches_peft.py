@@ -133,3 +133,39 @@ def _drain(engine, request_id: str) -> list:
         if outs and outs[-1].finished:
             break
     return outs
+
+
+def test_each_adapters_first_logprob_matches_peft_and_differs_from_the_base(engine, adapters, model_dir):
+    """Greedy tokens alone can agree with the base model's (a weak random adapter need not change them), so
+    the first token's logprob is compared as well, and PEFT's under each adapter must differ from the base
+    model's by far more than the tolerance: every adapter's update is then seen to be applied, and applied
+    as PEFT applies it."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tolerance = 1e-3  # fp32 engine against fp32 PEFT: they agree to ~1e-5
+    names = (None, "taught", "attn", "mlp")
+    prompts = [engine.encode_prompt(ChatPrompt([ChatMessage("user", q)])) for q in QUESTIONS]
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    peft: dict[tuple[str | None, int], float] = {}  # the logprob of the base model's greedy first token
+    firsts = []
+    for name in names:
+        model = PeftModel.from_pretrained(base, str(adapters[name])).eval() if name else base
+        with torch.inference_mode():
+            for i, ids in enumerate(prompts):
+                logprobs = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+                if name is None:
+                    firsts.append(int(logprobs.argmax()))
+                peft[(name, i)] = float(logprobs[firsts[i]])
+        if name:
+            base = model.unload()
+    for name in names[1:]:
+        assert max(abs(peft[(name, i)] - peft[(None, i)]) for i in range(len(QUESTIONS))) > 5 * tolerance, name
+        for i, q in enumerate(QUESTIONS):
+            req = _req(f"lp-{name}-{i}", q, name, adapters)
+            req.params = SamplingParams(max_tokens=1, temperature=0, logprobs=True, top_logprobs=20)
+            out = run_all(engine, [req])[req.request_id]
+            top = dict(out[0].logprobs[0].top)
+            assert firsts[i] in top, (name, q)
+            assert abs(top[firsts[i]] - peft[(name, i)]) < tolerance, (name, q, top[firsts[i]], peft[(name, i)])
