@@ -4,8 +4,9 @@ own adapter's low-rank update (punica / S-LoRA / LoRAX style), never merged into
 Per layer, adapters are stacked per projection group (qkv, o, gate_up, down):
     A  [G * S * r, in]     the A matrices of the group's G projections for all S slots. Under a dense base
                            weight it is fused: one matmul over [W_base; A] gives x @ W^T and x @ A^T. Beside
-                           a packed base (the engine's kernels) it runs after it, on the packed bf16 kernels
-                           where the engine is bf16 (``_KernelA``: a row's bits never follow its batch)
+                           a packed base (the engine's kernels) each token multiplies its own slot's rows
+                           alone (``lora_shrink``: no other slot is computed, and a token's bits never
+                           follow its batch)
     B  with the fused CPU kernels: per projection [S, r, out]; each token applies only its own
        slot's B (engine/kernels, ``lora_expand``), so only adapters in use are read.
        Without them: [out, G * S * r], block-diagonal (slot s of projection g writes only g's
@@ -31,7 +32,6 @@ from engine.errors import LoraUnavailableError
 from engine.kernels import CpuKernels
 from engine.models import layout
 from engine.models.linear import Linear
-from engine.quant.packing import pack_bf16, packable
 
 if TYPE_CHECKING:
     from engine.models.llama import PromptRows
@@ -189,57 +189,45 @@ class LoraBatch:
     def project(self, layer: int, group: str, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
         """The group's base projection of ``x`` plus each token's own low-rank update.
 
-        One matmul over [W_base; A_stack] gives the base output and x @ A^T together; then each token
-        applies its own slot's B (fused CPU kernel), or all slots' block-diagonal B under a mask. A packed
-        4-bit base takes each row in its own activation mode (``prompt_rows``, --linear-activations
-        int8-prompt), as it would in a step without adapters: a row's mode never depends on its batch."""
+        A dense base: one matmul over [W_base; A_stack] gives the base output and x @ A^T together. A packed
+        base (the engine's kernels) runs on its own, each row in its own activation mode (``prompt_rows``,
+        --linear-activations int8-prompt) as in a step without adapters, and then each token computes its
+        own slot's x @ A^T alone (``lora_shrink``: a token's rows never depend on its batch, and no slot
+        but its own is multiplied). Then each token applies its own slot's B (fused CPU kernel), or all
+        slots' block-diagonal B under a mask."""
         m = self.manager
         fused, b, n = m.fused[layer][group]
-        y = fused(x, prompt_rows) if isinstance(fused, _BaseThenA) else fused(x)
-        if m.kernels is not None:
+        kern = m.kernels
+        if kern is not None and isinstance(fused, _BaseThenA):
+            y = fused.base_only(x, prompt_rows)
+            u = torch.empty(x.shape[0], fused.a.shape[0], dtype=x.dtype, device=x.device)
+            kern.lora_shrink(x, fused.a, self.token_slots, len(GROUPS[group]), m.max_loras, m.max_rank, u)
+        else:
+            y = fused(x, prompt_rows) if isinstance(fused, _BaseThenA) else fused(x)
+            u = y[:, n:]
+        if kern is not None:
             out = torch.empty(y.shape[0], n, dtype=y.dtype, device=y.device)
-            m.kernels.lora_expand(y, n, out, self.token_slots, m.b_compact[layer][group], m.out_sizes[group],
-                                  m.max_loras, m.max_rank)
+            kern.lora_expand(y, u, n, out, self.token_slots, m.b_compact[layer][group], m.out_sizes[group],
+                             m.max_loras, m.max_rank)
             return out
         assert b is not None  # without the kernels every group keeps its block-diagonal B
         return y[:, :n] + b(y[:, n:] * self.masks[group])
 
 
 class _BaseThenA:
-    """[x @ W_base^T | x @ A^T] for a base projection that cannot be stacked with A (packed kernels)."""
+    """A base projection that cannot be stacked with A (packed kernels, or a reference linear) and the group's A
+    stack ``a`` (written in place when a slot is loaded): with the fused kernels the project step takes the
+    base alone and each token's own A rows (``lora_shrink``); without them, [x @ W_base^T | x @ A^T]."""
 
-    def __init__(self, base: Any, a: Linear | _KernelA) -> None:
+    def __init__(self, base: Any, a: torch.Tensor) -> None:
         self.base = base
         self.a = a
 
+    def base_only(self, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
+        return prompt_rows.project(self.base, x) if prompt_rows is not None else self.base(x)
+
     def __call__(self, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
-        base = prompt_rows.project(self.base, x) if prompt_rows is not None else self.base(x)
-        return torch.cat([base, self.a(x)], dim=1)
-
-
-class _KernelA:
-    """x @ A^T for a group's A stack on the packed bf16 kernels (bf16 engines with the fused CPU kernels), so
-    a row's bits never depend on the rows beside it: oneDNN's matmul may block its sums by the batch's row
-    count, and then an adapter request's answer would follow how many rows share its steps. ``weight`` is
-    written in place when a slot is loaded; ``weight_changed`` packs it again."""
-
-    def __init__(self, weight: torch.Tensor, kernels: CpuKernels) -> None:
-        self.weight = weight
-        self.kernels = kernels
-        self._packed = pack_bf16(weight)
-
-    @staticmethod
-    def fits(weight: torch.Tensor, kernels: CpuKernels) -> bool:
-        """bf16 A stacks where the kernels multiply bf16 weights at speed (AVX512-BF16, as the base's own bf16
-        packing requires: elsewhere they would run on plain C, and oneDNN serves)."""
-        return (kernels.linear_isa == 2 and weight.dtype == torch.bfloat16
-                and packable("bf16", weight.shape[1], weight.shape[1]))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear(x.contiguous(), self._packed)
-
-    def weight_changed(self) -> None:
-        self._packed = pack_bf16(self.weight)
+        return torch.cat([self.base_only(x, prompt_rows), torch.nn.functional.linear(x, self.a)], dim=1)
 
 
 class LoraManager:
@@ -337,20 +325,18 @@ class LoraManager:
                     groups[g] = (weight[base.out_features:], b)
                     first: Any = Linear(weight, bias)
                 else:  # packed or quantized base: its own kernel, then A
-                    a_linear: Linear | _KernelA = Linear(a)
-                    if self.kernels is not None and _KernelA.fits(a, self.kernels):
-                        a_linear = _KernelA(a, self.kernels)
-                    first = _BaseThenA(base, a_linear)
+                    first = _BaseThenA(base, a)
                 packed[g] = (first, Linear(b) if b is not None else None, base.out_features)
             self.fused.append(packed)
 
     def _refresh(self) -> None:
-        """After a slot's rows were written in place: the linears that keep a packed copy of their weight
-        (oneDNN's for bf16, the kernels' for ``_KernelA``) pack it again; plain ones read the written tensors
-        as they are."""
+        """After a slot's rows were written in place: the linears that keep a prepacked copy of their weight
+        (oneDNN's for bf16) pack it again; an A stack beside a packed base, and plain linears, are read as
+        they are."""
         for packed in self.fused:
             for first, b, _ in packed.values():
-                (first.a if isinstance(first, _BaseThenA) else first).weight_changed()
+                if not isinstance(first, _BaseThenA):
+                    first.weight_changed()
                 if b is not None:
                     b.weight_changed()
 

@@ -51,7 +51,7 @@ class CpuKernels:
         self.max_head_dim = fns["spark_kernels_max_head_dim"]()
         self.max_group = fns["spark_kernels_max_group"]()
         self._fns: dict[tuple[str, torch.dtype], Any] = {}
-        for name in ("add_rms_norm", "silu_mul", "rope_cache_write", "lora_expand", "decode_attention",
+        for name in ("add_rms_norm", "silu_mul", "rope_cache_write", "lora_shrink", "lora_expand", "decode_attention",
                      "prefill_attention"):
             for dtype, suffix in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
                 self._fns[(name, dtype)] = fns[f"{name}_{suffix}"]
@@ -133,12 +133,23 @@ class CpuKernels:
             slot_mapping.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, head_dim, layer_cache.shape[1],
             self.num_threads)
 
-    def lora_expand(self, y: torch.Tensor, n: int, out: torch.Tensor, token_slots: torch.Tensor, b: torch.Tensor,
-                    out_sizes: torch.Tensor, num_slots: int, rank: int) -> None:
-        """out [T, n] = y[:, :n] + each token's own adapter's B applied to its slot's columns of y."""
+    def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, num_proj: int, num_slots: int,
+                    rank: int, u: torch.Tensor) -> None:
+        """u's columns of each token's own slot = x @ (that slot's rows of the A stack ``a``)^T; x [T, K] with
+        unit column stride, a [num_proj * num_slots * rank, K] contiguous, u [T, a's rows], all one dtype."""
+        if x.stride(1) != 1 or not a.is_contiguous() or u.stride(1) != 1 or x.dtype != a.dtype or u.dtype != a.dtype:
+            raise ValueError("lora_shrink takes rows of one dtype with unit column stride and a contiguous stack")
+        self._fns[("lora_shrink", x.dtype)](
+            x.data_ptr(), x.stride(0), x.shape[1], a.data_ptr(), num_proj, num_slots, rank, token_slots.data_ptr(),
+            x.shape[0], u.data_ptr(), u.stride(0), self.num_threads)
+
+    def lora_expand(self, y: torch.Tensor, u: torch.Tensor, n: int, out: torch.Tensor, token_slots: torch.Tensor,
+                    b: torch.Tensor, out_sizes: torch.Tensor, num_slots: int, rank: int) -> None:
+        """out [T, n] = y[:, :n] + each token's own adapter's B applied to its slot's columns of u (the shrink's
+        output, or the A columns of a fused projection: ``y[:, n:]``)."""
         self._fns[("lora_expand", y.dtype)](
-            y.data_ptr(), y.stride(0), n, out.data_ptr(), token_slots.data_ptr(), y.shape[0], b.data_ptr(),
-            out_sizes.shape[0], out_sizes.data_ptr(), num_slots, rank, self.num_threads)
+            y.data_ptr(), y.stride(0), u.data_ptr(), u.stride(0), n, out.data_ptr(), token_slots.data_ptr(),
+            y.shape[0], b.data_ptr(), out_sizes.shape[0], out_sizes.data_ptr(), num_slots, rank, self.num_threads)
 
     def linear(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None, portable: bool = False,

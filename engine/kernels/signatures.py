@@ -75,7 +75,8 @@ SIGNATURES: dict[str, Signature] = {
     **_both_dtypes("decode_attention", INT, [P, I64, P, P, I64, P, I64, I64, I64, I64, I64, I64, F, I64, P, P, INT]),
     **_both_dtypes("prefill_attention", INT, [P, I64, P, P, I64, P, I64, I64, I64, I64, I64, I64, F, P, I64, INT,
                                               INT]),
-    **_both_dtypes("lora_expand", None, [P, I64, I64, P, P, I64, P, I64, P, I64, I64, INT]),
+    **_both_dtypes("lora_shrink", None, [P, I64, I64, P, I64, I64, I64, P, I64, P, I64, INT]),
+    **_both_dtypes("lora_expand", None, [P, I64, P, I64, I64, P, P, I64, P, I64, P, I64, I64, INT]),
     # linear.h
     "spark_linear": (INT, [INT, P, I64, I64, I64, P, I64, I64, P, P, I64, INT, INT, INT, INT]),
     "spark_linear_rows": (INT, [INT, P, I64, I64, I64, P, I64, I64, P, P, I64, INT, INT, P, INT, INT]),

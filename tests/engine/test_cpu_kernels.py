@@ -359,7 +359,8 @@ def test_lora_expand_applies_each_tokens_own_adapter(dtype, kern):
     y = torch.randn(T, n_in_y + len(outs) * S * r, generator=g).to(dtype)
     b = [torch.randn(S, r, o, generator=g).to(dtype) for o in outs]
     out = torch.empty(T, n_in_y, dtype=dtype)
-    kern.lora_expand(y, n_in_y, out, slots, torch.cat([x.flatten() for x in b]), torch.tensor(outs), S, r)
+    kern.lora_expand(y, y[:, n_in_y:], n_in_y, out, slots, torch.cat([x.flatten() for x in b]), torch.tensor(outs),
+                     S, r)
     expected = y[:, :n_in_y].float().clone()
     for t, s in enumerate(slots.tolist()):
         if s < 0:
@@ -372,6 +373,31 @@ def test_lora_expand_applies_each_tokens_own_adapter(dtype, kern):
     assert torch.equal(out[1], y[1, :n_in_y])
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_shrink_computes_each_tokens_own_slot_alone(dtype, kern):
+    """Three projections (like q/k/v) of a 4-slot, rank-4 A stack over 70 inputs; tokens on slots 3, -1, 0, 3
+    and 1. Each token's own slot's columns are x @ A_s^T; no other column is written; and a token's columns
+    are the same bits whichever tokens share the call (17 tokens: the threaded form)."""
+    g = torch.Generator().manual_seed(9)
+    P, S, r, K = 3, 4, 4, 70
+    a = torch.randn(P * S * r, K, generator=g).to(dtype)
+    x = torch.randn(17, K, generator=g).to(dtype)
+    slots = torch.tensor([3, -1, 0, 3, 1] + [2] * 12)
+    u = torch.full((17, P * S * r), 7.0, dtype=dtype)
+    kern.lora_shrink(x, a, slots, P, S, r, u)
+    want = (x.float() @ a.float().T).to(dtype)
+    for t, s in enumerate(slots.tolist()):
+        own = [c for p in range(P) for c in range((p * S + s) * r, (p * S + s + 1) * r)] if s >= 0 else []
+        others = [c for c in range(P * S * r) if c not in own]
+        assert (u[t, others] == 7.0).all(), t
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(u[t, own].float(), want[t, own].float(), rtol=tol, atol=tol)
+    for start, count in [(0, 1), (3, 2), (4, 13)]:
+        part = torch.full((count, P * S * r), 7.0, dtype=dtype)
+        kern.lora_shrink(x[start:start + count], a, slots[start:start + count], P, S, r, part)
+        assert torch.equal(part, u[start:start + count]), (start, count)
 
 
 def test_argmax_equals_torch_first_maximum_and_nan() -> None:

@@ -62,8 +62,8 @@ def test_an_adapters_step_keeps_each_rows_mode(adapters, monkeypatch):
 def test_an_adapter_requests_seeded_answer_is_the_same_alone_and_in_a_busy_step(adapters):
     """A seeded, sampled request with an adapter gives the same logprob bits alone, beside a plain request,
     and beside another request of the same adapter (whose rows change the row count of every A and B
-    projection of its steps). x @ A^T runs on the packed bf16 kernels for that reason: oneDNN's matmul may
-    block its sums by the batch's rows."""
+    projection of its steps): with the fused kernels each token computes its own slot's x @ A^T and B @ u
+    alone (lora_shrink, lora_expand), where a matmul over the step's rows may block its sums by their count."""
     engine = LLMEngine(EngineConfig(device="cpu", dtype="bfloat16", quantization="gguf", max_loras=2,
                                     max_lora_rank=16, kv_cache_space_gib=0.5))
     taught = LoraRef(name="taught", path=str(adapters["taught"]))
