@@ -27,7 +27,7 @@ from engine.kernels.signatures import (
 if TYPE_CHECKING:
     from engine.quant.packing import PackedWeight
 
-ABI_VERSION = 16  # target.c's SPARK_KERNELS_ABI_VERSION: a library built from other sources is refused
+ABI_VERSION = 17  # target.c's SPARK_KERNELS_ABI_VERSION: a library built from other sources is refused
 FAST_PATHS = LINEAR_PATHS[:2]  # the linears' fast paths, by enum spark_linear_path value ("dot", "fma")
 LINEAR_PATH_NAMES = {"dot": "AVX512-BF16 dot products", "fma": "fp32 FMAs"}  # for logs and tables
 
@@ -139,6 +139,11 @@ class CpuKernels:
         unit column stride, a [num_proj * num_slots * rank, K] contiguous, u [T, a's rows], all one dtype."""
         if x.stride(1) != 1 or not a.is_contiguous() or u.stride(1) != 1 or x.dtype != a.dtype or u.dtype != a.dtype:
             raise ValueError("lora_shrink takes rows of one dtype with unit column stride and a contiguous stack")
+        rows = num_proj * num_slots * rank
+        if (a.shape != (rows, x.shape[1]) or u.shape != (x.shape[0], rows) or token_slots.dtype != torch.int64
+                or token_slots.shape != (x.shape[0],) or not token_slots.is_contiguous()):
+            raise ValueError("lora_shrink: a [num_proj * num_slots * rank, K], u [tokens, its rows] and one int64 "
+                             "slot a token")
         self._fns[("lora_shrink", x.dtype)](
             x.data_ptr(), x.stride(0), x.shape[1], a.data_ptr(), num_proj, num_slots, rank, token_slots.data_ptr(),
             x.shape[0], u.data_ptr(), u.stride(0), self.num_threads)

@@ -75,7 +75,7 @@ SIGNATURES: dict[str, Signature] = {
     **_both_dtypes("decode_attention", INT, [P, I64, P, P, I64, P, I64, I64, I64, I64, I64, I64, F, I64, P, P, INT]),
     **_both_dtypes("prefill_attention", INT, [P, I64, P, P, I64, P, I64, I64, I64, I64, I64, I64, F, P, I64, INT,
                                               INT]),
-    **_both_dtypes("lora_shrink", None, [P, I64, I64, P, I64, I64, I64, P, I64, P, I64, INT]),
+    **_both_dtypes("lora_shrink", INT, [P, I64, I64, P, I64, I64, I64, P, I64, P, I64, INT]),
     **_both_dtypes("lora_expand", None, [P, I64, P, I64, I64, P, P, I64, P, I64, P, I64, I64, INT]),
     # linear.h
     "spark_linear": (INT, [INT, P, I64, I64, I64, P, I64, I64, P, P, I64, INT, INT, INT, INT]),
@@ -112,7 +112,7 @@ RETURNS_STATUS = frozenset({
     "decode_attention_bf16", "decode_attention_f32", "prefill_attention_bf16", "prefill_attention_f32",
     "spark_linear", "spark_linear_rows", "spark_linear_many", "spark_forward_layers", "sample_rows",
     "spark_greedy_head_bounds", "spark_repack_gguf_blocks", "spark_packed_rows_f32",
-    "spark_greedy_head_from_packed"})
+    "spark_greedy_head_from_packed", "lora_shrink_bf16", "lora_shrink_f32"})
 
 # The public headers SIGNATURES covers (bench.h is the benchmarks' own: benchmarks/kernel_bench.py)
 HEADERS = ("target.h", "layer_ops.h", "linear.h", "forward.h", "sampling.h", "greedy_head.h", "repack.h")

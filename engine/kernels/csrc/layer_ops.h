@@ -52,13 +52,15 @@ int prefill_attention_f32(const float *qkv, int64_t qkv_stride, const float *cac
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, float scale,
                           float *out, int64_t out_stride, int path, int num_threads);
 
-/* out [tokens, n] = y[:, :n] + each token's own adapter's B applied to its slot's columns of y. */
-void lora_shrink_bf16(const uint16_t *x, int64_t x_stride, int64_t K, const uint16_t *a, int64_t num_proj,
-                      int64_t num_slots, int64_t rank, const int64_t *token_slots, int64_t tokens, uint16_t *u,
-                      int64_t u_stride, int num_threads);
-void lora_shrink_f32(const float *x, int64_t x_stride, int64_t K, const float *a, int64_t num_proj, int64_t num_slots,
-                     int64_t rank, const int64_t *token_slots, int64_t tokens, float *u, int64_t u_stride,
-                     int num_threads);
+/* u's columns of each token's own slot = x [tokens, K] @ (that slot's rows of the A stack a)^T, the other
+ * columns left as they are. Returns SPARK_OK or SPARK_ERR_NOMEM. */
+int lora_shrink_bf16(const uint16_t *x, int64_t x_stride, int64_t K, const uint16_t *a, int64_t num_proj,
+                     int64_t num_slots, int64_t rank, const int64_t *token_slots, int64_t tokens, uint16_t *u,
+                     int64_t u_stride, int num_threads);
+int lora_shrink_f32(const float *x, int64_t x_stride, int64_t K, const float *a, int64_t num_proj, int64_t num_slots,
+                    int64_t rank, const int64_t *token_slots, int64_t tokens, float *u, int64_t u_stride,
+                    int num_threads);
+/* out [tokens, n] = y[:, :n] + each token's own adapter's B applied to its slot's columns of u. */
 void lora_expand_bf16(const uint16_t *y, int64_t y_stride, const uint16_t *u, int64_t u_stride, int64_t n,
                       uint16_t *out, const int64_t *token_slots, int64_t tokens, const uint16_t *b, int64_t num_proj,
                       const int64_t *out_sizes, int64_t num_slots, int64_t rank, int num_threads);

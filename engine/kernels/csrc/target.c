@@ -3,7 +3,7 @@
 
 #include "layer_ops.h"
 
-#define SPARK_KERNELS_ABI_VERSION 16
+#define SPARK_KERNELS_ABI_VERSION 17
 
 int spark_kernels_abi_version(void) { return SPARK_KERNELS_ABI_VERSION; }
 
