@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import EngineConfig
-from engine.kernels import load_cpu_kernels, load_target
+from engine.kernels import KernelUnsupported, load_cpu_kernels, load_target
 from engine.llm_engine import LLMEngine
 from engine.models.llama import rms_norm
 from engine.request import GenerationRequest, TokensPrompt
@@ -400,6 +400,8 @@ def test_lora_shrink_computes_each_tokens_own_slot_alone(dtype, kern, K):
         alone = torch.full((1, P * S * r), 7.0, dtype=dtype)
         kern.lora_shrink(x[t:t + 1].clone(), a, slots[t:t + 1].clone(), P, S, r, alone)
         assert torch.equal(alone[0], u[t]), t
+    with pytest.raises(KernelUnsupported, match="lora_shrink"):  # a slot the stack does not hold
+        kern.lora_shrink(x[:2], a, torch.tensor([0, S]), P, S, r, u[:2])
 
 
 def test_argmax_equals_torch_first_maximum_and_nan() -> None:

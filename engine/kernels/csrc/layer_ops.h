@@ -53,7 +53,8 @@ int prefill_attention_f32(const float *qkv, int64_t qkv_stride, const float *cac
                           float *out, int64_t out_stride, int path, int num_threads);
 
 /* u's columns of each token's own slot = x [tokens, K] @ (that slot's rows of the A stack a)^T, the other
- * columns left as they are. Returns SPARK_OK or SPARK_ERR_NOMEM. */
+ * columns left as they are. Returns SPARK_OK, SPARK_ERR_NOMEM, or SPARK_ERR_UNSUPPORTED for a slot of
+ * num_slots or more. */
 int lora_shrink_bf16(const uint16_t *x, int64_t x_stride, int64_t K, const uint16_t *a, int64_t num_proj,
                      int64_t num_slots, int64_t rank, const int64_t *token_slots, int64_t tokens, uint16_t *u,
                      int64_t u_stride, int num_threads);
