@@ -226,10 +226,8 @@ class Messages(Handler[AnthropicContext]):
             raise BridgeError(400, 'tool_choice "auto" needs the server to run with --enable-auto-tool-choice',
                               param="tool_choice")
         # vLLM's /v1/messages is its chat endpoint underneath: the model's recommended sampling applies alike
-        kw = sampling_kwargs("anthropic", body, server_defaults=dict(ctx.options.openai_sampling_defaults))
-        cap = ctx.options.openai_max_tokens_cap
-        if cap is not None and kw.get("max_tokens", cap) > cap:
-            kw["max_tokens"] = cap
+        kw = sampling_kwargs("anthropic", body, server_defaults=dict(ctx.options.openai_sampling_defaults),
+                             max_tokens_cap=ctx.options.openai_max_tokens_cap)
         stops = list(kw.get("stop", []))
         one_call = tool_plan.parse and tool_plan.constraint is None and tool_body.get("parallel_tool_calls") is False
         hermes = isinstance(tool_plan.format, tool_formats.ToolFormat) and tool_plan.format.name == "hermes"

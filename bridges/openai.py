@@ -81,10 +81,8 @@ def sampling_params(ctx: ServingContext, body: dict[str, Any], endpoint: str, lo
     defaults = dict(ctx.options.openai_sampling_defaults)
     if endpoint == "completions":
         defaults.pop("max_tokens", None)  # vLLM: a completions body's max_tokens defaults to 16 whatever the model says
-    kw = sampling_kwargs("openai", body, endpoint=endpoint, context=ctx.model.max_model_len, server_defaults=defaults)
-    cap = ctx.options.openai_max_tokens_cap
-    if cap is not None and kw.get("max_tokens", cap) > cap:
-        kw["max_tokens"] = cap
+    kw = sampling_kwargs("openai", body, endpoint=endpoint, context=ctx.model.max_model_len, server_defaults=defaults,
+                         max_tokens_cap=ctx.options.openai_max_tokens_cap)
     n = kw.get("n", 1)
     best_of = body.get("best_of")
     if best_of is not None:

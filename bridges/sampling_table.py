@@ -139,12 +139,14 @@ def default(protocol: str, name: str, endpoint: str | None = None) -> Any:
 
 
 def sampling_kwargs(protocol: str, source: dict[str, Any] | None, *, endpoint: str | None = None,
-                    context: int | None = None, server_defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                    context: int | None = None, server_defaults: Mapping[str, Any] | None = None,
+                    max_tokens_cap: int | None = None) -> dict[str, Any]:
     """The engine knobs a protocol's sampling object sets, with that protocol's (or ``endpoint``'s)
     defaults for the rest; knobs it neither sets nor has a default for are left out (the engine's default
     applies). ``context``: the served model's context, for a default that is ``CONTEXT``.
     ``server_defaults`` (engine knob names): the server's defaults, which come before the protocol's (vLLM's
-    order: the request's value, the server's default, OpenAI's)."""
+    order: the request's value, the server's default, OpenAI's). ``max_tokens_cap``: no max_tokens above it,
+    the request's own included (vLLM's override_max_tokens)."""
     source = source or {}
     server_defaults = server_defaults or {}
     out: dict[str, Any] = {}
@@ -167,6 +169,8 @@ def sampling_kwargs(protocol: str, source: dict[str, Any] | None, *, endpoint: s
                 value = context
         if value is not None:
             out[knob.name] = knob.convert(value)
+    if max_tokens_cap is not None and out.get("max_tokens", max_tokens_cap) > max_tokens_cap:
+        out["max_tokens"] = max_tokens_cap
     return out
 
 

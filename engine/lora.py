@@ -211,7 +211,7 @@ class LoraBatch:
                              m.max_loras, m.max_rank)
             return out
         assert b is not None  # without the kernels every group keeps its block-diagonal B
-        return y[:, :n] + b(y[:, n:] * self.masks[group])
+        return y[:, :n] + b(u * self.masks[group])
 
 
 class _BaseThenA:

@@ -6,7 +6,6 @@ defaults (a Spark, TGI or Ollama client never meets a model's recommendation it 
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,16 +28,18 @@ NOT_SAMPLING_DEFAULTS = frozenset({"do_sample", "bos_token_id", "eos_token_id", 
                                    "decoder_start_token_id", "transformers_version", "_from_model_config"})
 
 
-def parse_override(text: str | None) -> dict[str, float | int | None]:
+def parse_override(text: str | None) -> tuple[dict[str, float | int | None], list[str]]:
     """--override-generation-config's JSON object in the engine's knob names (None: the knob's recommendation
-    dropped, as vLLM reads a null); ValueError naming a key that is not one of the knobs (vLLM drops it
-    without a word; here the start is refused)."""
+    dropped, as vLLM reads a null), and the keys it names that are no sampling default (ignored); ValueError
+    naming a key that is neither (vLLM drops it without a word; here the start is refused)."""
     if not text:
-        return {}
+        return {}, []
     data = json_object(text, "--override-generation-config")
     out: dict[str, float | int | None] = {}
+    ignored: list[str] = []
     for name, value in data.items():
         if name in NOT_SAMPLING_DEFAULTS:
+            ignored.append(name)
             continue
         knob = _NAMES.get(name)
         if knob is None:
@@ -48,7 +49,7 @@ def parse_override(text: str | None) -> dict[str, float | int | None]:
             out[knob] = None if value is None else knob_value(name, value)
         except ValueError as exc:
             raise ValueError(f"--override-generation-config: {exc}") from None
-    return out
+    return out, ignored
 
 
 def _checked(knobs: dict[str, float | int], source: str, strict: bool) -> dict[str, float | int]:
@@ -84,11 +85,10 @@ class OpenAIDefaults:
 def openai_sampling_defaults(generation_config: str, override: str | None, model: ModelInfo) -> OpenAIDefaults:
     """The defaults the OpenAI-compatible endpoints give a knob a request leaves out, logged once where they
     are not OpenAI's own (as vLLM warns at start). ValueError for an override the engine would refuse."""
-    laid = parse_override(override)
-    ignored = sorted(NOT_SAMPLING_DEFAULTS & set(json.loads(override))) if override else []
+    laid, ignored = parse_override(override)
     if ignored:
         logger.warning("--override-generation-config: %s ignored: no sampling default (temperature > 0 samples)",
-                       ", ".join(ignored))
+                       ", ".join(sorted(ignored)))
     if generation_config == "vllm":
         base: dict[str, float | int] = {}
         source = ""

@@ -22,7 +22,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3  # 3: a dense limit of None is "at every batch" (weights._dense_kernel_rows)
+FORMAT_VERSION = 3  # 3: a dense limit of None is "at every batch" (weights.LinearBuilder._dense_kernel_rows)
 
 
 def cpu_model() -> str:

@@ -355,7 +355,13 @@ class LinearBuilder:
                 "(measured at an earlier start on this CPU; --remeasure-kernels times them again)")
 
     def _dense_kernel_rows(self, lin: PackedLinear) -> int | None:
-        return None if self.batch_invariant else _dense_kernel_rows(lin)
+        """Up to how many rows a bf16 linear runs on the packed kernel (oneDNN above); None: at every batch,
+        under --batch-invariant, or where oneDNN is not _FALLBACK_MARGIN faster at any probed size (at the
+        largest probe both are bound by the same arithmetic, so a larger batch would not change the answer)."""
+        if self.batch_invariant:
+            return None
+        rows = _kernel_row_limit(lin, margin=_FALLBACK_MARGIN)
+        return None if rows >= _ROW_PROBES[-1] else rows
 
     def _attach_quantized_fallbacks(self, packed: list[PackedLinear]) -> str:
         """Where oneDNN's bf16 matmul (AMX tiles) beats the packed kernels at large batches by a clear
@@ -520,14 +526,6 @@ def _kernel_row_limit(lin: PackedLinear, fallback: Callable[[torch.Tensor], torc
             break
         limit = rows
     return limit
-
-
-def _dense_kernel_rows(lin: PackedLinear) -> int | None:
-    """Up to how many rows a bf16 linear runs on the packed kernel (oneDNN above); None: at every batch, where
-    oneDNN is not _FALLBACK_MARGIN faster at any probed size (at the largest probe both are bound by the
-    same arithmetic, so a larger batch would not change the answer)."""
-    rows = _kernel_row_limit(lin, margin=_FALLBACK_MARGIN)
-    return None if rows >= _ROW_PROBES[-1] else rows
 
 
 def _stored_rows(rows: int | None) -> int | None:
