@@ -5,6 +5,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from engine.cpu_contention import CpuContention
 from engine.llm_engine import LLMEngine
 from engine.request import ChatMessage, ChatPrompt, GenerationRequest, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -54,3 +55,20 @@ def kernels_for_every_batch() -> Iterator[None]:
         patch.setattr(weights, "_kernel_row_limit", lambda lin, fallback=None, probes=weights._ROW_PROBES, *args,
                       **kwargs: probes[-1])
         yield
+
+
+class QuietMachine(CpuContention):
+    """Stands in for engine.cpu_contention.CpuContention where a test needs start-up's kernel measurements
+    kept (a warm start after them): under `make test` the other worker is busy, and a real reading would
+    rightly keep nothing. ``share`` sets what it reads."""
+
+    def __init__(self, share: float = 0.0) -> None:
+        super().__init__()
+        self._reads = share
+
+    def __enter__(self) -> QuietMachine:
+        return self
+
+    def read(self) -> QuietMachine:
+        self.share, self.error, self.source, self.seconds = self._reads, 0.0, "pressure", 0.1
+        return self

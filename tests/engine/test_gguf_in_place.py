@@ -18,8 +18,10 @@ from engine.config import EngineConfig
 from engine.gguf_file import GgufFile
 from engine.kernels import CpuKernels, load_cpu_kernels
 from engine.model_loader import embedded_gguf_path
+from engine.models import weights
 from engine.quant.formats import quantize_int4, quantize_int8
 from engine.quant.packing import pack_quantized, unpack_quantized, unpack_rows
+from tests.engine.helpers import QuietMachine
 
 MAKE_MODEL = Path(__file__).resolve().parents[3] / "shared" / "peers" / "make_model.py"
 
@@ -40,6 +42,7 @@ def cold_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPARK_CACHE_DIR", str(cache))
+        mp.setattr(weights, "CpuContention", QuietMachine)  # the measurements kept, whatever the other worker does
         engine = _start(None)
         assert engine.model.kernels is not None or load_cpu_kernels() is None
         assert engine.packed_cache is None or engine.packed_cache.wait(60), "the packed weights never reached the disk"
@@ -89,7 +92,6 @@ def test_a_warm_start_converts_parses_and_measures_nothing(cold_cache, monkeypat
 
     import engine.gguf_metadata
     import engine.model_loader
-    import engine.models.weights as weights
 
     monkeypatch.setattr(gguf, "GGUFReader", refuse("gguf.GGUFReader (a full metadata parse)"))
     monkeypatch.setattr(engine.gguf_metadata, "write_metadata", refuse("the metadata conversion"))
