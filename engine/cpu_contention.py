@@ -1,18 +1,19 @@
-"""Whether this process's CPUs were contended over a stretch of wall time.
+"""Whether this process's threads waited for a CPU over a stretch of wall time.
 
 A kernel timing taken while another process computes on the same cores is not the kernel's own. Worse than
 noise, it can be consistently wrong: two threads of a parallel kernel that wait for each other at a barrier,
 one of them descheduled in favour of a neighbour's spinning thread, lose a whole scheduler tick (4 ms at
 250 Hz) on every call, so the best of many samples is still a tick. Start-up's kernel probes are kept for
-later starts (engine/models/tuning.py); a measurement taken beside such a neighbour must not be.
+later starts (engine/models/tuning.py); a measurement taken while the probes' threads queued for a CPU must
+not be.
 
-The reading, ``share``: the fraction of the window in which some task waited for a CPU, from the kernel's
-pressure stall information (/proc/pressure/cpu, Linux 4.20+, in microseconds). Where that is missing, the
-CPUs' worth of time other processes used on this process's CPUs stands in for it: the busy time /proc/stat
-counts there (the hypervisor's steal included: another guest on the same cores is a neighbour too), less
-this process's own CPU time. Those are kept in clock ticks, so a short window's reading carries an error of
-a few ticks; ``quiet`` and ``busy`` each answer only where the reading is certain either way. Elsewhere than
-Linux the reading is unknown, and neither answers.
+The reading, ``share``: of the time this process's threads wanted a CPU (ran or stood runnable in a queue),
+the share they spent waiting for one, from each thread's scheduler statistics (/proc/self/task/*/schedstat:
+run time and run-queue delay in nanoseconds). It covers exactly the cores the threads could run on and the
+moments they wanted them: load on other cores of a large host does not count, nor does a neighbour that
+waits for I/O. It also counts waiting behind this process's own threads where they outnumber the cores.
+A thread that ended before the reading is not in it. Where the kernel keeps no such statistics (no
+CONFIG_SCHED_INFO; not Linux) the reading is unknown.
 """
 
 from __future__ import annotations
@@ -23,70 +24,44 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-PRESSURE = Path("/proc/pressure/cpu")
-STAT = Path("/proc/stat")
-_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (guest time is inside user)
+TASKS = Path("/proc/self/task")
+# A quiet machine still preempts a thread now and then for a tick or two (a daemon, a timer): such a wait in
+# a 12 ms window read 37% here once. A neighbour that stalls every sample of a best-of timing costs a tick a
+# call, ~0.1 s a round of the path probe; less waiting than this in all is not called contention.
+MIN_WAIT_S = 0.02
 
 
-def _stalled_seconds() -> float | None:
-    """Seconds in which some task waited for a CPU, since boot; None without pressure stall information."""
+def _thread_times() -> dict[str, tuple[int, int]] | None:
+    """(nanoseconds run, nanoseconds waited in a run queue) of each of this process's threads, by thread id;
+    None where the kernel keeps no scheduler statistics."""
+    times: dict[str, tuple[int, int]] = {}
     try:
-        with PRESSURE.open() as pressure:
-            some = pressure.readline()  # some avg10=... avg60=... avg300=... total=<microseconds>
-        return int(some.rsplit("total=", 1)[1]) / 1e6
-    except (OSError, IndexError, ValueError):
+        tids = os.listdir(TASKS)
+    except OSError:
         return None
-
-
-def _busy_ticks(cpus: set[int]) -> int | None:
-    """Busy clock ticks since boot, summed over ``cpus``; None where /proc/stat cannot be read."""
-    total = 0
-    try:
-        with STAT.open() as stat:
-            for line in stat:
-                if not (line.startswith("cpu") and line[3:4].isdigit()):
-                    continue
-                name, *fields = line.split()
-                if int(name[3:]) in cpus:
-                    values = [int(v) for v in fields]
-                    total += sum(values[i] for i in _BUSY_FIELDS if i < len(values))
-    except (OSError, ValueError):
-        return None
-    return total
-
-
-def _tick_seconds() -> float:
-    try:
-        return 1.0 / os.sysconf("SC_CLK_TCK")
-    except (AttributeError, ValueError, OSError):
-        return 0.01
-
-
-def _own_seconds() -> float:
-    times = os.times()
-    return times.user + times.system  # every thread of this process; not its children
-
-
-def _cpus() -> set[int]:
-    try:
-        return os.sched_getaffinity(0)
-    except (AttributeError, OSError):
-        return set(range(os.cpu_count() or 1))
+    for tid in tids:
+        try:
+            fields = (TASKS / tid / "schedstat").read_text().split()
+            times[tid] = (int(fields[0]), int(fields[1]))
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    if not times or all(run == 0 for run, _ in times.values()):
+        return None  # statistics not kept: every field reads zero
+    return times
 
 
 @dataclass
 class CpuContention:
-    """A context manager: on exit, ``share`` is the reading for the time it was open (None where unknown),
-    ``error`` its uncertainty, ``source`` where it came from ("pressure" or "stat")."""
+    """A context manager: on exit (or at ``read``), ``share`` is the reading for the time since entry (None
+    where unknown) and ``seconds`` that time."""
 
     share: float | None = None
-    error: float = 0.0
     seconds: float = 0.0
-    source: str | None = None
+    waited_s: float = 0.0  # the threads' waiting, summed
+    ran_s: float = 0.0  # and their running
 
     def __enter__(self) -> CpuContention:
-        self._set = _cpus()
-        self._start = (time.perf_counter(), _stalled_seconds(), _busy_ticks(self._set), _own_seconds())
+        self._start = (time.perf_counter(), _thread_times())
         return self
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
@@ -94,26 +69,21 @@ class CpuContention:
         self.read()
 
     def read(self) -> CpuContention:
-        """Sets the reading for the time from entry until now (``__exit__`` takes the last); returns self."""
-        wall0, stalled0, busy0, own0 = self._start
-        stalled1, busy1, own1 = _stalled_seconds(), _busy_ticks(self._set), _own_seconds()
+        """Sets the reading for the time from entry until now; returns self."""
+        wall0, before = self._start
+        after = _thread_times()
         self.seconds = time.perf_counter() - wall0
-        if self.seconds <= 0:
+        if before is None or after is None:
             return self
-        if stalled0 is not None and stalled1 is not None:
-            self.share, self.error, self.source = (stalled1 - stalled0) / self.seconds, 0.0, "pressure"
-        elif busy0 is not None and busy1 is not None:
-            tick = _tick_seconds()
-            others = (busy1 - busy0) * tick - (own1 - own0)
-            # each CPU's busy count and the process's own time may each be up to a tick off
-            self.share, self.error, self.source = (max(0.0, others / self.seconds),
-                                                   (len(self._set) + 1) * tick / self.seconds, "stat")
+        ran = waited = 0
+        for tid, (run, delay) in after.items():
+            run0, delay0 = before.get(tid, (0, 0))  # a thread started since: all of its time is in the window
+            ran, waited = ran + run - run0, waited + delay - delay0
+        self.share = waited / (ran + waited) if ran + waited > 0 else 0.0
+        self.waited_s, self.ran_s = waited / 1e9, ran / 1e9
         return self
 
-    def quiet(self, limit: float) -> bool:
-        """Whether the reading is certainly at most ``limit``."""
-        return self.share is not None and self.share + self.error <= limit
-
-    def busy(self, limit: float) -> bool:
-        """Whether the reading is certainly above ``limit``."""
-        return self.share is not None and self.share - self.error > limit
+    def busy(self, limit: float, at_least_s: float = MIN_WAIT_S) -> bool:
+        """Whether the threads waited for a CPU more than ``limit`` of the time they wanted one, and at least
+        ``at_least_s`` in all (False where unknown)."""
+        return self.share is not None and self.share > limit and self.waited_s >= at_least_s

@@ -22,7 +22,10 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3  # 3: a dense limit of None is "at every batch" (weights.LinearBuilder._dense_kernel_rows)
+# 3: a dense limit of None is "at every batch" (weights.LinearBuilder._dense_kernel_rows); 4: kept only from
+# probes whose threads did not queue for a CPU (weights.LinearBuilder.tune), so an entry of an earlier start
+# on a loaded machine is measured again
+FORMAT_VERSION = 4
 
 
 def cpu_model() -> str:

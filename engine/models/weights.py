@@ -77,11 +77,10 @@ _PATH_BUDGET_S = 1.5  # where they are not, it goes on for this long looking for
 # A pass over more rows of the same weights is never markedly faster than one over fewer. A best time that
 # breaks this held a stall in every sample (a neighbour spinning on the cores: a scheduler tick each call).
 _MORE_ROWS_SLACK = 0.9
-# Start-up's measurements are kept for later starts only where the CPUs were contended for at most this share
-# of the time they ran (engine/cpu_contention.py): a neighbour's busy engine had made every best-of timing of
-# a path a scheduler tick long, and the slower path was kept for every start after. A quiet machine reads
-# 0-0.15 over the path probe's ~10 ms; one process spinning beside it 0.5-1.
-_QUIET_CONTENTION = 0.3
+# Start-up's measurements are kept for later starts only where the probes' threads waited for a CPU at most
+# this share of the time they wanted one (engine/cpu_contention.py): a neighbour's busy engine had made every
+# best-of timing of a path a scheduler tick long, and the slower path was kept for every start after.
+_CONTENDED = 0.1
 
 AnyLinear = Linear | PackedLinear | ReferenceLinear
 
@@ -157,7 +156,7 @@ class LinearBuilder:
         self._reported = time.monotonic()  # the last progress line (_report_progress)
         self.built: list[AnyLinear] = []
         self.rates: MeasuredRates | None = None  # set by tune() where the packed kernels run
-        self._steady = True  # whether tune()'s path probe found its timings plausible (choose_linear_path)
+        self._path_doubt: str | None = None  # why tune()'s path probe was not to be trusted (choose_linear_path)
         self.pack_bf16 = (mode == "none" and kernels is not None and kernels.linear_isa == 2
                           and dtype == torch.bfloat16 and device.type == "cpu" and not reference)
 
@@ -283,23 +282,20 @@ class LinearBuilder:
             summary, results = self._measure(packed)
         if tuning is None:
             return summary
-        if self._steady and contention.quiet(_QUIET_CONTENTION):
+        if contention.busy(_CONTENDED):
+            why = f"the probes' {_waited(contention)}"
+        elif self._path_doubt is not None:
+            why = f"the kernel path probe's {self._path_doubt}"
+        else:
             tuning.save(results)
             return summary
-        if contention.busy(_QUIET_CONTENTION):
-            why = f"other work contended for the CPUs {100 * (contention.share or 0):.0f}% of the time they ran"
-        elif not self._steady:
-            why = "the kernel path's timings were unsteady"
-        elif contention.share is None:
-            why = "this system does not say whether other work contended for the CPUs"
-        else:
-            why = f"in {contention.seconds:.2f} s it cannot be told whether other work contended for the CPUs"
         logger.warning("kernel measurements not kept for later starts: %s; measured again at the next start", why)
         return f"{summary} (not kept: {why})"
 
     def _measure(self, packed: list[PackedLinear]) -> tuple[str, dict]:
         """The probes; (the log line, what they found, for the tuning cache)."""
-        path, self._steady = choose_linear_path(packed)  # first: every probe below times the path that will run
+        # first: every probe below times the path that will run
+        path, self._path_doubt = choose_linear_path(packed)
         with_fallback = [lin for lin in packed if lin.fallback is not None]
         repeated_rows, single_rows = None, []
         if with_fallback:
@@ -451,9 +447,10 @@ class LinearBuilder:
                 f"int8 on AVX512-VNNI)")
 
 
-def choose_linear_path(packed: list[PackedLinear], margin: float = _PATH_MARGIN) -> tuple[str, bool]:
+def choose_linear_path(packed: list[PackedLinear], margin: float = _PATH_MARGIN) -> tuple[str, str | None]:
     """Where the kernels have both fast paths, time them on the largest layer projection and keep the
-    faster for the process; returns a phrase for the start-up log, and whether the timings were steady.
+    faster for the process. Returns a phrase for the start-up log, and why the timings were not to be
+    trusted (None where they were).
 
     AVX512-BF16 dot products ("dot") are the default: on AMD EPYC (Zen 4) they issue at twice the fp32
     FMA rate. On an Intel Xeon (family 6 model 207) they issued at half of it, and the fp32 FMA path
@@ -461,47 +458,52 @@ def choose_linear_path(packed: list[PackedLinear], margin: float = _PATH_MARGIN)
     (one stream decoding, a batch, a prefill chunk), alternately, best of up to five rounds; "fma" must
     win the sum by ``margin`` to replace the default. Where a path's best times break _MORE_ROWS_SLACK
     (a neighbour's stalls in every sample), the rounds go on up to _PATH_BUDGET_S; where they never
-    settle, or where the CPUs were contended while it ran, the default stays."""
+    turn plausible, or the probe's threads waited for a CPU (_CONTENDED), the default stays."""
     kern = packed[0].kernels
     paths = kern.linear_paths
     if not paths:
-        return "linear kernels: portable C", True
+        return "linear kernels: portable C", None
     if len(paths) == 1:
         assert kern.linear_path is not None  # a build with fast paths starts on the first of them
         avx2 = " (AVX2)" if kern.target == "avx2" else ""
-        return f"linear kernels: {LINEAR_PATH_NAMES[kern.linear_path]}{avx2}", True
+        return f"linear kernels: {LINEAR_PATH_NAMES[kern.linear_path]}{avx2}", None
     layers, _ = _split_repeated(packed)
     probe = max(layers or packed, key=lambda lin: lin.out_features * lin.in_features)
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(rows, probe.in_features, generator=gen).to(torch.bfloat16) for rows in _PATH_PROBE_ROWS]
     best = {path: [float("inf")] * len(inputs) for path in ("dot", "fma")}
-    start, round_, steady = time.perf_counter(), 0, False
+    start, round_, plausible = time.perf_counter(), 0, False
     with CpuContention() as contention:
-        while not steady or round_ < _PATH_ROUNDS:
+        while not plausible or round_ < _PATH_ROUNDS:
             for path in ("dot", "fma"):
                 with kern.on_linear_path(path):
                     for i, x in enumerate(inputs):
                         best[path][i] = min(best[path][i],
                                             _best_time(partial(kern.linear, x, probe.packed), reps=3))
             round_ += 1
-            steady = all(_more_rows_take_longer(times) for times in best.values())
+            plausible = all(_more_rows_take_longer(times) for times in best.values())
             dot, fma = sum(best["dot"]), sum(best["fma"])
-            if steady and round_ >= 2 and max(dot, fma) > _PATH_DECIDED * min(dot, fma):
+            if plausible and round_ >= 2 and max(dot, fma) > _PATH_DECIDED * min(dot, fma):
                 break  # a lead this wide is past what the later rounds' noise could overturn
-            if not steady and time.perf_counter() - start > _PATH_BUDGET_S:
+            if not plausible and time.perf_counter() - start > _PATH_BUDGET_S:
                 break
-            if round_ >= 2 and contention.read().busy(_QUIET_CONTENTION):
+            if round_ >= 2 and contention.read().busy(_CONTENDED):
                 break  # no quiet moment to wait for: the default stays (below)
-    # Stalls on both paths alike pass the rows rule: a probe that found the CPUs contended is not trusted
-    # either.
-    steady = steady and not contention.busy(_QUIET_CONTENTION)
-    chosen = "fma" if steady and sum(best["fma"]) * margin < sum(best["dot"]) else "dot"
+    # Stalls on both paths alike pass the rows rule: timings taken while the threads queued for a CPU are
+    # not trusted either.
+    doubt = (f"{_waited(contention)}" if contention.busy(_CONTENDED) else
+             None if plausible else "timings were implausible (more rows faster than fewer)")
+    chosen = "fma" if doubt is None and sum(best["fma"]) * margin < sum(best["dot"]) else "dot"
     kern.set_linear_path(chosen)
     times = ", ".join(f"{rows} rows {d * 1e3:.2f} / {f * 1e3:.2f} ms"
                       for rows, d, f in zip(_PATH_PROBE_ROWS, best["dot"], best["fma"]))
-    unsteady = "" if steady else "; unsteady timings, the default kept"
+    kept = "" if doubt is None else f"; the default kept: {doubt}"
     return (f"linear kernels: {LINEAR_PATH_NAMES[chosen]} (largest projection, AVX512-BF16 dot / fp32 FMA: "
-            f"{times}{unsteady})"), steady
+            f"{times}{kept})"), doubt
+
+
+def _waited(contention: CpuContention) -> str:
+    return f"threads waited for a CPU {100 * (contention.share or 0):.0f}% of the time they wanted one"
 
 
 def _more_rows_take_longer(times: list[float]) -> bool:

@@ -60,7 +60,7 @@ def kernels_for_every_batch() -> Iterator[None]:
 class QuietMachine(CpuContention):
     """Stands in for engine.cpu_contention.CpuContention where a test needs start-up's kernel measurements
     kept (a warm start after them): under `make test` the other worker is busy, and a real reading would
-    rightly keep nothing. ``share`` sets what it reads."""
+    rightly keep nothing. ``share`` sets what it reads (the threads' waiting: a tenth of a second)."""
 
     def __init__(self, share: float = 0.0) -> None:
         super().__init__()
@@ -70,5 +70,5 @@ class QuietMachine(CpuContention):
         return self
 
     def read(self) -> QuietMachine:
-        self.share, self.error, self.source, self.seconds = self._reads, 0.0, "pressure", 0.1
+        self.share, self.seconds, self.waited_s = self._reads, 0.1, self._reads * 0.1
         return self
