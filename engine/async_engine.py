@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 
 from engine.config import EngineConfig
+from engine.cpu_contention import ThreadQueueing
 from engine.errors import (
     EngineOverloadedError,
     EngineShutdownError,
@@ -88,6 +89,7 @@ class AsyncEngine:
         self.last_step_end = time.monotonic()
         self.step_in_progress_since: float | None = None
         self.num_steps = 0
+        self.cpu_queueing = ThreadQueueing()  # warns from the loop where the threads keep queueing for a CPU
         self.limits = EngineLimits()
         # Called with each sample's final output (metrics); must be cheap and must not raise.
         self.finished_listeners: list[Callable[[RequestOutput], None]] = []
@@ -344,6 +346,8 @@ class AsyncEngine:
             self.step_in_progress_since = None
             self.last_step_end = time.monotonic()
             self.num_steps += 1
+            if (queueing := self.cpu_queueing.check(self.last_step_end)) is not None:
+                logger.warning("%s", queueing)
             for out in outputs:
                 self._deliver(out)
         # shutting down: end whatever is left

@@ -19,6 +19,7 @@ CONFIG_SCHED_INFO; not Linux) the reading is unknown.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,3 +88,58 @@ class CpuContention:
         """Whether the threads waited for a CPU more than ``limit`` of the time they wanted one, and at least
         ``at_least_s`` in all (False where unknown)."""
         return self.share is not None and self.share > limit and self.waited_s >= at_least_s
+
+
+class ThreadQueueing:
+    """Running totals of this process's threads' CPU time and run-queue waiting, in seconds, monotone as
+    threads come and go (an ended thread's time since the last update is not in them); and a check, called
+    as the engine steps, that says when the waiting was a large share of a recent stretch: a server whose
+    threads keep queueing for a CPU shares its cores with other work (or runs more threads than it has
+    cores), and every step pays for it (docs/fleet.md). Thread-safe."""
+
+    WINDOW_S = 60.0  # the stretch the check judges
+    WARN_SHARE = 0.2  # of the threads' wanted time, spent queued
+    WARN_MIN_S = 1.0  # and at least this much queueing in the stretch
+    WARN_EVERY_S = 600.0  # at most one warning in this long
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last = _thread_times()
+        self.known = self._last is not None
+        self.ran_s = self.waited_s = 0.0
+        self._window = (time.monotonic(), 0.0, 0.0)  # (its start, ran_s and waited_s then)
+        self._warned_at: float | None = None
+
+    def update(self) -> None:
+        with self._lock:
+            now = _thread_times()
+            if now is None or self._last is None:
+                return
+            ran = waited = 0
+            for tid, (run, delay) in now.items():
+                run0, delay0 = self._last.get(tid, (0, 0))
+                ran, waited = ran + run - run0, waited + delay - delay0
+            self._last = now
+            self.ran_s += ran / 1e9
+            self.waited_s += waited / 1e9
+
+    def check(self, now: float | None = None) -> str | None:
+        """Once a WINDOW_S stretch has passed: a warning where its threads queued for a CPU more than
+        WARN_SHARE of the time they wanted one (and WARN_MIN_S in all), at most once in WARN_EVERY_S."""
+        now = time.monotonic() if now is None else now
+        start, ran0, waited0 = self._window
+        if not self.known or now - start < self.WINDOW_S:
+            return None
+        self.update()
+        ran, waited = self.ran_s - ran0, self.waited_s - waited0
+        self._window = (now, self.ran_s, self.waited_s)
+        share = waited / (ran + waited) if ran + waited > 0 else 0.0
+        if share <= self.WARN_SHARE or waited < self.WARN_MIN_S:
+            return None
+        if self._warned_at is not None and now - self._warned_at < self.WARN_EVERY_S:
+            return None
+        self._warned_at = now
+        return (f"the engine's threads waited for a CPU {100 * share:.0f}% of the time they wanted one over the "
+                f"last {now - start:.0f} s: other work is computing on the same cores, or --num-threads exceeds "
+                "them; every step pays for it. Give this server cores of its own (--num-threads, and taskset or a "
+                "cpuset)")

@@ -24,6 +24,7 @@ from starlette.responses import Response
 
 from bridges.log_safety import protect
 from bridges.registry import Registry
+from engine.cpu_contention import ThreadQueueing
 from engine.request import RequestOutput
 
 logger = protect(logging.getLogger("spark_server.requests"))
@@ -110,6 +111,29 @@ def note_in_request_context(out: RequestOutput) -> None:
             ctx["ttft"] = out.timings.first_token_s
 
 
+class _ThreadQueueingCollector:
+    """The server process's threads' CPU time and their waiting for a CPU, as two counters read at scrape
+    time (engine/cpu_contention.py): the second's rate over the sum of both rates is the share of the time
+    the threads wanted a CPU that they spent queued for one, which should stay near zero; where it does
+    not, other work computes on the server's cores."""
+
+    def __init__(self, model_name: str) -> None:
+        self.queueing = ThreadQueueing()
+        self.model_name = model_name
+
+    def collect(self) -> Iterable:
+        if not self.queueing.known:
+            return
+        self.queueing.update()
+        for name, text, value in (
+                ("spark:cpu_run_seconds", "CPU time of the server's threads.", self.queueing.ran_s),
+                ("spark:cpu_queue_seconds", "Time the server's threads stood runnable, waiting for a CPU (other "
+                 "work on the same cores, or more threads than cores).", self.queueing.waited_s)):
+            metric = CounterMetricFamily(name, text, labels=["model_name"])
+            metric.add_metric([self.model_name], value)
+            yield metric
+
+
 class Metrics:
     """Request metrics, each labelled with the served model's name (as vLLM's `model_name`), plus the
     engine's gauges read at scrape time and the process's own (CPU, memory, open files)."""
@@ -117,6 +141,7 @@ class Metrics:
     def __init__(self, app_state: Any, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(app_state, model_name))
+        self.registry.register(_ThreadQueueingCollector(model_name))
         ProcessCollector(registry=self.registry)
         self.model_name = model_name
         labels = ["model_name"]

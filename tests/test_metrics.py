@@ -8,6 +8,7 @@ import re
 
 import httpx
 
+from engine import cpu_contention
 from tests.fake_engine import Script
 from tests.spark.client import converse, spark_request
 
@@ -45,6 +46,9 @@ def test_metrics_follow_traffic(fake):
     assert _value(after, "spark:time_to_first_token_seconds_count") >= \
         _value(before, "spark:time_to_first_token_seconds_count") + 2
     assert _value(after, "spark:generation_tokens_total") > _value(before, "spark:generation_tokens_total")
+    if cpu_contention._thread_times() is not None:  # the threads' CPU time, and their queueing for a CPU
+        assert _value(after, "spark:cpu_run_seconds_total") > _value(before, "spark:cpu_run_seconds_total") > 0
+        assert _value(after, "spark:cpu_queue_seconds_total") >= _value(before, "spark:cpu_queue_seconds_total") >= 0
 
 
 def test_one_log_line_per_http_request(fake, caplog):

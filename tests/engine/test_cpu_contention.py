@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine import cpu_contention
-from engine.cpu_contention import CpuContention
+from engine.cpu_contention import CpuContention, ThreadQueueing
 
 pytestmark = pytest.mark.skipif(cpu_contention._thread_times() is None,
                                 reason="no scheduler statistics (/proc/self/task/*/schedstat)")
@@ -85,3 +85,28 @@ def test_a_brief_wait_is_not_contention() -> None:
     reading = CpuContention(share=0.37, seconds=0.012, waited_s=0.009)  # one preemption in a short probe
     assert not reading.busy(0.1)
     assert CpuContention(share=0.5, seconds=0.2, waited_s=0.15).busy(0.1)
+
+
+def test_the_engine_loop_warns_when_its_threads_keep_queueing(monkeypatch) -> None:
+    """Totals stay monotone as threads come and go; a stretch where the threads queued for a CPU more than a
+    fifth of the time they wanted one is warned about, at most once in WARN_EVERY_S, and a quiet stretch
+    not at all."""
+    second = 1_000_000_000
+    readings = iter([
+        {"1": (0, 0), "2": (0, 0)},  # at construction
+        {"1": (30 * second, 0), "2": (29 * second, second // 2)},  # a quiet minute: 0.8% queued
+        {"1": (50 * second, 10 * second), "3": (20 * second, 10 * second)},  # thread 2 gone, 3 new: a third queued
+        {"1": (70 * second, 20 * second), "3": (40 * second, 20 * second)},  # as bad again, within ten minutes
+        {"1": (90 * second, 30 * second), "3": (60 * second, 30 * second)},  # and again, ten minutes later
+    ])
+    monkeypatch.setattr(cpu_contention, "_thread_times", lambda: next(readings))
+    queueing = cpu_contention.ThreadQueueing()
+    start = time.monotonic()
+    assert queueing.check(start + 1) is None  # the stretch has not passed: nothing read
+    assert queueing.check(start + 61) is None
+    assert queueing.ran_s == pytest.approx(59) and queueing.waited_s == pytest.approx(0.5)
+    warning = queueing.check(start + 122)
+    assert warning is not None and "33% of the time" in warning and "--num-threads" in warning
+    assert queueing.ran_s == pytest.approx(59 + 20 + 20) and queueing.waited_s == pytest.approx(0.5 + 10 + 10)
+    assert queueing.check(start + 183) is None  # warned a minute ago
+    assert queueing.check(start + 122 + ThreadQueueing.WARN_EVERY_S) is not None
