@@ -7,13 +7,15 @@ one of them descheduled in favour of a neighbour's spinning thread, lose a whole
 later starts (engine/models/tuning.py); a measurement taken while the probes' threads queued for a CPU must
 not be.
 
-The reading, ``share``: of the time this process's threads wanted a CPU (ran or stood runnable in a queue),
-the share they spent waiting for one, from each thread's scheduler statistics (/proc/self/task/*/schedstat:
-run time and run-queue delay in nanoseconds). It covers exactly the cores the threads could run on and the
+The reading, ``share``: of the time a thread of this process wanted a CPU (ran or stood runnable in a
+queue), the share it spent waiting for one, for the thread that waited most (``worst_share``), from each
+thread's scheduler statistics (/proc/self/task/*/schedstat: run time and run-queue delay in nanoseconds).
+It covers exactly the cores the threads could run on and the
 moments they wanted them: load on other cores of a large host does not count, nor does a neighbour that
 waits for I/O. It also counts waiting behind this process's own threads where they outnumber the cores.
-A thread that ended before the reading is not in it. Where the kernel keeps no such statistics (no
-CONFIG_SCHED_INFO; not Linux) the reading is unknown.
+A thread that ended before the reading is not in it. A CPU quota below the thread count (a container's
+--cpus) shows as waiting too. Where the kernel keeps no such statistics (no CONFIG_SCHED_INFO; not Linux)
+the reading is unknown.
 """
 
 from __future__ import annotations
@@ -51,6 +53,20 @@ def _thread_times() -> dict[str, tuple[int, int]] | None:
     return times
 
 
+# A thread that wanted a CPU for less than this in the window is not judged on its own (a helper thread's
+# wake-up: one preemption is its whole share).
+MIN_WANTED_NS = 2_000_000
+
+
+def worst_share(deltas: list[tuple[int, int]]) -> float:
+    """The largest share of its wanted time (run + run-queue delay, nanoseconds) any thread spent queued.
+    Judged thread by thread, not summed: where one thread of a parallel kernel stands in a queue, its
+    siblings spin at the barrier meanwhile and count as running, so a sum reads 1/N of the stall on N
+    threads (a 64-thread engine beside one neighbour: about 1%)."""
+    shares = [delay / (run + delay) for run, delay in deltas if run + delay >= MIN_WANTED_NS]
+    return max(shares, default=0.0)
+
+
 @dataclass
 class CpuContention:
     """A context manager: on exit (or at ``read``), ``share`` is the reading for the time since entry (None
@@ -76,12 +92,11 @@ class CpuContention:
         self.seconds = time.perf_counter() - wall0
         if before is None or after is None:
             return self
-        ran = waited = 0
-        for tid, (run, delay) in after.items():
-            run0, delay0 = before.get(tid, (0, 0))  # a thread started since: all of its time is in the window
-            ran, waited = ran + run - run0, waited + delay - delay0
-        self.share = waited / (ran + waited) if ran + waited > 0 else 0.0
-        self.waited_s, self.ran_s = waited / 1e9, ran / 1e9
+        # a thread started since: all of its time is in the window
+        deltas = [(run - before.get(tid, (0, 0))[0], delay - before.get(tid, (0, 0))[1])
+                  for tid, (run, delay) in after.items()]
+        self.share = worst_share(deltas)
+        self.ran_s, self.waited_s = sum(r for r, _ in deltas) / 1e9, sum(w for _, w in deltas) / 1e9
         return self
 
     def busy(self, limit: float, at_least_s: float = MIN_WAIT_S) -> bool:

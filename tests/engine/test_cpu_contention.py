@@ -29,10 +29,14 @@ def _spin(seconds: float) -> None:
 
 @contextmanager
 def _on_one_cpu() -> Iterator[int]:
-    """This thread on one CPU of its set for the block (restored after)."""
+    """This thread on one CPU of its set for the block (restored after); processes it starts meanwhile
+    inherit the mask."""
     cpus = os.sched_getaffinity(0)
     cpu = min(cpus)
-    os.sched_setaffinity(0, {cpu})
+    try:
+        os.sched_setaffinity(0, {cpu})
+    except OSError as exc:  # a sandbox that refuses even narrowing one's own mask
+        pytest.skip(f"cannot set this thread's CPU: {exc}")
     try:
         yield cpu
     finally:
@@ -42,9 +46,8 @@ def _on_one_cpu() -> Iterator[int]:
 def test_threads_queued_behind_spinning_neighbours_read_as_contended() -> None:
     """Two processes spinning on this thread's one CPU: it wants the CPU the whole window and gets about a
     third of it, whatever the machine's size and whatever runs on its other CPUs."""
-    with _on_one_cpu() as cpu:
-        spinners = [subprocess.Popen([sys.executable, "-c", SPIN.format(seconds=1.0)],
-                                     preexec_fn=lambda: os.sched_setaffinity(0, {cpu})) for _ in range(2)]
+    with _on_one_cpu():
+        spinners = [subprocess.Popen([sys.executable, "-c", SPIN.format(seconds=1.0)]) for _ in range(2)]
         time.sleep(0.2)  # the spinners past their start-up
         with CpuContention() as contention:
             _spin(0.4)
@@ -52,6 +55,17 @@ def test_threads_queued_behind_spinning_neighbours_read_as_contended() -> None:
             assert child.wait() == 0
     assert contention.share is not None and contention.share > 0.3, contention
     assert contention.waited_s > 0.1 and contention.busy(0.1)
+
+
+def test_one_stalled_thread_of_many_is_contention() -> None:
+    """Judged thread by thread: one thread of a parallel kernel queued half its time while its siblings spun
+    at the barrier (counted as running) is contention on any number of threads; a sum would read 1/N."""
+    ms = 1_000_000
+    stalled, spinning = (60 * ms, 60 * ms), (119 * ms, 0)
+    for siblings in (1, 63):
+        assert cpu_contention.worst_share([stalled] + [spinning] * siblings) == pytest.approx(0.5)
+    # a helper thread's lone wake-up (a millisecond wanted, half of it queued) is not judged on its own
+    assert cpu_contention.worst_share([(ms // 2, ms // 2), spinning]) == 0.0
 
 
 def test_a_thread_started_in_the_window_counts() -> None:
@@ -70,7 +84,8 @@ def test_a_thread_started_in_the_window_counts() -> None:
         contention.read()
     done.set()
     worker.join()
-    assert contention.share is not None and contention.ran_s >= 0.15, contention
+    # wanted for the whole spin: run or queued, however loaded the machine
+    assert contention.share is not None and contention.ran_s + contention.waited_s >= 0.15, contention
 
 
 def test_no_statistics_read_as_unknown(monkeypatch, tmp_path: Path) -> None:
