@@ -283,7 +283,7 @@ class LinearBuilder:
         if tuning is None:
             return summary
         if contention.busy(_CONTENDED):
-            why = f"the probes' {_waited(contention)}"
+            why = f"the probes' {_queued(contention)}"
         elif self._path_doubt is not None:
             why = f"the kernel path probe's {self._path_doubt}"
         else:
@@ -491,7 +491,7 @@ def choose_linear_path(packed: list[PackedLinear], margin: float = _PATH_MARGIN)
                 break  # no quiet moment to wait for: the default stays (below)
     # Stalls on both paths alike pass the rows rule: timings taken while the threads queued for a CPU are
     # not trusted either.
-    doubt = (f"{_waited(contention)}" if contention.busy(_CONTENDED) else
+    doubt = (_queued(contention) if contention.busy(_CONTENDED) else
              None if plausible else "timings were implausible (more rows faster than fewer)")
     chosen = "fma" if doubt is None and sum(best["fma"]) * margin < sum(best["dot"]) else "dot"
     kern.set_linear_path(chosen)
@@ -502,8 +502,9 @@ def choose_linear_path(packed: list[PackedLinear], margin: float = _PATH_MARGIN)
             f"{times}{kept})"), doubt
 
 
-def _waited(contention: CpuContention) -> str:
-    return f"threads waited for a CPU {100 * (contention.share or 0):.0f}% of the time they wanted one"
+def _queued(contention: CpuContention) -> str:
+    return (f"threads queued for a CPU (one waited {100 * (contention.share or 0):.0f}% of the time it wanted "
+            "one)")
 
 
 def _more_rows_take_longer(times: list[float]) -> bool:

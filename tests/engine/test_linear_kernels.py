@@ -627,7 +627,7 @@ def test_a_contended_path_probe_keeps_the_default(monkeypatch) -> None:
             phrase, doubt = weights_module.choose_linear_path(layers)
             assert kernels.linear_path == expected
         assert (doubt is not None) == (share > 0), phrase
-        assert ("threads waited for a CPU 50%" in phrase) == (share > 0)
+        assert ("threads queued for a CPU (one waited 50%" in phrase) == (share > 0)
 
 
 @pytest.mark.parametrize("quiet", [True, False])
@@ -653,7 +653,7 @@ def test_start_up_keeps_its_measurements_only_from_a_quiet_machine(monkeypatch, 
     summary = builder.tune(Cache())  # type: ignore[arg-type]
     assert builder.rates is not None  # measured and used either way
     assert bool(saved) == quiet
-    assert ("not kept: the probes' threads waited for a CPU 80%" in summary) == (not quiet)
+    assert ("not kept: the probes' threads queued for a CPU (one waited 80%" in summary) == (not quiet)
 
 
 @pytest.mark.parametrize("inputs", [256, 288])  # whole dequantized ranges of 128 inputs, and a ragged last one
