@@ -157,4 +157,4 @@ class ThreadQueueing:
         return (f"the engine's threads waited for a CPU {100 * share:.0f}% of the time they wanted one over the "
                 f"last {now - start:.0f} s: other work is computing on the same cores, or --num-threads exceeds "
                 "them; every step pays for it. Give this server cores of its own (--num-threads, and taskset or a "
-                "cpuset)")
+                "cpuset); where cores must be shared, GOMP_SPINCOUNT=1000 in its environment shortens the wait")

@@ -11,7 +11,6 @@ import socket
 import sys
 import time
 
-from engine.openmp_env import limit_openmp_spin
 from spark_server import launch_compat
 from spark_server import settings as settings_mod
 
@@ -172,7 +171,6 @@ def _sign_url(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    limit_openmp_spin()  # before anything imports torch (engine/openmp_env.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     func = args.func

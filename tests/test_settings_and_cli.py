@@ -85,11 +85,8 @@ def test_serve_answers_a_real_question_and_logs_for_operators():
     one settings line (where each value came from, secrets masked) and a timestamp on every line,
     uvicorn's access lines included."""
     port = free_port()
-    # one OpenMP thread per core, as a server runs (`make test` gives its workers one thread each). The spin
-    # count is OpenMP's own default: the one the server sets lets a thread sleep soon, as it should where the
-    # cores are shared, and the other worker's tests share them; the count of switches below is about the
-    # engine's own thread teams (a second team makes libgomp sleep at every region whatever the setting).
-    env = dict(os.environ, SPARK_MAX_WAITING="9", OMP_NUM_THREADS=str(os.cpu_count() or 2), GOMP_SPINCOUNT="300000")
+    # one OpenMP thread per core, as a server runs (`make test` gives its workers one thread each)
+    env = dict(os.environ, SPARK_MAX_WAITING="9", OMP_NUM_THREADS=str(os.cpu_count() or 2))
     env.pop("SPARK_LOG_LEVEL", None)
     proc = subprocess.Popen([sys.executable, "-m", "spark_server", "serve", "--port", str(port), "--api-key", "sekret",
                              "--max-num-seqs", "4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
