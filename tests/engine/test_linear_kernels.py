@@ -523,15 +523,21 @@ def test_the_linear_path_is_not_ignored() -> None:
         kernels.set_linear_path("amx")
 
 
+def _two_path_layers(seed: int) -> list[PackedLinear]:
+    """Two small 4-bit layers for the kernel path probe's tests; skips where the build has one fast path."""
+    if len(kernels.linear_paths) < 2:
+        pytest.skip("one fast path in this build")
+    assert kernels is not None and kernels.linear_path is not None  # built with both fast paths
+    gen = torch.Generator().manual_seed(seed)
+    return [PackedLinear(_weights("u4", 96, 64, gen)[0], None, kernels) for _ in range(2)]
+
+
 @pytest.mark.parametrize("faster", ["dot", "fma"])
 def test_start_up_keeps_the_faster_linear_path(monkeypatch, faster: str) -> None:
     """The start-up choice follows the timings (here made up: the path named ``faster`` takes half the
     time), and the fp32 FMA path must win by the margin to replace the default."""
-    if len(kernels.linear_paths) < 2:
-        pytest.skip("one fast path in this build")
-    assert kernels is not None and kernels.linear_path is not None  # built with both fast paths
-    gen = torch.Generator().manual_seed(5)
-    layers = [PackedLinear(_weights("u4", 96, 64, gen)[0], None, kernels) for _ in range(2)]
+    layers = _two_path_layers(5)
+    assert kernels is not None and kernels.linear_path is not None  # for the type checker
     monkeypatch.setattr(weights_module, "_best_time",
                         lambda fn, reps=5: 1.0 if kernels.linear_path == faster else 2.0)
     with kernels.on_linear_path(kernels.linear_path):  # whatever it chooses is undone after
@@ -548,11 +554,8 @@ def test_start_up_keeps_the_faster_linear_path(monkeypatch, faster: str) -> None
 
 def test_the_path_probe_stops_early_only_on_a_wide_lead(monkeypatch) -> None:
     """Two rounds where one path leads by more than _PATH_DECIDED; all five where the two are close."""
-    if len(kernels.linear_paths) < 2:
-        pytest.skip("one fast path in this build")
-    assert kernels is not None and kernels.linear_path is not None  # built with both fast paths
-    gen = torch.Generator().manual_seed(6)
-    layers = [PackedLinear(_weights("u4", 96, 64, gen)[0], None, kernels) for _ in range(2)]
+    layers = _two_path_layers(6)
+    assert kernels is not None and kernels.linear_path is not None  # for the type checker
     per_round = 2 * len(weights_module._PATH_PROBE_ROWS)
     for fma_time, rounds in ((2.0, 2), (1.1, 5)):
         calls: list[str | None] = []
@@ -582,11 +585,8 @@ def test_a_stalled_path_probe_does_not_choose_from_its_stalls(monkeypatch, then:
     the probe goes on until its rounds give plausible times (then chooses from them: ``then`` is the path
     they favour) or its time is up (None: then it keeps the default, and says why, so that the timings are
     not kept for later starts)."""
-    if len(kernels.linear_paths) < 2:
-        pytest.skip("one fast path in this build")
-    assert kernels is not None and kernels.linear_path is not None
-    gen = torch.Generator().manual_seed(7)
-    layers = [PackedLinear(_weights("u4", 96, 64, gen)[0], None, kernels) for _ in range(2)]
+    layers = _two_path_layers(7)
+    assert kernels is not None and kernels.linear_path is not None  # for the type checker
     rows = weights_module._PATH_PROBE_ROWS
     stalled_rounds = 3
     calls: list[tuple[str | None, int]] = []
@@ -613,11 +613,8 @@ def test_a_stalled_path_probe_does_not_choose_from_its_stalls(monkeypatch, then:
 def test_a_contended_path_probe_keeps_the_default(monkeypatch) -> None:
     """Stalls that hit both paths alike pass the rows rule; a probe whose threads queued for a CPU keeps the
     default path whatever its timings say."""
-    if len(kernels.linear_paths) < 2:
-        pytest.skip("one fast path in this build")
-    assert kernels is not None and kernels.linear_path is not None
-    gen = torch.Generator().manual_seed(9)
-    layers = [PackedLinear(_weights("u4", 96, 64, gen)[0], None, kernels) for _ in range(2)]
+    layers = _two_path_layers(9)
+    assert kernels is not None and kernels.linear_path is not None  # for the type checker
     rows = weights_module._PATH_PROBE_ROWS
     monkeypatch.setattr(weights_module, "_best_time",
                         lambda fn, reps=5: _FMA_FASTER[kernels.linear_path][rows.index(fn.args[0].shape[0])])
