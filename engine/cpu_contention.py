@@ -9,13 +9,12 @@ not be.
 
 The reading, ``share``: of the time a thread of this process wanted a CPU (ran or stood runnable in a
 queue), the share it spent waiting for one, for the thread that waited most (``worst_share``), from each
-thread's scheduler statistics (/proc/self/task/*/schedstat: run time and run-queue delay in nanoseconds).
-It covers exactly the cores the threads could run on and the
-moments they wanted them: load on other cores of a large host does not count, nor does a neighbour that
-waits for I/O. It also counts waiting behind this process's own threads where they outnumber the cores.
-A thread that ended before the reading is not in it. A CPU quota below the thread count (a container's
---cpus) shows as waiting too. Where the kernel keeps no such statistics (no CONFIG_SCHED_INFO; not Linux)
-the reading is unknown.
+thread's scheduler statistics (/proc/self/task/*/schedstat: run time and run-queue delay in nanoseconds). It
+covers exactly the cores the threads could run on and the moments they wanted them: load on other cores of a
+large host does not count, nor does a neighbour that waits for I/O. It also counts waiting behind this
+process's own threads where they outnumber the cores. A thread that ended before the reading is not in it. A
+CPU quota below the thread count (a container's --cpus) shows as waiting too. Where the kernel keeps no such
+statistics (no CONFIG_SCHED_INFO; not Linux) the reading is unknown.
 """
 
 from __future__ import annotations
@@ -51,6 +50,13 @@ def _thread_times() -> dict[str, tuple[int, int]] | None:
     if not times or all(run == 0 for run, _ in times.values()):
         return None  # statistics not kept: every field reads zero
     return times
+
+
+def _deltas(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> list[tuple[int, int]]:
+    """Each thread's (run, run-queue delay) between two ``_thread_times`` readings; a thread started since
+    counts in full, one that ended is not in ``after``."""
+    return [(run - before.get(tid, (0, 0))[0], delay - before.get(tid, (0, 0))[1])
+            for tid, (run, delay) in after.items()]
 
 
 # A thread that wanted a CPU for less than this in the window is not judged on its own (a helper thread's
@@ -92,9 +98,7 @@ class CpuContention:
         self.seconds = time.perf_counter() - wall0
         if before is None or after is None:
             return self
-        # a thread started since: all of its time is in the window
-        deltas = [(run - before.get(tid, (0, 0))[0], delay - before.get(tid, (0, 0))[1])
-                  for tid, (run, delay) in after.items()]
+        deltas = _deltas(before, after)
         self.share = worst_share(deltas)
         self.ran_s, self.waited_s = sum(r for r, _ in deltas) / 1e9, sum(w for _, w in deltas) / 1e9
         return self
@@ -130,13 +134,10 @@ class ThreadQueueing:
             now = _thread_times()
             if now is None or self._last is None:
                 return
-            ran = waited = 0
-            for tid, (run, delay) in now.items():
-                run0, delay0 = self._last.get(tid, (0, 0))
-                ran, waited = ran + run - run0, waited + delay - delay0
+            deltas = _deltas(self._last, now)
             self._last = now
-            self.ran_s += ran / 1e9
-            self.waited_s += waited / 1e9
+            self.ran_s += sum(r for r, _ in deltas) / 1e9
+            self.waited_s += sum(w for _, w in deltas) / 1e9
 
     def check(self, now: float | None = None) -> str | None:
         """Once a WINDOW_S stretch has passed: a warning where its threads queued for a CPU more than

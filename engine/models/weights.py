@@ -156,7 +156,6 @@ class LinearBuilder:
         self._reported = time.monotonic()  # the last progress line (_report_progress)
         self.built: list[AnyLinear] = []
         self.rates: MeasuredRates | None = None  # set by tune() where the packed kernels run
-        self._path_doubt: str | None = None  # why tune()'s path probe was not to be trusted (choose_linear_path)
         self.pack_bf16 = (mode == "none" and kernels is not None and kernels.linear_isa == 2
                           and dtype == torch.bfloat16 and device.type == "cpu" and not reference)
 
@@ -279,23 +278,24 @@ class LinearBuilder:
             except (KeyError, ValueError, TypeError) as exc:
                 logger.info("kernel measurements kept from an earlier start do not fit (%s): measuring again", exc)
         with CpuContention() as contention:
-            summary, results = self._measure(packed)
+            summary, results, path_doubt = self._measure(packed)
         if tuning is None:
             return summary
         if contention.busy(_CONTENDED):
             why = f"the probes' {_queued(contention)}"
-        elif self._path_doubt is not None:
-            why = f"the kernel path probe's {self._path_doubt}"
+        elif path_doubt is not None:
+            why = f"the kernel path probe's {path_doubt}"
         else:
             tuning.save(results)
             return summary
         logger.warning("kernel measurements not kept for later starts: %s; measured again at the next start", why)
         return f"{summary} (not kept: {why})"
 
-    def _measure(self, packed: list[PackedLinear]) -> tuple[str, dict]:
-        """The probes; (the log line, what they found, for the tuning cache)."""
+    def _measure(self, packed: list[PackedLinear]) -> tuple[str, dict, str | None]:
+        """The probes; (the log line, what they found, for the tuning cache, and why the kernel path probe's
+        timings were not to be trusted: None where they were)."""
         # first: every probe below times the path that will run
-        path, self._path_doubt = choose_linear_path(packed)
+        path, path_doubt = choose_linear_path(packed)
         with_fallback = [lin for lin in packed if lin.fallback is not None]
         repeated_rows, single_rows = None, []
         if with_fallback:
@@ -331,7 +331,7 @@ class LinearBuilder:
                    "stream_bytes_per_s": self.rates.stream_bytes_per_s, "batch_macs_per_s": batch_macs,
                    "exact_batch_macs_per_s": exact_macs,
                    "weight_bytes": total, "summary": tail}
-        return summary, results
+        return summary, results, path_doubt
 
     def _describe(self, packed: list[PackedLinear], with_fallback: list[PackedLinear], total: int) -> str:
         sources = sorted({lin.source for lin in packed})
