@@ -15,6 +15,7 @@ tokens as prompt rows: a cache hit gives the bits a cold start computes, whoever
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 
 from engine.sequence import Sequence
 
@@ -57,27 +58,35 @@ class BlockManager:
                 return hash((*key, max(0, kv_only_rows)))
         return hash(key)
 
-    def allocate_cached_prefix(self, seq: Sequence) -> None:
-        """Give a sequence with no blocks the cached blocks of its longest seen prefix."""
-        assert not seq.block_table
-        self.num_prefix_queries += 1
+    def _cached_blocks(self, seq: Sequence) -> Iterator[int]:
+        """The cached blocks of the sequence's longest seen prefix, in order."""
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
         # At least one token must be computed to produce logits, so the last token is never cached.
-        num_full = (len(seq.token_ids) - 1) // bs
+        num_full = (len(seq.token_ids) - 1) // self.block_size
         prev: int | None = None
         for i in range(num_full):
             h = self._block_hash(seq, i, prev)
             block = self.hash_to_block.get(h)
             if block is None:
-                break
+                return
+            yield block
+            prev = h
+
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """How many of the sequence's tokens ``allocate_cached_prefix`` would find cached now; nothing taken."""
+        return sum(1 for _ in self._cached_blocks(seq)) * self.block_size
+
+    def allocate_cached_prefix(self, seq: Sequence) -> None:
+        """Give a sequence with no blocks the cached blocks of its longest seen prefix."""
+        assert not seq.block_table
+        self.num_prefix_queries += 1
+        for block in self._cached_blocks(seq):
             if self.ref_counts[block] == 0:
                 del self.free_blocks[block]
             self.ref_counts[block] += 1
             seq.block_table.append(block)
-            prev = h
-        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
         if seq.block_table:
             self.num_prefix_hits += 1
 

@@ -229,7 +229,11 @@ class Scheduler:
             budget -= n
             i += 1
         for seq in list(self.waiting):
-            if self._prefill_limit(seq, budget, prefill_budget, capped) <= 0 or len(self.running) >= self.max_num_seqs:
+            # before its blocks are taken: whether a prompt is long depends on what the cache holds of it
+            probe = capped and not seq.block_table and len(seq.token_ids) > self.short_prompt_tokens
+            cached = bm.cached_prefix_tokens(seq) if probe else seq.num_cached_tokens
+            if (self._prefill_limit(seq, budget, prefill_budget, capped, cached) <= 0
+                    or len(self.running) >= self.max_num_seqs):
                 break
             if seq.is_blocked:
                 continue
@@ -267,11 +271,13 @@ class Scheduler:
         return self.decode_step_cost + sum(row + k * seq.num_computed_tokens for seq in self.running
                                            if seq.num_uncomputed_tokens == 1)
 
-    def _prefill_limit(self, seq: Sequence, budget: int, prefill_budget: float, capped: bool) -> int:
+    def _prefill_limit(self, seq: Sequence, budget: int, prefill_budget: float, capped: bool,
+                       cached: int | None = None) -> int:
         """Prompt tokens ``seq`` may prefill this step: short prompts are bounded by the step's budget
         only, long ones by the prefill cap too (recomputed sequences count their outputs); under the cap,
-        as many as its cost allows after the keys already computed."""
-        if not self._is_long(seq):
+        as many as its cost allows after the keys already computed. ``cached``: its tokens the prefix cache
+        holds, where its blocks are not yet taken (else its own count)."""
+        if not self._is_long(seq, cached):
             return budget
         a = self.attention_cost_per_key if capped else 0.0
         if a <= 0 or prefill_budget <= 0:
@@ -289,8 +295,18 @@ class Scheduler:
             return n
         return n * (1 + (seq.num_computed_tokens + n) * self.attention_cost_per_key)
 
-    def _is_long(self, seq: Sequence) -> bool:
-        return len(seq.token_ids) > self.short_prompt_tokens
+    def _is_long(self, seq: Sequence, cached: int | None = None) -> bool:
+        """Whether a prompt's prefill is long: what it computes past its cached prefix, attending over the
+        whole context, costs more than the longest short prompt (half the step budget, attending over
+        itself). So a conversation's next turn over a cached history is short when its new message is, and
+        is prefilled whole beside a long prompt's chunks instead of waiting for all of them."""
+        total = len(seq.token_ids)
+        uncached = total - (seq.num_cached_tokens if cached is None else cached)
+        short = self.short_prompt_tokens
+        if uncached > short:
+            return True
+        a = self.attention_cost_per_key
+        return uncached * (1 + total * a) > short * (1 + short * a)
 
     @staticmethod
     def _add(batch: ScheduledBatch, seq: Sequence, n: int) -> None:

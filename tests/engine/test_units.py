@@ -237,6 +237,47 @@ def test_a_prompt_deep_into_a_long_context_still_moves_under_the_cap():
     assert scheduler._prefill_limit(seq, 256, 0.0, capped=True) == 0  # the step's cap is spent
 
 
+def _cached_history(bm: BlockManager, tokens: list[int]) -> None:
+    """An earlier turn of ``tokens``, computed and finished: its full blocks stay in the prefix cache."""
+    earlier = _seq(tokens)
+    bm.allocate_cached_prefix(earlier)
+    bm.append_slots(earlier, len(tokens))
+    earlier.num_computed_tokens = len(tokens)
+    bm.commit_full_blocks(earlier, 0)
+    bm.free(earlier)
+
+
+@pytest.mark.parametrize("new_tokens, per_key, whole", [(40, 0.0, True), (40, 1 / 500, True), (120, 1 / 50, False),
+                                                        (200, 0.0, False)],
+                         ids=["short-tail", "short-tail-attention", "tail-dear-over-context", "long-tail"])
+def test_a_next_turn_over_a_cached_history_does_not_wait_for_a_long_prompts_chunks(new_tokens, per_key, whole):
+    """While streams decode, a long prompt's chunks take the step's prefill cap, and a waiting long prompt
+    waits for them. A conversation's next turn is long by its length but its history is cached: where what
+    it computes (its new tokens, attending over the whole context) costs no more than the longest short
+    prompt, it is prefilled whole in the next step. A new message long in itself, or one whose attention
+    over the context is dear, still waits; looking at the cache takes none of its blocks."""
+    bm = BlockManager(num_blocks=512, block_size=16)
+    scheduler = Scheduler(bm, max_num_seqs=64, max_num_batched_tokens=256, long_prefill_token_threshold=4,
+                          cost_model=CostModel(attention_cost_per_key=per_key))
+    history = list(range(20_000, 20_600))  # 600 tokens: long (over 256 / 2)
+    _cached_history(bm, history)
+    _decoding(scheduler, 8)
+    scheduler.add(_seq(list(range(1000, 1600))))  # a long prompt, nothing of it cached
+    first = scheduler.schedule()
+    assert len(first.prefills) == 1 and first.prefills[0][1] < 600  # chunked under the cap
+    turn = _seq(history + list(range(30_000, 30_000 + new_tokens)))
+    scheduler.add(turn)
+    history_blocks = list(bm._cached_blocks(turn))
+    batch = scheduler.schedule()
+    chunks = {id(seq): n for seq, n in batch.prefills}
+    if whole:
+        assert turn.num_cached_tokens == 592  # the history's 37 full blocks
+        assert chunks.get(id(turn)) == len(turn.token_ids) - 592
+    else:
+        assert id(turn) not in chunks and turn in scheduler.waiting
+        assert not turn.block_table and all(bm.ref_counts[b] == 0 for b in history_blocks)
+
+
 async def test_a_failure_behind_unread_outputs_keeps_them():
     """A consumer that fell behind gets its pending outputs merged; a failure that arrives meanwhile must come
     after them, not swallow them (the bridges would then answer 500 instead of the text and an error event)."""
