@@ -67,12 +67,13 @@ def grammar_text(kind: str, value: str, whitespace_pattern: str | None) -> str:
                 raise ValueError("choices must be a non-empty list of non-empty strings")
             return M.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in choices))
         if kind == "grammar":  # Lark as written, or GBNF / xgrammar-style EBNF (root ::= ...) converted
-            from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+            from llguidance.gbnf_to_lark import any_to_lark
 
             try:
-                return M.grammar_from_lark(any_to_lark(value))
-            except GbnfToLarkError as exc:
-                raise ValueError(str(exc)) from None
+                lark = any_to_lark(value)
+            except Exception as exc:  # GbnfToLarkError, and a bare Exception for a missing root or rule
+                raise ValueError(str(exc) or type(exc).__name__) from None
+            return M.grammar_from_lark(lark)
         if kind == "structural_tag":
             return _structural_tag(json.loads(value))
     except (ValueError, TypeError, KeyError, AssertionError, RecursionError) as exc:
@@ -137,6 +138,8 @@ def _serve() -> None:
             del matcher
         except ValueError as exc:
             answer.update(ok=False, error=str(exc))
+        except Exception as exc:  # the compiler's own failure on this text: the job's answer, not the worker's end
+            answer.update(ok=False, error=f"cannot be used: {exc or type(exc).__name__}")
 
     for line in sys.stdin:
         answer: dict[str, Any] = {}
@@ -209,8 +212,8 @@ class GrammarWorker:
                                    lasting=False)
             raise WorkerFailed("could not be compiled: the compiler failed on it (too complex)")
         answer = json.loads(reply)
-        if not answer["ok"]:
-            raise ValueError(answer["error"])
+        if not answer.get("ok"):
+            raise ValueError(answer.get("error") or "could not be compiled")
         return Trial(answer["grammar"], int(answer["nbytes"]))
 
     def _started(self) -> subprocess.Popen[bytes]:

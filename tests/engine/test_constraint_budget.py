@@ -258,3 +258,15 @@ def test_percent_encoded_and_anchor_refs_are_followed_too():
     anchored = {f"a{i}": {"$anchor": f"n{i}", "$ref": f"#n{i + 1}"} for i in range(300)}
     anchored["a300"] = {"$anchor": "n300", "type": "string"}
     assert json_depth({"$defs": anchored, "$ref": "#n0"}) > 300
+
+
+@pytest.mark.parametrize("grammar, reason", [('foo ::= "a"', "root"), ('root ::= "a" x', "x")],
+                         ids=["no-root-rule", "undefined-rule"])
+def test_a_gbnf_grammar_the_converter_refuses_says_why(compiler_with, grammar, reason):
+    """llguidance's GBNF converter refuses a grammar with no root rule, or one naming an undefined rule, with a
+    bare Exception: the field and the converter's reason reach the client, and the worker serves on."""
+    compiler = compiler_with()
+    with pytest.raises(InvalidRequestError, match="'guided_grammar' cannot be used") as err:
+        compiler.compile(Constraint("grammar", grammar, field="guided_grammar"))
+    assert err.value.parameter == "guided_grammar" and reason in str(err.value)
+    assert compiler.compile(Constraint("grammar", 'root ::= "a"', field="guided_grammar")).new_matcher() is not None
