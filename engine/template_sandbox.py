@@ -10,7 +10,10 @@ in a worker process, with the environment transformers gives model templates (``
 - time: ``RENDER_TIMEOUT_S`` per render, compile included; a worker past it is killed and replaced;
 - memory: the worker's address space may grow ``WORKER_MEMORY_BYTES`` beyond what it holds at start;
   a template that needs more fails with a MemoryError, or the worker dies and is replaced;
-- output: at most ``max_chars`` characters (the caller's: more than the context could ever hold).
+- output: at most ``max_chars`` characters (the caller's: more than the context could ever hold);
+- the CPU: the workers run at niceness ``WORKER_NICENESS``, so a template that loops for its whole time
+  takes a small share of a core the engine's threads want, not half of it (two such renders had slowed
+  another client's stream ~10x on a 2-core machine).
 
 ``WORKERS`` processes serve renders; a render that finds them all busy for ``RENDER_TIMEOUT_S`` is
 refused as overload, so slow templates hold no serving thread longer than two of their renders. The
@@ -38,6 +41,9 @@ from engine.worker_pipe import CLOSED, read_line
 RENDER_TIMEOUT_S = 2.0
 WORKER_MEMORY_BYTES = 256 << 20
 WORKERS = 2
+# CFS weighs nice 10 at about a tenth of nice 0: a looping template gets ~10% of a busy core, and a few
+# milliseconds of honest rendering still finish far inside RENDER_TIMEOUT_S while the engine is busy.
+WORKER_NICENESS = 10
 FIELD = "chat_template"
 # transformers' way to find where a continued final message ends in the rendered text
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -107,6 +113,10 @@ def _limit_memory() -> None:
 
 
 def _serve() -> None:
+    try:
+        os.nice(WORKER_NICENESS)
+    except OSError:  # a platform without priorities: the time bound still holds
+        pass
     _environment()  # imports and sets up before the memory limit and the first job
     try:
         _limit_memory()

@@ -80,3 +80,16 @@ def test_memory_is_bounded(sandbox):
 def test_output_is_bounded(sandbox):
     with pytest.raises(InvalidRequestError, match="more than 100 characters"):
         render(sandbox, "{% for i in range(1000) %}xy{% endfor %}", max_chars=100)
+
+
+def test_the_workers_yield_the_cpu_to_the_engine(sandbox):
+    """A template may loop for its whole time: its worker runs at a lower priority than the server's threads."""
+    import os
+
+    from engine.template_sandbox import WORKER_NICENESS
+
+    assert render(sandbox, "ok") == "ok"
+    worker = sandbox._free[0].proc
+    assert worker is not None and worker.poll() is None
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, worker.pid) == min(19, own + WORKER_NICENESS)
