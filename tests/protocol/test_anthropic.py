@@ -253,3 +253,31 @@ def test_thinking_comes_back_as_thinking_blocks_whole_and_streamed(thinking_serv
         client.messages.create(model="fake-model", max_tokens=1024, messages=ASK, thinking=enabled)
     with pytest.raises(anthropic.BadRequestError, match=r"thinking\.budget_tokens: .* cannot be capped"):
         client.messages.create(model="fake-model", max_tokens=2048, messages=ASK, thinking=enabled)
+
+
+@pytest.mark.parametrize("schema", ["anthropic-messages", "anthropic-count-tokens"])
+def test_each_content_block_is_validated_once(schema):
+    """Validation runs on one thread for every large body, so its cost a block bounds what one body can hold
+    up: a text block's schema is evaluated once, its type picked by one if/else chain, and the top level's
+    unevaluatedProperties reads the shared prompt's keys through $ref instead of validating the prompt again
+    (jsonschema re-validates allOf branches for it: five times the work a block, measured)."""
+    import jsonschema
+
+    from schemas import load_schema, registry
+
+    seen: list[int] = []
+    properties_keyword = jsonschema.Draft202012Validator.VALIDATORS["properties"]
+
+    def counting_properties(validator, properties, instance, schema_):
+        if isinstance(instance, dict) and instance.get("type") == "text":
+            seen.append(id(instance))
+        yield from properties_keyword(validator, properties, instance, schema_)
+
+    counting = jsonschema.validators.extend(jsonschema.Draft202012Validator, {"properties": counting_properties})
+    blocks = [{"type": "text", "text": f"part {i}"} for i in range(50)]
+    body = {"model": "m", "messages": [{"role": "user", "content": blocks}]}
+    if schema == "anthropic-messages":
+        body["max_tokens"] = 1
+    assert not list(counting(load_schema(schema), registry=registry()).iter_errors(body))
+    per_block = len(seen) / len(blocks)
+    assert per_block <= 3, f"each text block's properties were checked {per_block:g} times"
