@@ -5,6 +5,7 @@ model counts tokens, fits histories and refuses long prompts exactly as a server
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ class PromptEncoder:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_bytes_per_token = self._max_bytes_per_token()
+        self.min_tokens_per_message = self._min_tokens_per_message()
 
     def _max_bytes_per_token(self) -> int:
         """Most input bytes one token can stand for: twice the longest token's UTF-8 text, a margin for
@@ -42,6 +44,23 @@ class PromptEncoder:
         texts = (backend.decode_batch(ids, skip_special_tokens=False) if backend is not None
                  else [self.tokenizer.decode(i) for i in ids])
         return 2 * max(max(len(t.encode()) for t in texts), 1)
+
+    def _min_tokens_per_message(self) -> int:
+        """A floor on the tokens the model's own chat template adds for each message around its content (role
+        markers, separators), so a conversation of many tiny messages is refused before it is rendered:
+        rendering and tokenizing 16,000 of them took seconds of the serving process's CPU only to exceed the
+        context. Measured once on one-letter messages, one token taken off for merges at a message's edges;
+        0 where the template does not render such a conversation (no floor then)."""
+        counts = []
+        try:
+            for n in (1, 2, 3, 4):
+                messages = [{"role": ("user", "assistant")[i % 2], "content": "a"} for i in range(n)]
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+                counts.append(len(self.tokenizer.encode(text, add_special_tokens=False)))
+        except Exception:  # no template, or one that wants another shape (a system message first, ...)
+            return 0
+        per_message = min(b - a for a, b in pairwise(counts))
+        return max(0, per_message - 2)  # less the content's one token and one for merges
 
     def min_num_tokens(self, texts: list[str]) -> int:
         """A floor on the tokens ``texts`` need, from their sizes alone."""
@@ -56,6 +75,14 @@ class PromptEncoder:
             raise PromptTooLongError(
                 f"the prompt has at least {floor} tokens (from its size); this model's context is "
                 f"{self.max_model_len} tokens", floor, self.max_model_len - 1)
+        if (isinstance(prompt, ChatPrompt) and prompt.token_ids is None and prompt.chat_template is None
+                and not truncate):
+            floor += len(prompt.messages) * self.min_tokens_per_message
+            if floor >= self.max_model_len:
+                raise PromptTooLongError(
+                    f"the conversation has {len(prompt.messages)} messages, at least {floor} tokens with this "
+                    f"model's chat template; this model's context is {self.max_model_len} tokens", floor,
+                    self.max_model_len - 1)
         if isinstance(prompt, ChatPrompt) and prompt.token_ids is not None:
             ids = list(prompt.token_ids)
         elif isinstance(prompt, ChatPrompt):

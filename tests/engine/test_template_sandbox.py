@@ -93,3 +93,25 @@ def test_the_workers_yield_the_cpu_to_the_engine(sandbox):
     assert worker is not None and worker.poll() is None
     own = os.getpriority(os.PRIO_PROCESS, 0)
     assert os.getpriority(os.PRIO_PROCESS, worker.pid) == min(19, own + WORKER_NICENESS)
+
+
+def test_a_conversation_of_more_tiny_messages_than_the_context_holds_is_refused_before_rendering(monkeypatch):
+    """Each message costs its role markers and separators in the model's template (SmolLM2's ChatML: 5 tokens
+    around its content): 16,384 one-letter messages cannot fit 8,192 tokens, and are refused from their count
+    before the template renders them (seconds of CPU); a conversation that fits still renders."""
+    from engine.errors import PromptTooLongError
+
+    tokenizer = shared_tokenizer()
+    encoder = PromptEncoder(tokenizer, 8192, len(tokenizer))
+    assert 2 <= encoder.min_tokens_per_message <= 5
+    fits = ChatPrompt([ChatMessage(("user", "assistant")[i % 2], "a") for i in range(100)])
+    rendered = encoder.encode(fits)
+    assert len(rendered) >= 100 * encoder.min_tokens_per_message  # the floor is a floor
+
+    def no_render(*args, **kwargs):
+        raise AssertionError("rendered")
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", no_render)
+    flood = ChatPrompt([ChatMessage(("user", "assistant")[i % 2], "a") for i in range(16_384)])
+    with pytest.raises(PromptTooLongError, match="16384 messages"):
+        encoder.encode(flood)
