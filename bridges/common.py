@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 import schemas
 from bridges.context import ServingContext
 from bridges.errors import BridgeError, ErrorInfo, error_info
+from bridges.validation_worker import shared_worker
 from engine.request import GenerationRequest, LoraRef, RequestOutput, TokenLogprob
 from schemas.json_body import JsonBodyError, JsonSyntaxError, parse_json
 
@@ -45,7 +46,7 @@ async def read_json(request: Request, schema: str, max_items: int) -> dict[str, 
     against ``schema``; a large body is parsed and checked off the event loop."""
     raw = await request.body()
     if len(raw) > schemas.OFF_LOOP_BYTES:
-        return await schemas.off_loop(_checked_body, raw, max_items, schema)
+        return await checked_body(await schemas.off_loop(parse_body, raw, max_items), schema, large=True)
     return _checked_body(raw, max_items, schema)
 
 
@@ -59,10 +60,16 @@ async def read_any_json(request: Request, max_items: int) -> Any:
 
 
 async def checked_body(body: Any, schema: str, large: bool) -> dict[str, Any]:
-    """A parsed body as an object valid against ``schema``; ``large``: checked off the event loop."""
-    if large:
-        return await schemas.off_loop(_checked, body, schema)
-    return _checked(body, schema)
+    """A parsed body as an object valid against ``schema``; ``large``: checked in the validation worker
+    process (schemas/off_process.py), off the event loop and the serving process's GIL."""
+    if not large:
+        return _checked(body, schema)
+    if not isinstance(body, dict):
+        raise BridgeError(400, "request body must be a JSON object")
+    violation = await schemas.off_loop(shared_worker().first_violation, schema, body)
+    if violation is not None:
+        raise _refusal(*violation)
+    return body
 
 
 def _checked_body(raw: bytes, max_items: int, schema: str) -> dict[str, Any]:
@@ -102,8 +109,11 @@ def parse_json_field(text: str, field: str) -> Any:
 def check(schema: str, body: Any) -> None:
     error = schemas.first_error(schema, body)
     if error is not None:
-        param = ".".join(str(p) for p in error.absolute_path) or None
-        raise BridgeError(400, schemas.describe(error), param=param)
+        raise _refusal(schemas.describe(error), list(error.absolute_path))
+
+
+def _refusal(message: str, path: list[str | int]) -> BridgeError:
+    return BridgeError(400, message, param=".".join(str(p) for p in path) or None)
 
 
 def request_id(prefix: str) -> str:

@@ -12,8 +12,8 @@ in a worker process, with the environment transformers gives model templates (``
   a template that needs more fails with a MemoryError, or the worker dies and is replaced;
 - output: at most ``max_chars`` characters (the caller's: more than the context could ever hold);
 - the CPU: the workers run at niceness ``WORKER_NICENESS``, so a template that loops for its whole time
-  takes a small share of a core the engine's threads want, not half of it (two such renders had slowed
-  another client's stream ~10x on a 2-core machine).
+  takes a small share of a core the engine's threads want, not half of it (docs/security.md has the
+  measurement).
 
 ``WORKERS`` processes serve renders; a render that finds them all busy for ``RENDER_TIMEOUT_S`` is
 refused as overload, so slow templates hold no serving thread longer than two of their renders. The

@@ -1,0 +1,91 @@
+"""Large bodies validated in a worker process, so validation never holds the serving process's GIL.
+
+Validating a large body is pure Python, linear in its messages and content blocks: a body of tens of
+thousands of them takes a good fraction of a second. On a thread of the serving process that work holds the
+GIL against the engine's thread and the event loop, so clients sending such bodies in a loop slowed other
+clients' streams many times over (docs/security.md has the measurement). Here the parsed body goes as one JSON line to a worker
+process (schemas/off_process.py, at a lower CPU priority, like the chat-template sandbox), which answers with
+the first violation or none; the serving process's validation thread (schemas.off_loop) waits on the pipe
+without the GIL. The wire: one JSON line each way per body.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import schemas
+from engine.worker_pipe import read_line
+
+logger = logging.getLogger(__name__)
+
+# A body the worker has not judged in this long is judged on the serving process's thread instead (the
+# worker is replaced): validation is linear in the body, so only a worker that died or hung gets here.
+ANSWER_TIMEOUT_S = 60.0
+
+Violation = tuple[str, list[str | int]]  # schemas.describe's message, the offending field's path
+
+
+class SchemaWorker:
+    """One worker process, started on first use and again after it dies; one body at a time (its callers
+    are the one validation thread, schemas.off_loop)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def first_violation(self, name: str, instance: Any) -> Violation | None:
+        """The instance's first violation of schema ``name``, found in the worker; where the worker cannot
+        answer (it could not start, died or hung), found on this thread."""
+        line = json.dumps({"schema": name, "body": instance}, ensure_ascii=False).encode() + b"\n"
+        with self._lock:
+            try:
+                proc = self._started()
+                assert proc.stdin is not None
+                proc.stdin.write(line)
+                proc.stdin.flush()
+                reply = read_line(proc, ANSWER_TIMEOUT_S)
+                if isinstance(reply, bytes):
+                    answer = json.loads(reply)["violation"]
+                    return None if answer is None else (answer[0], answer[1])
+                why = "it ended" if proc.poll() is not None else f"no answer in {ANSWER_TIMEOUT_S:g} s"
+            except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+                why = str(exc) or type(exc).__name__
+            logger.warning("body validation worker failed (%s): validating on a thread", why)
+            self._close()
+        error = schemas.first_error(name, instance)
+        return None if error is None else (schemas.describe(error), list(error.absolute_path))
+
+    def _started(self) -> subprocess.Popen[bytes]:
+        if self._proc is None or self._proc.poll() is not None:
+            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+            self._proc = subprocess.Popen([sys.executable, "-m", "schemas.off_process"], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, cwd=root, env=env)
+            if not isinstance(read_line(self._proc, ANSWER_TIMEOUT_S), bytes):
+                raise OSError("the worker did not start")
+        return self._proc
+
+    def _close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+
+_SHARED = SchemaWorker()
+
+
+def shared_worker() -> SchemaWorker:
+    return _SHARED
+
