@@ -235,7 +235,7 @@ class Responses(Handler[_Context]):
         ctx = plan.context
         err = _named(err)
         failed = _response(ctx, "failed", [], error={"code": err.code or "server_error", "message": err.message})
-        _keep(ctx, failed)
+        _keep(ctx, failed, _owner(plan))
         return (_event(ctx, "error", code=err.code or str(err.status), message=err.message, param=err.param)
                 + _event(ctx, "response.failed", response=failed))
 
@@ -309,12 +309,17 @@ class Responses(Handler[_Context]):
     async def render_final(self, plan: Plan[_Context], results: list[list[Completion]]) -> Response:
         ctx = plan.context
         response = _final(ctx, results[0][0])
-        _keep(ctx, response)
+        _keep(ctx, response, _owner(plan))
         return JSONAnswer(response)
 
     def render_stream(self, plan: Plan[_Context],
                       outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
-        return _stream(plan.context, outputs)
+        return _stream(plan.context, outputs, _owner(plan))
+
+
+def _owner(plan: Plan[_Context]) -> str | None:
+    """The client a kept response is charged to: its request's (set by the time it renders)."""
+    return plan.requests[0].client if plan.requests else None
 
 
 # ---- the response object -------------------------------------------------------------------------
@@ -398,11 +403,11 @@ def _final(ctx: _Context, c: Completion) -> dict[str, Any]:
     return _response(ctx, status, output, usage, incomplete=incomplete)
 
 
-def _keep(ctx: _Context, response: dict[str, Any]) -> None:
+def _keep(ctx: _Context, response: dict[str, Any], owner: str | None) -> None:
     if ctx.store is not None:
         conversation = ctx.history + ctx.input_items + response["output"]
         ctx.store.put(ctx.rid, StoredResponse(response, ctx.input_items, conversation,
-                                              background=bool(ctx.body.get("background"))))
+                                              background=bool(ctx.body.get("background")), owner=owner))
 
 
 # ---- streaming -----------------------------------------------------------------------------------
@@ -525,7 +530,8 @@ class _StreamRenderer:
         return events
 
 
-async def _stream(ctx: _Context, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:
+async def _stream(ctx: _Context, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                  owner: str | None) -> AsyncGenerator[bytes, None]:
     yield _event(ctx, "response.created", response=_response(ctx, "in_progress", []))
     yield _event(ctx, "response.in_progress", response=_response(ctx, "in_progress", []))
     r = _StreamRenderer(ctx)
@@ -556,7 +562,7 @@ async def _stream(ctx: _Context, outputs: AsyncIterator[tuple[int, RequestOutput
         yield event
     usage = _usage(prompt, cached, generated, splitter.reasoning_tokens if splitter is not None else 0)
     response = _response(ctx, status, r.output, usage, incomplete=incomplete)
-    _keep(ctx, response)
+    _keep(ctx, response, owner)
     yield _event(ctx, "response.incomplete" if status == "incomplete" else "response.completed", response=response)
 
 
@@ -580,7 +586,7 @@ async def _run_background(serving: ServingContext, plan: Plan[_Context], entry: 
     entry.task = None
     if ctx.store is not None and ctx.store.get(ctx.rid) is entry:  # not deleted or evicted meanwhile
         ctx.store.put(ctx.rid, StoredResponse(final, ctx.input_items, ctx.history + ctx.input_items + final["output"],
-                                              background=True))
+                                              background=True, owner=_owner(plan)))
 
 
 async def _start_background(request: Request, serving: ServingContext, body: dict[str, Any]) -> Response:
@@ -590,7 +596,7 @@ async def _start_background(request: Request, serving: ServingContext, body: dic
         r.client = r.client or client_identity(request)
     ctx = plan.context
     queued = _response(ctx, "queued", [])
-    entry = StoredResponse(queued, ctx.input_items, ctx.history + ctx.input_items, background=True)
+    entry = StoredResponse(queued, ctx.input_items, ctx.history + ctx.input_items, background=True, owner=_owner(plan))
     if ctx.store is None or not ctx.store.put(ctx.rid, entry):
         raise BridgeError(400, "background: the input is larger than the response store holds "
                                "(--responses-store-max-mb)", param="background")

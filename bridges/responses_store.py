@@ -1,8 +1,10 @@
 """The kept responses of POST /v1/responses (``store: true``): what GET /v1/responses/{id}, its input items
 and a later ``previous_response_id`` read back. In memory, bounded by a count and by bytes (the JSON size of
-what an entry holds); the least recently used entry goes first, so a client that creates responses and
-never reads them cannot grow the server. A background response still running when it is evicted or
-deleted is cancelled: its engine request stops with it."""
+what an entry holds). Over a bound, the least recently used entry of the client holding the most (bytes, or
+entries for the count) goes first: a client that creates responses and never reads them cannot grow the
+server, and fills the store at its own entries' expense, never evicting (or cancelling) another client's
+while it holds more than they do. A background response still running when it is evicted or deleted is
+cancelled: its engine request stops with it."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ class StoredResponse:
     background: bool = False
     task: asyncio.Task | None = field(default=None, repr=False)  # a background response still running
     nbytes: int = 0
+    owner: str | None = None  # the client that made it (bridges.common.client_identity)
 
     def measure(self) -> int:
         self.nbytes = sum(len(json.dumps(part, ensure_ascii=False, separators=(",", ":")))
@@ -41,6 +44,7 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self._bytes = 0
+        self._held: dict[str | None, list[int]] = {}  # owner -> [bytes, entries]
         # a large answer is rendered on a worker thread, which stores it from there
         self._lock = threading.Lock()
 
@@ -58,18 +62,29 @@ class ResponseStore:
         with self._lock:
             old = self._entries.pop(rid, None)
             if old is not None:
-                self._bytes -= old.nbytes
+                self._account(old, -1)
             if size > self.max_bytes or self.max_items < 1:
                 return False
             self._entries[rid] = entry
-            self._bytes += size
+            self._account(entry, 1)
             while len(self._entries) > self.max_items or self._bytes > self.max_bytes:
-                _, gone = self._entries.popitem(last=False)
-                self._bytes -= gone.nbytes
+                by_bytes = self._bytes > self.max_bytes
+                heaviest = max(self._held, key=lambda owner: self._held[owner][0 if by_bytes else 1])
+                gone_id = next(key for key, e in self._entries.items() if e.owner == heaviest)
+                gone = self._entries.pop(gone_id)
+                self._account(gone, -1)
                 evicted.append(gone)
         for gone in evicted:
             _stop(gone)
         return True
+
+    def _account(self, entry: StoredResponse, sign: int) -> None:
+        self._bytes += sign * entry.nbytes
+        held = self._held.setdefault(entry.owner, [0, 0])
+        held[0] += sign * entry.nbytes
+        held[1] += sign
+        if not held[1]:
+            del self._held[entry.owner]
 
     def get(self, rid: str) -> StoredResponse | None:
         with self._lock:
@@ -82,7 +97,7 @@ class ResponseStore:
         with self._lock:
             entry = self._entries.pop(rid, None)
             if entry is not None:
-                self._bytes -= entry.nbytes
+                self._account(entry, -1)
         if entry is not None:
             _stop(entry)
         return entry

@@ -280,6 +280,23 @@ def test_the_store_is_bounded_by_count_and_bytes(fake, small_store):
     assert store.nbytes <= store.max_bytes
 
 
+def test_a_client_filling_the_store_evicts_its_own_responses_first(fake, small_store):
+    """The store's bounds are shared, but over them the client holding the most goes first: another client's
+    kept response outlives any number of a flooding client's (clients told apart by their address)."""
+    url, app = small_store
+    victim = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"))
+    with victim:
+        kept = victim.post(url + "/v1/responses", json={"input": "mine"}).json()["id"]
+        flood = [httpx.post(url + "/v1/responses", json={"input": "x" * 6000}).json()["id"] for _ in range(4)]
+        flood += [httpx.post(url + "/v1/responses", json={"input": f"q{i}"}).json()["id"] for i in range(4)]
+        assert victim.get(f"{url}/v1/responses/{kept}").status_code == 200
+        follow = victim.post(url + "/v1/responses", json={"input": "and then?", "previous_response_id": kept})
+        assert follow.status_code == 200
+    assert httpx.get(f"{url}/v1/responses/{flood[-1]}").status_code == 200  # the flood keeps its newest
+    store = app.state.responses_store
+    assert store.nbytes <= store.max_bytes and len(store) <= store.max_items
+
+
 def test_logprobs_ride_on_the_output_text_when_included(fake):
     n = _tokens(fake, DEFAULT_ANSWER)
     data = _post(fake, include=["message.output_text.logprobs"], top_logprobs=2).json()
