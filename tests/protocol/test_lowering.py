@@ -131,6 +131,15 @@ def test_best_of_generates_more_and_returns_the_n_best(fake):
     assert r.json()["error"]["param"] == "use_beam_search"
 
 
+def test_an_empty_allowed_token_ids_is_refused_not_ignored(fake):
+    """An empty list would allow no token at all: refused naming the field (vLLM refuses it too), where it
+    used to mean "no restriction"."""
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = post(fake, path, {**body, "allowed_token_ids": []}, 400)
+        assert r.json()["error"]["param"] == "allowed_token_ids"
+
+
 def test_completions_prompt_forms(fake):
     post(fake, "/v1/completions", {"prompt": "hi", "add_special_tokens": False})
     assert fake.last_request().prompt == TextPrompt("hi", add_special_tokens=False)
