@@ -102,10 +102,14 @@ class SessionError(BridgeError):
 
 
 def _chat_params(body: dict[str, Any]) -> dict[str, Any]:
-    # The spec's own Java client sends "chat" at the top level; treat it as parameter.chat.
-    chat = dict(body.get("chat") or {})
-    chat.update((body.get("parameter") or {}).get("chat") or {})
-    return chat
+    # The spec's own Java client sends "chat" at the top level; treat it as parameter.chat. A knob both give
+    # with different values is refused: neither may be silently dropped.
+    top, nested = body.get("chat") or {}, (body.get("parameter") or {}).get("chat") or {}
+    for key in sorted(top.keys() & nested.keys()):
+        if top[key] != nested[key]:
+            raise SparkError(SparkCode.SCHEMA_ERROR, f"chat.{key} and parameter.chat.{key} differ "
+                                                     f"({top[key]!r} and {nested[key]!r}): send it once")
+    return {**top, **nested}
 
 
 def _lora(body: dict[str, Any]) -> LoraRef | None:

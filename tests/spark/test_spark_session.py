@@ -78,6 +78,20 @@ async def test_top_level_chat_from_the_java_example(fake):
     assert frames[-1]["payload"]["usage"]["text"]["completion_tokens"] <= 5
 
 
+async def test_a_knob_given_differently_at_the_top_and_under_parameter_is_refused(fake):
+    """Both places are read; where they give one knob two values, neither is dropped silently: code 10000
+    naming both. The same value in both is one value."""
+    body = spark_request("Say hello.", max_tokens=30)
+    body["chat"] = {"max_tokens": 3}
+    frames = await converse(fake.ws_url, body)
+    header = frames[-1]["header"]
+    assert header["code"] == 10000 and "chat.max_tokens" in header["message"]
+    assert "parameter.chat.max_tokens" in header["message"]
+    body["chat"] = {"max_tokens": 30, "top_k": 1}
+    frames = await converse(fake.ws_url, body)
+    assert frames[-1]["header"]["status"] == 2 and frames[-1]["header"]["code"] == 0
+
+
 async def test_end_marker_is_stripped_from_history(live_server, async_engine):
     from spark_server import spark_protocol as sp
 
