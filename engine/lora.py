@@ -47,6 +47,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
 SUPPORTED_MODULES = tuple(m for ms in GROUPS.values() for m in ms)
 MAX_CONFIG_BYTES = 1 << 20
 MAX_WEIGHT_MAGNITUDE = 65504.0  # fp16's largest value: far above any trained adapter's weights
+# lora_alpha / r (or / sqrt(r), rsLoRA): trained adapters scale their update by 0.5-64; a finite but huge
+# alpha (1e300) would overflow the adapter's rows into NaN and answer empty tokens instead of refusing
+MAX_SCALING = 1024.0
 
 
 @dataclass(slots=True)
@@ -140,6 +143,10 @@ def read_adapter(path: str | Path, name: str, config, max_rank: int) -> LoraAdap
         raise LoraUnavailableError(f"{name}: incompatible with the served model: " + "; ".join(problems[:5]),
                                    code="incompatible")
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    if not abs(scaling) <= MAX_SCALING:
+        raise LoraUnavailableError(f"{name}: adapter_config.json 'lora_alpha' {alpha:g} over 'r' {rank} scales the "
+                                   f"update by {scaling:g}; at most {MAX_SCALING:g} in magnitude is accepted "
+                                   "(trained adapters use 0.5-64)", code="invalid_pack")
     return LoraAdapter(name=name, rank=rank, scaling=scaling, weights=weights)
 
 

@@ -83,7 +83,8 @@ def _hostile_packs(root, source) -> dict[str, str]:
     cfg = json.loads((source / "adapter_config.json").read_text())
     md5 = {}
     for name, field, value in [("r-nan", "r", float("nan")), ("r-null", "r", None), ("r-string", "r", "8"),
-                               ("r-list", "r", [8]), ("alpha-string", "lora_alpha", "16")]:
+                               ("r-list", "r", [8]), ("alpha-string", "lora_alpha", "16"),
+                               ("alpha-huge", "lora_alpha", 1e300)]:
         md5[f"{name}.tar.gz"] = _variant(root, source, f"{name}.tar.gz", config=json.dumps({**cfg, field: value}))
     md5["config-list.tar.gz"] = _variant(root, source, "config-list.tar.gz", config="[1, 2]")
     md5["config-string.tar.gz"] = _variant(root, source, "config-string.tar.gz", config='"lora"')
@@ -200,6 +201,8 @@ FAILURES = [
     ("r a list", lambda s: s.url("/packs/r-list.tar.gz"), "r-list.tar.gz", 12006, "'r' must be an integer"),
     ("lora_alpha a string", lambda s: s.url("/packs/alpha-string.tar.gz"), "alpha-string.tar.gz", 12006,
      "'lora_alpha'"),
+    ("lora_alpha 1e300", lambda s: s.url("/packs/alpha-huge.tar.gz"), "alpha-huge.tar.gz", 12006,
+     "scales the update"),
     ("config a list", lambda s: s.url("/packs/config-list.tar.gz"), "config-list.tar.gz", 12006, "JSON object"),
     ("config a string", lambda s: s.url("/packs/config-string.tar.gz"), "config-string.tar.gz", 12006,
      "JSON object"),
