@@ -3,10 +3,10 @@
 Validating a large body is pure Python, linear in its messages and content blocks: a body of tens of
 thousands of them takes a good fraction of a second. On a thread of the serving process that work holds the
 GIL against the engine's thread and the event loop, so clients sending such bodies in a loop slowed other
-clients' streams many times over (docs/security.md has the measurement). Here the parsed body goes as one JSON line to a worker
-process (schemas/off_process.py, at a lower CPU priority, like the chat-template sandbox), which answers with
-the first violation or none; the serving process's validation thread (schemas.off_loop) waits on the pipe
-without the GIL. The wire: one JSON line each way per body.
+clients' streams many times over (docs/security.md has the measurement). Here the parsed body goes as one
+JSON line to a worker process (schemas/off_process.py, at a lower CPU priority, like the chat-template
+sandbox), which answers with the first violation or none; the serving process's validation thread
+(schemas.off_loop) waits on the pipe without the GIL. The wire: one JSON line each way per body.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import schemas
@@ -24,8 +26,9 @@ from engine.worker_pipe import read_line
 
 logger = logging.getLogger(__name__)
 
-# A body the worker has not judged in this long is judged on the serving process's thread instead (the
-# worker is replaced): validation is linear in the body, so only a worker that died or hung gets here.
+# A body the worker has not judged in this long is refused (and the worker replaced): validation is linear
+# in the body, and the largest body takes seconds; judging it again on the serving process's thread would
+# hold the GIL for as long.
 ANSWER_TIMEOUT_S = 60.0
 
 Violation = tuple[str, list[str | int]]  # schemas.describe's message, the offending field's path
@@ -40,24 +43,31 @@ class SchemaWorker:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def first_violation(self, name: str, instance: Any) -> Violation | None:
-        """The instance's first violation of schema ``name``, found in the worker; where the worker cannot
-        answer (it could not start, died or hung), found on this thread."""
+        """The instance's first violation of schema ``name``, found in the worker. Where no worker can be
+        started here, found on this thread; where the worker ends or hangs on this body, the body is refused
+        (judging it here would hold the GIL for as long)."""
         line = json.dumps({"schema": name, "body": instance}, ensure_ascii=False).encode() + b"\n"
         with self._lock:
             try:
                 proc = self._started()
-                assert proc.stdin is not None
-                proc.stdin.write(line)
-                proc.stdin.flush()
-                reply = read_line(proc, ANSWER_TIMEOUT_S)
-                if isinstance(reply, bytes):
-                    answer = json.loads(reply)["violation"]
-                    return None if answer is None else (answer[0], answer[1])
-                why = "it ended" if proc.poll() is not None else f"no answer in {ANSWER_TIMEOUT_S:g} s"
-            except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
-                why = str(exc) or type(exc).__name__
-            logger.warning("body validation worker failed (%s): validating on a thread", why)
-            self._close()
+            except OSError as exc:
+                logger.warning("body validation worker unavailable (%s): validating on a thread", exc)
+                self._close()
+                proc = None
+            if proc is not None:
+                try:
+                    deadline = time.monotonic() + ANSWER_TIMEOUT_S
+                    _send(proc, line, deadline)
+                    reply = read_line(proc, max(0.0, deadline - time.monotonic()))
+                    if isinstance(reply, bytes):
+                        answer = json.loads(reply)["violation"]
+                        return None if answer is None else (answer[0], answer[1])
+                    why = "it ended" if proc.poll() is not None else f"no answer in {ANSWER_TIMEOUT_S:g} s"
+                except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+                    why = str(exc) or type(exc).__name__
+                logger.warning("body validation worker failed on a body (%s): refused, worker replaced", why)
+                self._close()
+                return "request body could not be validated (too large or too complex to check)", []
         error = schemas.first_error(name, instance)
         return None if error is None else (schemas.describe(error), list(error.absolute_path))
 
@@ -81,6 +91,23 @@ class SchemaWorker:
     def close(self) -> None:
         with self._lock:
             self._close()
+
+
+def _send(proc: subprocess.Popen[bytes], data: bytes, deadline: float) -> None:
+    """All of ``data`` to the worker's stdin by ``deadline`` (a worker that stopped reading fills the pipe:
+    a plain write would then block past any deadline)."""
+    assert proc.stdin is not None
+    fd = proc.stdin.fileno()
+    os.set_blocking(fd, False)
+    view = memoryview(data)
+    while view:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([], [fd], [], left)[1]:
+            raise TimeoutError(f"no answer in {ANSWER_TIMEOUT_S:g} s")
+        try:
+            view = view[os.write(fd, view[:1 << 16]):]
+        except BlockingIOError:
+            continue
 
 
 _SHARED = SchemaWorker()

@@ -138,8 +138,10 @@ def _serve() -> None:
             del matcher
         except ValueError as exc:
             answer.update(ok=False, error=str(exc))
+        except MemoryError:  # the worker's end, not the text's verdict: the server retries it later
+            raise
         except Exception as exc:  # the compiler's own failure on this text: the job's answer, not the worker's end
-            answer.update(ok=False, error=f"cannot be used: {exc or type(exc).__name__}")
+            answer.update(ok=False, error=f"cannot be used: {str(exc) or type(exc).__name__}")
 
     for line in sys.stdin:
         answer: dict[str, Any] = {}

@@ -21,11 +21,11 @@ def _serve() -> None:
     import schemas
 
     print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
+    for line in sys.stdin.buffer:  # UTF-8 bytes each way (answers in ASCII), whatever the locale's encoding
         job = json.loads(line)  # the serving process's own line: a body it parsed and bounded already
         error = schemas.first_error(job["schema"], job["body"])
         answer = None if error is None else [schemas.describe(error), list(error.absolute_path)]
-        print(json.dumps({"violation": answer}, ensure_ascii=False), flush=True)
+        print(json.dumps({"violation": answer}), flush=True)
 
 
 if __name__ == "__main__":

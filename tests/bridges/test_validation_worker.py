@@ -53,14 +53,27 @@ def test_the_worker_runs_below_the_engines_priority():
 
 
 def test_a_worker_that_cannot_start_or_dies_leaves_the_check_to_this_process(monkeypatch):
+    """No worker here: this thread checks. A worker gone between bodies: a fresh one takes the next. A worker
+    that hangs on a body: that body is refused (checking it here would hold the GIL as long) and the worker
+    replaced."""
+    import signal
+
+    import bridges.validation_worker as module
+
     worker = SchemaWorker()
     try:
+        assert worker.first_violation("openai-chat", large(messages=[{"role": "user", "content": "天気 ✓"}])) is None
         assert worker.first_violation("openai-chat", large(max_tokens=-5))[1] == ["max_tokens"]
         dead = worker._proc
         dead.kill()  # died between bodies: a fresh worker takes the next
         dead.wait()
         assert worker.first_violation("openai-chat", large(max_tokens=-5))[1] == ["max_tokens"]
         assert worker._proc is not None and worker._proc.pid != dead.pid
+        hung = worker._proc
+        os.kill(hung.pid, signal.SIGSTOP)
+        monkeypatch.setattr(module, "ANSWER_TIMEOUT_S", 0.5)
+        message, path = worker.first_violation("openai-chat", large())
+        assert "could not be validated" in message and path == [] and worker._proc is None and hung.poll() is not None
         monkeypatch.setattr(SchemaWorker, "_started", lambda self: (_ for _ in ()).throw(OSError("no processes")))
         assert worker.first_violation("openai-chat", large(stray=1)) is not None
         assert worker.first_violation("openai-chat", large()) is None
