@@ -5,7 +5,6 @@ model counts tokens, fits histories and refuses long prompts exactly as a server
 
 from __future__ import annotations
 
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -45,22 +44,31 @@ class PromptEncoder:
                  else [self.tokenizer.decode(i) for i in ids])
         return 2 * max(max(len(t.encode()) for t in texts), 1)
 
-    def _min_tokens_per_message(self) -> int:
-        """A floor on the tokens the model's own chat template adds for each message around its content (role
-        markers, separators), so a conversation of many tiny messages is refused before it is rendered:
-        rendering and tokenizing 16,000 of them took seconds of the serving process's CPU only to exceed the
-        context. Measured once on one-letter messages, one token taken off for merges at a message's edges;
-        0 where the template does not render such a conversation (no floor then)."""
-        counts = []
+    def _min_tokens_per_message(self) -> dict[str, int]:
+        """A floor, per role, on the tokens the model's own chat template adds for a message around its
+        content (role markers, separators), so a conversation of many tiny messages is refused before it is
+        rendered: rendering and tokenizing 16,000 of them took seconds of the serving process's CPU only to
+        exceed the context. Measured once per role by appending a one-letter message to a short
+        conversation, one token taken off for the content and one for merges at its edges; 0 for a role the
+        template drops, refuses or renders no larger (nothing is charged for it then)."""
+        def count(messages: list[dict[str, str]]) -> int:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+            return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+        base = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "a"}]
+        floors: dict[str, int] = {}
         try:
-            for n in (1, 2, 3, 4):
-                messages = [{"role": ("user", "assistant")[i % 2], "content": "a"} for i in range(n)]
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False)
-                counts.append(len(self.tokenizer.encode(text, add_special_tokens=False)))
+            before = count(base)
         except Exception:  # no template, or one that wants another shape (a system message first, ...)
-            return 0
-        per_message = min(b - a for a, b in pairwise(counts))
-        return max(0, per_message - 2)  # less the content's one token and one for merges
+            return floors
+        for role in ("system", "user", "assistant", "tool"):
+            message = {"role": role, "content": "a"}
+            try:  # the smaller of the message last and in the middle (a template may mark the last turn)
+                added = min(count([*base, message]), count([base[0], message, base[1]])) - before
+            except Exception:  # a role this template refuses there: charged nothing
+                added = 0
+            floors[role] = max(0, added - 2)
+        return floors
 
     def min_num_tokens(self, texts: list[str]) -> int:
         """A floor on the tokens ``texts`` need, from their sizes alone."""
@@ -77,7 +85,7 @@ class PromptEncoder:
                 f"{self.max_model_len} tokens", floor, self.max_model_len - 1)
         if (isinstance(prompt, ChatPrompt) and prompt.token_ids is None and prompt.chat_template is None
                 and not truncate):
-            floor += len(prompt.messages) * self.min_tokens_per_message
+            floor += sum(self.min_tokens_per_message.get(m.role, 0) for m in prompt.messages)
             if floor >= self.max_model_len:
                 raise PromptTooLongError(
                     f"the conversation has {len(prompt.messages)} messages, at least {floor} tokens with this "

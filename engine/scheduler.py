@@ -47,6 +47,9 @@ class ScheduledBatch:
 # throughput. The measurements behind both: docs/performance.md, "Why the constants are what they are".
 LONG_PREFILL_SHARE = 1.0
 
+# waiting prompts whose cached prefix the cap's pending count looks up each step (the queue's head)
+PENDING_PROBES = 8
+
 # tokens counted alone: no attention or step costs (a scheduler built without a cost model)
 NO_COSTS = CostModel()
 
@@ -190,7 +193,7 @@ class Scheduler:
             # length (each prompt waits for the prefills of all those ahead of it), so a queue gets up to
             # the whole step instead of being trickled while its wait piles up.
             pending = sum(1 for s in self.running if s.num_uncomputed_tokens > 1 and self._is_long(s))
-            pending += sum(1 for s in self.waiting if self._is_long(s))
+            pending += sum(1 for i, s in enumerate(self.waiting) if self._is_long(s, self._waiting_cached(s, i)))
             prefill_budget = max(self.long_prefill_token_threshold,
                                  LONG_PREFILL_SHARE * self.decode_cost() * max(1, pending) ** 2)
         i = 0
@@ -229,11 +232,7 @@ class Scheduler:
             budget -= n
             i += 1
         for seq in list(self.waiting):
-            # before its blocks are taken: whether a prompt is long depends on what the cache holds of it
-            probe = capped and not seq.block_table and len(seq.token_ids) > self.short_prompt_tokens
-            cached = bm.cached_prefix_tokens(seq) if probe else seq.num_cached_tokens
-            if (self._prefill_limit(seq, budget, prefill_budget, capped, cached) <= 0
-                    or len(self.running) >= self.max_num_seqs):
+            if len(self.running) >= self.max_num_seqs or budget <= 0:
                 break
             if seq.is_blocked:
                 continue
@@ -241,6 +240,10 @@ class Scheduler:
                 manager, adapter = self._lora_of(seq)
                 if not manager.can_acquire(adapter.key):
                     continue  # every adapter slot is pinned by running sequences: wait for one
+            # before its blocks are taken: whether a prompt is long depends on what the cache holds of it
+            cached = bm.cached_prefix_tokens(seq) if capped and self._worth_probing(seq) else seq.num_cached_tokens
+            if self._prefill_limit(seq, budget, prefill_budget, capped, cached) <= 0:
+                break
             if not seq.block_table:
                 bm.allocate_cached_prefix(seq)
             n = self._fit(seq, min(seq.num_uncomputed_tokens, self._prefill_limit(seq, budget, prefill_budget, capped)))
@@ -294,6 +297,18 @@ class Scheduler:
         if not capped or not self._is_long(seq):
             return n
         return n * (1 + (seq.num_computed_tokens + n) * self.attention_cost_per_key)
+
+    def _worth_probing(self, seq: Sequence) -> bool:
+        """Whether the prefix cache could make a waiting prompt short: it has no blocks yet and is long by
+        its length alone."""
+        return not seq.block_table and len(seq.token_ids) > self.short_prompt_tokens
+
+    def _waiting_cached(self, seq: Sequence, position: int) -> int | None:
+        """For the cap's pending count: a waiting prompt's cached tokens, looked up for the first
+        PENDING_PROBES of the queue (the ones a step can admit; each lookup walks the prompt's cached
+        blocks), else its own count (nothing cached: counted long by its length)."""
+        return self.block_manager.cached_prefix_tokens(seq) if (
+            position < PENDING_PROBES and self._worth_probing(seq)) else None
 
     def _is_long(self, seq: Sequence, cached: int | None = None) -> bool:
         """Whether a prompt's prefill is long: what it computes past its cached prefix, attending over the

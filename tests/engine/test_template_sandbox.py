@@ -103,10 +103,12 @@ def test_a_conversation_of_more_tiny_messages_than_the_context_holds_is_refused_
 
     tokenizer = shared_tokenizer()
     encoder = PromptEncoder(tokenizer, 8192, len(tokenizer))
-    assert 2 <= encoder.min_tokens_per_message <= 5
-    fits = ChatPrompt([ChatMessage(("user", "assistant")[i % 2], "a") for i in range(100)])
+    floors = encoder.min_tokens_per_message
+    assert all(3 <= floors[role] <= 5 for role in ("system", "user", "assistant", "tool"))
+    roles = ("system", "user", "assistant", "tool", "user", "assistant")
+    fits = ChatPrompt([ChatMessage(roles[i % len(roles)], ("a", "", "\n")[i % 3]) for i in range(300)])
     rendered = encoder.encode(fits)
-    assert len(rendered) >= 100 * encoder.min_tokens_per_message  # the floor is a floor
+    assert len(rendered) >= sum(floors[m.role] for m in fits.messages)  # the floor is a floor
 
     def no_render(*args, **kwargs):
         raise AssertionError("rendered")
@@ -115,3 +117,15 @@ def test_a_conversation_of_more_tiny_messages_than_the_context_holds_is_refused_
     flood = ChatPrompt([ChatMessage(("user", "assistant")[i % 2], "a") for i in range(16_384)])
     with pytest.raises(PromptTooLongError, match="16384 messages"):
         encoder.encode(flood)
+
+
+def test_a_role_the_template_drops_is_charged_nothing(monkeypatch):
+    """A template that renders only some roles (Zephyr-like: tool messages dropped) charges the others
+    nothing: a conversation of many such messages that fits is rendered, not refused from its count."""
+    tokenizer = shared_tokenizer()
+    monkeypatch.setattr(tokenizer, "chat_template", "{% for m in messages %}{% if m.role != 'tool' %}<|im_start|>"
+                        "{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}")
+    encoder = PromptEncoder(tokenizer, 1024, len(tokenizer))
+    assert encoder.min_tokens_per_message["tool"] == 0 and encoder.min_tokens_per_message["user"] >= 3
+    tools_heavy = ChatPrompt([ChatMessage("user", "hi")] + [ChatMessage("tool", "x") for _ in range(300)])
+    assert len(encoder.encode(tools_heavy)) < 1024

@@ -273,6 +273,8 @@ def test_a_next_turn_over_a_cached_history_does_not_wait_for_a_long_prompts_chun
     if whole:
         assert turn.num_cached_tokens == 592  # the history's 37 full blocks
         assert chunks.get(id(turn)) == len(turn.token_ids) - 592
+        if per_key == 0:  # nor does it count as a second long prompt pending: the long one's share stays
+            assert chunks[id(first.prefills[0][0])] == first.prefills[0][1]
     else:
         assert id(turn) not in chunks and turn in scheduler.waiting
         assert not turn.block_table and all(bm.ref_counts[b] == 0 for b in history_blocks)
