@@ -16,13 +16,12 @@ import logging
 import os
 import select
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
 
 import schemas
-from engine.worker_pipe import read_line
+from engine.worker_pipe import read_line, start_worker
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +72,7 @@ class SchemaWorker:
 
     def _started(self) -> subprocess.Popen[bytes]:
         if self._proc is None or self._proc.poll() is not None:
-            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-            env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-            self._proc = subprocess.Popen([sys.executable, "-m", "schemas.off_process"], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, cwd=root, env=env)
+            self._proc = start_worker("schemas.off_process")
             if not isinstance(read_line(self._proc, ANSWER_TIMEOUT_S), bytes):
                 raise OSError("the worker did not start")
         return self._proc

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.heap import release_freed_memory
-from engine.worker_pipe import TIMED_OUT, read_line
+from engine.worker_pipe import TIMED_OUT, read_line, start_worker
 
 # Compile threads, here and in the server, get this much stack: only what a compile touches becomes
 # resident, and the depth budget keeps every accepted constraint far inside it.
@@ -221,8 +221,7 @@ class GrammarWorker:
     def _started(self) -> subprocess.Popen[bytes]:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
-                self._proc = subprocess.Popen([sys.executable, "-m", "engine.grammar_worker"], stdin=subprocess.PIPE,
-                                              stdout=subprocess.PIPE, cwd=_project_root(), env=_worker_env())
+                self._proc = start_worker("engine.grammar_worker", OMP_NUM_THREADS="1")
                 assert self._proc.stdin is not None
                 self._proc.stdin.write(self._setup.encode() + b"\n")
                 self._proc.stdin.flush()
@@ -256,17 +255,6 @@ class GrammarWorker:
                     pipe.close()
                 except OSError:  # unflushed bytes to a worker that is gone
                     pass
-
-
-def _project_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _worker_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_project_root(), env.get("PYTHONPATH")) if p)
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from functools import lru_cache
 from typing import Any
 
 from engine.errors import EngineOverloadedError, InvalidRequestError
-from engine.worker_pipe import CLOSED, read_line
+from engine.worker_pipe import CLOSED, read_line, start_worker
 
 RENDER_TIMEOUT_S = 2.0
 WORKER_MEMORY_BYTES = 256 << 20
@@ -145,11 +145,7 @@ class _Worker:
 
     def started(self) -> subprocess.Popen[bytes]:
         if self.proc is None or self.proc.poll() is not None:
-            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-            env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-            self.proc = subprocess.Popen([sys.executable, "-m", "engine.template_sandbox"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, cwd=root, env=env)
+            self.proc = start_worker("engine.template_sandbox")
             if not isinstance(read_line(self.proc, 60.0), bytes):
                 self.close()
                 raise EngineOverloadedError("request chat templates: the template sandbox did not start")

@@ -1,13 +1,25 @@
-"""Reading a worker process's one-line JSON replies with a deadline (the grammar and template workers)."""
+"""The project's worker processes (grammar compiles, request templates, body validation): starting one, and
+reading its one-line JSON replies with a deadline."""
 
 from __future__ import annotations
 
 import os
 import select
 import subprocess
+import sys
 import time
 
 CLOSED, TIMED_OUT = object(), object()  # why no line came from a worker
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def start_worker(module: str, **env: str) -> subprocess.Popen[bytes]:
+    """``python -m module`` from the project's root (importable whether or not the project is installed),
+    its stdin and stdout piped; ``env``: variables set for it beside the server's own."""
+    environ = {**os.environ, **env}
+    environ["PYTHONPATH"] = os.pathsep.join(p for p in (PROJECT_ROOT, environ.get("PYTHONPATH")) if p)
+    return subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            cwd=PROJECT_ROOT, env=environ)
 
 
 def read_line(proc: subprocess.Popen[bytes], timeout_s: float) -> bytes | object:
