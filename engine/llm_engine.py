@@ -601,7 +601,8 @@ class EngineCore:
         return EngineStats(
             num_requests_running=len(running), num_requests_waiting=len(waiting),
             kv_cache_usage=bm.usage(), kv_cache_blocks_used=bm.num_used_blocks,
-            num_preemptions=sched.num_preemptions, prefix_cache_queries=bm.num_prefix_queries,
+            num_preemptions=sched.num_preemptions, num_share_preemptions=sched.num_share_preemptions,
+            prefix_cache_queries=bm.num_prefix_queries,
             prefix_cache_hits=bm.num_prefix_hits, max_loras=lm.max_loras if lm else 0,
             spec_draft_tokens=self.speculator.num_drafted if self.speculator else 0,
             spec_accepted_tokens=self.speculator.num_accepted if self.speculator else 0,

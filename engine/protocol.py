@@ -39,7 +39,8 @@ class EngineStats:
     num_requests_waiting: int = 0
     kv_cache_usage: float = 0.0  # 0..1
     kv_cache_blocks_used: int = 0
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # for KV space
+    num_share_preemptions: int = 0  # to give another client its share of the running slots
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     spec_draft_tokens: int = 0  # prompt-lookup speculation: draft tokens computed

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from bisect import insort
+from collections import Counter
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -84,7 +85,8 @@ class Scheduler:
         self.short_prompt_tokens = max_num_batched_tokens // 2
         self.waiting: list[Sequence] = []  # in _wait_order
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # for KV space
+        self.num_share_preemptions = 0  # for another client's share of the running slots
         # Fair share of the running slots (start-time fair queuing, one unit per sequence): a sequence's
         # fair_tag is max(the priority's virtual time, its client's previous tag + 1), and the wait queue is
         # ordered by (priority, tag, arrival). Virtual time is the largest tag admitted so far, so a client
@@ -165,6 +167,13 @@ class Scheduler:
         assert self.lora_manager is not None and seq.lora_adapter is not None
         return self.lora_manager, seq.lora_adapter
 
+    def _adapter_slot_free(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence's adapter (if any) can be pinned now."""
+        if seq.lora_name is None:
+            return True
+        manager, adapter = self._lora_of(seq)
+        return manager.can_acquire(adapter.key)
+
     def _fit(self, seq: Sequence, wanted: int) -> int:
         """How many of ``wanted`` tokens fit in the blocks the sequence has plus the free ones."""
         bm = self.block_manager
@@ -177,12 +186,51 @@ class Scheduler:
         self._release_lora(seq)
         seq.reset_for_recompute()
         self._enqueue(seq)  # with its tag: back at the head of its client's queue
-        self.num_preemptions += 1
+
+    def _share_slots(self, batch: ScheduledBatch) -> set[int]:
+        """Give waiting clients their share of a full batch: while every running slot is taken, a waiting
+        sequence whose client runs fewer than ``max_num_seqs`` / (clients running or waiting) takes a slot
+        from the client running the most over that share (its least important, latest sequence, never one
+        more important than the waiting one). Returns the ids of the sequences the freed slots are held for
+        this step. The preempted sequence waits behind the one it made room for, so it cannot take its slot
+        back; its client still holds its share, so nothing is preempted back and forth. With one client, or
+        a free slot, nothing is preempted: the rule only ever moves a slot between clients."""
+        if len(self.running) < self.max_num_seqs or not self.waiting:
+            return set()
+        held = Counter(seq.client for seq in self.running)
+        share = max(1, self.max_num_seqs // len(held.keys() | {client for _, client in self._clients}))
+        if max(held.values()) <= share:
+            return set()
+        # each waiting client below its share, and how many slots it is short of it
+        short = {client: share - held[client] for _, client in self._clients if held[client] < share}
+        reserved: set[int] = set()
+        for seq in list(self.waiting):
+            if not short:
+                break
+            if short.get(seq.client, 0) <= 0 or seq.is_blocked or not self._adapter_slot_free(seq):
+                continue
+            over = [s for s in self.running if held[s.client] > share and s.priority >= seq.priority]
+            if not over:
+                break  # the queue is in priority order: no one after this one may take a slot either
+            most = max(held[s.client] for s in over)
+            victim = max((s for s in over if held[s.client] == most), key=_order)
+            victim.fair_tag = max(victim.fair_tag, seq.fair_tag + 1)
+            self._preempt(victim)
+            self.num_share_preemptions += 1
+            batch.num_preempted += 1
+            held[victim.client] -= 1
+            held[seq.client] += 1
+            short[seq.client] -= 1
+            if not short[seq.client]:
+                del short[seq.client]
+            reserved.add(id(seq))
+        return reserved
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+        reserved = self._share_slots(batch)
         self.running.sort(key=_order)
         num_decoding = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
         prefill_budget: float = budget
@@ -210,6 +258,7 @@ class Scheduler:
             while n == 0 and self.running[-1] is not seq:
                 victim = self.running[-1]
                 self._preempt(victim)
+                self.num_preemptions += 1
                 batch.num_preempted += 1
                 n = self._fit(seq, wanted)
             if n == 0:
@@ -220,6 +269,7 @@ class Scheduler:
                     batch.out_of_cache.append(seq)
                     continue
                 self._preempt(seq)  # nothing else to take from: wait for blocks
+                self.num_preemptions += 1
                 batch.num_preempted += 1
                 continue
             if decoding:
@@ -236,10 +286,10 @@ class Scheduler:
                 break
             if seq.is_blocked:
                 continue
-            if seq.lora_name is not None:
-                manager, adapter = self._lora_of(seq)
-                if not manager.can_acquire(adapter.key):
-                    continue  # every adapter slot is pinned by running sequences: wait for one
+            if reserved and id(seq) not in reserved and len(self.running) + len(reserved) >= self.max_num_seqs:
+                continue  # the slots left are held for the clients they were taken back for
+            if not self._adapter_slot_free(seq):
+                continue  # every adapter slot is pinned by running sequences: wait for one
             # before its blocks are taken: whether a prompt is long depends on what the cache holds of it
             cached = bm.cached_prefix_tokens(seq) if capped and self._worth_probing(seq) else seq.num_cached_tokens
             if self._prefill_limit(seq, budget, prefill_budget, capped, cached) <= 0:
@@ -252,6 +302,7 @@ class Scheduler:
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
                 break
             self._dequeue(seq, admitted=True)
+            reserved.discard(id(seq))
             if seq.lora_name is not None:
                 manager, adapter = self._lora_of(seq)
                 seq.lora_slot = manager.acquire(adapter)

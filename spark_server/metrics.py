@@ -56,6 +56,9 @@ class _EngineCollector:
                             st.kv_cache_usage)
             yield self._one(CounterMetricFamily, "spark:num_preemptions", "Sequences preempted for KV space.",
                             st.num_preemptions)
+            yield self._one(CounterMetricFamily, "spark:num_share_preemptions",
+                            "Sequences preempted to give another client its share of the running slots.",
+                            st.num_share_preemptions)
             yield self._one(CounterMetricFamily, "spark:prefix_cache_queries",
                             "Admissions that looked up the prefix cache.", st.prefix_cache_queries)
             yield self._one(CounterMetricFamily, "spark:prefix_cache_hits",
