@@ -30,7 +30,7 @@ from engine.errors import (
 )
 from engine.llm_engine import LLMEngine
 from engine.pooling import PoolingOutput, PoolingRequest
-from engine.protocol import EngineLimits, EngineStats
+from engine.protocol import EngineLimits, EngineStats, FinishedNotice
 from engine.request import GenerationRequest, Prompt, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -201,6 +201,7 @@ class AsyncEngine:
         self._commands.put(("add", internal, (ids, adapter, grammar)))
         self._wake.set()
         unfinished = request.params.n
+        notice = FinishedNotice(self.finished_listeners)
         try:
             while unfinished:
                 for out in await stream.get():
@@ -214,15 +215,14 @@ class AsyncEngine:
                     if out.finish_reason == "error":
                         raise InferenceError(out.error or "inference failed")
                     unfinished -= out.finished
-                    if out.finished:
-                        for listener in self.finished_listeners:
-                            listener(out)
+                    notice.saw(out)
                     yield out
         finally:
             self._streams.pop(internal.request_id, None)
             if unfinished:
                 self._commands.put(("abort", internal.request_id, None))
                 self._wake.set()
+                notice.abandoned()
 
     async def pool(self, request: PoolingRequest) -> PoolingOutput:
         """A prompt pooled as ``request.params`` asks: queued and prefilled beside the generating requests

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from engine.pooling import PoolingOutput, PoolingRequest
@@ -65,7 +65,8 @@ class EngineClient(Protocol):
     model_info: ModelInfo
     tokenizer: Any
     limits: EngineLimits
-    # Called with each sample's final output (metrics); must be cheap and must not raise.
+    # Called with each sample's final output (metrics, the request's log line), an abandoned sample's last
+    # one included (FinishedNotice); must be cheap and must not raise.
     finished_listeners: list[Callable[[RequestOutput], None]]
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
@@ -113,3 +114,32 @@ class EngineClient(Protocol):
     def shutdown(self) -> None: ...
 
     def fail_all(self, exc: BaseException) -> None: ...
+
+
+class FinishedNotice:
+    """Tells the finished-listeners about each sample of one request exactly once: at its final output, or,
+    for a sample its caller stopped reading (the client left, the deadline passed), at the end with the last
+    output the caller saw, as aborted. So an abandoned answer's tokens and first-token time still reach the
+    metrics and the request's log line. A sample that produced nothing is not reported."""
+
+    def __init__(self, listeners: list[Callable[[RequestOutput], None]]) -> None:
+        self._listeners = listeners
+        self._open: dict[int, RequestOutput] = {}  # sample index -> its latest output, not final
+
+    def saw(self, out: RequestOutput) -> None:
+        if not out.finished:
+            self._open[out.index] = out
+            return
+        self._open.pop(out.index, None)
+        self._notify(out)
+
+    def abandoned(self) -> None:
+        """The caller stopped reading: report each sample still open with its last output, as aborted."""
+        for out in self._open.values():
+            self._notify(replace(out, new_token_ids=[], text_delta="", token_texts=None, logprobs=None,
+                                 prompt_logprobs=None, finished=True, finish_reason="abort", stop_reason=None))
+        self._open.clear()
+
+    def _notify(self, out: RequestOutput) -> None:
+        for listener in self._listeners:
+            listener(out)

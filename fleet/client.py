@@ -38,7 +38,7 @@ from engine.errors import (
 from engine.generation_config import recommended_sampling_or_none
 from engine.pooling import PoolingOutput, PoolingRequest
 from engine.prompts import PromptEncoder, read_chat_template
-from engine.protocol import EngineLimits, EngineStats, ModelInfo
+from engine.protocol import EngineLimits, EngineStats, FinishedNotice, ModelInfo
 from engine.request import GenerationRequest, LoraRef, Prompt, RequestOutput, RequestTimings, TokenLogprob, TokensPrompt
 from engine.sampling_params import SamplingParams
 from fleet.names import adapter_name, content_named
@@ -326,11 +326,14 @@ class RemoteEngine:
         if request.lora is not None:
             self._name_adapter(body, adapter_name(request.lora))
         self._active += 1
+        notice = FinishedNotice(self.finished_listeners)
         try:
             async for out in self._stream_with_retry(request, body, len(ids)):
+                notice.saw(out)
                 yield out
         finally:
             self._active -= 1
+            notice.abandoned()
 
     def _name_adapter(self, body: dict[str, Any], name: str) -> None:
         """vLLM names an adapter as the model; a router that routes by model name (smg) knows only the base
@@ -464,9 +467,6 @@ class RemoteEngine:
                             if out is None:
                                 continue
                             finished += out.finished
-                            if out.finished:
-                                for listener in self.finished_listeners:
-                                    listener(out)
                             yield out
         except TimeoutError:
             raise RequestTimeoutError("request timed out (deadline passed)") from None

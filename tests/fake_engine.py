@@ -17,7 +17,7 @@ import torch
 from engine.errors import InvalidRequestError
 from engine.model_loader import resolve_model_dir
 from engine.pooling import PoolingOutput, PoolingRequest, activate, check_dimensions, finish_embedding, served_tasks
-from engine.protocol import EngineLimits, EngineStats, ModelInfo
+from engine.protocol import EngineLimits, EngineStats, FinishedNotice, ModelInfo
 from engine.request import (
     FinishReason,
     GenerationRequest,
@@ -194,18 +194,21 @@ class FakeEngine:
         stop_reason = matched if reason == "stop" else None
         self.active += 1
         started = time.monotonic()
+        notice = FinishedNotice(self.finished_listeners)
         try:
             for index in range(p.n):
                 text = ""
                 pending: RequestOutput | None = None
                 if not ids:  # nothing left before the stop string: one finished output without text, as the
                     # real engine ends such an answer (never a stream with no output at all)
-                    yield RequestOutput(request_id=request.request_id, index=index, new_token_ids=[], text_delta="",
-                                        num_prompt_tokens=len(prompt_ids), num_output_tokens=0, finished=True,
-                                        finish_reason=reason, stop_reason=stop_reason,
-                                        timings=RequestTimings(arrival=request.arrival_time, queue_s=0.001,
-                                                               first_token_s=None, prefill_s=0.001, decode_s=0.0,
-                                                               last_token_gap_s=0.0))
+                    empty = RequestOutput(request_id=request.request_id, index=index, new_token_ids=[], text_delta="",
+                                          num_prompt_tokens=len(prompt_ids), num_output_tokens=0, finished=True,
+                                          finish_reason=reason, stop_reason=stop_reason,
+                                          timings=RequestTimings(arrival=request.arrival_time, queue_s=0.001,
+                                                                 first_token_s=None, prefill_s=0.001, decode_s=0.0,
+                                                                 last_token_gap_s=0.0))
+                    notice.saw(empty)
+                    yield empty
                 for k, tid in enumerate(ids):
                     if script.fail_after is not None and k == script.fail_after[0]:
                         raise script.fail_after[1]
@@ -225,12 +228,11 @@ class FakeEngine:
                         timings=RequestTimings(arrival=request.arrival_time, queue_s=0.001, first_token_s=0.002,
                                                prefill_s=0.001, decode_s=time.monotonic() - started,
                                                last_token_gap_s=0.001))
-                    if last:
-                        for listener in self.finished_listeners:
-                            listener(out)
                     pending = out if pending is None else pending.merge(out)
                     if last or len(pending.new_token_ids) >= script.burst:
+                        notice.saw(pending)
                         yield pending
                         pending = None
         finally:
             self.active -= 1
+            notice.abandoned()

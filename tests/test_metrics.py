@@ -142,3 +142,26 @@ def test_the_request_id_is_echoed_and_a_500_is_logged_with_it(fake, caplog, monk
     assert failed.status_code == 500 and failed.headers["x-request-id"] == "r-500"
     logged = [r for r in caplog.records if "r-500" in r.getMessage()]
     assert logged and logged[0].exc_info is not None  # the traceback goes with the id
+
+
+def test_an_http_stream_the_client_leaves_is_logged_with_the_tokens_it_got(fake, caplog):
+    import logging
+
+    model = fake.engine.model_info.name
+    fake.engine.script = Script(answer="word " * 200, token_delay_s=0.01)
+    url = fake.http_url + "/metrics"
+    tokens_before = _value(httpx.get(url).text, "spark:generation_tokens_total")
+    with caplog.at_level(logging.INFO, logger="spark_server.requests"):
+        with httpx.stream("POST", fake.http_url + "/v1/completions", headers={"X-Request-Id": "leaver-http"},
+                          json={"model": model, "prompt": "Hi", "max_tokens": 200, "stream": True}) as r:
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data:")
+                if chunks == 5:
+                    break
+        _wait_for(lambda: any("id=leaver-http" in r.getMessage() for r in caplog.records))
+    line = next(r.getMessage() for r in caplog.records if "id=leaver-http" in r.getMessage())
+    got = int(re.search(r"completion_tokens=(\d+)", line).group(1))
+    assert 5 <= got < 200 and "ttft=-" not in line, line
+    assert _value(httpx.get(url).text, "spark:generation_tokens_total") >= tokens_before + 5
+    fake.wait_idle()
