@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import select
 import subprocess
 import threading
 import time
 from typing import Any
 
 import schemas
-from engine.worker_pipe import read_line, start_worker
+from engine.worker_pipe import read_line, start_worker, write_all
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +54,14 @@ class SchemaWorker:
             if proc is not None:
                 try:
                     deadline = time.monotonic() + ANSWER_TIMEOUT_S
-                    _send(proc, line, deadline)
+                    write_all(proc, line, deadline)
                     reply = read_line(proc, max(0.0, deadline - time.monotonic()))
                     if isinstance(reply, bytes):
                         answer = json.loads(reply)["violation"]
                         return None if answer is None else (answer[0], answer[1])
                     why = "it ended" if proc.poll() is not None else f"no answer in {ANSWER_TIMEOUT_S:g} s"
+                except TimeoutError:
+                    why = f"no answer in {ANSWER_TIMEOUT_S:g} s"
                 except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
                     why = str(exc) or type(exc).__name__
                 logger.warning("body validation worker failed on a body (%s): refused, worker replaced", why)
@@ -86,23 +86,6 @@ class SchemaWorker:
     def close(self) -> None:
         with self._lock:
             self._close()
-
-
-def _send(proc: subprocess.Popen[bytes], data: bytes, deadline: float) -> None:
-    """All of ``data`` to the worker's stdin by ``deadline`` (a worker that stopped reading fills the pipe:
-    a plain write would then block past any deadline)."""
-    assert proc.stdin is not None
-    fd = proc.stdin.fileno()
-    os.set_blocking(fd, False)
-    view = memoryview(data)
-    while view:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([], [fd], [], left)[1]:
-            raise TimeoutError(f"no answer in {ANSWER_TIMEOUT_S:g} s")
-        try:
-            view = view[os.write(fd, view[:1 << 16]):]
-        except BlockingIOError:
-            continue
 
 
 _SHARED = SchemaWorker()

@@ -17,11 +17,12 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from engine.heap import release_freed_memory
-from engine.worker_pipe import TIMED_OUT, read_line, start_worker
+from engine.worker_pipe import TIMED_OUT, read_line, start_worker, write_all
 
 # Compile threads, here and in the server, get this much stack: only what a compile touches becomes
 # resident, and the depth budget keeps every accepted constraint far inside it.
@@ -199,14 +200,17 @@ class GrammarWorker:
     def _trial(self, kind: str, value: str, whitespace_pattern: str | None, timeout_s: float) -> Trial:
         proc = self._started()
         line = json.dumps({"kind": kind, "value": value, "whitespace_pattern": whitespace_pattern})
+        deadline = time.monotonic() + timeout_s
         try:
-            assert proc.stdin is not None
-            proc.stdin.write(line.encode() + b"\n")
-            proc.stdin.flush()
+            write_all(proc, line.encode() + b"\n", deadline)
+        except TimeoutError:
+            self.close()
+            raise WorkerFailed(f"took longer than {timeout_s:g} s to compile (--constraint-compile-timeout)",
+                               lasting=False) from None
         except OSError:
             self.close()
             raise WorkerFailed("could not be compiled: the compiler's worker was gone", lasting=False) from None
-        reply = read_line(proc, timeout_s)
+        reply = read_line(proc, max(0.0, deadline - time.monotonic()))
         if not isinstance(reply, bytes):
             self.close()
             if reply is TIMED_OUT:

@@ -30,13 +30,14 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from copy import deepcopy
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
 from engine.errors import EngineOverloadedError, InvalidRequestError
-from engine.worker_pipe import CLOSED, read_line, start_worker
+from engine.worker_pipe import CLOSED, TIMED_OUT, read_line, start_worker, write_all
 
 RENDER_TIMEOUT_S = 2.0
 WORKER_MEMORY_BYTES = 256 << 20
@@ -190,11 +191,12 @@ class TemplateSandbox:
     def _render(self, worker: _Worker, source: str, variables: dict[str, Any], max_chars: int) -> str:
         proc = worker.started()
         job = json.dumps({"template": source, "variables": variables, "max_chars": max_chars})
+        deadline = time.monotonic() + self.timeout_s
         try:
-            assert proc.stdin is not None
-            proc.stdin.write(job.encode() + b"\n")
-            proc.stdin.flush()
-            reply = read_line(proc, self.timeout_s)
+            write_all(proc, job.encode() + b"\n", deadline)
+            reply = read_line(proc, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            reply = TIMED_OUT
         except OSError:
             reply = CLOSED
         if not isinstance(reply, bytes):

@@ -1,5 +1,5 @@
 """The project's worker processes (grammar compiles, request templates, body validation): starting one, and
-reading its one-line JSON replies with a deadline."""
+writing its jobs and reading its one-line JSON replies, each by a deadline."""
 
 from __future__ import annotations
 
@@ -38,3 +38,20 @@ def read_line(proc: subprocess.Popen[bytes], timeout_s: float) -> bytes | object
         chunks.append(chunk)
         if chunk.endswith(b"\n"):
             return b"".join(chunks)
+
+
+def write_all(proc: subprocess.Popen[bytes], data: bytes, deadline: float) -> None:
+    """All of ``data`` to the worker's stdin by ``deadline`` (``time.monotonic``), else TimeoutError. A worker
+    that stopped reading fills the pipe, and a plain write would then block past any deadline."""
+    assert proc.stdin is not None
+    fd = proc.stdin.fileno()
+    os.set_blocking(fd, False)
+    view = memoryview(data)
+    while view:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([], [fd], [], left)[1]:
+            raise TimeoutError("the worker did not take the job in time")
+        try:
+            view = view[os.write(fd, view[:1 << 16]):]
+        except BlockingIOError:
+            continue

@@ -79,3 +79,22 @@ def test_a_worker_that_cannot_start_or_dies_leaves_the_check_to_this_process(mon
         assert worker.first_violation("openai-chat", large()) is None
     finally:
         worker.close()
+
+
+def test_a_job_a_worker_does_not_read_times_out_at_its_deadline():
+    import subprocess
+    import sys
+    import time
+
+    from engine.worker_pipe import write_all
+
+    # a process that never reads its stdin: the pipe fills and a plain write would block for good
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdin=subprocess.PIPE)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            write_all(proc, b"x" * (8 << 20), started + 0.5)
+        assert time.monotonic() - started < 5
+    finally:
+        proc.kill()
+        proc.wait()
