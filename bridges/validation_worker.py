@@ -6,7 +6,9 @@ GIL against the engine's thread and the event loop, so clients sending such bodi
 clients' streams many times over (docs/security.md has the measurement). Here the parsed body goes as one
 JSON line to a worker process (schemas/off_process.py, at a lower CPU priority, like the chat-template
 sandbox), which answers with the first violation or none; the serving process's validation thread
-(schemas.off_loop) waits on the pipe without the GIL. The wire: one JSON line each way per body.
+(schemas.off_loop) waits on the pipe without the GIL. The wire: one JSON line each way per body. Valid
+bodies no longer come here: the compiled validator clears them in the serving process in milliseconds
+(schemas.is_valid), so the worker judges only bodies that break a rule, and says which.
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ class SchemaWorker:
     def first_violation(self, name: str, instance: Any) -> Violation | None:
         """The instance's first violation of schema ``name``, found in the worker. Where no worker can be
         started here, found on this thread; where the worker ends or hangs on this body, the body is refused
-        (judging it here would hold the GIL for as long)."""
+        (judging it here would hold the GIL for as long). A valid body is cleared here first by the compiled
+        validator (``schemas.is_valid``: milliseconds, where jsonschema takes seconds); only a body it
+        refuses goes to the worker, for jsonschema's verdict and message."""
+        if schemas.is_valid(name, instance):
+            return None
         line = json.dumps({"schema": name, "body": instance}, ensure_ascii=False).encode() + b"\n"
         with self._lock:
             try:

@@ -11,6 +11,7 @@ from functools import cache
 from importlib import resources
 from typing import Any, TypeVar
 
+import jsonschema_rs
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError, best_match
 from referencing import Registry, Resource
@@ -40,12 +41,33 @@ def validator(name: str) -> Draft202012Validator:
     return Draft202012Validator(schema, registry=registry())
 
 
+@cache
+def fast_validator(name: str) -> jsonschema_rs.Validator:
+    """Schema ``name`` compiled by jsonschema-rs (the same schemas and registry; Rust, no Python per node)."""
+    resources = [(load_schema(n)["$id"], load_schema(n)) for n in available()]
+    return jsonschema_rs.Draft202012Validator(load_schema(name), registry=jsonschema_rs.Registry(resources))
+
+
+def is_valid(name: str, instance: Any) -> bool:
+    """Whether the instance is valid against schema ``name``, judged by the compiled validator: a few
+    hundred times faster than jsonschema, so a large valid body costs milliseconds. False also where it
+    cannot judge (a value it cannot take, such as a lone surrogate); where it finds a body invalid,
+    jsonschema has the last word and the message (``first_error``), so it can only ever be stricter, and
+    tests/test_schemas_agree.py holds it to never accepting a body jsonschema refuses."""
+    try:
+        return fast_validator(name).is_valid(instance)
+    except Exception:  # its conversion of a Python value: leave the body to jsonschema
+        return False
+
+
 def first_error(name: str, instance: Any) -> ValidationError | None:
     """The most relevant violation of schema ``name``, or None when the instance is valid.
 
     A field that fails its own rule also counts as "unevaluated" for ``unevaluatedProperties``;
     the rule it broke is the useful message, so that one wins. Only the first few violations are
     looked at: a body with 100,000 bad items must not cost 100,000 error objects."""
+    if is_valid(name, instance):
+        return None
     errors = list(itertools.islice(validator(name).iter_errors(instance), MAX_ERRORS_CONSIDERED))
     specific = [e for e in errors if e.validator != "unevaluatedProperties"]
     return best_match(specific or errors)

@@ -72,7 +72,8 @@ def test_a_worker_that_cannot_start_or_dies_leaves_the_check_to_this_process(mon
         hung = worker._proc
         os.kill(hung.pid, signal.SIGSTOP)
         monkeypatch.setattr(module, "ANSWER_TIMEOUT_S", 0.5)
-        message, path = worker.first_violation("openai-chat", large())
+        assert worker.first_violation("openai-chat", large()) is None  # a valid body is cleared here
+        message, path = worker.first_violation("openai-chat", large(max_tokens=-5))
         assert "could not be validated" in message and path == [] and worker._proc is None and hung.poll() is not None
         monkeypatch.setattr(SchemaWorker, "_started", lambda self: (_ for _ in ()).throw(OSError("no processes")))
         assert worker.first_violation("openai-chat", large(stray=1)) is not None
