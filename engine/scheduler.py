@@ -3,10 +3,13 @@
 Each step the running sequences go first (a decode costs one token), then waiting ones are
 admitted in priority order while the per-step token budget, ``max_num_seqs`` and free KV
 blocks allow; within a priority, round-robin across clients (first come, first served for one
-client), so a client that queues many requests cannot starve one that arrives after. Prompts
+client), so a client that queues many requests cannot starve one that arrives after. When the
+batch is full and a client holding less than its share of the slots waits, a client holding more gives one
+back (its latest sequence paused with its KV blocks kept, resuming where it stopped): one client may fill
+the batch while no one else waits, never keep it from another. Prompts
 are prefilled in chunks that fit the budget, so a long prompt never freezes the running streams.
-When KV blocks run out the lowest-priority, latest sequence is preempted: its blocks are freed
-and it is recomputed later.
+When KV blocks run out, paused sequences' blocks go first, then the lowest-priority, latest running
+sequence is preempted: its blocks are freed and it is recomputed later.
 """
 
 from __future__ import annotations
@@ -37,6 +40,15 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(1 + len(s.draft_token_ids) for s in self.decodes) + sum(n for _, n in self.prefills)
+
+
+@dataclass(slots=True)
+class _Room:
+    """What is left of a step while it is being scheduled."""
+
+    tokens: int  # of the step's token budget
+    prefill: float  # of the long-prompt prefill cap (its cost units)
+    capped: bool  # whether the cap applies this step (sequences are decoding)
 
 
 # A long prompt's prefill per step while others decode, as a multiple of what the decoding sequences cost
@@ -87,6 +99,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # for KV space
         self.num_share_preemptions = 0  # for another client's share of the running slots
+        self._paused: list[Sequence] = []  # waiting with their KV blocks kept (_pause), latest last
         # Fair share of the running slots (start-time fair queuing, one unit per sequence): a sequence's
         # fair_tag is max(the priority's virtual time, its client's previous tag + 1), and the wait queue is
         # ordered by (priority, tag, arrival). Virtual time is the largest tag admitted so far, so a client
@@ -148,6 +161,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self._dequeue(seq, admitted=False)
+            if seq in self._paused:
+                self._paused.remove(seq)
         self.block_manager.free(seq)
         self._release_lora(seq)
         seq.status = SequenceStatus.FINISHED
@@ -187,50 +202,156 @@ class Scheduler:
         seq.reset_for_recompute()
         self._enqueue(seq)  # with its tag: back at the head of its client's queue
 
-    def _share_slots(self, batch: ScheduledBatch) -> set[int]:
-        """Give waiting clients their share of a full batch: while every running slot is taken, a waiting
-        sequence whose client runs fewer than ``max_num_seqs`` / (clients running or waiting) takes a slot
-        from the client running the most over that share (its least important, latest sequence, never one
-        more important than the waiting one). Returns the ids of the sequences the freed slots are held for
-        this step. The preempted sequence waits behind the one it made room for, so it cannot take its slot
-        back; its client still holds its share, so nothing is preempted back and forth. With one client, or
-        a free slot, nothing is preempted: the rule only ever moves a slot between clients."""
-        if len(self.running) < self.max_num_seqs or not self.waiting:
-            return set()
+    def _pause(self, seq: Sequence, batch: ScheduledBatch, room: _Room) -> None:
+        """Take a running sequence out of the batch for another client's share of the slots, keeping its KV
+        blocks: it waits with its place in its client's queue and resumes where it stopped, computing
+        nothing again, so its answer is the one it would have given. Paused sequences are the first whose
+        blocks go when the cache runs short (``_evict_paused``)."""
+        self.running.remove(seq)
+        if seq in batch.decodes:  # scheduled this step already: its tokens go back to the step
+            batch.decodes.remove(seq)
+            room.tokens += 1 + len(seq.draft_token_ids)
+        for i, (other, n) in enumerate(batch.prefills):
+            if other is seq:
+                del batch.prefills[i]
+                room.tokens += n
+                room.prefill += self._prefill_cost(seq, n, room.capped)
+                break
+        seq.draft_token_ids = []
+        self._release_lora(seq)
+        seq.status = SequenceStatus.WAITING
+        self._enqueue(seq)
+        self._paused.append(seq)
+        self.num_share_preemptions += 1
+        batch.num_preempted += 1
+
+    def _evict_paused(self) -> bool:
+        """Free the latest paused sequence's blocks (it is recomputed when resumed); False if none is."""
+        if not self._paused:
+            return False
+        seq = self._paused.pop()
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.num_preemptions += 1
+        return True
+
+    def _fit_evicting_paused(self, seq: Sequence, wanted: int) -> int:
+        """``_fit``, after freeing paused sequences' blocks where the free ones are too few."""
+        n = self._fit(seq, wanted)
+        while n == 0 and self._evict_paused():
+            n = self._fit(seq, wanted)
+        return n
+
+    def _shares(self) -> tuple[Counter[str | None], int, set[str | None]]:
+        """The running slots each client holds, the share of them each may hold (``max_num_seqs`` / the
+        clients running or waiting), and the waiting clients below it that can get a slot: in a full batch,
+        only those waiting at a priority some sequence over its share does not outrank. None below it where
+        nothing contends: no one waits, or the free slots take every waiting sequence."""
+        free = self.max_num_seqs - len(self.running)
+        if len(self.waiting) <= free:
+            return Counter(), 0, set()
         held = Counter(seq.client for seq in self.running)
         share = max(1, self.max_num_seqs // len(held.keys() | {client for _, client in self._clients}))
-        if max(held.values()) <= share:
-            return set()
-        # each waiting client below its share, and how many slots it is short of it
-        short = {client: share - held[client] for _, client in self._clients if held[client] < share}
-        reserved: set[int] = set()
-        for seq in list(self.waiting):
+        # the least important priority a slot can be taken from (larger is less important)
+        lowest = max((s.priority for s in self.running if held[s.client] > share), default=None) if free <= 0 else None
+        return held, share, {client for priority, client in self._clients if held[client] < share and (
+            free > 0 or (lowest is not None and priority <= lowest))}
+
+    def _share_victim(self, held: Counter[str | None], share: int, seq: Sequence) -> Sequence | None:
+        """Whose slot a waiting sequence below its client's share takes in a full batch: the least important,
+        latest running sequence of the client most over its share; never one more important than ``seq``."""
+        over = [s for s in self.running if held[s.client] > share and s.priority >= seq.priority]
+        if not over:
+            return None
+        most = max(held[s.client] for s in over)
+        return max((s for s in over if held[s.client] == most), key=_order)
+
+    def _admit_waiting(self, batch: ScheduledBatch, room: _Room) -> None:
+        """Admit waiting sequences into the free slots, in two passes over the queue. First, those of
+        clients below their share of the slots (``_shares``), each taking a slot from a client over its
+        share when the batch is full (``_pause``): a client fills the batch while no one else waits, never
+        keeps it from another, and a free slot goes to a client below its share before one at it, so a
+        slot never moves back and forth. Then everyone in queue order while slots remain. A prompt that
+        does not fit the step's budget, the prefill cap or the cache stops both: the queue keeps its
+        order."""
+        queue = list(self.waiting)
+        held, share, short = self._shares()
+        for seq in queue:
             if not short:
                 break
-            if short.get(seq.client, 0) <= 0 or seq.is_blocked or not self._adapter_slot_free(seq):
+            if seq.client not in short:
                 continue
-            over = [s for s in self.running if held[s.client] > share and s.priority >= seq.priority]
-            if not over:
-                break  # the queue is in priority order: no one after this one may take a slot either
-            most = max(held[s.client] for s in over)
-            victim = max((s for s in over if held[s.client] == most), key=_order)
-            victim.fair_tag = max(victim.fair_tag, seq.fair_tag + 1)
-            self._preempt(victim)
-            self.num_share_preemptions += 1
-            batch.num_preempted += 1
-            held[victim.client] -= 1
+            if seq.is_blocked or not self._adapter_slot_free(seq):
+                short.discard(seq.client)  # its client's others wait their turn below
+                continue
+            victim = None
+            if len(self.running) >= self.max_num_seqs:
+                victim = self._share_victim(held, share, seq)
+                if victim is None:
+                    break  # the queue is in priority order: no one after this one may take a slot either
+            if not self._admit(seq, batch, room, victim):
+                return
             held[seq.client] += 1
-            short[seq.client] -= 1
-            if not short[seq.client]:
-                del short[seq.client]
-            reserved.add(id(seq))
-        return reserved
+            if held[seq.client] >= share:
+                short.discard(seq.client)
+            if victim is not None:
+                held[victim.client] -= 1
+        for seq in queue:
+            if len(self.running) >= self.max_num_seqs or room.tokens <= 0:
+                break
+            if seq.status == SequenceStatus.RUNNING or seq.is_blocked:
+                continue
+            if not self._adapter_slot_free(seq):
+                continue  # every adapter slot is pinned by running sequences: wait for one
+            if not self._admit(seq, batch, room):
+                return
+
+    def _admit(self, seq: Sequence, batch: ScheduledBatch, room: _Room, victim: Sequence | None = None) -> bool:
+        """Admit one waiting sequence with its first chunk (a paused one resumes where it stopped), after
+        pausing ``victim`` for its slot; False (nothing changed) where the step's budget, the prefill cap or
+        the cache leaves it no token."""
+        bm = self.block_manager
+        if room.tokens <= 0:
+            return False
+        if seq.block_table and seq.num_uncomputed_tokens == 1:  # paused mid-answer: a decode
+            n = self._fit_evicting_paused(seq, 1)
+        else:
+            # before its blocks are taken: whether a prompt is long depends on what the cache holds of it
+            cached = bm.cached_prefix_tokens(seq) if room.capped and self._worth_probing(seq) \
+                else seq.num_cached_tokens
+            if self._prefill_limit(seq, room.tokens, room.prefill, room.capped, cached) <= 0:
+                return False
+            if not seq.block_table:
+                bm.allocate_cached_prefix(seq)
+            n = self._fit_evicting_paused(seq, min(seq.num_uncomputed_tokens, self._prefill_limit(
+                seq, room.tokens, room.prefill, room.capped)))
+        if n == 0:
+            bm.free(seq)  # keep its cached prefix evictable while it waits
+            if seq in self._paused:
+                self._paused.remove(seq)
+            seq.reset_for_recompute()
+            return False
+        if victim is not None:
+            self._pause(victim, batch, room)
+        self._dequeue(seq, admitted=True)
+        if seq in self._paused:
+            self._paused.remove(seq)
+        if seq.lora_name is not None:
+            manager, adapter = self._lora_of(seq)
+            seq.lora_slot = manager.acquire(adapter)
+        seq.status = SequenceStatus.RUNNING
+        seq.mark_scheduled()
+        self.running.append(seq)
+        room.prefill -= self._prefill_cost(seq, n, room.capped)
+        bm.append_slots(seq, n)
+        self._add(batch, seq, n)
+        room.tokens -= n
+        return True
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
-        reserved = self._share_slots(batch)
         self.running.sort(key=_order)
         num_decoding = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
         prefill_budget: float = budget
@@ -254,7 +375,7 @@ class Scheduler:
             if wanted == 0:  # a prefill with no prefill budget left this step
                 i += 1
                 continue
-            n = self._fit(seq, wanted)
+            n = self._fit_evicting_paused(seq, wanted)
             while n == 0 and self.running[-1] is not seq:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -281,38 +402,7 @@ class Scheduler:
             bm.append_slots(seq, n)
             budget -= n
             i += 1
-        for seq in list(self.waiting):
-            if len(self.running) >= self.max_num_seqs or budget <= 0:
-                break
-            if seq.is_blocked:
-                continue
-            if reserved and id(seq) not in reserved and len(self.running) + len(reserved) >= self.max_num_seqs:
-                continue  # the slots left are held for the clients they were taken back for
-            if not self._adapter_slot_free(seq):
-                continue  # every adapter slot is pinned by running sequences: wait for one
-            # before its blocks are taken: whether a prompt is long depends on what the cache holds of it
-            cached = bm.cached_prefix_tokens(seq) if capped and self._worth_probing(seq) else seq.num_cached_tokens
-            if self._prefill_limit(seq, budget, prefill_budget, capped, cached) <= 0:
-                break
-            if not seq.block_table:
-                bm.allocate_cached_prefix(seq)
-            n = self._fit(seq, min(seq.num_uncomputed_tokens, self._prefill_limit(seq, budget, prefill_budget, capped)))
-            if n == 0:
-                bm.free(seq)  # keep its cached prefix evictable while it waits
-                seq.num_computed_tokens = seq.num_cached_tokens = 0
-                break
-            self._dequeue(seq, admitted=True)
-            reserved.discard(id(seq))
-            if seq.lora_name is not None:
-                manager, adapter = self._lora_of(seq)
-                seq.lora_slot = manager.acquire(adapter)
-            seq.status = SequenceStatus.RUNNING
-            seq.mark_scheduled()
-            self.running.append(seq)
-            prefill_budget -= self._prefill_cost(seq, n, capped)
-            bm.append_slots(seq, n)
-            self._add(batch, seq, n)
-            budget -= n
+        self._admit_waiting(batch, _Room(budget, prefill_budget, capped))
         return batch
 
     def decode_cost(self) -> float:
@@ -366,6 +456,8 @@ class Scheduler:
         whole context, costs more than the longest short prompt (half the step budget, attending over
         itself). So a conversation's next turn over a cached history is short when its new message is, and
         is prefilled whole beside a long prompt's chunks instead of waiting for all of them."""
+        if seq.num_uncomputed_tokens == 1:  # a decode (a paused answer resuming)
+            return False
         total = len(seq.token_ids)
         uncached = total - (seq.num_cached_tokens if cached is None else cached)
         short = self.short_prompt_tokens

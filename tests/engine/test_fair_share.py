@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import cast
 
+import pytest
+
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -13,7 +15,6 @@ from engine.request import GenerationRequest, TokensPrompt
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from tests.engine.helpers import run_all, tokens_of
 
 _ids = iter(range(10**6))
 
@@ -56,16 +57,18 @@ def test_a_client_arriving_behind_a_long_queue_is_admitted_at_the_next_free_slot
     scheduler.add(late)
     _finish(scheduler, running[0])
     assert _admitted(scheduler) == [late]  # not after A's 200
-    # then the two alternate while both wait (B's queue emptied, so it comes back at the virtual time,
-    # like any client that was not waiting), each one's own in arrival order
+    # then, while both wait, each holds its share (one slot): a freed slot goes to the client whose
+    # sequence finished, each one's own in arrival order
     more_b = [_seq("B") for _ in range(3)]
     for seq in more_b:
         scheduler.add(seq)
-    order = []
+    order, finished = [], []
     for _ in range(6):
+        finished.append(scheduler.running[0].client)
         _finish(scheduler, scheduler.running[0])
         order += _admitted(scheduler)
-    assert [s.client for s in order] == ["B", "A", "B", "A", "B", "A"]
+    assert [s.client for s in order] == finished
+    assert sorted(s.client for s in scheduler.running) == ["A", "B"]
     assert [s for s in order if s.client == "A"] == queued[:3]
     assert [s for s in order if s.client == "B"] == more_b
 
@@ -129,6 +132,21 @@ def _step(scheduler: Scheduler) -> None:
         seq.num_computed_tokens += n
 
 
+def _run(scheduler: Scheduler, lengths: dict[int, int], steps: int) -> None:
+    """``steps`` steps as the engine runs them: each scheduled chunk computed, each decode adding a token; a
+    sequence finishes once it has ``lengths[id(seq)]`` output tokens."""
+    for _ in range(steps):
+        batch = scheduler.schedule()
+        for seq, n in batch.prefills:
+            seq.num_computed_tokens += n
+        for seq in batch.decodes:
+            seq.num_computed_tokens += 1
+        for seq in [s for s, _ in batch.prefills if s.num_uncomputed_tokens == 0] + batch.decodes:
+            seq.token_ids.append(5)
+            if len(seq.token_ids) - seq.num_prompt_tokens >= lengths.get(id(seq), 10**9):
+                scheduler.remove(seq)
+
+
 def _held(scheduler: Scheduler) -> dict[str | None, int]:
     held: dict[str | None, int] = {}
     for seq in scheduler.running:
@@ -156,7 +174,7 @@ def test_a_client_holding_every_slot_gives_one_back_to_a_client_that_arrives():
     _step(scheduler)  # without a finish: the slot is taken back, not waited for
     assert late in scheduler.running
     assert _held(scheduler) == {"A": 3, "B": 1}
-    assert scheduler.waiting == [hog[-1]]  # A's latest, behind B's, recomputed later
+    assert scheduler.waiting == [hog[-1]]  # A's latest, waiting with its blocks kept
     assert scheduler.num_share_preemptions == 1 and scheduler.num_preemptions == 0
     for _ in range(5):  # nothing moves back and forth: A still holds its share
         _step(scheduler)
@@ -205,34 +223,108 @@ def test_a_slot_taken_back_is_held_for_the_client_it_was_taken_for():
     assert [s for s in scheduler.running if s.client == "B"] == b[:1]
 
 
-def _greedy(request_id: str, client: str, seed_token: int) -> GenerationRequest:
-    prompt = [1] + [300 + (seed_token * 37 + j * 13) % 20000 for j in range(40)]
-    return GenerationRequest(request_id, TokensPrompt(prompt),
-                             SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), client=client)
+def _request(request_id: str, client: str, k: int, sampling: dict) -> GenerationRequest:
+    prompt = [1] + [300 + (k * 37 + j * 13) % 20000 for j in range(60)]
+    return GenerationRequest(request_id, TokensPrompt(prompt), SamplingParams(max_tokens=48, ignore_eos=True,
+                                                                                **sampling), client=client)
 
 
-def test_a_slot_taken_back_changes_no_answer_and_the_newcomer_starts_at_once(llm_engine):
-    from engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=2, max_num_batched_tokens=256,
-                                    kv_cache_space_gib=0.1))
-    hog = [_greedy("a0", "A", 0), _greedy("a1", "A", 1)]
-    for request in hog:
-        engine.add_request(request)
+def _answers(engine, sampling: dict, newcomer: bool) -> tuple[dict[str, list[int]], list[tuple[str, bool]]]:
+    """Client A's two answers, with client B's arriving at the fifth step or none; each answer's tokens,
+    and the order of (request, finished) outputs."""
+    tokens: dict[str, list[int]] = {"a0": [], "a1": [], "b0": []}
     events: list[tuple[str, bool]] = []
-    outputs: dict[str, list] = {"a0": [], "a1": [], "b0": []}
-    for step in range(200):
-        if step == 3:
-            engine.add_request(_greedy("b0", "B", 2))
-        if step > 3 and not engine.has_unfinished():
+    engine.add_request(_request("a0", "A", 0, sampling))
+    engine.add_request(_request("a1", "A", 1, sampling))
+    for step in range(500):
+        if step == 5 and newcomer:
+            engine.add_request(_request("b0", "B", 2, sampling))
+        if step > 5 and not engine.has_unfinished():
             break
         for out in engine.step():
-            outputs[out.request_id].append(out)
+            tokens[out.request_id] += out.new_token_ids
             events.append((out.request_id, out.finished))
-    assert engine.scheduler.num_share_preemptions == 1
-    # its first token came before either of A's finished: it did not wait for a slot to free
+    return tokens, events
+
+
+@pytest.fixture(scope="module")
+def two_slots():
+    """The weights serving runs (the engine's own kernels, which add a row's products in one order
+    whatever shares its step), two running slots."""
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(max_num_seqs=2, max_num_batched_tokens=256, kv_cache_space_gib=0.1,
+                                  batch_invariant=True))
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 7}],
+                         ids=["greedy", "seeded"])
+def test_a_slot_taken_back_changes_no_answer_and_the_newcomer_starts_at_once(two_slots, sampling):
+    alone, _ = _answers(two_slots, sampling, newcomer=False)
+    before = two_slots.scheduler.num_share_preemptions
+    shared, events = _answers(two_slots, sampling, newcomer=True)
+    assert two_slots.scheduler.num_share_preemptions == before + 1
+    # B's first token came before either of A's answers finished: it did not wait for a slot to free
     assert events.index(("b0", False)) < min(events.index(("a0", True)), events.index(("a1", True)))
-    # the preempted sequence was recomputed: the same greedy tokens as without a newcomer
-    alone = run_all(llm_engine, [_greedy("a0", "A", 0), _greedy("a1", "A", 1), _greedy("b0", "B", 2)])
-    for rid, outs in outputs.items():
-        assert tokens_of(outs) == tokens_of(alone[rid]), rid
+    # the paused answer resumed where it stopped: the same tokens as without a newcomer
+    assert shared["a0"] == alone["a0"] and shared["a1"] == alone["a1"]
+    assert len(shared["b0"]) == 48
+
+
+def test_slots_freed_while_both_wait_go_to_the_client_below_its_share_and_never_move_back_and_forth():
+    scheduler = _scheduler(slots=4)
+    hog = [_seq("A") for _ in range(4)]
+    for seq in hog:
+        scheduler.add(seq)
+    _run(scheduler, {}, 2)
+    short = [_seq("B") for _ in range(10)]
+    for seq in short:
+        scheduler.add(seq)
+    _run(scheduler, {id(seq): 3 for seq in short}, 60)  # B's answers come and go; A's run on
+    assert scheduler.num_share_preemptions == 2  # B's share, taken once
+    assert not any(s.client == "B" for s in scheduler.running + scheduler.waiting)
+    assert _held(scheduler) == {"A": 4}  # B gone: A's paused ones are back
+
+
+def test_a_paused_sequence_resumes_where_it_stopped():
+    scheduler = _scheduler(slots=2)
+    hog = [_seq("A") for _ in range(2)]
+    for seq in hog:
+        scheduler.add(seq)
+    _run(scheduler, {}, 5)
+    computed = hog[1].num_computed_tokens
+    blocks = list(hog[1].block_table)
+    late = _seq("B")
+    scheduler.add(late)
+    _run(scheduler, {id(late): 4}, 1)
+    assert hog[1] in scheduler.waiting and hog[1].block_table[:len(blocks)] == blocks  # its cache kept
+    _run(scheduler, {id(late): 4}, 6)
+    assert hog[1] in scheduler.running and hog[1].num_computed_tokens > computed
+    assert scheduler.num_preemptions == 0  # nothing was recomputed
+
+
+def test_paused_sequences_give_their_blocks_first_when_the_cache_runs_short():
+    scheduler = Scheduler(BlockManager(num_blocks=8, block_size=4), max_num_seqs=2, max_num_batched_tokens=512)
+    hog = [_seq("A") for _ in range(2)]
+    for seq in hog:
+        scheduler.add(seq)
+    _run(scheduler, {}, 3)
+    late = _seq("B")
+    scheduler.add(late)
+    _run(scheduler, {}, 1)
+    assert hog[1] in scheduler.waiting and hog[1].block_table
+    _run(scheduler, {}, 12)  # the two running grow until the free blocks run out
+    assert scheduler.num_preemptions >= 1 and not hog[1].block_table  # the paused one's blocks went first
+    assert late in scheduler.running and hog[0] in scheduler.running
+
+
+def test_no_slot_is_taken_where_the_newcomer_cannot_start_this_step():
+    # every token of the step goes to the running decodes: a newcomer could not start, so nothing pauses
+    scheduler = Scheduler(BlockManager(num_blocks=4096, block_size=4), max_num_seqs=4, max_num_batched_tokens=4)
+    for seq in [_seq("A") for _ in range(4)]:
+        scheduler.add(seq)
+    _run(scheduler, {}, 6)  # one prompt a step, then four decodes a step
+    assert _held(scheduler) == {"A": 4}
+    scheduler.add(_seq("B"))
+    _run(scheduler, {}, 3)
+    assert scheduler.num_share_preemptions == 0 and _held(scheduler) == {"A": 4}
