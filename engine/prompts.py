@@ -32,7 +32,7 @@ class PromptEncoder:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_bytes_per_token = self._max_bytes_per_token()
-        self.min_tokens_per_message = self._min_tokens_per_message()
+        self.message_floor_by_role = self._message_floors_by_role()
 
     def _max_bytes_per_token(self) -> int:
         """Most input bytes one token can stand for: twice the longest token's UTF-8 text, a margin for
@@ -44,7 +44,7 @@ class PromptEncoder:
                  else [self.tokenizer.decode(i) for i in ids])
         return 2 * max(max(len(t.encode()) for t in texts), 1)
 
-    def _min_tokens_per_message(self) -> dict[str, int]:
+    def _message_floors_by_role(self) -> dict[str, int]:
         """A floor, per role, on the tokens the model's own chat template adds for a message around its
         content (role markers, separators), so a conversation of many tiny messages is refused before it is
         rendered: rendering and tokenizing 16,000 of them took seconds of the serving process's CPU only to
@@ -85,7 +85,7 @@ class PromptEncoder:
                 f"{self.max_model_len} tokens", floor, self.max_model_len - 1)
         if (isinstance(prompt, ChatPrompt) and prompt.token_ids is None and prompt.chat_template is None
                 and not truncate):
-            floor += sum(self.min_tokens_per_message.get(m.role, 0) for m in prompt.messages)
+            floor += sum(self.message_floor_by_role.get(m.role, 0) for m in prompt.messages)
             if floor >= self.max_model_len:
                 raise PromptTooLongError(
                     f"the conversation has {len(prompt.messages)} messages, at least {floor} tokens with this "

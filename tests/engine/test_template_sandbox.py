@@ -103,7 +103,7 @@ def test_a_conversation_of_more_tiny_messages_than_the_context_holds_is_refused_
 
     tokenizer = shared_tokenizer()
     encoder = PromptEncoder(tokenizer, 8192, len(tokenizer))
-    floors = encoder.min_tokens_per_message
+    floors = encoder.message_floor_by_role
     assert all(3 <= floors[role] <= 5 for role in ("system", "user", "assistant", "tool"))
     roles = ("system", "user", "assistant", "tool", "user", "assistant")
     fits = ChatPrompt([ChatMessage(roles[i % len(roles)], ("a", "", "\n")[i % 3]) for i in range(300)])
@@ -126,6 +126,6 @@ def test_a_role_the_template_drops_is_charged_nothing(monkeypatch):
     monkeypatch.setattr(tokenizer, "chat_template", "{% for m in messages %}{% if m.role != 'tool' %}<|im_start|>"
                         "{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}")
     encoder = PromptEncoder(tokenizer, 1024, len(tokenizer))
-    assert encoder.min_tokens_per_message["tool"] == 0 and encoder.min_tokens_per_message["user"] >= 3
+    assert encoder.message_floor_by_role["tool"] == 0 and encoder.message_floor_by_role["user"] >= 3
     tools_heavy = ChatPrompt([ChatMessage("user", "hi")] + [ChatMessage("tool", "x") for _ in range(300)])
     assert len(encoder.encode(tools_heavy)) < 1024
