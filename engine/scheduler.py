@@ -270,15 +270,19 @@ class Scheduler:
         """Admit waiting sequences into the free slots, in two passes over the queue. First, those of
         clients below their share of the slots (``_shares``), each taking a slot from a client over its
         share when the batch is full (``_pause``): a client fills the batch while no one else waits, never
-        keeps it from another, and a free slot goes to a client below its share before one at it, so a
-        slot never moves back and forth. Then everyone in queue order while slots remain. A prompt that
-        does not fit the step's budget, the prefill cap or the cache stops both: the queue keeps its
-        order."""
+        keeps it from another, and a free slot goes to a client below its share before one at it (in
+        priority order), so a slot never moves back and forth. Then everyone in queue order while slots
+        remain. A prompt that does not fit the step's budget, the prefill cap or the cache stops the queue
+        behind it, as it would alone, except for paused answers: each needs one token and holds its cache
+        already, so a prompt waiting for the cap never stalls an answer mid-stream."""
         queue = list(self.waiting)
         held, share, short = self._shares()
+        head = next((s.priority for s in queue if not s.is_blocked), None)
         for seq in queue:
             if not short:
                 break
+            if len(self.running) < self.max_num_seqs and head is not None and seq.priority > head:
+                break  # a free slot goes in priority order: a more important request waits for it
             if seq.client not in short:
                 continue
             if seq.is_blocked or not self._adapter_slot_free(seq):
@@ -290,21 +294,29 @@ class Scheduler:
                 if victim is None:
                     break  # the queue is in priority order: no one after this one may take a slot either
             if not self._admit(seq, batch, room, victim):
-                return
+                break  # the queue's own order decides below
             held[seq.client] += 1
             if held[seq.client] >= share:
                 short.discard(seq.client)
             if victim is not None:
                 held[victim.client] -= 1
+        stalled = False  # a prompt could not start: only paused answers (a decode each) still may
         for seq in queue:
             if len(self.running) >= self.max_num_seqs or room.tokens <= 0:
                 break
             if seq.status == SequenceStatus.RUNNING or seq.is_blocked:
                 continue
+            if stalled and not self._is_paused_decode(seq):
+                continue
             if not self._adapter_slot_free(seq):
                 continue  # every adapter slot is pinned by running sequences: wait for one
             if not self._admit(seq, batch, room):
-                return
+                stalled = True
+
+    @staticmethod
+    def _is_paused_decode(seq: Sequence) -> bool:
+        """A waiting sequence paused mid-answer with its blocks: it resumes as a decode (one token)."""
+        return bool(seq.block_table) and seq.num_uncomputed_tokens == 1
 
     def _admit(self, seq: Sequence, batch: ScheduledBatch, room: _Room, victim: Sequence | None = None) -> bool:
         """Admit one waiting sequence with its first chunk (a paused one resumes where it stopped), after
@@ -313,7 +325,7 @@ class Scheduler:
         bm = self.block_manager
         if room.tokens <= 0:
             return False
-        if seq.block_table and seq.num_uncomputed_tokens == 1:  # paused mid-answer: a decode
+        if self._is_paused_decode(seq):
             n = self._fit_evicting_paused(seq, 1)
         else:
             # before its blocks are taken: whether a prompt is long depends on what the cache holds of it
@@ -327,8 +339,9 @@ class Scheduler:
                 seq, room.tokens, room.prefill, room.capped)))
         if n == 0:
             bm.free(seq)  # keep its cached prefix evictable while it waits
-            if seq in self._paused:
+            if seq in self._paused:  # its blocks are gone: recomputed when admitted
                 self._paused.remove(seq)
+                self.num_preemptions += 1
             seq.reset_for_recompute()
             return False
         if victim is not None:

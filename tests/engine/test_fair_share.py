@@ -4,6 +4,7 @@ that queued many requests before another cannot starve it."""
 
 from __future__ import annotations
 
+import random
 from typing import cast
 
 import pytest
@@ -328,3 +329,93 @@ def test_no_slot_is_taken_where_the_newcomer_cannot_start_this_step():
     scheduler.add(_seq("B"))
     _run(scheduler, {}, 3)
     assert scheduler.num_share_preemptions == 0 and _held(scheduler) == {"A": 4}
+
+
+def _random_seq(rng: random.Random, n: int) -> Sequence:
+    class _Detok:
+        pass
+    tokens = [rng.randrange(10, 40) for _ in range(rng.choice([3, 8, 20]))]
+    request = GenerationRequest(f"q{n}", TokensPrompt(tokens), SamplingParams(max_tokens=64),
+                                priority=rng.choice([0, 0, 0, 1]), client=rng.choice("ABBC"))
+    return Sequence(request, list(tokens), cast(IncrementalDetokenizer, _Detok()), 1000)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_traffic_keeps_the_books_and_drains(seed):
+    """Clients, priorities, aborts and a small cache at random: each step no sequence is both running and
+    waiting, every paused one waits holding blocks, the blocks in use are exactly those the sequences hold;
+    afterwards everything finishes and every block is free."""
+    rng = random.Random(seed)
+    scheduler = Scheduler(BlockManager(num_blocks=rng.choice([24, 60, 400]), block_size=4),
+                          max_num_seqs=rng.choice([2, 3, 4, 6]), max_num_batched_tokens=rng.choice([16, 32, 128]))
+    lengths: dict[int, int] = {}
+    live: list[Sequence] = []
+    for step in range(3000):
+        if step < 300 and rng.random() < 0.35:
+            seq = _random_seq(rng, step)
+            lengths[id(seq)] = rng.choice([2, 10, 30])
+            live.append(seq)
+            scheduler.add(seq)
+        if live and rng.random() < 0.02:
+            scheduler.remove(live.pop(rng.randrange(len(live))))  # an abort, wherever it is
+        batch = scheduler.schedule()
+        for seq in batch.out_of_cache:
+            scheduler.remove(seq)
+        for seq, n in batch.prefills:
+            seq.num_computed_tokens += n
+        for seq in batch.decodes:
+            seq.num_computed_tokens += 1
+        for seq in [s for s, _ in batch.prefills if s.num_uncomputed_tokens == 0] + batch.decodes:
+            seq.token_ids.append(5)
+            if len(seq.token_ids) - seq.num_prompt_tokens >= lengths[id(seq)]:
+                scheduler.remove(seq)
+        running, waiting = set(map(id, scheduler.running)), set(map(id, scheduler.waiting))
+        assert not running & waiting and len(running) <= scheduler.max_num_seqs
+        assert all(id(s) in waiting and s.block_table for s in scheduler._paused)
+        held = {b for s in scheduler.running + scheduler.waiting for b in s.block_table}
+        assert scheduler.block_manager.num_used_blocks == len(held)
+        if step >= 300 and not scheduler.has_work():
+            break
+    assert not scheduler.has_work() and scheduler.block_manager.num_used_blocks == 0
+
+
+def _prompt_seq(client: str, length: int, priority: int = 5) -> Sequence:
+    class _Detok:
+        pass
+    n = next(_ids)
+    tokens = [(n * 31 + j) % 30000 + 5 for j in range(length)]
+    request = GenerationRequest(f"p{n}", TokensPrompt(tokens), SamplingParams(max_tokens=64), priority=priority,
+                                client=client)
+    return Sequence(request, list(tokens), cast(IncrementalDetokenizer, _Detok()), 100_000)
+
+
+def test_a_free_slot_still_goes_in_priority_order():
+    scheduler = _scheduler(slots=3)
+    for seq in [_seq("A", priority=0) for _ in range(3)]:
+        scheduler.add(seq)
+    _run(scheduler, {}, 2)
+    urgent, batch_job = _seq("A", priority=0), _seq("B", priority=9)
+    scheduler.add(urgent)
+    scheduler.add(batch_job)
+    _run(scheduler, {}, 1)
+    scheduler.remove(scheduler.running[0])
+    _run(scheduler, {}, 1)
+    assert urgent in scheduler.running and batch_job in scheduler.waiting  # B is below its share, yet waits
+
+
+def test_a_prompt_waiting_for_the_prefill_cap_never_stalls_a_paused_answer():
+    scheduler = Scheduler(BlockManager(num_blocks=100_000, block_size=4), max_num_seqs=3, max_num_batched_tokens=64,
+                          long_prefill_token_threshold=8)
+    answers = [_prompt_seq("A", 8) for _ in range(3)]
+    for seq in answers:
+        scheduler.add(seq)
+    _run(scheduler, {}, 3)
+    scheduler.add(_prompt_seq("B", 400))  # takes a slot from A: A's latest answer is paused
+    _run(scheduler, {}, 1)
+    paused = answers[2]
+    assert paused in scheduler.waiting
+    scheduler.add(_prompt_seq("C", 400))  # another long prompt: it waits for the cap while B's is prefilled
+    _run(scheduler, {}, 1)
+    scheduler.remove(answers[0])  # a slot frees
+    _run(scheduler, {}, 1)
+    assert paused in scheduler.running  # resumed at once, not after B's whole prefill
