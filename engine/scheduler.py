@@ -100,6 +100,9 @@ class Scheduler:
         self.num_preemptions = 0  # for KV space
         self.num_share_preemptions = 0  # for another client's share of the running slots
         self._paused: list[Sequence] = []  # waiting with their KV blocks kept (_pause), latest last
+        # an adapter no new sequence may pin while a sequence waits for a slot every adapter in use holds
+        # (_drain_for_waiting_adapters)
+        self._draining: str | None = None
         # Fair share of the running slots (start-time fair queuing, one unit per sequence): a sequence's
         # fair_tag is max(the priority's virtual time, its client's previous tag + 1), and the wait queue is
         # ordered by (priority, tag, arrival). Virtual time is the largest tag admitted so far, so a client
@@ -183,11 +186,34 @@ class Scheduler:
         return self.lora_manager, seq.lora_adapter
 
     def _adapter_slot_free(self, seq: Sequence) -> bool:
-        """Whether a waiting sequence's adapter (if any) can be pinned now."""
+        """Whether a waiting sequence's adapter (if any) can be pinned now (not one being drained)."""
         if seq.lora_name is None:
             return True
         manager, adapter = self._lora_of(seq)
-        return manager.can_acquire(adapter.key)
+        return adapter.key != self._draining and manager.can_acquire(adapter.key)
+
+    def _drain_for_waiting_adapters(self, queue: list[Sequence]) -> None:
+        """While a waiting sequence's adapter has no slot (every slot pinned by running sequences of other
+        adapters), no new sequence may pin the adapter holding the fewest running sequences, so its slot
+        frees as they finish and the waiting adapter is loaded into it. Without this, a client keeping its
+        own adapters' sequences running would keep every other adapter waiting for good. The drain ends
+        once no waiting sequence needs an adapter that is not loaded."""
+        manager = self.lora_manager
+        if manager is None:
+            return
+        needing = [s for s in queue if s.lora_name is not None and not s.is_blocked
+                   and self._lora_of(s)[1].key not in manager.slot_of]
+        if not needing:
+            self._draining = None
+            return
+        if self._draining is not None and self._draining in manager.slot_of:
+            return
+        self._draining = None
+        if any(manager.can_acquire(self._lora_of(s)[1].key) for s in needing):
+            return  # a slot is free or unpinned: nothing to drain
+        pinned = [(manager.pins[slot], key) for key, slot in manager.slot_of.items() if manager.pins[slot] > 0]
+        if pinned:
+            self._draining = min(pinned)[1]
 
     def _fit(self, seq: Sequence, wanted: int) -> int:
         """How many of ``wanted`` tokens fit in the blocks the sequence has plus the free ones."""
@@ -276,6 +302,7 @@ class Scheduler:
         behind it, as it would alone, except for paused answers: each needs one token and holds its cache
         already, so a prompt waiting for the cap never stalls an answer mid-stream."""
         queue = list(self.waiting)
+        self._drain_for_waiting_adapters(queue)
         held, share, short = self._shares()
         head = next((s.priority for s in queue if not s.is_blocked), None)
         for seq in queue:

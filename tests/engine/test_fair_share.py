@@ -419,3 +419,70 @@ def test_a_prompt_waiting_for_the_prefill_cap_never_stalls_a_paused_answer():
     scheduler.remove(answers[0])  # a slot frees
     _run(scheduler, {}, 1)
     assert paused in scheduler.running  # resumed at once, not after B's whole prefill
+
+
+class _Slots:
+    """The LoRA manager's slot bookkeeping alone (engine/lora.py LoraManager): pins per slot, least
+    recently used eviction; no weights."""
+
+    def __init__(self, n: int) -> None:
+        self.pins = [0] * n
+        self.free_slots = list(range(n))
+        self.slot_of: dict[str, int] = {}
+
+    def can_acquire(self, key: str) -> bool:
+        return key in self.slot_of or bool(self.free_slots) or any(self.pins[s] == 0 for s in self.slot_of.values())
+
+    def acquire(self, adapter) -> int:
+        if adapter.key not in self.slot_of:
+            if self.free_slots:
+                slot = self.free_slots.pop(0)
+            else:
+                victim = next(k for k, s in self.slot_of.items() if self.pins[s] == 0)
+                slot = self.slot_of.pop(victim)
+            self.slot_of[adapter.key] = slot
+        self.pins[self.slot_of[adapter.key]] += 1
+        return self.slot_of[adapter.key]
+
+    def release(self, slot: int) -> None:
+        self.pins[slot] -= 1
+
+
+def _adapter_seq(client: str, adapter: str) -> Sequence:
+    from engine.lora import LoraAdapter
+    from engine.request import LoraRef
+
+    class _Detok:
+        pass
+    n = next(_ids)
+    request = GenerationRequest(f"l{n}", TokensPrompt([n % 1000, 7, 8, 9]), SamplingParams(max_tokens=64),
+                                client=client, lora=LoraRef(name=adapter))
+    return Sequence(request, [n % 1000, 7, 8, 9], cast(IncrementalDetokenizer, _Detok()), 1000,
+                    lora_adapter=LoraAdapter(adapter, 8, 1.0, {}, key=f"md5:{adapter}"))
+
+
+def test_a_client_keeping_every_adapter_slot_pinned_cannot_keep_another_adapter_waiting():
+    from engine.lora import LoraManager
+
+    slots = _Slots(2)
+    scheduler = Scheduler(BlockManager(num_blocks=4096, block_size=4), max_num_seqs=16, max_num_batched_tokens=512,
+                          lora_manager=cast(LoraManager, slots))
+    lengths: dict[int, int] = {}
+
+    def submit(seq: Sequence, length: int) -> Sequence:
+        lengths[id(seq)] = length
+        scheduler.add(seq)
+        return seq
+
+    for adapter in ("x", "x", "y", "y", "y"):
+        submit(_adapter_seq("A", adapter), 6)
+    _run(scheduler, lengths, 2)
+    other = submit(_adapter_seq("B", "z"), 6)
+    for step in range(40):  # A keeps both of its adapters busy: a new request on each, every step
+        submit(_adapter_seq("A", "x"), 6)
+        submit(_adapter_seq("A", "y"), 6)
+        _run(scheduler, lengths, 1)
+        if other not in scheduler.waiting:
+            break
+    assert other not in scheduler.waiting, "the other adapter never got a slot"
+    assert step <= 8  # as soon as the lighter adapter's running sequences finished
