@@ -32,17 +32,6 @@ def _disagreements(body: Any) -> list[str]:
     return [name for name in NAMES if schemas.is_valid(name, body) and not schemas.validator(name).is_valid(body)]
 
 
-def _paths(node: Any, prefix: tuple = ()) -> list[tuple]:
-    out = [prefix] if prefix else []
-    if isinstance(node, dict):
-        for key, value in node.items():
-            out += _paths(value, prefix + (key,))
-    elif isinstance(node, list):
-        for i, value in enumerate(node):
-            out += _paths(value, prefix + (i,))
-    return out
-
-
 def test_every_endpoints_valid_body_is_cleared_by_the_compiled_validator():
     for name, target in TARGETS.items():
         accepted = [n for n in NAMES if schemas.is_valid(n, target.base)]
@@ -69,7 +58,7 @@ def test_the_corpus_bodies_are_never_accepted_where_jsonschema_refuses():
 def mutated(draw) -> Any:
     body = json.loads(json.dumps(draw(st.sampled_from([t.base for t in TARGETS.values()]))))
     for _ in range(draw(st.integers(min_value=1, max_value=3))):
-        paths = _paths(body)
+        paths = corpus.paths(body)
         path = draw(st.sampled_from(paths)) if paths else ()
         parent = body
         for key in path[:-1]:

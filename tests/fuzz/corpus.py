@@ -19,6 +19,18 @@ TIMEOUT_S = 30.0
 _FILL = re.compile(r"@(\d+)@")
 
 
+def paths(node: Any, prefix: tuple = ()) -> list[tuple]:
+    """The path (keys and indexes) of every value inside ``node``, for mutating one."""
+    out = [prefix] if prefix else []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            out += paths(value, prefix + (key,))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            out += paths(value, prefix + (i,))
+    return out
+
+
 def load() -> list[dict[str, Any]]:
     return [json.loads(line) for line in CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()]
 

@@ -35,17 +35,6 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.di
 deep = st.integers(min_value=60, max_value=3000).map(lambda n: {"$deep": n})
 
 
-def _paths(node: Any, prefix: tuple = ()) -> list[tuple]:
-    out = [prefix] if prefix else []
-    if isinstance(node, dict):
-        for k, v in node.items():
-            out += _paths(v, prefix + (k,))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            out += _paths(v, prefix + (i,))
-    return out
-
-
 def _short_answers(node: Any) -> None:
     """A mutation may leave a valid, long answer: keep every length at most 8 tokens (no hang by design)."""
     if isinstance(node, dict):
@@ -83,7 +72,7 @@ def cases(draw) -> dict[str, Any]:
     name = draw(st.sampled_from(sorted(TARGETS)))
     body = json.loads(json.dumps(TARGETS[name].base))
     for _ in range(draw(st.integers(min_value=1, max_value=3))):
-        paths = _paths(body)
+        paths = corpus.paths(body)
         new = draw(values | deep)
         if paths and draw(st.booleans()):
             path = draw(st.sampled_from(paths))
