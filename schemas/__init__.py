@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from importlib import resources
 from typing import Any, TypeVar
 
 import jsonschema_rs
-from jsonschema import Draft202012Validator
+from jsonschema import Draft202012Validator, validators
 from jsonschema.exceptions import ValidationError, best_match
 from referencing import Registry, Resource
 
@@ -35,10 +36,29 @@ def registry() -> Registry:
 
 
 @cache
+def _ecma_regex(pattern: str) -> re.Pattern[str]:
+    """A schema's ``pattern`` as ECMA-262 reads it, where the schemas are written for: a final ``$`` is the
+    end of the string. Python's ``$`` also matches before a trailing newline, so ``^[a-z]{1,64}$`` let 64
+    letters and a newline through (65 characters) where the compiled validator and other JSON Schema tools
+    refuse them."""
+    if pattern.endswith("$") and not pattern.endswith("\\$"):
+        pattern = pattern[:-1] + "\\Z"
+    return re.compile(pattern)
+
+
+def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[ValidationError]:
+    if validator.is_type(instance, "string") and not _ecma_regex(pattern).search(instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+_Validator = validators.extend(Draft202012Validator, {"pattern": _pattern})
+
+
+@cache
 def validator(name: str) -> Draft202012Validator:
     schema = load_schema(name)
     Draft202012Validator.check_schema(schema)
-    return Draft202012Validator(schema, registry=registry())
+    return _Validator(schema, registry=registry())
 
 
 @cache

@@ -21,7 +21,8 @@ NAMES = schemas.available()
 # negative numbers, empty and newline-ended strings (a pattern's "$"), containers of the wrong kind
 EDGES = [None, True, False, 0, -1, 1, 1.0, 1.5, -0.0, 2**53 + 1, 10**30, -(10**30), 1e308, "", "a", "abc\n",
          "a" * 65, "0123456789abcdef0123456789abcdef", "0123456789abcdef0123456789abcdef\n", "user",
-         "assistant", "system", "text", [], {}, [1], {"type": "text", "text": "x"}, ["x"]]
+         "assistant", "system", "text", [], {}, [1], {"type": "text", "text": "x"}, ["x"],
+         float("inf"), float("-inf")]  # the body parser reads 1e400 as infinity
 edges = st.sampled_from(EDGES) | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
 values = st.recursive(edges, lambda inner: st.lists(inner, max_size=3)
                       | st.dictionaries(st.sampled_from(["type", "text", "role", "content", "x"]), inner, max_size=3),
@@ -91,4 +92,15 @@ def test_a_valid_body_never_reaches_jsonschema(monkeypatch):
         raise AssertionError(f"jsonschema was asked about a valid body ({name})")
 
     monkeypatch.setattr(schemas, "validator", refuse)
+    assert schemas.first_error("anthropic-messages", body) is None
+
+
+def test_a_pattern_ends_at_the_end_of_the_string_for_both_validators():
+    # Python's "$" also matches before a trailing newline; the schemas' patterns mean the end (ECMA-262)
+    tool = {"name": "a" * 64 + "\n", "input_schema": {"type": "object"}}
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    assert not schemas.is_valid("anthropic-messages", body)
+    error = schemas.first_error("anthropic-messages", body)
+    assert error is not None and list(error.absolute_path) == ["tools", 0, "name"]
+    tool["name"] = "a" * 64
     assert schemas.first_error("anthropic-messages", body) is None
