@@ -270,14 +270,19 @@ class Scheduler:
 
     def _shares(self) -> tuple[Counter[str | None], int, set[str | None]]:
         """The running slots each client holds, the share of them each may hold (``max_num_seqs`` / the
-        clients running or waiting), and the waiting clients below it that can get a slot: in a full batch,
-        only those waiting at a priority some sequence over its share does not outrank. None below it where
-        nothing contends: no one waits, or the free slots take every waiting sequence."""
+        clients running or waiting for a slot they can get), and the waiting clients below it that can get a
+        slot: in a full batch, only those waiting at a priority some sequence over its share does not
+        outrank. None below it where nothing contends: no one waits, or the free slots take every waiting
+        sequence."""
         free = self.max_num_seqs - len(self.running)
         if len(self.waiting) <= free:
             return Counter(), 0, set()
         held = Counter(seq.client for seq in self.running)
-        share = max(1, self.max_num_seqs // len(held.keys() | {client for _, client in self._clients}))
+        # a client waiting only at a priority less important than every running sequence's takes no slot
+        # from a full batch: it does not divide the slots
+        worst = max((seq.priority for seq in self.running), default=None)
+        contending = {client for priority, client in self._clients if free > 0 or worst is None or priority <= worst}
+        share = max(1, self.max_num_seqs // len(held.keys() | contending))
         # the least important priority a slot can be taken from (larger is less important)
         lowest = max((s.priority for s in self.running if held[s.client] > share), default=None) if free <= 0 else None
         return held, share, {client for priority, client in self._clients if held[client] < share and (

@@ -477,3 +477,14 @@ def test_a_client_keeping_every_adapter_slot_pinned_cannot_keep_another_adapter_
         _run(scheduler, lengths, 1)
         waited += 1
     assert waited <= 8  # as soon as the lighter adapter's running sequences finished (before: never)
+
+
+def test_a_client_that_cannot_take_a_slot_does_not_shrink_the_others_share():
+    scheduler = _scheduler(slots=4)
+    for seq in [_seq("A") for _ in range(4)]:
+        scheduler.add(seq)
+    _run(scheduler, {}, 2)
+    for seq in [_seq("B") for _ in range(3)] + [_seq("C", priority=9)]:  # C is less important than all
+        scheduler.add(seq)
+    _run(scheduler, {}, 2)
+    assert _held(scheduler) == {"A": 2, "B": 2}  # 4 slots between the two that contend, not 4 / 3
