@@ -159,7 +159,6 @@ class ApiKeyMiddleware:
     def __init__(self, app, api_key: str,
                  refusal_of: RefusalOf | None = None) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
         self.key = api_key.encode()
         self.refusal_of = refusal_of
 
@@ -170,7 +169,7 @@ class ApiKeyMiddleware:
             return
         headers = dict(scope["headers"])
         given, key = headers.get(b"authorization", b""), headers.get(b"x-api-key")
-        if not (hmac.compare_digest(given, self.expected) or (key is not None and hmac.compare_digest(key, self.key))):
+        if not carries_api_key(headers, self.key):
             message = "invalid API key" if given or key is not None else "missing Authorization header"
             message += " (send Authorization: Bearer <key> or x-api-key: <key>)"
             render = self.refusal_of(scope["path"]) if self.refusal_of is not None else None
@@ -179,6 +178,14 @@ class ApiKeyMiddleware:
             await refusal(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+def carries_api_key(headers: dict[bytes, bytes], api_key: bytes) -> bool:
+    """Whether raw request headers carry the API key: ``Authorization: Bearer <key>`` or ``x-api-key: <key>``
+    (compared in constant time)."""
+    key = headers.get(b"x-api-key")
+    return hmac.compare_digest(headers.get(b"authorization", b""), b"Bearer " + api_key) or (
+        key is not None and hmac.compare_digest(key, api_key))
 
 
 def denial(err: AuthError) -> JSONResponse:

@@ -42,6 +42,7 @@ from lora_store.resolver import (
 )
 from lora_store.store import pack_key
 from schemas.json_body import JsonBodyError, parse_json
+from spark_server.auth import carries_api_key
 
 if TYPE_CHECKING:
     from lora_store.shelf import PackShelf
@@ -85,11 +86,21 @@ async def version_endpoint(request: Request) -> JSONResponse:
     return JSONResponse({"version": _version(), "server": "spark-server"})
 
 
+def _model_path(request: Request, replica: Replica) -> str:
+    """The model's path for the open info endpoints (routers read them before they hold any key): under
+    --api-key, only a caller that sends the key sees where the model lies on disk; others see its name."""
+    info, api_key = replica.engine.model_info, replica.settings.api_key
+    if api_key and not carries_api_key({k.lower(): v for k, v in request.headers.raw}, api_key.encode()):
+        return info.name
+    return info.path
+
+
 async def server_info(request: Request, replica: Replica) -> JSONResponse:
     engine, settings = replica.engine, replica.settings
     info = engine.model_info
+    path = _model_path(request, replica)
     return JSONResponse({
-        "model_path": info.path, "served_model_name": info.name, "tokenizer_path": info.path,
+        "model_path": path, "served_model_name": info.name, "tokenizer_path": path,
         "context_length": info.max_model_len, "max_running_requests": settings.max_num_seqs,
         "tp_size": 1, "dp_size": 1, "pp_size": 1, "is_embedding": False, "version": _version(),
         "disaggregation_mode": "null", "device": info.device, "dtype": info.dtype,
@@ -99,7 +110,8 @@ async def server_info(request: Request, replica: Replica) -> JSONResponse:
 
 async def model_info(request: Request, replica: Replica) -> JSONResponse:
     info = replica.engine.model_info
-    return JSONResponse({"model_path": info.path, "tokenizer_path": info.path, "is_generation": True,
+    path = _model_path(request, replica)
+    return JSONResponse({"model_path": path, "tokenizer_path": path, "is_generation": True,
                          "has_image_understanding": False, "has_audio_understanding": False,
                          "model_type": info.model_type, "architectures": None, "served_model_name": info.name})
 

@@ -139,3 +139,15 @@ def test_a_refused_handshake_logs_no_error(caplog):
             assert _refused(server.ws_url + "?date=x")[0] == 401
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == []
+
+
+def test_the_open_info_endpoints_show_the_models_path_only_to_a_caller_with_the_key(auth_server):
+    info = auth_server.engine.model_info
+    for path in ("/server_info", "/model_info"):
+        url = auth_server.http_url + path
+        anonymous = httpx.get(url).json()  # open: routers read them
+        assert anonymous["model_path"] == anonymous["tokenizer_path"] == info.name
+        assert info.path not in httpx.get(url).text
+        keyed = httpx.get(url, headers={"Authorization": f"Bearer {API_KEY}"}).json()
+        assert keyed["model_path"] == info.path
+        assert httpx.get(url, headers={"x-api-key": API_KEY}).json()["model_path"] == info.path
