@@ -164,8 +164,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self._dequeue(seq, admitted=False)
-            if seq in self._paused:
-                self._paused.remove(seq)
+            self._unpause(seq)
         self.block_manager.free(seq)
         self._release_lora(seq)
         seq.status = SequenceStatus.FINISHED
@@ -190,7 +189,7 @@ class Scheduler:
         if seq.lora_name is None:
             return True
         manager, adapter = self._lora_of(seq)
-        return adapter.key != self._draining and manager.can_acquire(adapter.key)
+        return seq.lora_key != self._draining and manager.can_acquire(adapter.key)
 
     def _drain_for_waiting_adapters(self, queue: list[Sequence]) -> None:
         """While a waiting sequence's adapter has no slot (every slot pinned by running sequences of other
@@ -201,15 +200,15 @@ class Scheduler:
         manager = self.lora_manager
         if manager is None:
             return
-        needing = [s for s in queue if s.lora_name is not None and not s.is_blocked
-                   and self._lora_of(s)[1].key not in manager.slot_of]
+        needing = [s.lora_key for s in queue if s.lora_key is not None and not s.is_blocked
+                   and s.lora_key not in manager.slot_of]
         if not needing:
             self._draining = None
             return
         if self._draining is not None and self._draining in manager.slot_of:
             return
         self._draining = None
-        if any(manager.can_acquire(self._lora_of(s)[1].key) for s in needing):
+        if any(manager.can_acquire(key) for key in needing):
             return  # a slot is free or unpinned: nothing to drain
         pinned = [(manager.pins[slot], key) for key, slot in manager.slot_of.items() if manager.pins[slot] > 0]
         if pinned:
@@ -227,6 +226,7 @@ class Scheduler:
         self._release_lora(seq)
         seq.reset_for_recompute()
         self._enqueue(seq)  # with its tag: back at the head of its client's queue
+        self.num_preemptions += 1
 
     def _pause(self, seq: Sequence, batch: ScheduledBatch, room: _Room) -> None:
         """Take a running sequence out of the batch for another client's share of the slots, keeping its KV
@@ -250,6 +250,13 @@ class Scheduler:
         self._paused.append(seq)
         self.num_share_preemptions += 1
         batch.num_preempted += 1
+
+    def _unpause(self, seq: Sequence) -> bool:
+        """Drop ``seq`` from the paused ones (admitted, aborted, or its blocks freed); whether it was one."""
+        if seq in self._paused:
+            self._paused.remove(seq)
+            return True
+        return False
 
     def _evict_paused(self) -> bool:
         """Free the latest paused sequence's blocks (it is recomputed when resumed); False if none is."""
@@ -371,16 +378,14 @@ class Scheduler:
                 seq, room.tokens, room.prefill, room.capped)))
         if n == 0:
             bm.free(seq)  # keep its cached prefix evictable while it waits
-            if seq in self._paused:  # its blocks are gone: recomputed when admitted
-                self._paused.remove(seq)
+            if self._unpause(seq):  # its blocks are gone: recomputed when admitted
                 self.num_preemptions += 1
             seq.reset_for_recompute()
             return False
         if victim is not None:
             self._pause(victim, batch, room)
         self._dequeue(seq, admitted=True)
-        if seq in self._paused:
-            self._paused.remove(seq)
+        self._unpause(seq)
         if seq.lora_name is not None:
             manager, adapter = self._lora_of(seq)
             seq.lora_slot = manager.acquire(adapter)
@@ -424,7 +429,6 @@ class Scheduler:
             while n == 0 and self.running[-1] is not seq:
                 victim = self.running[-1]
                 self._preempt(victim)
-                self.num_preemptions += 1
                 batch.num_preempted += 1
                 n = self._fit(seq, wanted)
             if n == 0:
@@ -435,7 +439,6 @@ class Scheduler:
                     batch.out_of_cache.append(seq)
                     continue
                 self._preempt(seq)  # nothing else to take from: wait for blocks
-                self.num_preemptions += 1
                 batch.num_preempted += 1
                 continue
             if decoding:

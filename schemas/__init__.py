@@ -62,10 +62,15 @@ def validator(name: str) -> Draft202012Validator:
 
 
 @cache
+def _fast_registry() -> jsonschema_rs.Registry:
+    """``registry()``'s schemas, for jsonschema-rs."""
+    return jsonschema_rs.Registry([(load_schema(n)["$id"], load_schema(n)) for n in available()])
+
+
+@cache
 def fast_validator(name: str) -> jsonschema_rs.Validator:
     """Schema ``name`` compiled by jsonschema-rs (the same schemas and registry; Rust, no Python per node)."""
-    resources = [(load_schema(n)["$id"], load_schema(n)) for n in available()]
-    return jsonschema_rs.Draft202012Validator(load_schema(name), registry=jsonschema_rs.Registry(resources))
+    return jsonschema_rs.Draft202012Validator(load_schema(name), registry=_fast_registry())
 
 
 def is_valid(name: str, instance: Any) -> bool:
