@@ -161,13 +161,13 @@ def test_every_protocol_through_the_front_end_equals_a_single_server(fleet):
     assert r.status_code == 200 and r.json()["header"]["code"] == 0
 
     def chat(base: str) -> str:
-        client = OpenAI(base_url=base + "/v1", api_key=KEY, http_client=httpx.Client(verify=TLS))  # type: ignore[arg-type]  # httpx2's type
+        client = OpenAI(base_url=base + "/v1", api_key=KEY, http_client=httpx.Client(verify=TLS))
         out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a color."}],
                                              max_tokens=16, temperature=0)
         return out.choices[0].message.content or ""
 
     def stream(base: str) -> str:
-        client = OpenAI(base_url=base + "/v1", api_key=KEY, http_client=httpx.Client(verify=TLS))  # type: ignore[arg-type]  # httpx2's type
+        client = OpenAI(base_url=base + "/v1", api_key=KEY, http_client=httpx.Client(verify=TLS))
         parts = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=12, temperature=0,
                                           stream=True)
         return "".join(p.choices[0].text for p in parts if p.choices)
