@@ -258,11 +258,13 @@ class Scheduler:
             return True
         return False
 
-    def _evict_paused(self) -> bool:
-        """Free the latest paused sequence's blocks (it is recomputed when resumed); False if none is."""
-        if not self._paused:
+    def _evict_paused(self, keep: Sequence) -> bool:
+        """Free the latest paused sequence's blocks (it is recomputed when resumed), never those of ``keep``,
+        the sequence the room is made for (a paused one resuming); False if no other is paused."""
+        seq = next((s for s in reversed(self._paused) if s is not keep), None)
+        if seq is None:
             return False
-        seq = self._paused.pop()
+        self._paused.remove(seq)
         self.block_manager.free(seq)
         seq.reset_for_recompute()
         self.num_preemptions += 1
@@ -271,7 +273,7 @@ class Scheduler:
     def _fit_evicting_paused(self, seq: Sequence, wanted: int) -> int:
         """``_fit``, after freeing paused sequences' blocks where the free ones are too few."""
         n = self._fit(seq, wanted)
-        while n == 0 and self._evict_paused():
+        while n == 0 and self._evict_paused(keep=seq):
             n = self._fit(seq, wanted)
         return n
 

@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import GenerationRequest, TokensPrompt
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler, _Room
 from engine.sequence import Sequence
 
 _ids = iter(range(10**6))
@@ -319,6 +319,27 @@ def test_paused_sequences_give_their_blocks_first_when_the_cache_runs_short():
     _run(scheduler, {}, 12)  # the two running grow until the free blocks run out
     assert scheduler.num_preemptions >= 1 and not hog[1].block_table  # the paused one's blocks went first
     assert late in scheduler.running and hog[0] in scheduler.running
+
+
+def test_a_paused_answer_resuming_into_a_full_cache_frees_another_paused_answers_blocks_not_its_own():
+    # two answers paused with their blocks exactly full, every other block taken: the later one resumes
+    # first (it heads its client's queue) and needs a block for its next token
+    scheduler = Scheduler(BlockManager(num_blocks=6, block_size=4), max_num_seqs=4, max_num_batched_tokens=512)
+    bm = scheduler.block_manager
+    earlier, later, other = _seq("A"), _seq("A"), _seq("B")
+    for seq in (earlier, later, other):
+        scheduler.add(seq)
+    _step(scheduler)  # each prompt (one block) computed
+    for seq in (earlier, later):
+        seq.token_ids.append(5)  # the token its prompt gave: one to compute on resuming
+        scheduler._pause(seq, ScheduledBatch(), _Room(tokens=0, prefill=0.0, capped=False))
+    bm.append_slots(other, bm.num_free_blocks * bm.block_size)  # every free block to the running one
+    assert bm.num_free_blocks == 0 and len(later.block_table) == 1 and later.num_computed_tokens == 4
+    kept = list(later.block_table)
+    assert scheduler._fit_evicting_paused(later, 1) == 1
+    assert later.block_table == kept and later.num_computed_tokens == 4  # resumes where it stopped
+    assert not earlier.block_table and earlier.num_computed_tokens == 0  # recomputed when it resumes
+    assert scheduler._paused == [later] and scheduler.num_preemptions == 1
 
 
 def test_no_slot_is_taken_where_the_newcomer_cannot_start_this_step():
