@@ -147,6 +147,18 @@ def test_gguf_greedy_through_the_two_term_fallback_equals_the_reference_forward(
     assert batches and max(batches) > 1
 
 
+def _references(int8_activations: bool = False):
+    """Each packed linear's reference, built once (it dequantizes the weights) on the first call that asks."""
+    built: dict[int, ReferenceLinear] = {}
+
+    def reference(linear: PackedLinear) -> ReferenceLinear:
+        if id(linear) not in built:
+            assert linear.quantized is not None
+            built[id(linear)] = ReferenceLinear(linear.quantized, linear.bias, int8_activations=int8_activations)
+        return built[id(linear)]
+    return reference
+
+
 def test_int8_activations_compute_their_reference_in_the_model(monkeypatch):
     """--linear-activations int8, on the model's own activations (massive ones included: this model's
     down projections see inputs in the thousands): every 4-bit linear of a prefill equals the int8
@@ -157,11 +169,12 @@ def test_int8_activations_compute_their_reference_in_the_model(monkeypatch):
     engine.model.layers_in_one_call = False  # each projection through PackedLinear.__call__, to be watched
     seen = []
     kernel_call = PackedLinear.__call__
+    references = _references(int8_activations=True)
 
     def checked(self, x, fp32_out=False):
         y = kernel_call(self, x, fp32_out=True)
         if self.int8_activations:
-            want = ReferenceLinear(self.quantized, self.bias, int8_activations=True)(x, fp32_out=True)
+            want = references(self)(x, fp32_out=True)
             scale = want.abs().amax(dim=1, keepdim=True) + 1.0
             seen.append(float(((y - want).abs() / scale).max()))
         return y if fp32_out else y.to(x.dtype)
@@ -189,12 +202,13 @@ def test_int8_prompt_activations_split_each_prompt_step_by_row(monkeypatch, per_
     calls: list[tuple[bool | None, int, tuple[int, ...] | None]] = []
     errors = []
     kernel_call = PackedLinear.__call__
+    references = _references()
 
     def checked(self, x, fp32_out=False, int8=None, out=None, int8_rows=None):
         y = kernel_call(self, x, fp32_out=True, int8=int8, int8_rows=int8_rows)
         if self.takes_int8_activations:
             calls.append((int8, x.shape[0], tuple(int8_rows.tolist()) if int8_rows is not None else None))
-            reference = ReferenceLinear(self.quantized, self.bias)
+            reference = references(self)
             want = (reference(x, fp32_out=True, int8_rows=int8_rows) if int8_rows is not None
                     else reference(x, fp32_out=True, int8=bool(int8)))
             errors.append(float(((y - want).abs() / (want.abs().amax(dim=1, keepdim=True) + 1.0)).max()))

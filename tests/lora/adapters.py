@@ -64,24 +64,24 @@ def make_random_adapter(model_dir: str, out: Path, targets: list[str], rank: int
 
 
 def peft_greedy(model_dir: str, adapters: list[Path | None], prompts: list[list[int]],
-                max_new_tokens: int) -> list[list[list[int]]]:
+                max_new_tokens: int, pad: int = 2) -> list[list[list[int]]]:
     """PEFT's own greedy continuations of each prompt under each adapter (None: the base model), one
-    model load for them all: each adapter is wrapped around the base and unloaded again after."""
+    model load for them all: each adapter is wrapped around the base and unloaded again after. The prompts
+    go in one left-padded batch; a row that ends early is padded with ``pad`` after its end."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     results = []
     for adapter in adapters:
         model = PeftModel.from_pretrained(base, str(adapter)).eval() if adapter is not None else base
-        outs = []
         with torch.inference_mode():
-            for ids in prompts:
-                out = model.generate(input_ids=torch.tensor([ids]),
-                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                     max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2)
-                outs.append(out[0, len(ids):].tolist())
-        results.append(outs)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=pad)
+        results.append([row[width:].tolist() for row in out])
         if adapter is not None:
             base = model.unload()  # the base model again, without the adapter's layers
     return results
