@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 import schemas
-from engine.worker_pipe import read_line, start_worker, write_all
+from engine.worker_pipe import read_line, start_worker, stop_worker, write_all
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class SchemaWorker:
 
     def _started(self) -> subprocess.Popen[bytes]:
         if self._proc is None or self._proc.poll() is not None:
+            self._close()  # a worker that ended: its pipes closed
             self._proc = start_worker("schemas.off_process")
             if not isinstance(read_line(self._proc, ANSWER_TIMEOUT_S), bytes):
                 raise OSError("the worker did not start")
@@ -86,8 +87,7 @@ class SchemaWorker:
     def _close(self) -> None:
         proc, self._proc = self._proc, None
         if proc is not None:
-            proc.kill()
-            proc.wait()
+            stop_worker(proc)
 
     def close(self) -> None:
         with self._lock:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.heap import release_freed_memory
-from engine.worker_pipe import TIMED_OUT, read_line, start_worker, write_all
+from engine.worker_pipe import TIMED_OUT, read_line, start_worker, stop_worker, write_all
 
 # Compile threads, here and in the server, get this much stack: only what a compile touches becomes
 # resident, and the depth budget keeps every accepted constraint far inside it.
@@ -248,17 +248,8 @@ class GrammarWorker:
         """Drop the worker process and its pipes; only the compile thread that owns this handle calls it."""
         with self._lock:
             proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe is not None:
-                try:
-                    pipe.close()
-                except OSError:  # unflushed bytes to a worker that is gone
-                    pass
+        if proc is not None:
+            stop_worker(proc)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from functools import lru_cache
 from typing import Any
 
 from engine.errors import EngineOverloadedError, InvalidRequestError
-from engine.worker_pipe import CLOSED, TIMED_OUT, read_line, start_worker, write_all
+from engine.worker_pipe import CLOSED, TIMED_OUT, read_line, start_worker, stop_worker, write_all
 
 RENDER_TIMEOUT_S = 2.0
 WORKER_MEMORY_BYTES = 256 << 20
@@ -154,17 +154,8 @@ class _Worker:
 
     def close(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe is not None:
-                try:
-                    pipe.close()
-                except OSError:
-                    pass
+        if proc is not None:
+            stop_worker(proc)
 
 
 class TemplateSandbox:

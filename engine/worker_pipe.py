@@ -55,3 +55,17 @@ def write_all(proc: subprocess.Popen[bytes], data: bytes, deadline: float) -> No
             view = view[os.write(fd, view[:1 << 16]):]
         except BlockingIOError:
             continue
+
+
+def stop_worker(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the worker if it still runs, reap it, and close the server's ends of its pipes (a worker is
+    replaced many times over a server's life: each one left open would hold two descriptors)."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            try:
+                pipe.close()
+            except OSError:  # unflushed bytes to a worker that is gone
+                pass
