@@ -89,7 +89,8 @@ class Scheduler:
         # prompt's start as at its end and beside short contexts as beside long ones, so a long prompt
         # arriving keeps the running streams' token gaps within the interactivity bar. A short prompt (at
         # most half the step budget) is prefilled whole in one step, as vLLM does: one bounded bump for the
-        # running streams, and arrivals ramp up without being trickled through the cap.
+        # running streams, and arrivals ramp up without being trickled through the cap. A short prompt
+        # waiting for a free slot brings the cap on as a stream does (_short_prompt_waiting).
         self.long_prefill_token_threshold = long_prefill_token_threshold
         # The cap counts a capped chunk's cost, not only its tokens (engine/cost_model.py: measured at start,
         # or pinned by a flag; the three properties below read it).
@@ -407,7 +408,7 @@ class Scheduler:
         self.running.sort(key=_order)
         num_decoding = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
         prefill_budget: float = budget
-        capped = bool(self.long_prefill_token_threshold and num_decoding)
+        capped = bool(self.long_prefill_token_threshold and (num_decoding or self._short_prompt_waiting()))
         if capped:
             # The cap grows with the square of the long prompts pending. One arrival among running
             # streams barely widens their token gaps. A queue's waiting grows with the square of its
@@ -454,6 +455,16 @@ class Scheduler:
             i += 1
         self._admit_waiting(batch, _Room(budget, prefill_budget, capped))
         return batch
+
+    def _short_prompt_waiting(self) -> bool:
+        """Whether a short prompt (or a paused answer) waits at the head of the queue with a slot free for it.
+        The long-prompt cap then applies though nothing decodes: a long prompt's chunk leaves the step room
+        to start it, so it does not wait for the long prompt's whole prefill (seconds for thousands of
+        tokens) before its first token, and once it decodes the cap holds as for any stream."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        return any(not seq.is_blocked and not self._is_long(seq, self._waiting_cached(seq, i))
+                   for i, seq in enumerate(self.waiting[:PENDING_PROBES]))
 
     def decode_cost(self) -> float:
         """What this step's decoding sequences cost, in prompt tokens' linears: the step's own (its pass over

@@ -152,6 +152,30 @@ def test_the_long_prompt_cap_grows_with_the_square_of_the_long_prompts_waiting()
         assert sum(n for _, n in batch.prefills) == expected
 
 
+def test_a_short_prompt_arriving_during_a_long_prefill_starts_at_the_next_step():
+    """With nothing decoding, a long prompt's prefill takes the whole step budget. A short prompt arriving
+    meanwhile does not wait for all its chunks: the cap comes on for it as for a stream, the step prefills it
+    whole beside the long prompt's capped chunk, and the long prompt goes on (at full chunks again once
+    nothing short waits and nothing decodes). With no free slot nothing changes: it could not start."""
+    for slots, starts in ((4, True), (1, False)):
+        scheduler = Scheduler(BlockManager(num_blocks=512, block_size=16), max_num_seqs=slots,
+                              max_num_batched_tokens=256, long_prefill_token_threshold=4,
+                              cost_model=CostModel(decode_step_cost=7.0))
+        long = _seq(list(range(1000, 3000)))  # 2,000 tokens: eight steps' budget
+        scheduler.add(long)
+        batch = scheduler.schedule()
+        assert batch.prefills == [(long, 256)]
+        long.num_computed_tokens += 256
+        short = _seq(list(range(5000, 5040)))
+        scheduler.add(short)
+        batch = scheduler.schedule()
+        chunks = dict((id(seq), n) for seq, n in batch.prefills)
+        if starts:
+            assert chunks == {id(short): 40, id(long): int(LONG_PREFILL_SHARE * 7.0)}
+        else:
+            assert chunks == {id(long): 256} and short in scheduler.waiting
+
+
 def test_the_long_prompt_cap_counts_each_decoding_streams_context():
     """A decode step costs its pass over the weights (decode_step_cost), and each decoding stream its row and
     its attention over its context (decode_cost_per_key of a token's linears per key), so beside streams
