@@ -365,7 +365,7 @@ class EngineCore:
         """Prompt-lookup drafts for the running sequences about to decode whose picks are plain argmaxes."""
         if self.speculator is None:
             return
-        decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
+        decoding = [seq for seq in self.scheduler.running if seq.decodes_next]
         measured = self.scheduler.cost_model.measured
         step_cost = self.scheduler.decode_cost() if measured else 0.0
         per_key = self.scheduler.decode_cost_per_key
@@ -373,7 +373,7 @@ class EngineCore:
             # not while a leading section is open: closing it changes how the tokens after it are picked
             seq.draft_token_ids = (self.speculator.propose(seq, step_cost, len(decoding),
                                                            1 + per_key * seq.num_computed_tokens)
-                                   if seq.num_uncomputed_tokens == 1 and reads_only_logits(seq)
+                                   if seq.decodes_next and reads_only_logits(seq)
                                    and not seq.section_open else [])
             if seq.draft_token_ids and not seq.params.is_greedy:
                 seq.rng_before_draft = seq.generator.get_state()

@@ -406,7 +406,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         self.running.sort(key=_order)
-        num_decoding = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
+        num_decoding = sum(1 for s in self.running if s.decodes_next)
         prefill_budget: float = budget
         capped = bool(self.long_prefill_token_threshold and (num_decoding or self._short_prompt_waiting()))
         if capped:
@@ -422,7 +422,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             remaining = seq.num_uncomputed_tokens
-            decoding = remaining == 1  # only such a sequence has a draft (LLMEngine._propose_drafts)
+            decoding = seq.decodes_next  # only such a sequence has a draft (LLMEngine._propose_drafts)
             wanted = min(1 + len(seq.draft_token_ids), budget) if decoding else min(remaining, self._prefill_limit(
                 seq, budget, prefill_budget, capped))
             if wanted == 0:  # a prefill with no prefill budget left this step
@@ -474,7 +474,7 @@ class Scheduler:
         grow past the 3x-median limit instead."""
         k, row = self.decode_cost_per_key, self.cost_model.decode_row_cost
         return self.decode_step_cost + sum(row + k * seq.num_computed_tokens for seq in self.running
-                                           if seq.num_uncomputed_tokens == 1)
+                                           if seq.decodes_next)
 
     def _prefill_limit(self, seq: Sequence, budget: int, prefill_budget: float, capped: bool,
                        cached: int | None = None) -> int:
@@ -529,7 +529,9 @@ class Scheduler:
 
     @staticmethod
     def _add(batch: ScheduledBatch, seq: Sequence, n: int) -> None:
-        if n == 1:
+        """A chunk of ``n`` tokens into the step: one row of an answer as a decode, any prompt row (however
+        few this step computes) as a prefill (Sequence.decodes_next says why)."""
+        if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
             batch.decodes.append(seq)
         else:
             batch.prefills.append((seq, n))

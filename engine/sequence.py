@@ -115,6 +115,14 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def decodes_next(self) -> bool:
+        """Whether its next step is a decode: one token left to compute, an answer's (past the prompt). A
+        prompt's rows always go through the prefill path, its last one included, so a prompt's logits do not
+        depend on how much of it the prefix cache held or where its chunks ended (the decode and prefill
+        attention kernels round differently)."""
+        return self.num_uncomputed_tokens == 1 and self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
     def is_blocked(self) -> bool:
         """Waiting for a sibling to finish its prompt, so the prompt's KV can be shared."""
         w = self.wait_for

@@ -373,6 +373,29 @@ def test_a_greedy_answer_through_the_greedy_head_is_the_same_alone_and_beside_ot
     assert passes  # the picks went through the greedy head
 
 
+@pytest.mark.parametrize("tail", [1, 5])
+def test_an_answer_is_the_same_whatever_the_prefix_cache_held_of_its_prompt(gguf_engine, tail):
+    """A prompt's rows go through the prefill path however few of them a step computes: a repeated request
+    whose cached prefix leaves one token to compute answers bit for bit as it did cold. Before, that last
+    prompt row ran through the decode attention kernel, which rounds otherwise, and moved the first token's
+    logprob by 0.07 nat."""
+    engine = gguf_engine
+    bs = engine.block_manager.block_size
+    ids = engine.encode_prompt(chat("x", "Describe a tower and the town around it in a few words, please.").prompt)
+    ids = ids[:(len(ids) - tail) // bs * bs + tail]  # whole blocks, then ``tail`` tokens
+
+    def answer(rid: str) -> tuple[list[tuple[int, float]], int]:
+        request = GenerationRequest(rid, TokensPrompt(ids), SamplingParams(max_tokens=4, temperature=0, logprobs=True))
+        out = run_all(engine, [request])[rid]
+        return _logprob_bits(out), out[-1].num_cached_tokens
+
+    engine.block_manager.hash_to_block.clear()
+    cold, cached_cold = answer("cold")
+    warm, cached_warm = answer("warm")
+    assert (cached_cold, cached_warm) == (0, len(ids) - tail)
+    assert warm == cold
+
+
 def test_gguf_answers_a_factual_question(gguf_engine):
     out = run_all(gguf_engine, [chat("f", "What is the capital of France?", max_tokens=12, temperature=0)])["f"]
     assert "Paris" in text_of(out)
