@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -173,15 +173,37 @@ def chat_logprobs(name: TokenNames, entries: list[TokenLogprob]) -> dict[str, An
                         for e in entries]}
 
 
-def completion_logprobs(name: TokenNames, entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(name: TokenNames, entries: list[TokenLogprob], offset: int = 0,
+                        unscored: int | None = None) -> dict[str, Any]:
+    """The legacy completions' logprobs object; each token's text_offset counts from ``offset``. ``unscored``:
+    a first token with no logprob (an echoed prompt's first, which nothing before it predicts)."""
     tokens, offsets, pos = [], [], offset
+    logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    if unscored is not None:
+        tokens.append(name(unscored))
+        offsets.append(pos)
+        pos += len(tokens[0])
+        logprobs.append(None)
+        tops.append(None)
     for e in entries:
         text = name(e.token_id)
         tokens.append(text)
         offsets.append(pos)
         pos += len(text)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "text_offset": offsets,
-            "top_logprobs": [{name(t): lp for t, lp in e.top} for e in entries]}
+        logprobs.append(e.logprob)
+        # OpenAI's and vLLM's: the chosen token's logprob always among them, so up to logprobs + 1 entries
+        tops.append({text: e.logprob, **{name(t): lp for t, lp in e.top}})
+    return {"tokens": tokens, "token_logprobs": logprobs, "text_offset": offsets, "top_logprobs": tops}
+
+
+async def echoed_logprobs(answer: OpenAIContext, prompt: Prompt, prompt_entries: list[TokenLogprob | None] | None,
+                          entries: list[TokenLogprob]) -> dict[str, Any]:
+    """vLLM's echo with logprobs: the prompt's tokens and then the answer's, offsets from the echoed text's
+    start (the prompt's own logprobs are asked for with the answer's: ``lower_completion``)."""
+    ids = await answer.tokenizer.prompt_ids(prompt)
+    scored = [e for e in (prompt_entries or [])[1:] if e is not None]
+    return completion_logprobs(answer.names, scored + entries, unscored=ids[0] if ids else None)
 
 
 def prompt_logprobs_field(name: TokenNames, entries: list[TokenLogprob | None] | None) -> list | None:
@@ -232,6 +254,8 @@ def completion_prompts(body: dict[str, Any]) -> list[Prompt]:
 def lower_completion(ctx: ServingContext, body: dict[str, Any], rid: str) -> list[GenerationRequest]:
     lp = body.get("logprobs")
     params = sampling_params(ctx, body, "completions", lp is not None, lp or 0)
+    if body.get("echo") and lp is not None and params.prompt_logprobs is None:
+        params = replace(params, prompt_logprobs=lp)  # vLLM: echoed text comes with its tokens' logprobs, the prompt's
     prompts = completion_prompts(body)
     return [GenerationRequest(f"{rid}-{i}", p, params, priority=engine_priority(body.get("priority")))
             for i, p in enumerate(prompts)]
@@ -290,9 +314,11 @@ class Completions(_OpenAIHandler):
             completion_tokens += sum(len(c.token_ids) for c in comps)  # best_of: every sample generated counts
             prefix = _echo_text(answer.tokenizer, req.prompt) if body.get("echo") else ""
             for c in best_samples(comps, n, body.get("length_penalty")):
-                choice = {"index": i * n + c.index, "text": prefix + c.text,
-                          "logprobs": (completion_logprobs(answer.names, c.logprobs)
-                                       if body.get("logprobs") is not None else None),
+                logprobs = None
+                if body.get("logprobs") is not None:
+                    logprobs = (await echoed_logprobs(answer, req.prompt, comps[0].prompt_logprobs, c.logprobs)
+                                if body.get("echo") else completion_logprobs(answer.names, c.logprobs))
+                choice = {"index": i * n + c.index, "text": prefix + c.text, "logprobs": logprobs,
                           **finish_fields(c.finish_reason, c.stop_reason)}
                 if req.params.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_field(answer.names, comps[0].prompt_logprobs)
@@ -329,7 +355,8 @@ async def _stream_completions(body: dict[str, Any], reqs: list[GenerationRequest
     async for i, out in outputs:
         index = i * n + out.index
         text = out.text_delta
-        if body.get("echo") and index not in echoed:
+        echoing = bool(body.get("echo")) and index not in echoed
+        if echoing:
             echoed.add(index)
             text = _echo_text(answer.tokenizer, reqs[i].prompt) + text
         prompt_tokens[i] = out.num_prompt_tokens
@@ -337,9 +364,12 @@ async def _stream_completions(body: dict[str, Any], reqs: list[GenerationRequest
         if not text and not out.finished and not out.new_token_ids:
             continue
         choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
-        if reqs[i].params.logprobs and out.logprobs:
+        if echoing and body.get("logprobs") is not None:  # the prompt's tokens, then the first of the answer
+            choice["logprobs"] = await echoed_logprobs(answer, reqs[i].prompt, out.prompt_logprobs, out.logprobs or [])
+        elif reqs[i].params.logprobs and out.logprobs:
             choice["logprobs"] = completion_logprobs(name, out.logprobs, offsets.get(index, 0))
-        if out.prompt_logprobs is not None:  # a whole prompt's worth at once: rendered off the event loop
+        if out.prompt_logprobs is not None and body.get("prompt_logprobs") is not None:
+            # a whole prompt's worth at once: rendered off the event loop
             choice["prompt_logprobs"] = await asyncio.to_thread(prompt_logprobs_field, name, out.prompt_logprobs)
         offsets[index] = offsets.get(index, 0) + len(text)
         if out.finished:

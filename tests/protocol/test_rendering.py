@@ -57,6 +57,30 @@ def test_triton_perf_stat_times_are_filled_in(fake):
     assert len(perf) == 4 and all(isinstance(ms, (int, float)) and ms >= 0 for _, ms in perf)
 
 
+def test_completions_echo_with_logprobs_covers_the_prompts_tokens(fake):
+    """vLLM's and OpenAI's legacy form (what lm-evaluation-harness reads to score a text): with echo, logprobs
+    list the prompt's tokens first (the first with none), then the answer's, each text_offset counting from
+    the echoed text's start, streamed or not; each top_logprobs holds the chosen token too."""
+    body = {"model": "fake-model", "prompt": "The capital of France is", "max_tokens": 3, "echo": True,
+            "logprobs": 1, "temperature": 0}
+    tok = fake.engine.tokenizer
+    prompt_ids = tok.encode(body["prompt"], add_special_tokens=False)
+    whole = httpx.post(fake.url + "/v1/completions", json=body).json()["choices"][0]
+    events = _events(httpx.post(fake.url + "/v1/completions", json={**body, "stream": True}))
+    streamed = [e["choices"][0] for e in events if e["choices"]]
+    for logprobs in (whole["logprobs"], {
+            key: [v for c in streamed if c["logprobs"] for v in c["logprobs"][key]] for key in whole["logprobs"]}):
+        names = logprobs["tokens"]
+        assert names[:len(prompt_ids)] == [tok.decode([t]) for t in prompt_ids] and len(names) == len(prompt_ids) + 3
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        assert logprobs["token_logprobs"][1:len(prompt_ids)] == [-p / 10 for p in range(1, len(prompt_ids))]
+        assert logprobs["text_offset"] == [sum(map(len, names[:k])) for k in range(len(names))]
+        assert logprobs["text_offset"][len(prompt_ids)] == len(body["prompt"])  # the answer's first token
+        assert all(names[k] in top for k, top in enumerate(logprobs["top_logprobs"]) if top is not None)
+    assert whole["text"].startswith(body["prompt"]) and whole["prompt_logprobs"][0] is None
+    assert not any("prompt_logprobs" in c for c in streamed)  # a stream carries them only when asked
+
+
 def test_openai_chat_stream_shapes(fake):
     r = httpx.post(fake.url + "/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}], "stream": True, "return_token_ids": True,
