@@ -457,13 +457,17 @@ class Scheduler:
         return batch
 
     def _short_prompt_waiting(self) -> bool:
-        """Whether a short prompt (or a paused answer) waits at the head of the queue with a slot free for it.
-        The long-prompt cap then applies though nothing decodes: a long prompt's chunk leaves the step room
-        to start it, so it does not wait for the long prompt's whole prefill (seconds for thousands of
-        tokens) before its first token, and once it decodes the cap holds as for any stream."""
+        """Whether a short prompt (or a paused answer) waits at the head of the queue and could start now: a
+        slot, its adapter's slot and the cache's free blocks have room for it. The long-prompt cap then
+        applies though nothing decodes: a long prompt's chunk leaves the step room to start it, so it does
+        not wait for the long prompt's whole prefill (seconds for thousands of tokens) before its first
+        token, and once it decodes the cap holds as for any stream. One that could not start leaves the long
+        prompt's chunks whole."""
         if len(self.running) >= self.max_num_seqs:
             return False
-        return any(not seq.is_blocked and not self._is_long(seq, self._waiting_cached(seq, i))
+        return any(not seq.is_blocked and self._adapter_slot_free(seq)
+                   and self._fit(seq, seq.num_uncomputed_tokens) == seq.num_uncomputed_tokens
+                   and not self._is_long(seq, self._waiting_cached(seq, i))
                    for i, seq in enumerate(self.waiting[:PENDING_PROBES]))
 
     def decode_cost(self) -> float:

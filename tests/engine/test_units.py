@@ -156,9 +156,10 @@ def test_a_short_prompt_arriving_during_a_long_prefill_starts_at_the_next_step()
     """With nothing decoding, a long prompt's prefill takes the whole step budget. A short prompt arriving
     meanwhile does not wait for all its chunks: the cap comes on for it as for a stream, the step prefills it
     whole beside the long prompt's capped chunk, and the long prompt goes on (at full chunks again once
-    nothing short waits and nothing decodes). With no free slot nothing changes: it could not start."""
-    for slots, starts in ((4, True), (1, False)):
-        scheduler = Scheduler(BlockManager(num_blocks=512, block_size=16), max_num_seqs=slots,
+    nothing short waits and nothing decodes). Where it could not start (no free slot, or no room in
+    the cache), nothing changes: the long prompt's chunk is what the budget and the cache allow."""
+    for slots, blocks, starts, whole in ((4, 512, True, 256), (1, 512, False, 256), (4, 18, False, 32)):
+        scheduler = Scheduler(BlockManager(num_blocks=blocks, block_size=16), max_num_seqs=slots,
                               max_num_batched_tokens=256, long_prefill_token_threshold=4,
                               cost_model=CostModel(decode_step_cost=7.0))
         long = _seq(list(range(1000, 3000)))  # 2,000 tokens: eight steps' budget
@@ -173,7 +174,8 @@ def test_a_short_prompt_arriving_during_a_long_prefill_starts_at_the_next_step()
         if starts:
             assert chunks == {id(short): 40, id(long): int(LONG_PREFILL_SHARE * 7.0)}
         else:
-            assert chunks == {id(long): 256} and short in scheduler.waiting
+            # 18 blocks: 2 left after the long prompt's first chunk, and the short one needs 3
+            assert chunks == {id(long): whole} and short in scheduler.waiting
 
 
 def test_the_long_prompt_cap_counts_each_decoding_streams_context():
