@@ -251,8 +251,19 @@ def completion_prompts(body: dict[str, Any]) -> list[Prompt]:
     return [TokensPrompt(int_list(x)) for x in p]
 
 
+def scores_only(body: dict[str, Any]) -> bool:
+    """vLLM's echo without generation: ``max_tokens`` 0 with ``echo`` returns the prompt (with its tokens'
+    logprobs where ``logprobs`` asks), the one token generated to compute them dropped."""
+    return bool(body.get("echo")) and body.get("max_tokens") == 0
+
+
 def lower_completion(ctx: ServingContext, body: dict[str, Any], rid: str) -> list[GenerationRequest]:
     lp = body.get("logprobs")
+    if body.get("max_tokens") == 0:
+        if not body.get("echo"):
+            raise BridgeError(400, "max_tokens must be at least 1 (0 only with echo: the prompt returned, nothing "
+                                   "generated)", param="max_tokens")
+        body = {**body, "max_tokens": 1}
     params = sampling_params(ctx, body, "completions", lp is not None, lp or 0)
     if body.get("echo") and lp is not None and params.prompt_logprobs is None:
         params = replace(params, prompt_logprobs=lp)  # vLLM: echoed text comes with its tokens' logprobs, the prompt's
@@ -311,6 +322,10 @@ class Completions(_OpenAIHandler):
         for i, (req, comps) in enumerate(zip(plan.requests, results)):
             prompt_tokens += comps[0].num_prompt_tokens
             cached += comps[0].num_cached_tokens
+            if scores_only(body):  # the prompt alone: what was generated to score it is not the answer's
+                comps = [Completion(c.index, prompt_logprobs=c.prompt_logprobs, finish_reason="length",
+                                    num_prompt_tokens=c.num_prompt_tokens, num_cached_tokens=c.num_cached_tokens)
+                         for c in comps]
             completion_tokens += sum(len(c.token_ids) for c in comps)  # best_of: every sample generated counts
             prefix = _echo_text(answer.tokenizer, req.prompt) if body.get("echo") else ""
             for c in best_samples(comps, n, body.get("length_penalty")):
@@ -355,6 +370,10 @@ async def _stream_completions(body: dict[str, Any], reqs: list[GenerationRequest
     async for i, out in outputs:
         index = i * n + out.index
         text = out.text_delta
+        if scores_only(body):  # the prompt alone: what was generated to score it is not the answer's
+            out = replace(out, text_delta="", new_token_ids=[], token_texts=None, logprobs=None,
+                          finish_reason="length" if out.finished else None, stop_reason=None)
+            text = ""
         echoing = bool(body.get("echo")) and index not in echoed
         if echoing:
             echoed.add(index)

@@ -81,6 +81,27 @@ def test_completions_echo_with_logprobs_covers_the_prompts_tokens(fake):
     assert not any("prompt_logprobs" in c for c in streamed)  # a stream carries them only when asked
 
 
+def test_completions_echo_with_max_tokens_0_scores_the_prompt_alone(fake):
+    """vLLM's echo without generation: the prompt back with its tokens' logprobs and nothing of an answer,
+    streamed or not; max_tokens 0 without echo, or in chat, is refused naming the field."""
+    body = {"model": "fake-model", "prompt": "The capital of France is", "max_tokens": 0, "echo": True,
+            "logprobs": 2}
+    prompt_ids = fake.engine.tokenizer.encode(body["prompt"], add_special_tokens=False)
+    whole = httpx.post(fake.url + "/v1/completions", json=body).json()
+    events = _events(httpx.post(fake.url + "/v1/completions", json={**body, "stream": True}))
+    streamed = [e["choices"][0] for e in events if e["choices"]]
+    assert whole["choices"][0]["text"] == "".join(c["text"] for c in streamed) == body["prompt"]
+    assert whole["choices"][0]["finish_reason"] == streamed[-1]["finish_reason"] == "length"
+    assert whole["usage"]["completion_tokens"] == 0
+    for logprobs in (whole["choices"][0]["logprobs"], streamed[0]["logprobs"]):
+        assert len(logprobs["tokens"]) == len(prompt_ids) and logprobs["token_logprobs"][0] is None
+    for refused in ({**body, "echo": False}, {"model": "fake-model", "max_tokens": 0,
+                                               "messages": [{"role": "user", "content": "hi"}]}):
+        path = "/v1/chat/completions" if "messages" in refused else "/v1/completions"
+        r = httpx.post(fake.url + path, json=refused)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
 def test_openai_chat_stream_shapes(fake):
     r = httpx.post(fake.url + "/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}], "stream": True, "return_token_ids": True,
