@@ -157,9 +157,10 @@ def lower(body: dict[str, Any], sid: str, public: PublicSettings, key: str | Non
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
         raise SparkError(SparkCode.SCHEMA_ERROR, "payload.functions.text: two functions have one name")
+    messages = _openai_messages(text)  # its refusals name their own fields
     try:
         plan = tools.plan({"tools": [{"type": "function", "function": f} for f in functions],
-                           "tool_choice": "auto" if functions else None}, _openai_messages(text), native_tools)
+                           "tool_choice": "auto" if functions else None}, messages, native_tools)
     except BridgeError as exc:
         raise SparkError(SparkCode.SCHEMA_ERROR, f"payload.functions: {exc.message}") from None
     last = text[-1]

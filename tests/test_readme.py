@@ -275,6 +275,31 @@ def test_no_work_notes_in_user_documents(path):
     assert offences(path.read_text(encoding="utf-8")) == []
 
 
+def markup_faults(text: str) -> list[str]:
+    """A code fence left open (what follows it renders as code) and a heading repeated on its next heading."""
+    faults, fence, last_heading = [], None, None
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            fence = None if fence else number
+        elif fence is None and line.startswith("#"):
+            if line == last_heading:
+                faults.append(f"line {number}: {line!r} repeats the heading before it")
+            last_heading = line
+    if fence:
+        faults.append(f"line {fence}: a code fence is never closed")
+    return faults
+
+
+@pytest.mark.parametrize("path", user_documents(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_user_documents_render(path):
+    assert markup_faults(path.read_text(encoding="utf-8")) == []
+
+
+def test_the_markup_check_can_fail():
+    assert len(markup_faults("## A\n\n## A\n```sh\ncurl x\n\nprose\n")) == 2
+    assert markup_faults("## A\n```py\n# a comment\n```\n## B\n") == []
+
+
 def test_the_work_notes_check_can_fail():
     bad = ("Session 57: faster.\nThe bar is met.\nSee issue #10 and issue 56.\nsessions 27-53\n"
            "peers-session57.json\nthis session measured it\nfixed in #12\n")

@@ -157,6 +157,13 @@ def test_refusals_use_iflyteks_codes(fake, body, code, words):
     assert frame["header"]["status"] == 2 and frame["header"]["sid"]
 
 
+def test_a_null_turn_content_is_refused_naming_that_turn(fake):
+    _, base = fake
+    (frame,) = frames(base + "/v3.5/chat", public_body(content=None))
+    message = frame["header"]["message"]
+    assert frame["header"]["code"] == 10163 and message.startswith("payload.message.text[0].content: null"), message
+
+
 def test_a_frame_that_is_not_json_is_10003(fake):
     _, base = fake
     ws = websocket.create_connection(sign_url(base + "/v3.5/chat", KEY, SECRET), timeout=30)
