@@ -406,7 +406,7 @@ class Spark:
             info = error_info(exc)
             if info.kind == "internal":
                 logger.error("session sid=%s: unexpected failure before generating", sid, exc_info=exc)
-            self._count(info.spark_code)
+            self._count(form.code(info))  # counted under the code the client gets (the public form has its own)
             raise SessionError(info, trace_id) from None
         return SparkSession(sid=sid, trace_id=trace_id or "", request=request, question_tokens=question_tokens,
                             num_dropped_messages=dropped, function_names=names, form=form)
@@ -423,7 +423,7 @@ class Spark:
                     last = out
                     yield out
         except Exception as exc:
-            code = error_info(exc).spark_code
+            code = (session.form or SEED).code(error_info(exc))
             raise
         except (GeneratorExit, asyncio.CancelledError):
             if last is None or not last.finished:

@@ -11,6 +11,7 @@ import subprocess
 import warnings
 from pathlib import Path
 
+import httpx
 import pytest
 import websocket
 
@@ -170,6 +171,26 @@ def test_a_frame_that_is_not_json_is_10003(fake):
     ws.send("{oops")
     assert json.loads(ws.recv())["header"]["code"] == 10003
     ws.close()
+
+
+def test_metrics_count_each_answer_under_the_code_its_client_got(fake):
+    """/metrics' spark:requests_total counts a public-form answer under iFlytek's code, as its client and the
+    log line saw it, not under the seed form's code for the same fault."""
+    from tests.test_metrics import _value
+
+    _, base = fake
+    metrics = base.replace("ws://", "http://") + "/metrics"
+    labels = {code: f'code="{code}",protocol="spark"' for code in (10163, 10003, 0)}
+    before = {code: _value(httpx.get(metrics).text, "spark:requests_total", lab) for code, lab in labels.items()}
+    assert frames(base + "/v3.5/chat", public_body(domain="gpt-9"))[0]["header"]["code"] == 10163
+    ws = websocket.create_connection(sign_url(base + "/v3.5/chat", KEY, SECRET), timeout=30)
+    ws.send("{oops")
+    assert json.loads(ws.recv())["header"]["code"] == 10003
+    ws.close()
+    assert frames(base + "/v3.5/chat", public_body())[-1]["header"]["code"] == 0
+    after = httpx.get(metrics).text
+    assert {code: _value(after, "spark:requests_total", lab) - before[code] for code, lab in labels.items()} == {
+        10163: 1, 10003: 1, 0: 1}
 
 
 def test_an_app_id_bound_to_a_key_and_a_bad_signature(fake):
