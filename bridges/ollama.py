@@ -1,7 +1,7 @@
 """Ollama's native API: POST /api/generate, POST /api/chat (NDJSON streams, on by default), GET /api/tags,
-GET /api/version. Desktop tools that speak Ollama reach the same engine. Options follow Ollama's
-defaults (temperature 0.8, top_k 40, top_p 0.9, repeat_penalty 1.1, num_predict -1: in the sampling
-table); durations are in nanoseconds, as Ollama reports them."""
+GET /api/version, POST /api/show, GET /api/ps. Desktop tools that speak Ollama reach the same engine.
+Options follow Ollama's defaults (temperature 0.8, top_k 40, top_p 0.9, repeat_penalty 1.1, num_predict
+-1: in the sampling table); durations are in nanoseconds, as Ollama reports them."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from bridges.common import BridgeError, Completion, int_list, request_id, requested_adapter
+from bridges.common import BridgeError, Completion, endpoint, int_list, read_json, request_id, requested_adapter
 from bridges.constraints import ollama_format
 from bridges.context import ServingContext, Tokenizer, with_context
 from bridges.errors import ErrorInfo
@@ -229,10 +229,43 @@ async def version(request: Request) -> Response:
     return JSONResponse({"version": VERSION})
 
 
+def _capabilities(ctx: ServingContext) -> list[str]:
+    return ["embedding"] if ctx.model.task == "embed" else ["completion"]
+
+
+@endpoint(render_error)
+@with_context
+async def show(request: Request, ctx: ServingContext) -> Response:
+    """What Ollama's ``show`` tells of a model: its family, context and capabilities (no Modelfile: the
+    model is this server's, loaded at start, and its chat template is Jinja, not Ollama's Go template)."""
+    body = await read_json(request, "ollama-show", ctx.options.max_request_items)
+    name = body.get("model") or body.get("name")
+    if not name:
+        raise BridgeError(400, "model is required: the name of the model to show", param="model")
+    lora = _model(ctx, name)
+    info = ctx.model
+    tag = _tag(name, info.model_type, parent=info.name if lora is not None else None)
+    return JSONResponse({"modelfile": "", "parameters": "", "template": "", "details": tag["details"],
+                         "model_info": {"general.architecture": info.model_type,
+                                        f"{info.model_type}.context_length": info.max_model_len},
+                         "capabilities": _capabilities(ctx), "modified_at": tag["modified_at"]})
+
+
+@with_context
+async def running(request: Request, ctx: ServingContext) -> Response:
+    """Ollama's ``ps``: the served model, loaded for as long as the server runs."""
+    info = ctx.model
+    tag = _tag(info.name, info.model_type)
+    return JSONResponse({"models": [{key: tag[key] for key in ("name", "model", "size", "digest", "details")} | {
+        "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0, "context_length": info.max_model_len}]})
+
+
 PROTOCOL = Protocol("ollama", (
     Operation("POST", "/api/generate", generate, "Ollama generate (NDJSON stream by default)", ("ollama-generate",),
               streams=True),
     Operation("POST", "/api/chat", chat, "Ollama chat (NDJSON stream by default)", ("ollama-chat",), streams=True),
     Operation("GET", "/api/tags", tags, "Ollama model list"),
     Operation("GET", "/api/version", version, "Ollama API version"),
+    Operation("POST", "/api/show", show, "Ollama model details", ("ollama-show",)),
+    Operation("GET", "/api/ps", running, "Ollama running models"),
 ))

@@ -322,6 +322,7 @@ PROTOCOL = Protocol("pooling", (
     Operation("POST", "/classify", classify, "vLLM classification (a sequence-classification head)",
               ("pooling-classify",)),
     Operation("POST", "/score", score, "vLLM score: text_1 against text_2", ("pooling-score",)),
+    Operation("POST", "/v1/score", score, "vLLM score: text_1 against text_2", ("pooling-score",)),
     Operation("POST", "/rerank", rerank, "rerank (Jina, Cohere)", ("pooling-rerank",)),
     Operation("POST", "/v1/rerank", rerank, "rerank (Jina, Cohere v1)", ("pooling-rerank",)),
     Operation("POST", "/v2/rerank", rerank, "rerank (Cohere v2)", ("pooling-rerank",)),

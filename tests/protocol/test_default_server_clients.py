@@ -55,3 +55,21 @@ def test_an_unknown_ollama_name_is_ollamas_404(url):
     r = httpx.post(url + "/api/chat", json={"model": "llama3:latest", "stream": False,
                                             "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404 and 'model "llama3:latest" not found' in r.json()["error"]
+
+
+def test_the_ollama_client_shows_and_lists_the_running_model(url):
+    """`ollama show` and `ollama ps` (what desktop front ends ask before a chat): the served model's family,
+    context and capabilities, parsed by the official client; an unknown name is Ollama's 404."""
+    import ollama
+
+    client = ollama.Client(host=url)
+    shown = client.show("smollm2:latest")
+    assert shown.capabilities == ["completion"] and shown.details is not None and shown.details.family
+    assert shown.modelinfo is not None and any(k.endswith(".context_length") for k in shown.modelinfo)
+    (running,) = client.ps().models
+    assert running.model == EMBEDDED_MODEL_NAME
+    with pytest.raises(ollama.ResponseError) as err:
+        client.show("llama3:latest")
+    assert err.value.status_code == 404
+    refused = httpx.post(url + "/api/show", json={"verbose": True})  # no model named
+    assert refused.status_code == 400 and "model" in refused.json()["error"]

@@ -155,6 +155,7 @@ def test_score_in_its_three_pair_forms(fake):
     assert [d["score"] for d in many["data"]] == pytest.approx([_cos(vec[a], vec[b]), _cos(vec[a], vec[c])], abs=1e-6)
     pairs = _post(fake, "/score", {"text_1": [a, b], "text_2": [b, c]}).json()
     assert [d["score"] for d in pairs["data"]] == pytest.approx([_cos(vec[a], vec[b]), _cos(vec[b], vec[c])], abs=1e-6)
+    assert _post(fake, "/v1/score", {"text_1": [a, b], "text_2": [b, c]}).json()["data"] == pairs["data"]  # vLLM's too
     _refused(_post(fake, "/score", {"text_1": [a, b], "text_2": [a, b, c]}), "text_2", "1:1, 1:N or N:N")
     _refused(_post(fake, "/score", {"text_1": a, "text2": b}), None, "'text_2' is a required property")
     _refused(_post(fake, "/score", {"text_1": a, "text_2": b, "use_activation": True}), "use_activation", "cosine")
