@@ -363,6 +363,8 @@ async def _stream_completions(body: dict[str, Any], reqs: list[GenerationRequest
     include_usage, continuous = _stream_usage(body)
     created = now()
     echoed: set[int] = set()
+    # each prompt's logprobs, which come with its first sample's first output only: its siblings echo them too
+    prompt_entries: dict[int, list[TokenLogprob | None]] = {}
     with_prompt_ids: set[int] = set()
     offsets: dict[int, int] = {}
     prompt_tokens: dict[int, int] = {}
@@ -383,8 +385,11 @@ async def _stream_completions(body: dict[str, Any], reqs: list[GenerationRequest
         if not text and not out.finished and not out.new_token_ids:
             continue
         choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+        if out.prompt_logprobs is not None:
+            prompt_entries[i] = out.prompt_logprobs
         if echoing and body.get("logprobs") is not None:  # the prompt's tokens, then the first of the answer
-            choice["logprobs"] = await echoed_logprobs(answer, reqs[i].prompt, out.prompt_logprobs, out.logprobs or [])
+            choice["logprobs"] = await echoed_logprobs(answer, reqs[i].prompt, prompt_entries.get(i),
+                                                       out.logprobs or [])
         elif reqs[i].params.logprobs and out.logprobs:
             choice["logprobs"] = completion_logprobs(name, out.logprobs, offsets.get(index, 0))
         if out.prompt_logprobs is not None and body.get("prompt_logprobs") is not None:

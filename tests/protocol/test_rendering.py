@@ -79,6 +79,11 @@ def test_completions_echo_with_logprobs_covers_the_prompts_tokens(fake):
         assert all(names[k] in top for k, top in enumerate(logprobs["top_logprobs"]) if top is not None)
     assert whole["text"].startswith(body["prompt"]) and whole["prompt_logprobs"][0] is None
     assert not any("prompt_logprobs" in c for c in streamed)  # a stream carries them only when asked
+    # n samples: each echoes the prompt's tokens, which the engine sends with the first sample's output only
+    events = _events(httpx.post(fake.url + "/v1/completions", json={**body, "n": 2, "stream": True}))
+    for index in (0, 1):
+        first = next(e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == index)
+        assert first["logprobs"]["tokens"][:len(prompt_ids)] == [tok.decode([t]) for t in prompt_ids], index
 
 
 def test_completions_echo_with_max_tokens_0_scores_the_prompt_alone(fake):
