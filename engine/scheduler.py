@@ -458,17 +458,26 @@ class Scheduler:
 
     def _short_prompt_waiting(self) -> bool:
         """Whether a short prompt (or a paused answer) waits at the head of the queue and could start now: a
-        slot, its adapter's slot and the cache's free blocks have room for it. The long-prompt cap then
+        slot, its adapter's slot and the cache's free blocks have room for it, and no long prompt waits
+        ahead of it (which the cap would leave waiting, and the queue behind it). The long-prompt cap then
         applies though nothing decodes: a long prompt's chunk leaves the step room to start it, so it does
         not wait for the long prompt's whole prefill (seconds for thousands of tokens) before its first
         token, and once it decodes the cap holds as for any stream. One that could not start leaves the long
         prompt's chunks whole."""
         if len(self.running) >= self.max_num_seqs:
             return False
-        return any(not seq.is_blocked and self._adapter_slot_free(seq)
-                   and self._fit(seq, seq.num_uncomputed_tokens) == seq.num_uncomputed_tokens
-                   and not self._is_long(seq, self._waiting_cached(seq, i))
-                   for i, seq in enumerate(self.waiting[:PENDING_PROBES]))
+        stalled = False  # as _admit_waiting's queue-order pass: past a prompt that cannot start, only paused answers
+        for i, seq in enumerate(self.waiting[:PENDING_PROBES]):
+            if seq.is_blocked or not self._adapter_slot_free(seq):
+                continue
+            paused = self._is_paused_decode(seq)
+            if stalled and not paused:
+                continue
+            if self._fit(seq, seq.num_uncomputed_tokens) == seq.num_uncomputed_tokens and (
+                    paused or not self._is_long(seq, self._waiting_cached(seq, i))):
+                return True
+            stalled = True  # a long prompt gets no room beside the running one's chunk: it stops those behind it
+        return False
 
     def decode_cost(self) -> float:
         """What this step's decoding sequences cost, in prompt tokens' linears: the step's own (its pass over

@@ -156,9 +156,11 @@ def test_a_short_prompt_arriving_during_a_long_prefill_starts_at_the_next_step()
     """With nothing decoding, a long prompt's prefill takes the whole step budget. A short prompt arriving
     meanwhile does not wait for all its chunks: the cap comes on for it as for a stream, the step prefills it
     whole beside the long prompt's capped chunk, and the long prompt goes on (at full chunks again once
-    nothing short waits and nothing decodes). Where it could not start (no free slot, or no room in
-    the cache), nothing changes: the long prompt's chunk is what the budget and the cache allow."""
-    for slots, blocks, starts, whole in ((4, 512, True, 256), (1, 512, False, 256), (4, 18, False, 32)):
+    nothing short waits and nothing decodes). Where it could not start (no free slot, no room in the cache,
+    or a long prompt queued ahead of it), nothing changes: the long prompt's chunk is what the budget and
+    the cache allow."""
+    for slots, blocks, starts, whole, ahead in ((4, 512, True, 256, 0), (1, 512, False, 256, 0),
+                                               (4, 18, False, 32, 0), (4, 512, False, 256, 1)):
         scheduler = Scheduler(BlockManager(num_blocks=blocks, block_size=16), max_num_seqs=slots,
                               max_num_batched_tokens=256, long_prefill_token_threshold=4,
                               cost_model=CostModel(decode_step_cost=7.0))
@@ -167,6 +169,8 @@ def test_a_short_prompt_arriving_during_a_long_prefill_starts_at_the_next_step()
         batch = scheduler.schedule()
         assert batch.prefills == [(long, 256)]
         long.num_computed_tokens += 256
+        if ahead:  # a long prompt queued before the short one: the queue waits for it whatever the cap
+            scheduler.add(_seq(list(range(8000, 9000))))
         short = _seq(list(range(5000, 5040)))
         scheduler.add(short)
         batch = scheduler.schedule()
@@ -175,7 +179,7 @@ def test_a_short_prompt_arriving_during_a_long_prefill_starts_at_the_next_step()
             assert chunks == {id(short): 40, id(long): int(LONG_PREFILL_SHARE * 7.0)}
         else:
             # 18 blocks: 2 left after the long prompt's first chunk, and the short one needs 3
-            assert chunks == {id(long): whole} and short in scheduler.waiting
+            assert chunks == {id(long): whole} and short in scheduler.waiting, (slots, blocks, ahead)
 
 
 def test_the_long_prompt_cap_counts_each_decoding_streams_context():
