@@ -9,7 +9,9 @@ take int8 activations, and a prompt's last row and its answer's rows exact ones)
 row past its sequence's ``kv_only_prefix`` is addressed by that role too: how many of its rows lie within
 the prefix. So an answer's blocks serve only a sequence that computes those positions the same way (its own
 recompute after a preemption, a sibling of the same prompt), never a later prompt that holds the answer's
-tokens as prompt rows: a cache hit gives the bits a cold start computes, whoever asked before.
+tokens as prompt rows: a cache hit gives the bits a cold start computes, whoever asked before. The engine
+keys blocks so under --batch-invariant too: an answer's rows run through the decode attention kernel,
+which rounds otherwise than the prefill a prompt holding them would take.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ class EngineConfig:
     # time the kernel probes again instead of reading an earlier start's results (engine/models/tuning.py)
     remeasure_kernels: bool = False
     # every batch on the packed kernels, never oneDNN's large-batch matmuls (which round a row by its batch;
-    # start-up takes them only where they measure 1.25x faster, CPUs with AMX tiles): engine/models/weights.py
+    # start-up takes them only where they measure 1.25x faster, CPUs with AMX tiles): engine/models/weights.py;
+    # and an answer's cached blocks serve only its own sequence (LLMEngine._build_step)
     batch_invariant: bool = False
     max_loras: int = 0  # resident LoRA adapter slots (0: LoRA off)
     max_lora_rank: int = 16

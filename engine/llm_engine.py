@@ -103,8 +103,12 @@ class EngineCore:
     def _build_step(self, loaded: Loaded) -> None:
         """Block manager, LoRA slots, scheduler, runner and speculator: what a step runs on."""
         config = self.config
+        # An answer's rows run through the decode attention kernel, which rounds otherwise than the prefill
+        # path a later prompt holding those tokens would take: where answers must not follow what ran
+        # before (--batch-invariant), an answer's blocks serve only its own sequence, as int8-prompt's do.
+        by_role = self.model.kv_follows_row_role() or config.batch_invariant
         self.block_manager = BlockManager(loaded.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          kv_follows_row_role=self.model.kv_follows_row_role())
+                                          kv_follows_row_role=by_role)
         self.lora_manager = (LoraManager(loaded.hf_config, config.max_loras, config.max_lora_rank, self.dtype,
                                          self.device, self.model.projections(), self.model.kernels)
                              if config.max_loras > 0 else None)

@@ -181,7 +181,10 @@ class Settings:
                                         "otherwise taken): a seeded request then answers the same alone and in "
                                         "a busy batch, at the kernels' prefill speed. It covers the linears the "
                                         "kernels run: quantized weights (GGUF, int8, int4), and bf16 weights on "
-                                        "CPUs with AVX512-BF16 (elsewhere bf16 and fp32 weights run on torch)")
+                                        "CPUs with AVX512-BF16 (elsewhere bf16 and fp32 weights run on torch). "
+                                        "An earlier answer's cached KV then serves only its own request, so a "
+                                        "next turn holding it answers as on a fresh server (it computes that "
+                                        "answer's rows again)")
     max_logprobs: int = _opt(20, "most logprobs a request may ask for (top_logprobs, logprobs, prompt_logprobs)")
     max_logprob_entries: int = _opt(1_000_000, "most logprob entries one request's answers may hold: (prompt tokens "
                                                "x (prompt_logprobs + 1) + max_tokens x (top_logprobs + 1)) x n, "

@@ -396,6 +396,31 @@ def test_an_answer_is_the_same_whatever_the_prefix_cache_held_of_its_prompt(gguf
     assert warm == cold
 
 
+def test_under_batch_invariant_a_next_turn_over_a_cached_answer_answers_as_on_a_fresh_server():
+    """An answer's rows run through the decode attention kernel, which rounds otherwise than the prefill a
+    later prompt holding those tokens takes. Under --batch-invariant an answer's blocks serve only its own
+    sequence: a continuation holding the answer computes it again, and its seeded answer is bit for bit the
+    one a fresh server gives (without the flag it reads the answer's cached KV: faster, not identical)."""
+    with kernels_for_every_batch():
+        engine = LLMEngine(EngineConfig(device="cpu", dtype="bfloat16", quantization="gguf", batch_invariant=True,
+                                        kv_cache_space_gib=0.25))
+    ids = engine.encode_prompt(chat("x", "Once upon a time in a small village there lived a curious fox").prompt)
+    answer = tokens_of(run_all(engine, [GenerationRequest("first", TokensPrompt(ids), SamplingParams(
+        max_tokens=40, temperature=0))])["first"])
+
+    def continuation(rid: str) -> tuple[list[tuple[int, float]], int]:
+        out = run_all(engine, [GenerationRequest(rid, TokensPrompt(ids + answer), SamplingParams(
+            max_tokens=12, temperature=1.0, seed=7, logprobs=True))])[rid]
+        return _logprob_bits(out), out[-1].num_cached_tokens
+
+    warm, cached = continuation("warm")
+    engine.block_manager.hash_to_block.clear()  # the same server, its cache emptied: a fresh start
+    cold, _ = continuation("cold")
+    bs = engine.block_manager.block_size
+    assert cached == (len(ids) - 1) // bs * bs  # the first turn's prompt rows, none of its answer's
+    assert warm == cold
+
+
 def test_gguf_answers_a_factual_question(gguf_engine):
     out = run_all(gguf_engine, [chat("f", "What is the capital of France?", max_tokens=12, temperature=0)])["f"]
     assert "Paris" in text_of(out)
