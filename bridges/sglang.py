@@ -15,6 +15,7 @@ from bridges.common import BridgeError, Completion, int_list, request_id, sse
 from bridges.constraints import sglang_constraint
 from bridges.context import ServingContext, Tokenizer, with_context
 from bridges.errors import ErrorInfo
+from bridges.openai import TokenNames
 from bridges.registry import Operation, Protocol
 from bridges.sampling_table import sampling_kwargs
 from bridges.serving import Handler, JSONAnswer, Plan, route
@@ -84,26 +85,33 @@ def lower(body: dict[str, Any], rid: str) -> tuple[list[GenerationRequest], bool
     return reqs, batch, ignored
 
 
-def input_logprobs(entries: list[TokenLogprob | None], prompt_ids: list[int], start: int) -> dict[str, list]:
+def input_logprobs(entries: list[TokenLogprob | None], prompt_ids: list[int], start: int,
+                   name: TokenNames | None = None) -> dict[str, list]:
     """SGLang's input_token_logprobs / input_top_logprobs from prompt position ``start`` (past the prompt's
-    end: its last token): [logprob, token id, null] each, the first prompt token's logprob null."""
+    end: its last token): [logprob, token id, text] each (the text null unless ``name``:
+    return_text_in_logprobs), the first prompt token's logprob null."""
     start = min(start, len(prompt_ids) - 1)
     tokens, tops = [], []
     for pos in range(start, len(prompt_ids)):
         e = entries[pos] if pos < len(entries) else None
-        tokens.append([None if e is None else e.logprob, prompt_ids[pos], None])
-        tops.append(None if e is None else [[lp, t, None] for t, lp in e.top])
+        tokens.append([None if e is None else e.logprob, prompt_ids[pos], _text(name, prompt_ids[pos])])
+        tops.append(None if e is None else [[lp, t, _text(name, t)] for t, lp in e.top])
     return {"input_token_logprobs": tokens, "input_top_logprobs": tops}
 
 
-def _meta(rid: str, c: Completion | RequestOutput, n_out: int, started: float, logprobs: list | None) -> dict[str, Any]:
+def _text(name: TokenNames | None, token_id: int) -> str | None:
+    return None if name is None else name(token_id)
+
+
+def _meta(rid: str, c: Completion | RequestOutput, n_out: int, started: float, logprobs: list | None,
+          name: TokenNames | None = None) -> dict[str, Any]:
     reason = c.finish_reason
     meta: dict[str, Any] = {"id": rid, "finish_reason": _finish(reason, c.stop_reason, n_out),
                             "prompt_tokens": c.num_prompt_tokens, "completion_tokens": n_out,
                             "cached_tokens": c.num_cached_tokens, "e2e_latency": time.monotonic() - started}
     if logprobs is not None:
-        meta["output_token_logprobs"] = [[e.logprob, e.token_id, None] for e in logprobs]
-        meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in e.top] for e in logprobs]
+        meta["output_token_logprobs"] = [[e.logprob, e.token_id, _text(name, e.token_id)] for e in logprobs]
+        meta["output_top_logprobs"] = [[[lp, t, _text(name, t)] for t, lp in e.top] for e in logprobs]
     return meta
 
 
@@ -112,6 +120,7 @@ class SglangContext:
     batch: bool  # the body was a batch: the answer is a list even of one
     started: float  # monotonic time of arrival (meta_info.e2e_latency)
     tokenizer: Tokenizer  # the prompts' ids, for input_token_logprobs
+    names: TokenNames | None = None  # return_text_in_logprobs: each logprob entry's token text
 
 
 class Generate(Handler[SglangContext]):
@@ -128,7 +137,9 @@ class Generate(Handler[SglangContext]):
     async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[SglangContext]:
         rid = request_id("sgl")
         reqs, batch, ignored = lower(body, rid)
-        return Plan(reqs, bool(body.get("stream")), body, context=SglangContext(batch, time.monotonic(), ctx.tokenizer),
+        names = TokenNames(ctx.tokenizer, as_ids=False) if body.get("return_text_in_logprobs") else None
+        return Plan(reqs, bool(body.get("stream")), body,
+                    context=SglangContext(batch, time.monotonic(), ctx.tokenizer, names),
                     headers=unserved_fields.report(ignored, body.get("rid") or rid))
 
     async def _input_logprobs(self, plan: Plan[SglangContext], i: int,
@@ -138,7 +149,7 @@ class Generate(Handler[SglangContext]):
             return {}
         start = per_prompt(plan.body, "logprob_start_len", len(plan.requests), -1)[i]
         prompt_ids = await plan.context.tokenizer.prompt_ids(plan.requests[i].prompt)
-        return input_logprobs(entries, prompt_ids, int(start))
+        return input_logprobs(entries, prompt_ids, int(start), plan.context.names)
 
     async def render_final(self, plan: Plan[SglangContext], results: list[list[Completion]]) -> Response:
         batch, started = plan.context.batch, plan.context.started
@@ -148,7 +159,8 @@ class Generate(Handler[SglangContext]):
             for c in comps:
                 answers.append({"text": c.text, "output_ids": c.token_ids,
                                 "meta_info": _meta(req.request_id, c, len(c.token_ids), started,
-                                                   c.logprobs if req.params.logprobs else None) | prompt_part})
+                                                   c.logprobs if req.params.logprobs else None,
+                                                   plan.context.names) | prompt_part})
         return JSONAnswer(answers if batch or len(answers) > 1 else answers[0])
 
     async def render_stream(self, plan: Plan[SglangContext],
@@ -162,7 +174,8 @@ class Generate(Handler[SglangContext]):
             texts[key] = texts.get(key, "") + out.text_delta
             ids.setdefault(key, []).extend(out.new_token_ids)
             lps.setdefault(key, []).extend(out.logprobs or [])
-            meta = _meta(reqs[i].request_id, out, len(ids[key]), started, lps[key] if reqs[i].params.logprobs else None)
+            meta = _meta(reqs[i].request_id, out, len(ids[key]), started, lps[key] if reqs[i].params.logprobs else None,
+                         plan.context.names)
             if out.prompt_logprobs is not None:  # once, with the first output (as the engine sends them)
                 meta |= await self._input_logprobs(plan, i, out.prompt_logprobs)
             yield sse({"text": texts[key], "output_ids": ids[key], "index": i * reqs[i].params.n + out.index,

@@ -164,6 +164,19 @@ def test_sglang_logprob_start_len_streamed(fake):
     assert all("input_token_logprobs" not in m for m in metas[1:])
 
 
+def test_sglang_return_text_in_logprobs_names_each_token(fake):
+    """The third item of every logprob entry, input and output, top candidates too: the token's text."""
+    tok = fake.engine.tokenizer
+    ids = tok.encode("one two three", add_special_tokens=False)
+    body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 1, "logprob_start_len": 0,
+            "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 3}}
+    for meta in (post(fake, GENERATE, body).json()["meta_info"],
+                 events(post(fake, GENERATE, {**body, "stream": True}))[0]["meta_info"]):
+        entries = meta["input_token_logprobs"] + meta["output_token_logprobs"]
+        entries += [e for top in meta["input_top_logprobs"][1:] + meta["output_top_logprobs"] for e in top]
+        assert entries and all(e[2] == tok.decode([e[1]]) for e in entries)
+
+
 def test_sglang_default_logprob_start_len_asks_for_no_prompt_logprobs(fake):
     meta = generate(fake, return_logprob=True).json()["meta_info"]
     assert fake.last_request().params.prompt_logprobs is None and "input_token_logprobs" not in meta
