@@ -19,6 +19,9 @@ from bridges.registry import Operation, Protocol
 from bridges.serving import Handler, JSONAnswer, Plan, route
 from engine.request import RequestOutput
 
+# TGI's default --max-best-of: the most sequences one request may sample to answer with the best
+MAX_BEST_OF = 2
+
 
 def render_error(err: ErrorInfo) -> dict[str, Any]:
     kinds = {422: "validation", 400: "validation", 404: "validation", 429: "overloaded", 503: "overloaded",
@@ -64,8 +67,11 @@ class Generate(Handler[TgiContext]):
         return render_error(err)
 
     async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[TgiContext]:
-        tg = textgen.lower(request_id("tgi"), body["inputs"], body.get("parameters"))
+        tg = textgen.lower(request_id("tgi"), body["inputs"], body.get("parameters"), max_best_of=MAX_BEST_OF,
+                           invalid_status=self.invalid_status)
         stream = self.always_stream or bool(body.get("stream"))
+        if stream and tg.best_of > 1:
+            raise BridgeError(422, "`best_of` != 1 is not supported when streaming tokens", param="best_of")
         if stream and tg.decoder_input_details:  # the spec: "对于流式接口，该参数只能为false"
             raise BridgeError(422, "decoder_input_details must be false on a stream (the prompt's tokens are only "
                                    "returned by the non-streaming /generate)", param="decoder_input_details")
@@ -74,23 +80,41 @@ class Generate(Handler[TgiContext]):
         return Plan([tg.request], stream, body, context=shape, headers=tg.headers)
 
     async def render_final(self, plan: Plan[TgiContext], results: list[list[Completion]]) -> Response:
-        ((c,),) = results
-        shape, tg, tok = plan.context, plan.context.tg, plan.context.tokenizer
+        ((*samples,),) = results
+        shape, tg = plan.context, plan.context.tg
+        # best_of: the sequence of the highest logprob sum answers; the others follow in best_of_sequences
+        ranked = sorted(samples, key=lambda c: sum(e.logprob for e in c.logprobs), reverse=True)
+        c = ranked[0]
         result: dict[str, Any] = {"generated_text": shape.generated_text(c.text)}
         if tg.details or tg.decoder_input_details or shape.hf:
-            logprobs = [e.logprob for e in c.logprobs] if c.logprobs else [None] * len(c.token_ids)
-            details: dict[str, Any] = {
-                "finish_reason": textgen.finish_reason(c.finish_reason, c.stop_reason),
-                "generated_tokens": len(c.token_ids), "seed": tg.seed, "prompt_tokens": c.num_prompt_tokens,
-                "prefill": [], "tokens": [shape.token(t, tok.decode([t]), lp) for t, lp in zip(c.token_ids, logprobs)]}
-            if tg.decoder_input_details:
-                details["prefill"] = [{"id": i, "text": tok.decode([i]), "logprob": None,
-                                       **({} if shape.hf else {"special": None})}
-                                      for i in await tok.prompt_ids(tg.request.prompt)]
-            if tg.top_n_tokens:
-                details["top_tokens"] = [[shape.token(t, tok.decode([t]), v) for t, v in e.top] for e in c.logprobs]
+            prefill = await self._prefill(shape) if tg.decoder_input_details else []
+            details = self._sequence(shape, c, prefill)
+            details["prompt_tokens"] = c.num_prompt_tokens
+            if tg.best_of > 1:
+                details["best_of_sequences"] = [
+                    {"generated_text": shape.generated_text(other.text)} | self._sequence(shape, other, prefill)
+                    for other in ranked[1:]]
             result["details"] = details
         return JSONAnswer([result] if shape.root else result)
+
+    @staticmethod
+    async def _prefill(shape: TgiContext) -> list[dict[str, Any]]:
+        tok = shape.tokenizer
+        return [{"id": i, "text": tok.decode([i]), "logprob": None, **({} if shape.hf else {"special": None})}
+                for i in await tok.prompt_ids(shape.tg.request.prompt)]
+
+    @staticmethod
+    def _sequence(shape: TgiContext, c: Completion, prefill: list[dict[str, Any]]) -> dict[str, Any]:
+        """One sequence's details: its finish, tokens (and top tokens where asked), the prompt's prefill."""
+        tg, tok = shape.tg, shape.tokenizer
+        logprobs = [e.logprob for e in c.logprobs] if c.logprobs else [None] * len(c.token_ids)
+        out: dict[str, Any] = {
+            "finish_reason": textgen.finish_reason(c.finish_reason, c.stop_reason),
+            "generated_tokens": len(c.token_ids), "seed": tg.seed, "prefill": prefill,
+            "tokens": [shape.token(t, tok.decode([t]), lp) for t, lp in zip(c.token_ids, logprobs)]}
+        if tg.top_n_tokens:
+            out["top_tokens"] = [[shape.token(t, tok.decode([t]), v) for t, v in e.top] for e in c.logprobs]
+        return out
 
     async def render_stream(self, plan: Plan[TgiContext],
                             outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncGenerator[bytes, None]:

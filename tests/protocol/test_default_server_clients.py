@@ -73,3 +73,25 @@ def test_the_ollama_client_shows_and_lists_the_running_model(url):
     assert err.value.status_code == 404
     refused = httpx.post(url + "/api/show", json={"verbose": True})  # no model named
     assert refused.status_code == 400 and "model" in refused.json()["error"]
+
+
+def test_tgi_best_of_answers_the_best_and_lists_the_others(url):
+    """TGI's best_of with the HF client: two sequences sampled, the one of the highest logprob sum answered,
+    the other in details.best_of_sequences; refused as TGI refuses it for greedy decoding, a set seed, a
+    stream, more than its default --max-best-of, and on protocols that answer one sequence."""
+    from text_generation import Client
+    from text_generation.errors import ValidationError
+
+    client = Client(url, timeout=30)
+    answer = client.generate("The capital of France is", max_new_tokens=8, best_of=2, do_sample=True)
+    assert answer.generated_text == DEFAULT_ANSWER[:len(answer.generated_text)] and answer.details is not None
+    (other,) = answer.details.best_of_sequences
+    assert other.generated_tokens == len(other.tokens) and other.finish_reason is not None
+    for kwargs, field in (({"best_of": 2}, "best_of"), ({"best_of": 2, "do_sample": True, "seed": 1}, "seed")):
+        with pytest.raises(ValidationError, match=field):
+            client.generate("hi", max_new_tokens=4, **kwargs)
+    for path, body, status in (("/generate_stream", {"best_of": 2, "do_sample": True}, 422),
+                               ("/generate", {"best_of": 3, "do_sample": True}, 422),
+                               ("/infer", {"best_of": 2, "do_sample": True}, 400)):
+        r = httpx.post(url + path, json={"inputs": "hi", "parameters": body})
+        assert r.status_code == status and "best_of" in r.text, (path, r.text)
