@@ -201,6 +201,17 @@ class Completion:
     decode_s: float = 0.0
 
 
+def by_logprob(comps: list[Completion], length_penalty: float | None = None) -> list[Completion]:
+    """Samples from the highest cumulative logprob down (best_of, in vLLM's and TGI's sense); with
+    ``length_penalty`` a sample's score is divided by its length ** length_penalty, as in beam search."""
+    penalty = 0.0 if length_penalty is None else length_penalty
+
+    def score(c: Completion) -> float:
+        return sum(e.logprob for e in c.logprobs) / (max(1, len(c.token_ids)) ** penalty)
+
+    return sorted(comps, key=score, reverse=True)
+
+
 async def collect(ctx: ServingContext, req: GenerationRequest) -> list[Completion]:
     done = {i: Completion(i) for i in range(req.params.n)}
     async with aclosing(_generate(ctx, req)) as stream:

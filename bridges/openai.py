@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from bridges import reasoning as thinking
 from bridges import tool_formats, tools, unserved_fields
-from bridges.common import BridgeError, Completion, int_list, now, request_id, requested_adapter, sse
+from bridges.common import BridgeError, Completion, by_logprob, int_list, now, request_id, requested_adapter, sse
 from bridges.constraints import openai_constraint
 from bridges.context import ServingContext, Tokenizer, with_context
 from bridges.errors import ErrorInfo
@@ -108,13 +108,7 @@ def best_samples(comps: list[Completion], n: int, length_penalty: float | None) 
     With ``length_penalty`` the score is divided by length ** length_penalty, as in beam search."""
     if len(comps) <= n:
         return comps
-    penalty = 0.0 if length_penalty is None else length_penalty
-
-    def score(c: Completion) -> float:
-        total = sum(e.logprob for e in c.logprobs)
-        return total / (max(1, len(c.token_ids)) ** penalty)
-
-    best = sorted(comps, key=score, reverse=True)[:n]
+    best = by_logprob(comps, length_penalty)[:n]
     for i, c in enumerate(best):
         c.index = i
     return best
@@ -177,24 +171,21 @@ def completion_logprobs(name: TokenNames, entries: list[TokenLogprob], offset: i
                         unscored: int | None = None) -> dict[str, Any]:
     """The legacy completions' logprobs object; each token's text_offset counts from ``offset``. ``unscored``:
     a first token with no logprob (an echoed prompt's first, which nothing before it predicts)."""
-    tokens, offsets, pos = [], [], offset
-    logprobs: list[float | None] = []
-    tops: list[dict[str, float] | None] = []
+    rows: list[tuple[int, float | None, list[tuple[int, float]] | None]] = [(e.token_id, e.logprob, e.top)
+                                                                            for e in entries]
     if unscored is not None:
-        tokens.append(name(unscored))
-        offsets.append(pos)
-        pos += len(tokens[0])
-        logprobs.append(None)
-        tops.append(None)
-    for e in entries:
-        text = name(e.token_id)
+        rows.insert(0, (unscored, None, None))
+    tokens, offsets, pos = [], [], offset
+    tops: list[dict[str, float | None] | None] = []
+    for token_id, logprob, top in rows:
+        text = name(token_id)
         tokens.append(text)
         offsets.append(pos)
         pos += len(text)
-        logprobs.append(e.logprob)
         # OpenAI's and vLLM's: the chosen token's logprob always among them, so up to logprobs + 1 entries
-        tops.append({text: e.logprob, **{name(t): lp for t, lp in e.top}})
-    return {"tokens": tokens, "token_logprobs": logprobs, "text_offset": offsets, "top_logprobs": tops}
+        tops.append(None if top is None else {text: logprob, **{name(t): lp for t, lp in top}})
+    return {"tokens": tokens, "token_logprobs": [logprob for _, logprob, _ in rows], "text_offset": offsets,
+            "top_logprobs": tops}
 
 
 async def echoed_logprobs(answer: OpenAIContext, prompt: Prompt, prompt_entries: list[TokenLogprob | None] | None,

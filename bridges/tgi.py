@@ -12,7 +12,7 @@ from typing import Any
 from starlette.responses import Response
 
 from bridges import textgen
-from bridges.common import BridgeError, Completion, request_id, sse
+from bridges.common import BridgeError, Completion, by_logprob, request_id, sse
 from bridges.context import ServingContext, Tokenizer
 from bridges.errors import ErrorInfo
 from bridges.registry import Operation, Protocol
@@ -83,7 +83,7 @@ class Generate(Handler[TgiContext]):
         ((*samples,),) = results
         shape, tg = plan.context, plan.context.tg
         # best_of: the sequence of the highest logprob sum answers; the others follow in best_of_sequences
-        ranked = sorted(samples, key=lambda c: sum(e.logprob for e in c.logprobs), reverse=True)
+        ranked = by_logprob(samples)
         c = ranked[0]
         result: dict[str, Any] = {"generated_text": shape.generated_text(c.text)}
         if tg.details or tg.decoder_input_details or shape.hf:
