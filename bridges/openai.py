@@ -296,6 +296,11 @@ class _OpenAIHandler(Handler[OpenAIContext]):
 class Completions(_OpenAIHandler):
     schema = "openai-completion"
 
+    def logprob_fields_of(self, body: dict[str, Any]) -> tuple[str, str, str]:
+        if body.get("echo") and body.get("prompt_logprobs") is None:  # logprobs asks for the prompt's too
+            return ("logprobs", "logprobs", "logprobs")
+        return self.logprob_fields
+
     async def lower(self, body: dict[str, Any], ctx: ServingContext) -> Plan[OpenAIContext]:
         model, lora = check_model(ctx, body)
         rid = response_id("cmpl", body)

@@ -139,6 +139,10 @@ class Handler(Generic[C]):
     # output's logprobs)
     logprob_fields: tuple[str, str, str] = ("prompt_logprobs", "logprobs", "logprobs")
 
+    def logprob_fields_of(self, body: dict[str, Any]) -> tuple[str, str, str]:
+        """``logprob_fields`` for this body, where one field can ask for another's logprobs."""
+        return self.logprob_fields
+
     def render_error(self, err: ErrorInfo) -> dict[str, Any]:
         """The protocol's error body for ``err`` (its status is the protocol's already)."""
         raise NotImplementedError
@@ -183,7 +187,7 @@ async def serve(request: Request, ctx: ServingContext, handler: Handler, body: A
     body = await _body(request, ctx, handler, body, validated)
     plan = await handler.lower(body, ctx)
     check_fan_out(ctx.options.max_seqs_per_request, len(plan.requests), max(r.params.n for r in plan.requests))
-    await check_answer_volume(ctx, plan.requests, handler.logprob_fields)
+    await check_answer_volume(ctx, plan.requests, handler.logprob_fields_of(plan.body))
     client = client_identity(request)
     for r in plan.requests:
         r.client = r.client or client

@@ -243,6 +243,10 @@ def corpus() -> list[Attack]:
         Attack("prompt_logprobs x logprobs x echo x n x prompts", "answer volume", post("/v1/completions", {
             "model": MODEL, "prompt": ["word " * 3000] * 4, "max_tokens": 5000, "n": 2, "logprobs": 20, "echo": True,
             "prompt_logprobs": 20}), (400,), "logprob"),
+        # the refusal names the field the body set: logprobs asks for the echoed prompt's logprobs too
+        Attack("echo x logprobs (the prompt's logprobs with them) x n x prompts", "answer volume",
+               post("/v1/completions", {"model": MODEL, "prompt": ["word " * 6000] * 4, "max_tokens": 2, "n": 2,
+                                        "logprobs": 20, "echo": True}), (400,), '"param":"logprobs"'),
         # time: stop strings
         Attack("1,000 stop strings of 200 characters", "stop strings", post("/v1/completions", completion(
             stop=[f"{i:04d}" + "z" * 196 for i in range(1000)])), (400,), "stop"),
